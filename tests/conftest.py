@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from PIL import Image, ImageDraw
 
-GEOMETRY3K = Path(__file__).resolve().parents[2] / "shared" / "data" / "geometry3k"
+GEOMETRY3K = Path(__file__).resolve().parents[1] / "vlmrl" / "assets" / "data" / "geometry3k"  # in-repo sample
 
 
 def _tiny_cfg(family: str, **extra) -> dict:
@@ -78,8 +78,6 @@ def qwen25_model(qwen25_policy):
 @pytest.fixture(scope="session")
 def geometry_images() -> list[Image.Image]:
     """Three real Geometry3K diagrams (RGBA PNGs of 250x251, 336x257, 282x150), loaded into memory."""
-    if not GEOMETRY3K.is_dir():
-        pytest.skip(f"Geometry3K data not found at {GEOMETRY3K}")
     images = []
     for name in ("11", "12", "13"):
         with Image.open(GEOMETRY3K / "images" / f"{name}.png") as im:

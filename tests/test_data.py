@@ -12,8 +12,7 @@ from PIL import Image
 
 from vlmrl.data import BadRowError, GeometryRow, load_rows, load_tasks, to_rgb
 
-GEOMETRY3K = Path(__file__).resolve().parents[2] / "shared" / "data" / "geometry3k"
-needs_data = pytest.mark.skipif(not GEOMETRY3K.is_dir(), reason=f"Geometry3K data not found at {GEOMETRY3K}")
+GEOMETRY3K = Path(__file__).resolve().parents[1] / "vlmrl" / "assets" / "data" / "geometry3k"  # in-repo sample
 
 
 def _png_bytes(color=(255, 0, 0), size=(8, 6), mode="RGB") -> bytes:
@@ -22,7 +21,6 @@ def _png_bytes(color=(255, 0, 0), size=(8, 6), mode="RGB") -> bytes:
     return buf.getvalue()
 
 
-@needs_data
 def test_real_geometry3k_test_split():
     rows = load_rows({"path": str(GEOMETRY3K), "split": "test", "limit": 3})
     assert [r.id for r in rows] == ["2401", "2402", "2403"]
@@ -33,7 +31,6 @@ def test_real_geometry3k_test_split():
     assert first.image_ref == str((GEOMETRY3K / "images" / "2401.png").resolve())
 
 
-@needs_data
 def test_real_file_path_split_and_shuffle():
     train = load_rows({"path": str(GEOMETRY3K / "train.jsonl")})
     assert [r.id for r in train] == [str(i) for i in range(11, 21)]
@@ -42,7 +39,6 @@ def test_real_file_path_split_and_shuffle():
     assert [r.id for r in a] == [r.id for r in b] != [r.id for r in train[:4]]
 
 
-@needs_data
 def test_load_tasks_uses_the_prompt_builder():
     tasks = load_tasks({"path": str(GEOMETRY3K), "split": "test", "limit": 2}, _simple_task)
     assert [t.id for t in tasks] == ["2401", "2402"] and tasks[0].answer == "B"
@@ -187,7 +183,6 @@ def test_to_rgb_palette_with_transparency():
     assert to_rgb(Image.new("L", (2, 2), 7)).getpixel((1, 1)) == (7, 7, 7)
 
 
-@needs_data
 def test_real_rows_with_absolute_image_paths(tmp_path):
     """Image paths resolve against the JSONL's folder; absolute paths are kept."""
     line = json.loads((GEOMETRY3K / "test.jsonl").read_text().splitlines()[0])

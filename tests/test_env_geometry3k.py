@@ -13,7 +13,7 @@ from vlmrl.envs import load_env_tasks, make_env_factory
 from vlmrl.envs.geometry3k import Geometry3KConfig, Geometry3KEnv, build_task
 from vlmrl.types import ImagePart, Message, ParseStatus, Role, Task, TextPart
 
-GEOMETRY3K = Path(__file__).resolve().parents[2] / "shared" / "data" / "geometry3k"
+GEOMETRY3K = Path(__file__).resolve().parents[1] / "vlmrl" / "assets" / "data" / "geometry3k"  # in-repo sample
 ENV_CFG = {"name": "geometry3k", "max_turns": 3, "system_prompt": "You are a careful geometer.", "feedback": None}
 
 
@@ -103,7 +103,6 @@ def test_task_without_meta_uses_task_answer():
     assert env.step("\\boxed{60^\\circ}", 0, False).correct
 
 
-@pytest.mark.skipif(not GEOMETRY3K.is_dir(), reason="Geometry3K data not found")
 def test_load_env_tasks_on_real_data():
     tasks = load_env_tasks(ENV_CFG, {"path": str(GEOMETRY3K), "split": "test", "limit": 4})
     assert [t.id for t in tasks] == ["2401", "2402", "2403", "2404"]

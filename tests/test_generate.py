@@ -21,7 +21,6 @@ from vlmrl.types import Generation, StopReason
 
 from conftest import GEOMETRY3K
 
-pytestmark = pytest.mark.skipif(not GEOMETRY3K.is_dir(), reason="Geometry3K data not found")
 
 
 # ------------------------------------------------------------------------------------------------ pass@k

@@ -104,8 +104,6 @@ METRICS = [
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, qwen25_processor) -> Path:
-    if not GEOMETRY3K.is_dir():
-        pytest.skip("Geometry3K data not found")
     d = tmp_path_factory.mktemp("report") / "run"
     d.mkdir()
     tool_image = d.parent / "crop.png"
@@ -230,7 +228,6 @@ def test_evaluate_cli(run_dir, tmp_path):
 
 
 def test_tensorboard_sink_writes_the_metric_rows(tmp_path):
-    pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from vlmrl.logging_backends import make_loggers

@@ -21,6 +21,11 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
 ROOT = Path(os.environ.get("VLMRL_ROOT", Path(__file__).resolve().parents[1]))
+ASSETS = Path(__file__).resolve().parent / "assets"
+SAMPLE_DATA = ASSETS / "data" / "geometry3k"  # 64 + 10 real Geometry3K problems shipped in the package (MIT)
+
+# `${vlmrl_asset:data/geometry3k}` in a config file: a path inside the installed package's assets folder.
+OmegaConf.register_new_resolver("vlmrl_asset", lambda rel: str(ASSETS / rel), replace=True)
 
 
 class ConfigError(ValueError):
@@ -43,7 +48,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    path: str = "../shared/data/geometry3k"  # JSONL folder/file, a parquet file, or a HF dataset id
+    path: str = str(SAMPLE_DATA)  # JSONL folder/file, a parquet file, or a HF dataset id
     split: str = "test"
     limit: Optional[int] = None
     strict_rows: bool = False
