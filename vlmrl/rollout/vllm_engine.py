@@ -6,7 +6,8 @@ Two modes (`rollout.vllm_mode`):
 
 - `colocate`: a `vllm.LLM` in the trainer process (one per rank; vLLM's in-process engine core,
   `VLLM_ENABLE_V1_MULTIPROCESSING=0`, which this module sets unless the environment says otherwise). It is built
-  from the policy's config and processor with `load_format="dummy"`, then the trainer's weights are pushed into it:
+  from the policy's config, processor and current weights (written once to a temporary folder; not
+  `load_format="dummy"`, which also randomises buffers no checkpoint holds), then the trainer's weights are pushed into it:
   at start and after every update (`sync_weights`), inside `policy()` (so ZeRO-3 gathers the full parameters; the
   block is collective, every rank calls `sync_weights`) with
   `llm.collective_rpc("reload_weights", kwargs={"weights_iterator": [(name, tensor), ...]})` (vLLM 0.32's in-place
@@ -58,10 +59,12 @@ names.
 from __future__ import annotations
 
 import collections
+import copy
 import logging
 import os
 import tempfile
 import time
+from pathlib import Path
 from contextlib import AbstractContextManager
 from typing import Any, Callable, Sequence
 
@@ -223,11 +226,19 @@ class VLLMEngine(Engine):
         s = self.settings
         self._model_dir = tempfile.TemporaryDirectory(prefix="vlmrl-vllm-")
         with self.policy() as module:
-            module.config.save_pretrained(self._model_dir.name)
+            # vLLM starts from the policy's real weights: its dummy loader would also randomise persistent buffers
+            # that no checkpoint holds (vLLM 0.32's fused image normaliser keeps the processor's mean/std in
+            # them), and a later reload could not repair them
+            write_weights(module, Path(self._model_dir.name))
+            config = copy.deepcopy(module.config)
+            # vLLM picks its model class from `architectures`; a config built in memory (tiny models) has none,
+            # and vLLM would then resolve the bare `*Model` class as a pooling (embedding) model
+            config.architectures = config.architectures or [type(module).__name__]
+            config.save_pretrained(self._model_dir.name)
             dtype = _vllm_dtype(module)
         self.processor.save_pretrained(self._model_dir.name)
         kwargs: dict[str, Any] = dict(
-            model=self._model_dir.name, load_format="dummy", dtype=dtype, max_model_len=s.max_model_len,
+            model=self._model_dir.name, load_format="safetensors", dtype=dtype, max_model_len=s.max_model_len,
             tensor_parallel_size=s.tensor_parallel_size, gpu_memory_utilization=s.gpu_memory_utilization,
             logprobs_mode=self.logprobs_mode, generation_config="vllm", seed=s.seed, enable_sleep_mode=False,
         )  # fmt: skip
@@ -251,6 +262,9 @@ class VLLMEngine(Engine):
     def _push_colocated(self, items: list[tuple[str, torch.Tensor]]) -> None:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})  # type: ignore[union-attr]
         self.llm.reset_prefix_cache()  # type: ignore[union-attr]
+        # cached vision-encoder outputs were computed with the old weights too; without this reset vLLM 0.32's
+        # scheduler still counts them as cached after the reload and fails with "Encoder cache miss"
+        self.llm.llm_engine.reset_encoder_cache()  # type: ignore[union-attr]
 
     def _vllm_prompt(self, prompt: EnginePrompt) -> dict:
         return to_vllm_prompt(prompt, self.image_token_id, self.merge_size)

