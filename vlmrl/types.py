@@ -154,8 +154,9 @@ class ToolStats:
     calls: tool calls the model made (parsed or not, run or not); ok: calls that returned a result;
     failures: ToolFailure value -> count; latency_s: wall time of each executed call; images: images returned by
     tools that reached the conversation; truncated: text responses cut to max_tool_response_tokens; dropped:
-    responses dropped whole (an over-long image response ends the episode); abandoned: timed-out calls whose
-    thread could not be stopped; tool_turns: assistant turns that called tools.
+    responses dropped whole (an over-long image response ends the episode); abandoned: timed-out calls left
+    running (always 0 since tools run in worker processes that a timeout kills); tool_turns: assistant turns
+    that called tools.
     """
 
     calls: int = 0

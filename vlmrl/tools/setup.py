@@ -54,10 +54,13 @@ def tools_data_dir(cfg: Any) -> Path | None:
 
 
 def tools_sandbox(cfg: Any) -> Sandbox:
-    """How tool workers are confined, from `tools.*`: the readable folder, the dataset's folder hidden, limits."""
+    """How tool workers are confined, from `tools.*`: the readable folder; the dataset's folder (answers) and the
+    run folder (rewards of past episodes) hidden even where they lie in a bound code folder; limits."""
     dataset = _dataset_dir(cfg)
     read = tools_data_dir(cfg)
-    return Sandbox(str(read) if read else None, (str(dataset),) if dataset else (), int(cfg.tools.memory_mb),
+    run_dir = Path(str(cfg.logging.output_dir)).expanduser().resolve()
+    hide = ((str(dataset),) if dataset else ()) + (str(run_dir),)
+    return Sandbox(str(read) if read else None, hide, int(cfg.tools.memory_mb),
                    float(cfg.tools.cpu_s), bool(cfg.tools.network), str(cfg.tools.isolation))
 
 
