@@ -103,9 +103,10 @@ def test_file_escapes_fail(rt, outside):
     texts, errors, stats = run(
         rt, call("threads_read_and_write", secret=secret, target=target),
         call("threads_read_and_write", secret=secret, target=str(image.parent / "new.txt")),
-        call("fork_exec_id"), call("ctypes_open", path="/etc/passwd"), call("sqlite_read", path=str(outside / "db.sqlite")),
-        call("stat", path=secret), call("stat", path="/etc/shadow"), call("read_file", path=str(GEOMETRY3K / "test.jsonl")),
-        call("read_file", path=str(GEOMETRY3K / "train.jsonl")), call("stat", path=str(image)))
+        call("fork_exec_id"), call("ctypes_open", path="/etc/passwd"),
+        call("sqlite_read", path=str(outside / "db.sqlite")), call("stat", path=secret), call("stat", path="/etc/shadow"),
+        call("read_file", path=str(GEOMETRY3K / "test.jsonl")), call("read_file", path=str(GEOMETRY3K / "train.jsonl")),
+        call("stat", path=str(image)))
     joined = "\n".join(texts)
     assert SECRET not in joined and "root:" not in joined and "uid=" not in joined and '"answer"' not in joined
     assert texts[0].count("blocked") == 3 and texts[1].count("blocked") == 3, texts[:2]
@@ -155,7 +156,7 @@ def test_crashes_hangs_and_blowups_are_counted_failures(rt):
 
 def test_rlimit_fallback_still_contains_crashes_hangs_and_memory():
     fallback = ToolRuntime(P, ToolLimits(timeout_s=2.0, max_tool_calls=10), sandbox=Sandbox(isolation="rlimits"))
-    texts, errors, stats = run(fallback, call("exit7"), call("hang"), call("allocate", gigabytes=2.5),
+    texts, errors, _ = run(fallback, call("exit7"), call("hang"), call("allocate", gigabytes=2.5),
                                call("calculate", expression="2**5"))
     assert errors == ["crash", "timeout", "memory", ""] and texts[3] == "32", texts
     pids = {w.proc.pid for w in fallback.executor.pool._idle}
@@ -181,4 +182,19 @@ def test_environment_object_lives_in_its_worker_and_its_crash_is_counted():
     assert "exited with code 3" in turn.messages[0].text_content or "lost" in turn.messages[0].text_content
     assert env.step("\\boxed{blue}", 0, False).reward == 0.0  # reward() fails: 0, the trainer goes on
     env.close()
+    rt.executor.close()
+
+
+def test_worker_that_cannot_start_is_a_counted_failure(monkeypatch):
+    import subprocess
+
+    def no_process(*args, **kwargs):
+        raise OSError(11, "Resource temporarily unavailable")
+
+    rt = ToolRuntime(P, ToolLimits(timeout_s=2.0), sandbox=Sandbox(isolation="rlimits"))
+    monkeypatch.setattr(subprocess, "Popen", no_process)
+    texts, errors, stats = run(rt, call("calculate", expression="1+1"))
+    assert errors == ["crash"] and "could not start a tool worker process" in texts[0] and stats.failures == {"crash": 1}
+    monkeypatch.undo()
+    assert run(rt, call("calculate", expression="1+1"))[0] == ["2"]  # the next call gets a worker
     rt.executor.close()

@@ -85,7 +85,7 @@ class ToolsConfig:
     describe: str = "auto"  # list the tools in the system prompt: auto (when the chat template ignores `tools`)|always|never
     functions: list[str] = field(default_factory=list)  # extra function tools by import path, "pkg.module:function"
     environment: Optional[str] = None  # per-episode tool object class by import path (trl environment_factory)
-    data_dir: Optional[str] = None  # the only folder tools may read (None: the dataset's images/ folder, never its answers)
+    data_dir: Optional[str] = None  # the only folder tools may read (None: the dataset's images/, never its answers)
     memory_mb: int = 2048  # a tool worker's heap/anonymous memory cap (RLIMIT_DATA; address space + 4 GiB)
     cpu_s: float = 60.0  # CPU seconds per call (RLIMIT_CPU): tool threads spinning past it kill the worker
     network: bool = False  # tool workers may use the network (bwrap isolation only; rlimits cannot block it)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+
 from vlmrl.tools.isolation import Sandbox
 from vlmrl.tools.process import Reply, WorkerError, WorkerPool, WorkerProcess, decode_reply
 from vlmrl.types import ToolFailure
@@ -63,21 +64,31 @@ class Executor:
         return [outcomes[i] for i in range(len(jobs))]
 
     def _run_batch(self, batch: list[tuple[int, Job]]) -> dict[int, Outcome]:
-        workers = [job.worker or self.pool.acquire() for _, job in batch]  # new ones start side by side
+        workers = [self._acquire(job) for _, job in batch]  # new ones start side by side
         failed = [self._start(worker, job) for (_, job), worker in zip(batch, workers)]  # timeouts start after
-        started: list[tuple[int, Job, WorkerProcess, float, Outcome | None]] = []
+        started: list[tuple[int, Job, WorkerProcess | Outcome, float, Outcome | None]] = []
         for (i, job), worker, early in zip(batch, workers, failed):
             t0 = time.monotonic()
             started.append((i, job, worker, t0, early or self._send(worker, job)))
         out = {}
         for i, job, worker, t0, early in started:
             out[i] = early or self._receive(worker, job.name, t0)
-            if job.worker is None:
+            if job.worker is None and isinstance(worker, WorkerProcess):
                 self.pool.release(worker)
         return out
 
+    def _acquire(self, job: Job) -> WorkerProcess | Outcome:
+        if job.worker is not None:
+            return job.worker
+        try:
+            return self.pool.acquire()
+        except WorkerError as err:
+            return Outcome(failure=err.kind, detail=f"{job.name}: {err}")
+
     @staticmethod
-    def _start(worker: WorkerProcess, job: Job) -> Outcome | None:
+    def _start(worker: WorkerProcess | Outcome, job: Job) -> Outcome | None:
+        if isinstance(worker, Outcome):
+            return worker
         try:
             worker.wait_started()
             if job.request[0] == "call":

@@ -67,7 +67,8 @@ def _code_dirs() -> list[str]:
     return out
 
 
-def _pythonpath() -> str:
+def pythonpath() -> str:
+    """PYTHONPATH of a worker: vlmrl's parent folder and this process's sys.path folders."""
     entries = [os.path.dirname(VLMRL_ROOT), *(p for p in sys.path if p and os.path.isdir(p))]
     return os.pathsep.join(dict.fromkeys(os.path.realpath(p) for p in entries))
 
@@ -81,7 +82,7 @@ def worker_argv(sandbox: Sandbox) -> list[str]:
 def bwrap_argv(sandbox: Sandbox, bwrap: str = "bwrap") -> list[str]:
     """The bubblewrap prefix confining a worker (see the module docstring)."""
     argv = [bwrap, "--unshare-all", "--unshare-user", "--uid", "65534", "--gid", "65534", "--cap-drop", "ALL",
-            "--die-with-parent", "--new-session", "--clearenv", "--setenv", "PYTHONPATH", _pythonpath(),
+            "--die-with-parent", "--new-session", "--clearenv", "--setenv", "PYTHONPATH", pythonpath(),
             "--setenv", "PATH", "/nonexistent", "--setenv", "HOME", "/tmp", "--setenv", "OMP_NUM_THREADS", "1"]
     if sandbox.network:
         argv.append("--share-net")
@@ -102,7 +103,7 @@ def bwrap_argv(sandbox: Sandbox, bwrap: str = "bwrap") -> list[str]:
     return argv + ["--chdir", read if read and os.path.isdir(read) else "/tmp", "--"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _bwrap_works(bwrap: str) -> str:
     """'' when `bwrap` can start a Python here, else why not (probed once per process)."""
     probe = bwrap_argv(Sandbox(), bwrap) + [sys.executable, "-c", "import vlmrl.tools.worker"]
@@ -113,7 +114,7 @@ def _bwrap_works(bwrap: str) -> str:
     return "" if res.returncode == 0 else res.stderr.decode(errors="replace").strip()[-200:] or f"exit {res.returncode}"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _announce(mode: str, why: str) -> None:
     if mode == "bwrap":
         log.info("tools: workers run under bubblewrap (no network unless tools.network, read-only data folder)")
@@ -123,7 +124,7 @@ def _announce(mode: str, why: str) -> None:
 
 
 def isolation_mode(sandbox: Sandbox) -> str:
-    """"bwrap" or "rlimits" for `sandbox.isolation` on this machine. Raises RuntimeError when bwrap is required
+    """"bwrap" or "rlimits" for `sandbox.isolation` on this machine. Raises ValueError when bwrap is required
     (`isolation: bwrap`) but does not work."""
     if sandbox.isolation == "rlimits":
         _announce("rlimits", "tools.isolation=rlimits")
@@ -131,7 +132,7 @@ def isolation_mode(sandbox: Sandbox) -> str:
     bwrap = shutil.which("bwrap")
     why = "bwrap is not installed" if bwrap is None else _bwrap_works(bwrap)
     if why and sandbox.isolation == "bwrap":
-        raise RuntimeError(f"tools.isolation=bwrap but bubblewrap does not work here: {why}")
+        raise ValueError(f"tools.isolation=bwrap but bubblewrap does not work here: {why}")
     _announce("rlimits" if why else "bwrap", why)
     return "rlimits" if why else "bwrap"
 

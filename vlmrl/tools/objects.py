@@ -62,7 +62,11 @@ class RemoteObject:
 
     def __init__(self, factory: Callable[[], Any], sandbox: Sandbox, timeout_s: float):
         self.factory, self.timeout_s, self.error, self._made = factory, timeout_s, "", False
-        self.worker = WorkerProcess(sandbox)
+        self.worker: WorkerProcess | None = None
+        try:
+            self.worker = WorkerProcess(sandbox)
+        except WorkerError as err:
+            self.error = str(err)
 
     def ready(self) -> WorkerProcess:
         """The worker once the object exists (made at the first call); raises WorkerError(CRASH) if it could not
@@ -78,7 +82,7 @@ class RemoteObject:
                 self.worker.kill()
         if not self.error and self.worker.proc.poll() is not None:
             self.error = "the tool environment was lost (its worker process ended)"
-        if self.error:
+        if self.error or self.worker is None:
             raise WorkerError(ToolFailure.CRASH, self.error)
         return self.worker
 
@@ -87,7 +91,8 @@ class RemoteObject:
         return decode_reply(self.ready().call(("method", name, kwargs, (*opts, want)), self.timeout_s))
 
     def close(self) -> None:
-        self.worker.kill()
+        if self.worker is not None:
+            self.worker.kill()
 
 
 @dataclasses.dataclass(frozen=True)

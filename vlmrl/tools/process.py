@@ -22,7 +22,7 @@ from typing import Any
 
 import cloudpickle
 
-from vlmrl.tools.isolation import Sandbox, _pythonpath, worker_command
+from vlmrl.tools.isolation import Sandbox, pythonpath, worker_command
 from vlmrl.tools.worker import HEADER
 from vlmrl.types import ToolFailure
 
@@ -66,14 +66,18 @@ def _exit_detail(code: int | None) -> tuple[ToolFailure, str]:
 
 
 class WorkerProcess:
-    """One worker process (started at once). `send` then `receive`, or `call` for both."""
+    """One worker process (started at once; WorkerError(CRASH) if it cannot be). `send` then `receive`, or `call`
+    for both."""
 
     def __init__(self, sandbox: Sandbox):
         argv, cwd = worker_command(sandbox)
         env = {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL", "HOME", "TMPDIR")}
-        env.update(PYTHONPATH=_pythonpath(), OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, cwd=cwd, env=env, start_new_session=True)
+        env.update(PYTHONPATH=pythonpath(), OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
+        try:
+            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=subprocess.DEVNULL, cwd=cwd, env=env, start_new_session=True)
+        except OSError as err:  # e.g. no more processes or memory: this call fails, the trainer goes on
+            raise WorkerError(ToolFailure.CRASH, f"could not start a tool worker process: {err}") from None
         self.calls = 0
         self.retire = False
         self.started = False
@@ -181,7 +185,10 @@ class WorkerPool:
             if keep:
                 self._idle.append(w)
             elif len(self._idle) < self.size:
-                self._idle.append(WorkerProcess(self.sandbox))
+                try:
+                    self._idle.append(WorkerProcess(self.sandbox))
+                except WorkerError:
+                    pass  # the next call tries again
         if not keep:
             w.kill()
 

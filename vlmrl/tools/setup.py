@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmrl.envs.base import Environment
-from vlmrl.tools.isolation import Sandbox
+from vlmrl.tools.isolation import Sandbox, isolation_mode
 from vlmrl.tools.objects import with_configured_tools
 from vlmrl.tools.runtime import ToolRuntime
 from vlmrl.tools.spec import as_tool, check_unique
@@ -74,5 +74,6 @@ def tool_setup(cfg: Any, processor: Any, env_factory: Callable[[], Environment])
     getattr(probe, "close", lambda: None)()
     if not tools:
         return ToolSetup(factory, [], None)
+    isolation_mode(sandbox)  # probed and logged once at start (ValueError if bwrap is required but fails)
     runtime = ToolRuntime.from_config(cfg.tools, cfg.model.family, processor, sandbox)
     return ToolSetup(factory, [t.schema for t in tools.values()], runtime)

@@ -48,9 +48,9 @@ FILE_SIZE = 16 << 20
 def set_limits(memory_mb: int, cpu_s: float) -> None:
     """Cap this process (soft = hard, so tool code cannot raise them back unless privileged)."""
     mb = 1 << 20
-    for res, value in ((resource.RLIMIT_DATA, memory_mb * mb), (resource.RLIMIT_AS, (memory_mb + ADDRESS_SPACE_EXTRA_MB) * mb),
-                       (resource.RLIMIT_NOFILE, OPEN_FILES), (resource.RLIMIT_FSIZE, FILE_SIZE),
-                       (resource.RLIMIT_CORE, 0)):
+    limits = ((resource.RLIMIT_DATA, memory_mb * mb), (resource.RLIMIT_AS, (memory_mb + ADDRESS_SPACE_EXTRA_MB) * mb),
+              (resource.RLIMIT_NOFILE, OPEN_FILES), (resource.RLIMIT_FSIZE, FILE_SIZE), (resource.RLIMIT_CORE, 0))
+    for res, value in limits:
         resource.setrlimit(res, (value, value))
     _cpu_budget(cpu_s)
 
