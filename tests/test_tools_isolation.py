@@ -17,7 +17,7 @@ import pytest
 import tools_hostile as h
 from conftest import GEOMETRY3K
 
-from vlmrl.config import load
+from vlmrl.config import ConfigError, load
 from vlmrl.metrics import tool_metrics
 from vlmrl.tools import HermesParser, Tool, ToolLimits, ToolRuntime, calculate
 from vlmrl.tools.isolation import Sandbox, bwrap_argv, isolation_mode
@@ -28,7 +28,7 @@ P = HermesParser()
 SECRET = "TOP-SECRET-8d1f"
 TOOLS = {t.name: t for t in map(Tool.from_function, [
     h.read_file, h.threads_read_and_write, h.fork_exec_id, h.ctypes_open, h.sqlite_read, h.torch_read, h.connect,
-    h.stat, h.exit7, h.sigterm_self, h.sigkill_parent, h.hang, h.never_str, h.allocate, h.leave_thread,
+    h.stat, h.exit7, h.sigterm_self, h.sigkill_parent, h.hang, h.never_str, h.allocate, h.fill_tmp, h.leave_thread,
     calculate])}
 
 
@@ -89,6 +89,12 @@ def test_default_tools_folder_is_the_images_not_the_answers(sandbox):
     assert "/etc" not in argv and "/usr/bin" not in argv
 
 
+@pytest.mark.parametrize("override", ["tools.isolation=docker", "tools.memory_mb=100", "tools.cpu_s=0"])
+def test_isolation_knobs_are_range_checked(override):
+    with pytest.raises(ConfigError, match=override.split("=")[0]):
+        load("geometry3k_tools_tiny", [override])
+
+
 def test_the_hostile_tools_do_escape_without_a_worker(outside, tmp_path):
     """The reference: called in this process, the same tools read, write and run what they like."""
     assert SECRET in h.threads_read_and_write(str(outside / "secret.txt"), str(tmp_path / "x"))
@@ -119,11 +125,17 @@ def test_file_escapes_fail(rt, outside):
     assert_trainer_fine(rt)
 
 
+@pytest.mark.slow  # the tool imports torch in its worker (~10 s on 2 busy cores)
 def test_torch_from_file_outside_fails(sandbox, outside):
     slow = ToolRuntime(P, ToolLimits(timeout_s=60.0), sandbox=sandbox)  # the tool imports torch (seconds)
     texts, errors, _ = run(slow, call("torch_read", path=str(outside / "secret.txt"), size=len(SECRET)))
     slow.executor.close()
     assert errors == ["exception"] and SECRET not in texts[0] and "No such file" in texts[0], texts
+
+
+def test_private_tmp_is_small(rt):
+    texts, errors, _ = run(rt, call("fill_tmp", megabytes=256))
+    assert errors == [""] and texts[0].startswith("stopped after") and int(texts[0].split()[2]) <= 64, texts
 
 
 def test_no_network(rt):

@@ -182,6 +182,23 @@ def allocate(gigabytes: float) -> str:
     return f"allocated {len(block)}"
 
 
+def fill_tmp(megabytes: int) -> str:
+    """Write files of 8 MiB to /tmp.
+
+    Args:
+        megabytes: How much in total.
+    """
+    written = 0
+    try:
+        for i in range(megabytes // 8):
+            with open(f"/tmp/fill{i}", "wb") as fh:
+                fh.write(b"x" * (8 << 20))
+            written += 8
+    except OSError as err:
+        return f"stopped after {written} MiB: {type(err).__name__}"
+    return f"wrote {written} MiB"
+
+
 def leave_thread() -> str:
     """Start a spinning thread and return."""
     threading.Thread(target=lambda: [None for _ in iter(int, 1)], daemon=True).start()

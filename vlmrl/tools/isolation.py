@@ -9,7 +9,7 @@ line that starts one (`vlmrl.tools.worker`), chosen once per process and logged 
   read-only binds of the shared libraries (/usr/lib, /usr/lib64), the Python installation and venv, the folders of
   `sys.path` (so tool modules import) and `read_dir`; `hide` (the dataset's folder, which holds the answers) is
   covered by an empty tmpfs even where it lies inside a bound folder, then `read_dir` is bound again on top.
-  /tmp is a private tmpfs; there is no /etc, no /usr/bin (no programs to run) and no /home.
+  /tmp is a private tmpfs of TMP_MB (where bwrap supports `--size`); there is no /etc, no /usr/bin (no programs to run) and no /home.
 - **rlimits** (fallback, or `tools.isolation: rlimits`): a separate process with the worker's rlimits only. It
   does NOT restrict the filesystem (tool code can read anything the trainer's user can, including the dataset's
   answers, and write where that user can), the network, or starting programs; it only keeps crashes, hangs,
@@ -31,6 +31,7 @@ from pathlib import Path
 
 log = logging.getLogger("vlmrl.tools")
 VLMRL_ROOT = str(Path(__file__).resolve().parents[1])  # the vlmrl package folder
+TMP_MB = 64  # size of a bwrap worker's private /tmp
 _LIB_DIRS = ("/usr/lib", "/usr/lib64", "/lib", "/lib64", "/lib32", "/usr/lib32")
 
 
@@ -93,7 +94,7 @@ def bwrap_argv(sandbox: Sandbox, bwrap: str = "bwrap") -> list[str]:
             argv += ["--ro-bind", lib, lib]
     for d in _code_dirs():
         argv += ["--ro-bind", d, d]
-    argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+    argv += ["--proc", "/proc", "--dev", "/dev", *_tmp_size(bwrap), "--tmpfs", "/tmp"]
     read = os.path.realpath(sandbox.read_dir) if sandbox.read_dir else None
     for h in (os.path.realpath(p) for p in sandbox.hide):
         if os.path.isdir(h) and any(_inside(h, d) for d in _code_dirs()):
@@ -101,6 +102,16 @@ def bwrap_argv(sandbox: Sandbox, bwrap: str = "bwrap") -> list[str]:
     if read and os.path.isdir(read):
         argv += ["--ro-bind", read, read]
     return argv + ["--chdir", read if read and os.path.isdir(read) else "/tmp", "--"]
+
+
+@functools.cache
+def _tmp_size(bwrap: str) -> tuple[str, ...]:
+    """`--size` for the private /tmp (TMP_MB) when this bwrap supports it (0.9+), so files there cannot fill RAM."""
+    try:
+        text = subprocess.run([bwrap, "--help"], capture_output=True, text=True, timeout=30, check=False).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ()
+    return ("--size", str(TMP_MB << 20)) if "--size" in text else ()
 
 
 @functools.cache
