@@ -14,6 +14,8 @@ $(BIN)/python:
 setup: $(BIN)/python
 	$(BIN)/pip install -q torch==2.14.1 torchvision==0.29.1
 	$(BIN)/pip install -q -e '.[dev]'
+	@# tool isolation (vlmrl/tools/isolation.py): bubblewrap if it can be installed, else tools run with rlimits only
+	-command -v bwrap >/dev/null || (apt-get update -qq && apt-get install -y -q bubblewrap) >/dev/null 2>&1 || (sudo -n apt-get update -qq && sudo -n apt-get install -y -q bubblewrap) >/dev/null 2>&1 || echo "bubblewrap not installed: tool workers get rlimits only"
 
 # GPU machines: one resolve of this package with vLLM, so torch, torchvision and transformers are the versions vLLM
 # pins (transformers < 5.20 for vLLM 0.32; vlmrl runs on that range and on the latest 5.x).

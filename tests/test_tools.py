@@ -1,5 +1,5 @@
 """Tools: schemas from signatures/docstrings, parsing, every failure kind as a counted error message, timeouts that
-stop (or abandon) a tool, the file sandbox, the safe calculator, result conversion and limits."""
+kill a tool's worker process, file access of tool code, the safe calculator, result conversion and limits."""
 
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ from typing import Literal, Optional
 
 import numpy as np
 import pytest
+import tools_hostile
 from PIL import Image
 
 from vlmrl.tools import (DataDir, FileAccessError, HermesParser, ImageBounds, Tool, ToolArgumentError, ToolLimits,
                          ToolRuntime, ToolSpecError, calculate, get_parser, tools_from_object)
+from vlmrl.tools.isolation import Sandbox
 from vlmrl.tools.objects import ToolEnvFactory, ToolEnvironment
 from vlmrl.tools.results import TextBudget, convert_result, sanitize
 from vlmrl.types import ImagePart, Role, TextPart, ToolCallStatus, ToolFailure, ToolStats
@@ -277,28 +279,37 @@ def test_every_failure_kind_is_an_error_message_and_counted():
     assert len(stats.latency_s) == 5 and stats.tool_turns == 1  # only executed calls have a latency
 
 
+def warm(rt: ToolRuntime, tools: dict[str, Tool], text: str) -> None:
+    """Run `text` once so that the pool's workers have started (start-up is not part of a call's timeout)."""
+    rt.run(rt.parse(text), tools, ToolStats())
+
+
 def test_sleeping_tool_is_stopped_at_its_timeout():
     rt, tools = runtime([busy_sleep], timeout_s=0.3)
-    STOPPED.clear()
+    warm(rt, tools, call("busy_sleep", seconds=0))
+    (worker,) = rt.executor.pool._idle
     stats = ToolStats()
     t0 = time.perf_counter()
     turn = rt.run(rt.parse(call("busy_sleep", seconds=30)), tools, stats)
     elapsed = time.perf_counter() - t0
     assert turn.errors == ["timeout"] and 0.3 <= elapsed < 1.0
-    assert STOPPED.wait(1.0)  # its thread really ended (ToolTimeout raised inside it)
+    assert worker.proc.poll() is not None and worker.proc.pid not in tools_hostile.descendants()  # killed
     assert "did not finish within 0.3 s and was stopped" in turn.messages[0].text_content
     assert stats.failures == {"timeout": 1} and stats.abandoned == 0
-    assert not [t for t in threading.enumerate() if t.name == "vlmrl-tool-busy_sleep"]
+    assert worker not in rt.executor.pool._idle and not STOPPED.is_set()  # the tool never ran in this process
 
 
-def test_tool_stuck_in_c_call_is_abandoned_and_reported():
+def test_tool_stuck_in_c_call_is_killed_and_reported():
     rt, tools = runtime([long_sleep], timeout_s=0.2)
+    warm(rt, tools, call("long_sleep", seconds=0))
+    (worker,) = rt.executor.pool._idle
     stats = ToolStats()
     t0 = time.perf_counter()
     turn = rt.run(rt.parse(call("long_sleep", seconds=1.5)), tools, stats)
     assert time.perf_counter() - t0 < 0.8  # the rollout did not wait for it
-    assert turn.errors == ["timeout"] and "abandoned" in turn.messages[0].text_content
-    assert stats.abandoned == 1 and stats.failures == {"timeout": 1}
+    assert turn.errors == ["timeout"] and "was stopped" in turn.messages[0].text_content
+    assert stats.abandoned == 0 and stats.failures == {"timeout": 1}
+    assert worker.proc.poll() is not None and worker.proc.pid not in tools_hostile.descendants()  # killed
 
 
 def test_parallel_calls_are_bounded_and_keep_order():
@@ -314,13 +325,14 @@ def test_parallel_calls_are_bounded_and_keep_order():
     calls = "".join(call("nap", tag=str(i)) for i in range(4))
     for parallel, workers, low, high in [(True, 4, 0.2, 0.45), (True, 2, 0.45, 0.7), (False, 4, 0.95, 1.5)]:
         rt, tools = runtime([nap], parallel=parallel, max_workers=workers)
+        warm(rt, tools, "".join(call("nap", tag="w") for _ in range(workers)))
         t0 = time.perf_counter()
         turn = rt.run(rt.parse(calls), tools, ToolStats())
         assert low <= time.perf_counter() - t0 < high, (parallel, workers)
         assert [m.text_content for m in turn.messages] == ["0", "1", "2", "3"]
 
 
-# --- file sandbox -------------------------------------------------------------------------------------------------
+# --- file access --------------------------------------------------------------------------------------------------
 def test_data_dir_refuses_paths_outside(tmp_path):
     root = tmp_path / "data"
     (root / "sub").mkdir(parents=True)
@@ -370,7 +382,7 @@ def test_tool_code_cannot_touch_files_outside_the_data_dir(tmp_path):
 
         return f"imported {wave.__name__}"
 
-    rt = ToolRuntime(P, ToolLimits(timeout_s=2.0), data_dir=root)
+    rt = ToolRuntime(P, ToolLimits(timeout_s=2.0), sandbox=Sandbox(read_dir=str(root), isolation="bwrap"))
     tools = {t.name: t for t in map(Tool.from_function, (read, write, spawn, calculate, lazy))}
     text = "".join([call("read", path=str(root / "ok.txt")), call("read", path=str(secret)),
                     call("read", path=str(root / ".." / "secret.txt")), call("write", path=str(root / "new.txt")),
@@ -379,9 +391,9 @@ def test_tool_code_cannot_touch_files_outside_the_data_dir(tmp_path):
     texts = [m.text_content for m in turn.messages]
     assert texts[0] == "fine" and texts[5] == "42" and texts[6] == "imported wave", texts  # lazy imports still work
     assert turn.errors[1:5] == ["exception"] * 4
-    assert all("FileAccessError" in t for t in texts[1:5]) and "hidden" not in "".join(texts)
-    assert not (root / "new.txt").exists()
-    assert secret.read_text() == "hidden"  # the main thread is not restricted
+    assert all("FileNotFoundError" in t for t in texts[1:3] + texts[4:5]) and "Read-only" in texts[3], texts
+    assert "hidden" not in "".join(texts) and not (root / "new.txt").exists()
+    assert secret.read_text() == "hidden"  # the trainer's process is not restricted
 
 
 # --- calculate ----------------------------------------------------------------------------------------------------

@@ -75,7 +75,7 @@ class EnvConfig:
 class ToolsConfig:
     """Tool calling (used when the environment has tools, or `functions`/`environment` add some)."""
 
-    timeout_s: float = 10.0  # a call running longer is stopped (or abandoned) and reported as a timeout
+    timeout_s: float = 10.0  # a call running longer is reported as a timeout and its worker process killed
     max_tool_calls: int = 8  # per episode; further calls get one error message and are not run
     max_tool_response_tokens: int = 1024  # text is truncated with a marker; a longer image response ends the episode
     parallel: bool = False  # run one turn's calls concurrently
@@ -85,8 +85,11 @@ class ToolsConfig:
     describe: str = "auto"  # list the tools in the system prompt: auto (when the chat template ignores `tools`)|always|never
     functions: list[str] = field(default_factory=list)  # extra function tools by import path, "pkg.module:function"
     environment: Optional[str] = None  # per-episode tool object class by import path (trl environment_factory)
-    restrict_files: bool = True  # tool code may only read files under data_dir
-    data_dir: Optional[str] = None  # the folder tools may read (None: data.path if it is a local folder, else its folder)
+    data_dir: Optional[str] = None  # the only folder tools may read (None: the dataset's images/, never its answers)
+    memory_mb: int = 2048  # a tool worker's heap/anonymous memory cap (RLIMIT_DATA; address space + 4 GiB)
+    cpu_s: float = 60.0  # CPU seconds per call (RLIMIT_CPU): tool threads spinning past it kill the worker
+    network: bool = False  # tool workers may use the network (bwrap isolation only; rlimits cannot block it)
+    isolation: str = "auto"  # auto (bubblewrap when it works, else rlimits only) | bwrap (required) | rlimits
 
 
 @dataclass
@@ -247,6 +250,9 @@ def _validate(cfg: Config) -> None:
         (cfg.tools.max_tool_response_tokens >= 1, "tools.max_tool_response_tokens must be >= 1"),
         (cfg.tools.max_workers >= 1, "tools.max_workers must be >= 1"),
         (cfg.tools.describe in ("auto", "always", "never"), "tools.describe must be auto, always or never"),
+        (cfg.tools.memory_mb >= 256, "tools.memory_mb must be >= 256"),
+        (cfg.tools.cpu_s > 0, "tools.cpu_s must be > 0"),
+        (cfg.tools.isolation in ("auto", "bwrap", "rlimits"), "tools.isolation must be auto, bwrap or rlimits"),
     ]
     for ok, msg in checks:
         if not ok:

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Callable, Union
+from typing import TYPE_CHECKING, Callable, Union
 
-import torch
 from PIL import Image
+
+if TYPE_CHECKING:  # torch is imported where tensors are made, so that tool workers start without it
+    import torch
 
 
 class Role(str, Enum):
@@ -113,7 +115,9 @@ class ToolFailure(str, Enum):
     UNKNOWN_TOOL = "unknown_tool"
     BAD_ARGUMENTS = "bad_arguments"  # missing/unexpected/mistyped arguments, or the tool rejected their values
     EXCEPTION = "exception"  # the tool raised
-    TIMEOUT = "timeout"  # the tool ran past tools.timeout_s (stopped, or abandoned if it could not be)
+    TIMEOUT = "timeout"  # the tool ran past tools.timeout_s or tools.cpu_s: its worker process was killed
+    CRASH = "crash"  # the tool's worker process died (os._exit, a signal, a native crash) or sent garbage
+    MEMORY = "memory"  # the tool ran out of its memory cap (tools.memory_mb)
     TOO_LONG = "too_long"  # the call text was too long, or an image response exceeded max_tool_response_tokens
     TOO_MANY_CALLS = "too_many_calls"  # beyond tools.max_tool_calls for the episode: not run
 
@@ -150,8 +154,9 @@ class ToolStats:
     calls: tool calls the model made (parsed or not, run or not); ok: calls that returned a result;
     failures: ToolFailure value -> count; latency_s: wall time of each executed call; images: images returned by
     tools that reached the conversation; truncated: text responses cut to max_tool_response_tokens; dropped:
-    responses dropped whole (an over-long image response ends the episode); abandoned: timed-out calls whose
-    thread could not be stopped; tool_turns: assistant turns that called tools.
+    responses dropped whole (an over-long image response ends the episode); abandoned: timed-out calls left
+    running (always 0 since tools run in worker processes that a timeout kills); tool_turns: assistant turns
+    that called tools.
     """
 
     calls: int = 0
@@ -212,6 +217,8 @@ class VisionInputs:
         kind = type(parts[0])
         if kind.cat is not VisionInputs.cat:
             return kind.cat(parts)
+        import torch
+
         return VisionInputs(
             torch.cat([p.pixel_values for p in parts]), torch.cat([p.image_grid_thw for p in parts])
         )

@@ -195,6 +195,9 @@ class EpisodeRunner:
         ep.end_reason, ep.state = reason, State.DONE
 
     def _finish(self, ep: Episode) -> Trajectory:
+        close = getattr(ep.env, "close", None)  # e.g. ends a tools.environment object's worker process
+        if callable(close):
+            close()
         rewards = [t.reward for t in ep.turns if not t.is_tool_turn]
         return Trajectory(
             task_id=ep.task.id,

@@ -2,8 +2,9 @@
 
 - `Tool.from_function(fn)` / `tools_from_object(obj)`: JSON schema from the signature and docstring (spec.py);
 - `get_parser(family)`: tool calls parsed from a reply into typed `ToolCall`s, per output format (parsers.py);
-- `ToolRuntime`: checks, runs (timeout, bounded parallelism, file sandbox) and answers one turn's calls, with the
-  per-episode limits and failure counters (runtime.py, execute.py, sandbox.py, results.py);
+- `ToolRuntime`: checks, runs and answers one turn's calls, with the per-episode limits and failure counters
+  (runtime.py, execute.py, results.py); tool code runs only in confined worker processes, never in the trainer
+  (worker.py, process.py, isolation.py); `DataDir`: path checks for file-reading tools (files.py);
 - `calculate`: a safe arithmetic tool (builtin.py); `ToolEnvironment`: config-chosen tools on any env (objects.py).
 """
 
@@ -11,9 +12,10 @@ from vlmrl.tools.builtin import calculate
 from vlmrl.tools.parsers import HermesParser, ToolCallParser, get_parser, register_parser
 from vlmrl.tools.results import ImageBounds
 from vlmrl.tools.runtime import ToolLimits, ToolRuntime, ToolTurn, template_renders_tools
-from vlmrl.tools.sandbox import DataDir, FileAccessError
+from vlmrl.tools.files import DataDir, FileAccessError
+from vlmrl.tools.isolation import Sandbox
 from vlmrl.tools.spec import Tool, ToolArgumentError, ToolSpecError, as_tool, tools_from_object
 
 __all__ = ["Tool", "ToolArgumentError", "ToolSpecError", "as_tool", "tools_from_object", "ToolCallParser",
            "HermesParser", "get_parser", "register_parser", "ImageBounds", "ToolLimits", "ToolRuntime", "ToolTurn",
-           "template_renders_tools", "DataDir", "FileAccessError", "calculate"]
+           "template_renders_tools", "DataDir", "FileAccessError", "Sandbox", "calculate"]

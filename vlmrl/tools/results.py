@@ -8,6 +8,7 @@ any other value (shown as JSON or `str()`).
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 from dataclasses import dataclass
@@ -108,15 +109,15 @@ class Converted:
         return sum(isinstance(p, ImagePart) for p in self.parts)
 
 
-def _flatten(result: Any, out: list[Any], depth: int = 0) -> None:
+def flatten(result: Any, depth: int = 0) -> list[Any]:
+    """The items of a (nested, up to 3 deep) list/tuple result, in order; `[result]` for anything else."""
     if isinstance(result, (list, tuple)) and depth < 3:
-        for item in result:
-            _flatten(item, out, depth + 1)
-    else:
-        out.append(result)
+        return [x for item in result for x in flatten(item, depth + 1)]
+    return [result]
 
 
-def _part(item: Any, ref: str) -> Part:
+def to_part(item: Any, ref: str) -> Part:
+    """One result item as a part (json/str for values that are neither text nor an image)."""
     if isinstance(item, (TextPart, ImagePart)):
         return item if isinstance(item, TextPart) or item.ref else ImagePart(item.image, ref)
     if isinstance(item, Image.Image):
@@ -140,12 +141,11 @@ def _part(item: Any, ref: str) -> Part:
 def convert_result(result: Any, ref: str, bounds: ImageBounds, budget: TextBudget) -> Converted:
     """`result` as tool-message parts: text sanitised and cut to `budget.max_tokens` in total (a marker says so),
     images bounded; image refs are `ref#<n>`."""
-    items: list[Any] = []
-    _flatten(result, items)
+    items = flatten(result)
     parts: list[Part] = []
     left, truncated, n_img = budget.max_tokens, False, 0
     for item in items:
-        part = _part(item, f"{ref}#{n_img}")
+        part = to_part(item, f"{ref}#{n_img}")
         if isinstance(part, ImagePart):
             parts.append(ImagePart(bounds.apply(part.image), part.ref))
             n_img += 1
@@ -158,6 +158,25 @@ def convert_result(result: Any, ref: str, bounds: ImageBounds, budget: TextBudge
         left -= budget.count(text) if not cut else left
         parts.append(TextPart(text))
     return Converted(parts or [TextPart(NO_OUTPUT)], truncated)
+
+
+def items_from_blocks(blocks: object) -> list[Any]:
+    """Content blocks from a tool worker (untrusted JSON, see `vlmrl.tools.worker`) as strings and RGB images.
+    Raises ValueError for a malformed block."""
+    if not isinstance(blocks, list):
+        raise ValueError("blocks must be a list")
+    items: list[Any] = []
+    for b in blocks:
+        if isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str):
+            items.append(b["text"])
+        elif isinstance(b, dict) and b.get("type") == "image":
+            w, h, rgb = b.get("w"), b.get("h"), base64.b64decode(str(b.get("rgb", "")), validate=True)
+            if not (isinstance(w, int) and isinstance(h, int) and w > 0 and h > 0 and len(rgb) == w * h * 3):
+                raise ValueError("an image block's size does not match its pixels")
+            items.append(Image.frombytes("RGB", (w, h), rgb))
+        else:
+            raise ValueError("unknown content block")
+    return items
 
 
 def error_message(kind: ToolFailure, detail: str) -> Message:

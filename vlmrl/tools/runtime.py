@@ -8,14 +8,16 @@ Nothing a model writes can raise out of `ToolRuntime.run`.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from vlmrl.tools.execute import Executor, Job
+from vlmrl.tools.isolation import Sandbox
+from vlmrl.tools.objects import RemoteMethod
 from vlmrl.tools.parsers import ToolCallParser, get_parser
-from vlmrl.tools.results import ImageBounds, TextBudget, convert_result, error_message
+from vlmrl.tools.process import Reply, WorkerError
+from vlmrl.tools.results import (_CHARS_PER_TOKEN_BOUND, ImageBounds, TextBudget, convert_result, error_message,
+                                 items_from_blocks)
 from vlmrl.tools.spec import Tool, ToolArgumentError
 from vlmrl.types import ImagePart, Message, Role, TextPart, ToolCall, ToolCallStatus, ToolFailure, ToolStats
 
@@ -65,19 +67,20 @@ class ToolRuntime:
     """Parses and runs tool calls for the episode loop (one instance per run; stateless across episodes).
 
     parser: the model family's call format; bounds: image size bounds (the processor's min/max pixels);
-    tokenizer: counts tool-response tokens (None: ~4 characters per token); data_dir: the only folder tool code
-    may read; describe: list the tools in the system prompt (for chat templates that ignore `tools`).
+    tokenizer: counts tool-response tokens (None: ~4 characters per token); sandbox: how the worker processes
+    that run tool code are confined (`vlmrl.tools.isolation`); describe: list the tools in the system prompt (for
+    chat templates that ignore `tools`).
     """
 
     def __init__(self, parser: ToolCallParser, limits: ToolLimits = ToolLimits(), bounds: ImageBounds = ImageBounds(),
-                 tokenizer: Any = None, data_dir: str | Path | None = None, restrict_files: bool = True,
-                 describe: bool = False):
+                 tokenizer: Any = None, sandbox: Sandbox = Sandbox(), describe: bool = False):
         self.parser, self.limits, self.bounds, self.describe = parser, limits, bounds, describe
         self.budget = TextBudget(tokenizer, limits.max_tool_response_tokens)
-        self.executor = Executor(limits.timeout_s, limits.parallel, limits.max_workers, data_dir, restrict_files)
+        self.executor = Executor(limits.timeout_s, limits.parallel, limits.max_workers, sandbox)
+        self.opts = (bounds, limits.max_tool_response_tokens * _CHARS_PER_TOKEN_BOUND + 1, "blocks")
 
     @staticmethod
-    def from_config(tools_cfg: Any, family: str, processor: Any, data_dir: str | Path | None) -> "ToolRuntime":
+    def from_config(tools_cfg: Any, family: str, processor: Any, sandbox: Sandbox = Sandbox()) -> "ToolRuntime":
         """The runtime for `family`'s parser (or `tools.parser`), the processor's image bounds and tokenizer."""
         limits = ToolLimits.from_cfg(tools_cfg)
         parser_name = str(_get(tools_cfg, "parser", "auto"))
@@ -85,7 +88,7 @@ class ToolRuntime:
         describe = str(_get(tools_cfg, "describe", "auto"))
         show = describe == "always" or (describe == "auto" and not template_renders_tools(processor))
         return ToolRuntime(parser, limits, ImageBounds.of_processor(processor), getattr(processor, "tokenizer", None),
-                           data_dir, bool(_get(tools_cfg, "restrict_files", True)), show)
+                           sandbox, show)
 
     # --- prompt ---------------------------------------------------------------------------------------------------
     def prepare_prompt(self, messages: list[Message], tools: list[Tool]) -> list[Message]:
@@ -127,8 +130,11 @@ class ToolRuntime:
             failure, detail, kwargs = self._check(call, tools)
             if failure is not None:
                 self._fail(turn, stats, i, failure, detail)
-            else:
-                jobs.append((i, Job(call.name, functools.partial(tools[call.name].fn, **kwargs))))
+                continue
+            try:
+                jobs.append((i, self._job(call.name, tools[call.name].fn, kwargs)))
+            except WorkerError as err:
+                self._fail(turn, stats, i, err.kind, f"{call.name}: {err}")
         for (i, job), out in zip(jobs, self.executor.run([j for _, j in jobs])):
             stats.latency_s.append(out.latency_s)
             if out.failure is not None:
@@ -145,17 +151,22 @@ class ToolRuntime:
                 "were not run; give your final answer.")))
         return turn
 
+    def _job(self, name: str, fn: Any, kwargs: dict) -> Job:
+        if isinstance(fn, RemoteMethod):  # a method of the episode's environment object: its own worker
+            return Job(name, ("method", fn.name, kwargs, self.opts), fn.obj.ready())  # WorkerError if lost
+        return Job(name, ("call", fn, kwargs, self.opts))
+
     @staticmethod
     def _fail(turn: ToolTurn, stats: ToolStats, i: int, kind: ToolFailure, detail: str) -> None:
         stats.fail(kind)
         turn.errors[i] = kind.value
         turn.messages[i] = error_message(kind, detail)
 
-    def _accept(self, turn: ToolTurn, stats: ToolStats, i: int, result: Any, ref: str) -> None:
+    def _accept(self, turn: ToolTurn, stats: ToolStats, i: int, reply: Reply, ref: str) -> None:
         try:
-            converted = convert_result(result, ref, self.bounds, self.budget)
-        except Exception as err:  # noqa: BLE001 - e.g. a result whose __str__ raises
-            self._fail(turn, stats, i, ToolFailure.EXCEPTION, f"the result could not be shown: {type(err).__name__}")
+            converted = convert_result(items_from_blocks(reply.blocks), ref, self.bounds, self.budget)
+        except (ValueError, TypeError) as err:  # a worker reply that is not content blocks
+            self._fail(turn, stats, i, ToolFailure.CRASH, f"the tool's reply was malformed: {err}")
             return
         stats.ok += 1
         stats.images += converted.images

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmrl.envs.base import Environment
+from vlmrl.tools.isolation import Sandbox, isolation_mode
 from vlmrl.tools.objects import with_configured_tools
 from vlmrl.tools.runtime import ToolRuntime
 from vlmrl.tools.spec import as_tool, check_unique
@@ -33,25 +34,46 @@ class ToolSetup:
         return {"tools": self.schemas} if self.schemas else {}
 
 
-def tools_data_dir(cfg: Any) -> Path | None:
-    """`tools.data_dir`, else `data.path` when it is a local folder (its folder when it is a file), else None."""
-    explicit = getattr(cfg.tools, "data_dir", None)
-    if explicit:
-        return Path(explicit).expanduser().resolve()
+def _dataset_dir(cfg: Any) -> Path | None:
+    """The local folder of `data.path` (itself when a folder, its folder when a file), else None."""
     path = Path(str(getattr(cfg.data, "path", "") or "")).expanduser()
     if path.is_dir():
         return path.resolve()
-    if path.is_file():
-        return path.resolve().parent
-    return None
+    return path.resolve().parent if path.is_file() else None
+
+
+def tools_data_dir(cfg: Any) -> Path | None:
+    """The folder tools may read: `tools.data_dir`, else the dataset's `images/` folder when there is one (never
+    the folder holding the answers), else None (no data files at all)."""
+    explicit = getattr(cfg.tools, "data_dir", None)
+    if explicit:
+        return Path(explicit).expanduser().resolve()
+    dataset = _dataset_dir(cfg)
+    images = dataset / "images" if dataset is not None else None
+    return images if images is not None and images.is_dir() else None
+
+
+def tools_sandbox(cfg: Any) -> Sandbox:
+    """How tool workers are confined, from `tools.*`: the readable folder; the dataset's folder (answers) and the
+    run folder (rewards of past episodes) hidden even where they lie in a bound code folder; limits."""
+    dataset = _dataset_dir(cfg)
+    read = tools_data_dir(cfg)
+    run_dir = Path(str(cfg.logging.output_dir)).expanduser().resolve()
+    hide = ((str(dataset),) if dataset else ()) + (str(run_dir),)
+    return Sandbox(str(read) if read else None, hide, int(cfg.tools.memory_mb),
+                   float(cfg.tools.cpu_s), bool(cfg.tools.network), str(cfg.tools.isolation))
 
 
 def tool_setup(cfg: Any, processor: Any, env_factory: Callable[[], Environment]) -> ToolSetup:
     """Tools of the run: those of the environment (probed once: schemas must not depend on the task) plus
     `tools.functions` / `tools.environment`. Raises ToolSpecError for an undocumented tool or a name clash."""
-    factory = with_configured_tools(env_factory, cfg.tools)
-    tools = check_unique(as_tool(t) for t in factory().tools())
+    sandbox = tools_sandbox(cfg)
+    factory = with_configured_tools(env_factory, cfg.tools, sandbox)
+    probe = factory()
+    tools = check_unique(as_tool(t) for t in probe.tools())
+    getattr(probe, "close", lambda: None)()
     if not tools:
         return ToolSetup(factory, [], None)
-    runtime = ToolRuntime.from_config(cfg.tools, cfg.model.family, processor, tools_data_dir(cfg))
+    isolation_mode(sandbox)  # probed and logged once at start (ValueError if bwrap is required but fails)
+    runtime = ToolRuntime.from_config(cfg.tools, cfg.model.family, processor, sandbox)
     return ToolSetup(factory, [t.schema for t in tools.values()], runtime)

@@ -1,0 +1,242 @@
+"""Hostile or careless tool code (issue 13), imported by tool workers by path: each tries to escape its worker.
+
+Kept free of heavy imports (no torch at module level) so that workers start fast. `descendants()` lists the
+live processes started by the calling process (to check that killed workers leave nothing behind).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+
+def read_file(path: str) -> str:
+    """Read a text file.
+
+    Args:
+        path: Its path.
+    """
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        return fh.read(4000)
+
+
+def threads_read_and_write(secret: str, target: str) -> str:
+    """Read a file and write another from worker threads.
+
+    Args:
+        secret: A file to read.
+        target: A file to create.
+    """
+    def write() -> str:
+        with open(target, "w") as fh:
+            fh.write("escaped")
+        return "written"
+
+    out = []
+    with ThreadPoolExecutor(2) as pool:
+        for job in (pool.submit(read_file, secret), pool.submit(read_file, "/etc/shadow"), pool.submit(write)):
+            try:
+                out.append(job.result())
+            except OSError as err:
+                out.append(f"blocked: {type(err).__name__}")
+    return " | ".join(out)
+
+
+def fork_exec_id() -> str:
+    """Run `id` through _posixsubprocess.fork_exec, then through subprocess."""
+    import _posixsubprocess
+    import subprocess
+
+    out = []
+    r, w = os.pipe()
+    err_r, err_w = os.pipe()
+    try:  # Python 3.11's argument list (see subprocess.Popen._execute_child)
+        _posixsubprocess.fork_exec([b"/usr/bin/id"], [b"/usr/bin/id"], True, (w, err_w), None, None,
+                                   -1, -1, -1, w, -1, -1, err_r, err_w, False, False, -1, None, None, None, -1,
+                                   None, False)
+        os.close(w)
+        os.close(err_w)
+        out.append(os.read(r, 1000).decode() or f"no output: {os.read(err_r, 200).decode(errors='replace')}")
+    except OSError as err:
+        out.append(f"blocked: {type(err).__name__}")
+    try:
+        out.append(subprocess.run(["id"], capture_output=True, text=True, check=False).stdout)
+    except OSError as err:
+        out.append(f"blocked: {type(err).__name__}")
+    return " | ".join(out)
+
+
+def ctypes_open(path: str) -> str:
+    """Open and read a file through libc, past Python's own file objects.
+
+    Args:
+        path: Its path.
+    """
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    fd = libc.open(path.encode(), os.O_RDONLY)
+    if fd < 0:
+        return f"blocked: errno {ctypes.get_errno()}"
+    return os.read(fd, 1000).decode(errors="replace")
+
+
+def sqlite_read(path: str) -> str:
+    """Open a database file.
+
+    Args:
+        path: Its path.
+    """
+    import sqlite3
+
+    try:
+        con = sqlite3.connect(path)
+        return str(con.execute("select count(*) from sqlite_master").fetchall())
+    except sqlite3.Error as err:
+        return f"blocked: {type(err).__name__}: {err}"
+
+
+def torch_read(path: str, size: int) -> str:
+    """Map a file as a tensor.
+
+    Args:
+        path: Its path.
+        size: Bytes.
+    """
+    import torch
+
+    return bytes(torch.from_file(path, size=size, dtype=torch.uint8).tolist()).decode(errors="replace")
+
+
+def connect(port: int) -> str:
+    """Connect to a TCP port of the machine.
+
+    Args:
+        port: The port on 127.0.0.1.
+    """
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+        s.sendall(b"escaped")
+    return "connected"
+
+
+def stat(path: str) -> str:
+    """Probe a path.
+
+    Args:
+        path: Its path.
+    """
+    st = os.stat(path)
+    return f"exists, {st.st_size} bytes"
+
+
+def exit7() -> str:
+    """End the process at once."""
+    os._exit(7)
+
+
+def sigterm_self() -> str:
+    """Send SIGTERM to its own process, then to its parent."""
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(2)
+    return "survived"
+
+
+def sigkill_parent() -> str:
+    """Send SIGKILL to its parent process."""
+    os.kill(os.getppid(), signal.SIGKILL)
+    time.sleep(2)
+    return "survived"
+
+
+def hang() -> str:
+    """Sleep for a long time in one C call."""
+    time.sleep(600)
+    return "woke"
+
+
+class NeverStr:
+    def __str__(self) -> str:
+        while True:
+            pass
+
+    __repr__ = __str__
+
+
+def never_str() -> NeverStr:
+    """Return a value whose text never comes."""
+    return NeverStr()
+
+
+def allocate(gigabytes: float) -> str:
+    """Allocate memory and touch it.
+
+    Args:
+        gigabytes: How much.
+    """
+    block = bytearray(int(gigabytes * (1 << 30)))
+    return f"allocated {len(block)}"
+
+
+def fill_tmp(megabytes: int) -> str:
+    """Write files of 8 MiB to /tmp.
+
+    Args:
+        megabytes: How much in total.
+    """
+    written = 0
+    try:
+        for i in range(megabytes // 8):
+            with open(f"/tmp/fill{i}", "wb") as fh:
+                fh.write(b"x" * (8 << 20))
+            written += 8
+    except OSError as err:
+        return f"stopped after {written} MiB: {type(err).__name__}"
+    return f"wrote {written} MiB"
+
+
+def leave_thread() -> str:
+    """Start a spinning thread and return."""
+    threading.Thread(target=lambda: [None for _ in iter(int, 1)], daemon=True).start()
+    return "thread left running"
+
+
+class Exploder:
+    """A per-episode tool object (tools.environment) whose tool ends its process."""
+
+    def reset(self, task) -> str:
+        self.pid = os.getpid()
+        return "ready"
+
+    def boom(self) -> str:
+        """End the process."""
+        os._exit(3)
+
+    def reward(self) -> float:
+        return 1.0
+
+
+def descendants(pid: int | None = None) -> list[int]:
+    """Live processes (not zombies) descended from `pid` (default: this process), from /proc."""
+    parent: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z":
+                parent[int(entry)] = int(fields[1])
+    root, out = pid or os.getpid(), []
+    for p in parent:
+        q = p
+        while q in parent and q != root:
+            q = parent[q]
+        if q == root and p != root:
+            out.append(p)
+    return out

@@ -1,0 +1,156 @@
+"""How tool worker processes are confined: bubblewrap where it works, else resource limits only.
+
+`Sandbox` (from the `tools` config) says what a worker may see and use; `worker_command(sandbox)` is the command
+line that starts one (`vlmrl.tools.worker`), chosen once per process and logged once:
+
+- **bwrap** (Debian's `bubblewrap`, used when `bwrap` is installed and can create namespaces here): new user, pid,
+  network, IPC, UTS and cgroup namespaces (`--unshare-all`; `tools.network: true` keeps the network), all
+  capabilities dropped, uid/gid 65534, `--die-with-parent`, `--new-session`. The filesystem is empty but for
+  read-only binds of the shared libraries (/usr/lib, /usr/lib64), the Python installation and venv, the folders of
+  `sys.path` (so tool modules import) and `read_dir`; `hide` (the dataset's folder, which holds the answers) is
+  covered by an empty tmpfs even where it lies inside a bound folder, then `read_dir` is bound again on top.
+  /tmp is a private tmpfs of TMP_MB (where bwrap supports `--size`); there is no /etc, no /usr/bin (no programs to run) and no /home.
+- **rlimits** (fallback, or `tools.isolation: rlimits`): a separate process with the worker's rlimits only. It
+  does NOT restrict the filesystem (tool code can read anything the trainer's user can, including the dataset's
+  answers, and write where that user can), the network, or starting programs; it only keeps crashes, hangs,
+  signals and memory/CPU blow-ups out of the trainer.
+
+Either way the worker caps itself with rlimits (`vlmrl.tools.worker.set_limits`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("vlmrl.tools")
+VLMRL_ROOT = str(Path(__file__).resolve().parents[1])  # the vlmrl package folder
+TMP_MB = 64  # size of a bwrap worker's private /tmp
+_LIB_DIRS = ("/usr/lib", "/usr/lib64", "/lib", "/lib64", "/lib32", "/usr/lib32")
+
+
+@dataclass(frozen=True)
+class Sandbox:
+    """What tool workers may use.
+
+    read_dir: the only data folder tools may read (None: none); hide: folders that must stay invisible (the
+    dataset's); memory_mb: heap/anonymous memory cap in MiB; cpu_s: CPU seconds per call; network: keep the
+    network (bwrap only); isolation: "auto" (bwrap when it works, else rlimits), "bwrap" (required) or "rlimits".
+    """
+
+    read_dir: str | None = None
+    hide: tuple[str, ...] = field(default=())
+    memory_mb: int = 2048
+    cpu_s: float = 60.0
+    network: bool = False
+    isolation: str = "auto"
+
+
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def _code_dirs() -> list[str]:
+    """Python's installation, the venv, vlmrl and the folders on sys.path (real paths, outermost only)."""
+    found = {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable)),
+             VLMRL_ROOT, *(p for p in sys.path if p)}
+    dirs = sorted({os.path.realpath(d) for d in found if os.path.isdir(d)} - {"/"})
+    out: list[str] = []
+    for d in dirs:  # sorted: a parent comes before its children
+        if not any(_inside(d, o) for o in out) and not any(_inside(d, lib) for lib in _LIB_DIRS):
+            out.append(d)
+    return out
+
+
+def pythonpath() -> str:
+    """PYTHONPATH of a worker: vlmrl's parent folder and this process's sys.path folders."""
+    entries = [os.path.dirname(VLMRL_ROOT), *(p for p in sys.path if p and os.path.isdir(p))]
+    return os.pathsep.join(dict.fromkeys(os.path.realpath(p) for p in entries))
+
+
+def worker_argv(sandbox: Sandbox) -> list[str]:
+    """The python command line of a worker (without any isolation wrapper)."""
+    return [sys.executable, "-m", "vlmrl.tools.worker", "--memory-mb", str(sandbox.memory_mb),
+            "--cpu-s", str(sandbox.cpu_s)]
+
+
+def bwrap_argv(sandbox: Sandbox, bwrap: str = "bwrap") -> list[str]:
+    """The bubblewrap prefix confining a worker (see the module docstring)."""
+    argv = [bwrap, "--unshare-all", "--unshare-user", "--uid", "65534", "--gid", "65534", "--cap-drop", "ALL",
+            "--die-with-parent", "--new-session", "--clearenv", "--setenv", "PYTHONPATH", pythonpath(),
+            "--setenv", "PATH", "/nonexistent", "--setenv", "HOME", "/tmp", "--setenv", "OMP_NUM_THREADS", "1"]
+    if sandbox.network:
+        argv.append("--share-net")
+    for lib in _LIB_DIRS:
+        if os.path.islink(lib):
+            argv += ["--symlink", os.readlink(lib), lib]
+        elif os.path.isdir(lib):
+            argv += ["--ro-bind", lib, lib]
+    for d in _code_dirs():
+        argv += ["--ro-bind", d, d]
+    argv += ["--proc", "/proc", "--dev", "/dev", *_tmp_size(bwrap), "--tmpfs", "/tmp"]
+    read = os.path.realpath(sandbox.read_dir) if sandbox.read_dir else None
+    for h in (os.path.realpath(p) for p in sandbox.hide):
+        if os.path.isdir(h) and any(_inside(h, d) for d in _code_dirs()):
+            argv += ["--tmpfs", h]
+    if read and os.path.isdir(read):
+        argv += ["--ro-bind", read, read]
+    return argv + ["--chdir", read if read and os.path.isdir(read) else "/tmp", "--"]
+
+
+@functools.cache
+def _tmp_size(bwrap: str) -> tuple[str, ...]:
+    """`--size` for the private /tmp (TMP_MB) when this bwrap supports it (0.9+), so files there cannot fill RAM."""
+    try:
+        text = subprocess.run([bwrap, "--help"], capture_output=True, text=True, timeout=30, check=False).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ()
+    return ("--size", str(TMP_MB << 20)) if "--size" in text else ()
+
+
+@functools.cache
+def _bwrap_works(bwrap: str) -> str:
+    """'' when `bwrap` can start a Python here, else why not (probed once per process)."""
+    probe = bwrap_argv(Sandbox(), bwrap) + [sys.executable, "-c", "import vlmrl.tools.worker"]
+    try:
+        res = subprocess.run(probe, capture_output=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return str(err)
+    return "" if res.returncode == 0 else res.stderr.decode(errors="replace").strip()[-200:] or f"exit {res.returncode}"
+
+
+@functools.cache
+def _announce(mode: str, why: str) -> None:
+    if mode == "bwrap":
+        log.info("tools: workers run under bubblewrap (no network unless tools.network, read-only data folder)")
+    else:
+        log.warning("tools: workers run with rlimits only (%s): tool code can read and write the filesystem and "
+                    "use the network as this user; install bubblewrap for isolation", why)
+
+
+def isolation_mode(sandbox: Sandbox) -> str:
+    """"bwrap" or "rlimits" for `sandbox.isolation` on this machine. Raises ValueError when bwrap is required
+    (`isolation: bwrap`) but does not work."""
+    if sandbox.isolation == "rlimits":
+        _announce("rlimits", "tools.isolation=rlimits")
+        return "rlimits"
+    bwrap = shutil.which("bwrap")
+    why = "bwrap is not installed" if bwrap is None else _bwrap_works(bwrap)
+    if why and sandbox.isolation == "bwrap":
+        raise ValueError(f"tools.isolation=bwrap but bubblewrap does not work here: {why}")
+    _announce("rlimits" if why else "bwrap", why)
+    return "rlimits" if why else "bwrap"
+
+
+def worker_command(sandbox: Sandbox) -> tuple[list[str], str | None]:
+    """(argv, cwd) that start one confined worker."""
+    if isolation_mode(sandbox) == "bwrap":
+        return bwrap_argv(sandbox, shutil.which("bwrap") or "bwrap") + worker_argv(sandbox), None
+    cwd = sandbox.read_dir if sandbox.read_dir and os.path.isdir(sandbox.read_dir) else None
+    return worker_argv(sandbox), cwd

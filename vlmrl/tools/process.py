@@ -1,0 +1,223 @@
+"""Tool worker processes seen from the trainer: start, send one request, wait for its reply with a deadline, kill.
+
+`WorkerProcess` speaks the protocol of `vlmrl.tools.worker` (requests pickled by the trainer, replies as JSON
+that is only parsed here, never unpickled). Anything but a well-formed reply before the deadline -- the process
+exited (`os._exit`, a signal, a crash), it ran out of its CPU limit, it hung, it wrote garbage -- kills the process
+(its whole process group; bwrap's `--die-with-parent` and pid namespace take the rest) and raises `WorkerError`
+with the failure kind. `WorkerPool` keeps idle workers for function tools and replaces dead ones at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import cloudpickle
+
+from vlmrl.tools.isolation import Sandbox, pythonpath, worker_command
+from vlmrl.tools.worker import HEADER
+from vlmrl.types import ToolFailure
+
+MAX_REPLY_BYTES = 256 << 20
+START_TIMEOUT_S = 120.0  # a worker must start (Python, imports, namespaces) within this; calls are timed after
+
+
+class WorkerError(Exception):
+    """A call that gave no reply: `kind` is the ToolFailure to count, the message says why."""
+
+    def __init__(self, kind: ToolFailure, detail: str):
+        super().__init__(detail)
+        self.kind = kind
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            proc.kill()
+    for stream in (proc.stdin, proc.stdout):
+        try:
+            stream.close()
+        except OSError:
+            pass
+    proc.wait()
+
+
+def _exit_detail(code: int | None) -> tuple[ToolFailure, str]:
+    if code is None:
+        return ToolFailure.CRASH, "the tool's worker process stopped answering"
+    if code > 128 and code - 128 in signal.valid_signals():  # bwrap exits 128 + N when its child got signal N
+        code = 128 - code
+    if code < 0:
+        sig = signal.Signals(-code)
+        if sig is signal.SIGXCPU:
+            return ToolFailure.TIMEOUT, "the tool used up its CPU time (tools.cpu_s) and was killed"
+        return ToolFailure.CRASH, f"the tool's worker process was killed by {sig.name}"
+    return ToolFailure.CRASH, f"the tool's worker process exited with code {code}"
+
+
+class WorkerProcess:
+    """One worker process (started at once; WorkerError(CRASH) if it cannot be). `send` then `receive`, or `call`
+    for both."""
+
+    def __init__(self, sandbox: Sandbox):
+        argv, cwd = worker_command(sandbox)
+        env = {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL", "HOME", "TMPDIR")}
+        env.update(PYTHONPATH=pythonpath(), OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
+        try:
+            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=subprocess.DEVNULL, cwd=cwd, env=env, start_new_session=True)
+        except OSError as err:  # e.g. no more processes or memory: this call fails, the trainer goes on
+            raise WorkerError(ToolFailure.CRASH, f"could not start a tool worker process: {err}") from None
+        self.calls = 0
+        self.retire = False
+        self.started = False
+        self.modules: set[str] = set()
+        weakref.finalize(self, _kill, self.proc)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None and not self.retire
+
+    def wait_started(self) -> None:
+        """Wait for the worker's start-up reply (once); raises WorkerError(CRASH) if it does not start."""
+        if not self.started:
+            try:
+                self.receive(time.monotonic() + START_TIMEOUT_S, START_TIMEOUT_S)
+            except WorkerError as err:
+                raise WorkerError(ToolFailure.CRASH, f"the tool's worker process did not start: {err}") from None
+            self.started = True
+
+    def preload(self, fn: Any) -> None:
+        """Import the module of `fn` in the worker once, within the start-up timeout (a tool's own imports, e.g.
+        torch, are start-up, not the call's time); import errors are left to the call itself."""
+        module = getattr(fn, "__module__", None) or getattr(type(fn), "__module__", None)
+        local = "<locals>" in str(getattr(fn, "__qualname__", ""))  # sent by value: no module import needed
+        if local or not isinstance(module, str) or module in self.modules or module in ("__main__", "builtins"):
+            return
+        self.modules.add(module)
+        self.send(("import", module))
+        self.receive(time.monotonic() + START_TIMEOUT_S, START_TIMEOUT_S)
+
+    def send(self, request: tuple) -> None:
+        """Send one request (after start-up); raises WorkerError when the worker is gone, pickling errors as is."""
+        self.wait_started()
+        data = cloudpickle.dumps(request)
+        try:
+            self.proc.stdin.write(HEADER.pack(len(data)) + data)
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError, ValueError):
+            self.kill()
+            raise WorkerError(*_exit_detail(self.proc.returncode)) from None
+        self.calls += 1
+
+    def _read(self, n: int, deadline: float, timeout_s: float) -> bytes:
+        fd, chunks, got = self.proc.stdout.fileno(), [], 0
+        while got < n:
+            left = max(0.0, deadline - time.monotonic())  # past the deadline: still take what has arrived
+            if not select.select([fd], [], [], left)[0]:
+                self.kill()
+                raise WorkerError(ToolFailure.TIMEOUT, f"did not finish within {timeout_s:g} s and was stopped")
+            chunk = os.read(fd, min(n - got, 1 << 20))
+            if not chunk:
+                code = self.proc.wait()
+                self.kill()
+                raise WorkerError(*_exit_detail(code))
+            chunks.append(chunk)
+            got += len(chunk)
+        return b"".join(chunks)
+
+    def receive(self, deadline: float, timeout_s: float) -> dict:
+        """The reply to the last request, waiting until `deadline` (time.monotonic); raises WorkerError."""
+        (size,) = HEADER.unpack(self._read(HEADER.size, deadline, timeout_s))
+        if size > MAX_REPLY_BYTES:
+            self.kill()
+            raise WorkerError(ToolFailure.TOO_LONG, f"the tool's reply of {size} bytes is too large")
+        try:
+            reply = json.loads(self._read(size, deadline, timeout_s))
+            if not isinstance(reply, dict):
+                raise ValueError("not an object")
+        except (ValueError, UnicodeDecodeError):
+            self.kill()
+            raise WorkerError(ToolFailure.CRASH, "the tool's worker process sent a malformed reply") from None
+        self.retire = bool(reply.get("retire"))
+        return reply
+
+    def call(self, request: tuple, timeout_s: float) -> dict:
+        self.send(request)
+        return self.receive(time.monotonic() + timeout_s, timeout_s)
+
+    def kill(self) -> None:
+        _kill(self.proc)
+
+
+class WorkerPool:
+    """Idle workers for function tools (at most `size` kept); a dead or retired worker is never reused."""
+
+    def __init__(self, sandbox: Sandbox, size: int = 1):
+        self.sandbox, self.size = sandbox, max(1, size)
+        self._idle: list[WorkerProcess] = []
+        self._lock = threading.Lock()
+
+    def acquire(self) -> WorkerProcess:
+        with self._lock:
+            while self._idle:
+                w = self._idle.pop()
+                if w.alive:
+                    return w
+                w.kill()
+        return WorkerProcess(self.sandbox)
+
+    def release(self, w: WorkerProcess) -> None:
+        """Keep `w` for the next call; a dead or retired worker is killed and a replacement starts at once (in
+        the background, so the next call does not wait for a whole start-up)."""
+        with self._lock:
+            keep = w.alive and len(self._idle) < self.size
+            if keep:
+                self._idle.append(w)
+            elif len(self._idle) < self.size:
+                try:
+                    self._idle.append(WorkerProcess(self.sandbox))
+                except WorkerError:
+                    pass  # the next call tries again
+        if not keep:
+            w.kill()
+
+    def warm(self, n: int = 1) -> None:
+        """Start workers ahead of the first calls (they start in the background)."""
+        with self._lock:
+            while len(self._idle) < min(n, self.size):
+                self._idle.append(WorkerProcess(self.sandbox))
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for w in idle:
+            w.kill()
+
+
+@dataclass
+class Reply:
+    """A decoded successful reply: content `blocks`, or `messages`, or a float `value`."""
+
+    blocks: list[dict] | None = None
+    messages: list[dict] | None = None
+    value: Any = None
+
+
+def decode_reply(reply: dict) -> Reply:
+    """The reply's payload; raises WorkerError with the tool's failure kind for `ok: false` replies."""
+    if reply.get("ok") is not True:
+        kind = {"bad_arguments": ToolFailure.BAD_ARGUMENTS, "memory": ToolFailure.MEMORY}.get(
+            str(reply.get("kind")), ToolFailure.EXCEPTION)
+        raise WorkerError(kind, str(reply.get("detail", ""))[:300])
+    return Reply(reply.get("blocks"), reply.get("messages"), reply.get("value"))
