@@ -157,7 +157,7 @@ def write_failure(exc: BaseException) -> str | None:
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            return os.strerror(exc.errno).lower()
+            return "no space left on the device" if exc.errno == errno.ENOSPC else "disk quota exceeded"
         for needle, reason in _WRITE_FAILURES:
             if needle in str(exc):
                 return reason

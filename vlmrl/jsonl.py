@@ -64,8 +64,10 @@ def parse_line(raw: bytes) -> tuple[dict | None, str | None]:
         return None, f"not UTF-8 (byte {raw[exc.start]:#04x} at column {exc.start + 1})"
     try:
         row = json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as exc:
+        return None, f"not JSON ({exc.msg} at column {exc.colno})"
     except ValueError as exc:
-        return None, f"not JSON ({str(exc).split(':')[0]})"
+        return None, f"not JSON ({exc})"
     except RecursionError:
         return None, "not JSON (nested too deeply)"
     if not isinstance(row, dict):

@@ -37,8 +37,23 @@ def quarantine(path: Path, bad: list[tuple[int, str, bytes]]) -> Path:
         f.flush()
         os.fsync(f.fileno())
     for number, reason, _ in bad:
-        log.warning("%s:%d: %s; moved to %s", path, number, reason, side.name)
+        log.warning("%s:%d: %s; the unusable bytes are in %s", path, number, reason, side.name)
     return side
+
+
+_ROW_START = b'{"step": '  # every run-file row starts so (metrics rows, trajectory records)
+
+
+def salvage(raw: bytes) -> tuple[int, dict] | None:
+    """A whole row at the end of an unusable line (a torn write followed by the next row, as one line): (offset of
+    the row in `raw`, the row), else None."""
+    at = raw.rfind(_ROW_START)
+    while at > 0:
+        row, _ = parse_line(raw[at:])
+        if row is not None and isinstance(row.get("step"), int):
+            return at, row
+        at = raw.rfind(_ROW_START, 0, at)
+    return None
 
 
 def _plan_lines(f, step: int) -> tuple[list[tuple[int, int]], list[tuple[int, str, bytes]], int, int]:
@@ -54,9 +69,17 @@ def _plan_lines(f, step: int) -> tuple[list[tuple[int, int]], list[tuple[int, st
             row, error = None, "no integer `step`"
         if row is None and offset == size and not raw.endswith(b"\n"):
             dropped += 1  # the torn tail of a write cut short: after the checkpoint, redone
-        elif row is None:
-            bad.append((number, error, raw))
-        elif row["step"] > step:
+            continue
+        if row is None:
+            found = salvage(raw)
+            if found is None:
+                bad.append((number, error, raw))
+                continue
+            at, row = found
+            bad.append((number, f"{error}: a torn row ({at} bytes, quarantined) followed by a whole row (kept)",
+                        raw[:at]))
+            start += at
+        if row["step"] > step:
             dropped += 1
         elif keep and keep[-1][1] == start:
             keep[-1] = (keep[-1][0], offset)  # ranges of consecutive kept lines are merged
@@ -147,7 +170,7 @@ class RunFiles:
             if p.name.startswith(".tmp-") and p.is_dir():
                 size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
                 shutil.rmtree(p, ignore_errors=True)
-                log.warning("removed the partial checkpoint %s (%.1f MB) a save cut short left", p, size / 1e6)
+                log.warning("removed %s (%.1f MB): a checkpoint save that did not finish", p, size / 1e6)
 
     def _prepare(self, overwrite: bool, needed_bytes: int = 0) -> None:
         """Fail before the first rollout if the folder is unusable; start the run files afresh."""

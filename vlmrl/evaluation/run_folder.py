@@ -83,6 +83,7 @@ class GenerateFiles(RunFiles):
 
     def __init__(self, out_dir: str | Path, overwrite: bool, config_yaml: str, samples: int):
         self.config_yaml, self.samples, self.records, self.rows = config_yaml, samples, [], []
+        self._unclean: set[Path] = set()  # run files with unusable lines: rewritten by `plan`
         super().__init__(out_dir, overwrite)
 
     def _prepare(self, overwrite: bool, needed_bytes: int = 0) -> None:
@@ -94,7 +95,7 @@ class GenerateFiles(RunFiles):
             raise RunFolderError(f"{self.dir} holds a training run (checkpoints/); choose another logging.output_dir "
                                  "or set logging.overwrite=true")
         old_config = self.dir / "config.yaml"
-        records, _ = _readable(self.trajectories)
+        records, bad = _readable(self.trajectories)
         if records and old_config.exists():
             diff = identity_diff(old_config.read_text(), self.config_yaml)
             if diff:
@@ -102,7 +103,8 @@ class GenerateFiles(RunFiles):
                                      "rerun with the same settings to resume, or set logging.overwrite=true")
         self._check_writable()
         self.records = records
-        self.rows, _ = _readable(self.metrics)
+        self.rows, bad_rows = _readable(self.metrics)
+        self._unclean = {p for p, b in ((self.trajectories, bad), (self.metrics, bad_rows)) if b}
         self.metrics.touch()
         self.trajectories.touch()
         self.write_config(self.config_yaml)
@@ -129,14 +131,17 @@ class GenerateFiles(RunFiles):
                 valid.append(row)
                 continue
             plan.steps.append((step, [p for p in range(start, end) if p not in done]))
-        if len(kept) != len(self.records):
-            log.warning("%s: dropping %d record(s) of unfinished problems; they run again", self.trajectories,
-                        len(self.records) - len(kept))
+        if len(kept) != len(self.records) or self.trajectories in self._unclean:
+            if len(kept) != len(self.records):
+                log.warning("%s: dropping %d record(s) of unfinished problems; they run again", self.trajectories,
+                            len(self.records) - len(kept))
             write_jsonl_atomic(self.trajectories, kept)
         if plan.steps and valid != self.rows:
             log.info("%s: kept the rows of steps 1-%d; the rest is redone from step %d", self.metrics, len(valid),
                      plan.steps[0][0])
-            write_jsonl_atomic(self.metrics, valid)
             self.rows = valid
+            write_jsonl_atomic(self.metrics, valid)
+        elif self.metrics in self._unclean:
+            write_jsonl_atomic(self.metrics, self.rows)
         self.records = kept
         return plan
