@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 
 from vlmrl import checkpoint
 from vlmrl.config import ResumeMode
+from vlmrl.jsonl import read_jsonl
 from vlmrl.runfiles import RunFolderError
 from vlmrl.runlock import LOCK_FILES
 
@@ -102,9 +103,9 @@ def config_changes(old_yaml: str, new_yaml: str) -> list[str]:
 
 
 def _rows(path: Path) -> int:
+    """Usable rows of a run file (`vlmrl.jsonl.read_jsonl`; 0 if it cannot be read)."""
     try:
-        with open(path, "rb") as f:
-            return sum(1 for _ in f)
+        return len(read_jsonl(path).rows)
     except OSError:
         return 0
 
