@@ -110,7 +110,8 @@ def _generate(cfg: Config, console: Any) -> GenerateResult:
                 files.append(files.metrics, [metrics])
                 loggers.log(metrics, step)
                 top = metrics.get(f"pass@{samples}", 0.0)
-                progress.update(bar, advance=len(missing), info=f"acc {metrics['accuracy']:.3f} pass@{samples} {top:.3f}")
+                info = f"acc {metrics['accuracy']:.3f} pass@{samples} {top:.3f}"
+                progress.update(bar, advance=len(missing), info=info)
     finally:
         loggers.close()
     return GenerateResult(files.dir, metrics, len(todo), len(plan.done))
