@@ -24,6 +24,7 @@ rebuilt identically from `model.name_or_path` on resume.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -36,6 +37,9 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from vlmrl.jsonl import fsync_path, write_atomic
+from vlmrl.runfiles import RunFolderError
 
 log = logging.getLogger("vlmrl.checkpoint")
 
@@ -127,30 +131,54 @@ def latest_checkpoint(root: Path) -> tuple[Path, dict] | None:
 # ----------------------------------------------------------------------------------------------------------- saving
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` through a temporary file, fsync, rename (readers see the old or the new text)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def clean_temporary(root: Path) -> None:
     """Remove the `.tmp-*` folders a crash mid-save left behind (rank 0, before a save)."""
     if Path(root).is_dir():
         for p in Path(root).iterdir():
             if p.name.startswith(".tmp-"):
                 shutil.rmtree(p, ignore_errors=True)
+
+
+class CheckpointWriteError(RunFolderError):
+    """A checkpoint could not be written (disk full, quota): the partial folder was removed; the message is one
+    line naming the step, the free space and the last complete checkpoint."""
+
+
+_WRITE_FAILURES = (("No space left on device", "no space left on the device"), ("StorageFull", "no space left on the "
+                   "device"), ("os error 28", "no space left on the device"), ("Disk quota exceeded", "disk quota "
+                   "exceeded"), ("file write failed", "a file write failed (disk full?)"))
+
+
+def write_failure(exc: BaseException) -> str | None:
+    """Why writing failed, if `exc` (or an exception it was raised from) is a full disk or quota: an OSError with
+    errno ENOSPC/EDQUOT, or a library error saying so (safetensors' `SafetensorError ... StorageFull`, torch's
+    `PytorchStreamWriter ... file write failed`). None for any other error."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return "no space left on the device" if exc.errno == errno.ENOSPC else "disk quota exceeded"
+        for needle, reason in _WRITE_FAILURES:
+            if needle in str(exc):
+                return reason
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _write(trainer: Any, tmp: Path, step: int, state: dict, processor: Any, config_yaml: str | None) -> None:
+    """Every rank's files, then (rank 0) config.yaml and `state.json` listing every file's size, into `tmp`."""
+    (tmp / "rng").mkdir(exist_ok=True)
+    torch.save(rng_state(), tmp / "rng" / f"rank_{trainer.rank}.pt")
+    trainer.save_checkpoint(tmp, processor=processor, client_state={"vlmrl": state})  # ends with a barrier
+    if trainer.is_main:
+        if config_yaml is not None:
+            (tmp / "config.yaml").write_text(config_yaml)
+        files = {}
+        for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            fsync_path(path)
+            files[str(path.relative_to(tmp))] = path.stat().st_size
+        full = {"format": FORMAT, **state, "step": step, "saved_at": time.time(), "files": files}
+        write_atomic(tmp / STATE, json.dumps(full, indent=1) + "\n")
 
 
 def save(
@@ -167,6 +195,9 @@ def save(
     trainer: a `GRPOTrainer` (`save_checkpoint(dir, processor=, client_state=)`, `rank`, `is_main`);
     state: JSON-able run state (step counter, data position, ...), stored in `state.json` and as DeepSpeed client
     state; keep_last: complete checkpoints to keep (0 = all).
+
+    Raises CheckpointWriteError (one line) when the disk or quota is full; the partial `.tmp-step_<n>` folder is
+    removed on any error, and the previous complete checkpoint stays usable.
     """
     from vlmrl.train import dist
 
@@ -177,18 +208,20 @@ def save(
         clean_temporary(root)
         tmp.mkdir()
     dist.barrier()
-    (tmp / "rng").mkdir(exist_ok=True)
-    torch.save(rng_state(), tmp / "rng" / f"rank_{trainer.rank}.pt")
-    trainer.save_checkpoint(tmp, processor=processor, client_state={"vlmrl": state})  # ends with a barrier
+    try:
+        _write(trainer, tmp, step, state, processor, config_yaml)
+    except Exception as exc:
+        if trainer.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        reason = write_failure(exc)
+        if reason is None:
+            raise
+        newest = latest_checkpoint(root)
+        raise CheckpointWriteError(
+            f"could not write checkpoint step_{step}: {reason} ({shutil.disk_usage(root).free / 2**30:.2f} GiB free "
+            f"in {root}); removed the partial {tmp.name}; last complete checkpoint: "
+            f"{newest[0].name if newest else 'none'}. Free some space, then rerun the same command to resume") from None
     if trainer.is_main:
-        if config_yaml is not None:
-            (tmp / "config.yaml").write_text(config_yaml)
-        files = {}
-        for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
-            _fsync(path)
-            files[str(path.relative_to(tmp))] = path.stat().st_size
-        full = {"format": FORMAT, **state, "step": step, "saved_at": time.time(), "files": files}
-        _write_atomic(tmp / STATE, json.dumps(full, indent=1) + "\n")
         if final.exists():  # the same step saved again (e.g. an interrupted step redone): replace it
             old = root / f".tmp-old-step_{step}"
             shutil.rmtree(old, ignore_errors=True)
@@ -197,9 +230,9 @@ def save(
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(final)
-        _fsync(root)
-        _write_atomic(root / LATEST, final.name + "\n")
-        _fsync(root)
+        fsync_path(root)
+        write_atomic(root / LATEST, final.name + "\n")
+        fsync_path(root)
         prune(root, keep_last)
         log.info("checkpoint %s saved", final)
     dist.barrier()
@@ -242,9 +275,18 @@ def load(trainer: Any, folder: Path) -> dict:
     return state
 
 
-def estimate_bytes(module: torch.nn.Module, bf16: bool = False) -> int:
-    """Rough size of one checkpoint of `module`: HF weights + DeepSpeed module weights + two fp32 Adam moments
-    (+ fp32 master weights under bf16)."""
+def estimate_bytes(module: torch.nn.Module, overhead: int = 64 * 2**20) -> int:
+    """An upper estimate of one checkpoint of `module` (bytes): HF weights (`hf/model.safetensors`) + DeepSpeed's
+    module weights (`mp_rank_*_model_states.pt`), each at the parameters' own dtype, + 12 bytes per parameter of
+    optimizer state (fp32 master weights + two fp32 Adam moments: DeepSpeed ZeRO keeps all three, under fp32 too),
+    + `overhead` for the processor files (a tokenizer.json is up to ~35 MB), RNG states and config, + 5%.
+    Measured on the tiny Qwen2.5-VL (fp32, ZeRO-2): 209 MB written, 278 MB estimated (tests/test_runfolder.py)."""
     numel = sum(int(getattr(p, "ds_numel", p.numel())) for p in module.parameters())
     weight_bytes = sum(int(getattr(p, "ds_numel", p.numel())) * p.element_size() for p in module.parameters())
-    return 2 * weight_bytes + numel * 4 * (3 if bf16 else 2)
+    return int(1.05 * (2 * weight_bytes + 12 * numel + overhead))
+
+
+def checkpoint_bytes(folder: Path) -> int:
+    """The size of a complete checkpoint as its `state.json` lists it (0 if it is not complete)."""
+    state = read_state(folder)
+    return sum(int(v) for v in state["files"].values()) if state else 0

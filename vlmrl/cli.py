@@ -136,13 +136,15 @@ def evaluate(
 ) -> None:
     """Report on a run folder: metrics table (metrics.md), PNG plots, and a self-contained HTML trajectory viewer."""
     _setup_logging()
-    from vlmrl.report import build_report
+    from vlmrl.report import ReportError, build_report
 
     try:
         report = build_report(run_dir, out, max_trajectories=max_trajectories)
-    except FileNotFoundError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+    except (OSError, ReportError) as exc:  # not a run folder, an unreadable run file, an unwritable --out
+        console.print(f"[red]error:[/red] {exc}", highlight=False)
         raise typer.Exit(1)
+    for problem in report.problems:  # one line each: file:line: reason (skipped)
+        console.print(f"[yellow]warning:[/yellow] {problem}", soft_wrap=True, highlight=False)
     if report.summary:
         _print_metrics(report.summary, f"last metrics row · {run_dir}")
     console.print(f"metrics table: {report.metrics_md}")

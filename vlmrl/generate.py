@@ -6,7 +6,8 @@
 No trainer, no DeepSpeed, no update: the engine gets the plain module through `contextlib.nullcontext(model)`.
 The folder has the training run's files (config.yaml, trajectories.jsonl, metrics.jsonl), so `vlmrl evaluate`
 reports on both. Resumable: rerunning the same command skips the problems whose samples are all written; a problem
-cut short by a crash (fewer lines than samples, or a torn last line) is dropped and run again. Changing the model,
+cut short by a crash (fewer lines than samples, or a torn last line) is dropped and run again, on the same chunk grid,
+so the metrics rows equal those of an uninterrupted run (`vlmrl.evaluation.run_folder`). Changing the model,
 data, env, rollout or sampling settings for an existing folder is an error (`logging.overwrite=true` starts afresh);
 raising `data.limit` / `data.eval_limit` extends the run.
 
@@ -25,8 +26,7 @@ from vlmrl.evaluation.during_training import eval_during_training
 from vlmrl.evaluation.metrics import (_summary, episode_correct, eval_metrics, first_graded_correct, generated_tokens,
                                       pass_at_k, pass_ks, tool_metrics)
 from vlmrl.evaluation.rollouts import build_runner, chunks, eval_data_cfg, full_record, rollout_records
-from vlmrl.evaluation.run_folder import (IDENTITY_IGNORED, IDENTITY_PREFIXES, GenerateFiles, identity_diff,
-                                         read_jsonl)
+from vlmrl.evaluation.run_folder import IDENTITY_IGNORED, IDENTITY_PREFIXES, GenerateFiles, identity_diff
 from vlmrl.report.run_data import EVAL_TRAJECTORIES
 
 log = logging.getLogger("vlmrl.generate")
@@ -53,7 +53,20 @@ def _seed(seed: int) -> None:
 
 def generate(cfg: Config, console: Any = None) -> GenerateResult:
     """Run `algorithm.group_size` episodes per problem of the eval split (`data.eval_split`, else `data.split`) in
-    chunks of `trainer.batch_size` problems; append their records and a cumulative metrics row per chunk."""
+    chunks of `trainer.batch_size` problems; append their records and a cumulative metrics row per chunk.
+
+    The process holds the run folder's lock (`vlmrl.runlock`) throughout: a second run into the folder raises
+    RunLocked naming the holder. A rerun resumes on the chunk grid of `vlmrl.evaluation.run_folder`."""
+    from vlmrl import runlock
+
+    runlock.acquire(cfg.logging.output_dir)
+    try:
+        return _generate(cfg, console)
+    finally:
+        runlock.release(cfg.logging.output_dir)
+
+
+def _generate(cfg: Config, console: Any) -> GenerateResult:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -64,46 +77,47 @@ def generate(cfg: Config, console: Any = None) -> GenerateResult:
     console = console or Console()
     samples = cfg.algorithm.group_size
     files = GenerateFiles(cfg.logging.output_dir, cfg.logging.overwrite, to_yaml(cfg), samples)
-    data_cfg = eval_data_cfg(cfg.data)
-    tasks = load_env_tasks(cfg.env, data_cfg)
-    ids = {t.id for t in tasks}
-    done = files.done_tasks() & ids
-    todo = [t for t in tasks if t.id not in done]
-    records = [r for r in files.records if str(r["task_id"]) in ids]
-    if done:
-        log.info("resuming %s: %d of %d problems already done", files.dir, len(done), len(tasks))
+    tasks = load_env_tasks(cfg.env, eval_data_cfg(cfg.data))
+    plan = files.plan(tasks, cfg.trainer.batch_size)
+    todo = [p for _, missing in plan.steps for p in missing]
+    if plan.done:
+        log.info("resuming %s: %d of %d problems already done", files.dir, len(plan.done), len(tasks))
+    records = [r for r in plan.records if r["row"] is not None and r["row"] < len(tasks)]
     metrics = _summary(records, [], 0.0)
-    if not todo:
-        return GenerateResult(files.dir, metrics, 0, len(done))
+    if not plan.steps:
+        return GenerateResult(files.dir, metrics, 0, len(plan.done))
 
-    _seed(cfg.seed + files.last_step())  # a resumed run does not replay the first run's random stream
-    model, processor = load_policy(cfg.model)
-    model.eval()
-    runner, _ = build_runner(cfg, model, processor)
+    runner = None
+    if todo:
+        model, processor = load_policy(cfg.model)
+        model.eval()
+        runner, _ = build_runner(cfg, model, processor)
     loggers = make_loggers(cfg, enabled=True, prefix="generate")
-    step, new, seconds = files.last_step(), [], 0.0
     columns = [TextColumn("[bold]generate"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeElapsedColumn()]
     try:
         with Progress(*columns, console=console, disable=not cfg.logging.progress) as progress:
-            bar = progress.add_task("generate", total=len(tasks), completed=len(done), info="")
-            for batch in chunks(todo, cfg.trainer.batch_size):
-                step += 1
-                recs, dt = rollout_records(runner, batch, samples, step)
-                files.append(files.trajectories, recs)
-                new += recs
-                seconds += dt
-                metrics = {"step": step, **_summary(records + new, new, seconds)}
+            bar = progress.add_task("generate", total=len(tasks), completed=len(tasks) - len(todo), info="")
+            for step, missing in plan.steps:
+                recs, dt = [], 0.0
+                if missing:
+                    _seed(cfg.seed + step - 1)  # per chunk: a redone chunk samples as it did uninterrupted
+                    recs, dt = rollout_records(runner, [tasks[p] for p in missing], samples, step, rows=missing)
+                    files.append(files.trajectories, recs)
+                records += recs
+                end = min(step * max(cfg.trainer.batch_size, 1), len(tasks))
+                metrics = {"step": step, **_summary([r for r in records if r["row"] < end], recs, dt)}
                 files.append(files.metrics, [metrics])
                 loggers.log(metrics, step)
                 top = metrics.get(f"pass@{samples}", 0.0)
-                progress.update(bar, advance=len(batch), info=f"acc {metrics['accuracy']:.3f} pass@{samples} {top:.3f}")
+                info = f"acc {metrics['accuracy']:.3f} pass@{samples} {top:.3f}"
+                progress.update(bar, advance=len(missing), info=info)
     finally:
         loggers.close()
-    return GenerateResult(files.dir, metrics, len(todo), len(done))
+    return GenerateResult(files.dir, metrics, len(todo), len(plan.done))
 
 
 __all__ = ["EVAL_TRAJECTORIES", "GenerateFiles", "GenerateResult", "IDENTITY_IGNORED", "IDENTITY_PREFIXES",
            "build_runner", "chunks", "episode_correct", "eval_data_cfg", "eval_during_training", "eval_metrics",
            "first_graded_correct", "full_record", "generate", "generated_tokens", "identity_diff", "pass_at_k",
-           "pass_ks", "read_jsonl", "rollout_records", "tool_metrics"]
+           "pass_ks", "rollout_records", "tool_metrics"]

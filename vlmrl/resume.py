@@ -24,9 +24,16 @@ from omegaconf import OmegaConf
 
 from vlmrl import checkpoint
 from vlmrl.config import ResumeMode
+from vlmrl.jsonl import read_jsonl
 from vlmrl.runfiles import RunFolderError
+from vlmrl.runlock import LOCK_FILES
 
 log = logging.getLogger("vlmrl.resume")
+
+# config.yaml records the effective export.style: `individual` when a `concat` request fell back for a template that
+# rewrites earlier turns (vlmrl.run.export_style). The same command then reads as this change; it is accepted at
+# planning time and checked once the builder is known.
+STYLE_FALLBACK = "export.style: 'individual' -> 'concat'"
 
 # Config keys (dotted prefixes) that may change between the run and its resume without changing what it computes.
 RESUME_IGNORED = ("logging.", "resume.", "trainer.steps", "trainer.save_every", "trainer.keep_last",
@@ -65,6 +72,7 @@ class ResumePlan:
     fresh: bool = True
     state: dict = field(default_factory=dict)
     changes: list[str] = field(default_factory=list)
+    style_fallback: bool = False  # config.yaml says individual where this command says concat (STYLE_FALLBACK)
 
 
 def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -95,9 +103,9 @@ def config_changes(old_yaml: str, new_yaml: str) -> list[str]:
 
 
 def _rows(path: Path) -> int:
+    """Usable rows of a run file (`vlmrl.jsonl.read_jsonl`; 0 if it cannot be read)."""
     try:
-        with open(path, "rb") as f:
-            return sum(1 for _ in f)
+        return len(read_jsonl(path).rows)
     except OSError:
         return 0
 
@@ -114,13 +122,16 @@ def plan_resume(cfg: Any, config_yaml: str) -> ResumePlan:
     if cfg.logging.overwrite:
         return ResumePlan()
     if mode is ResumeMode.never:
-        if out.is_dir() and any(out.iterdir()):
+        if out.is_dir() and any(p.name not in LOCK_FILES for p in out.iterdir()):
             raise RunFolderError(f"{out} is not empty and resume=never starts a new run; choose another "
                                  "logging.output_dir, set logging.overwrite=true, or continue it with resume=auto")
         return ResumePlan()
     found = checkpoint.latest_checkpoint(out / "checkpoints")
     old_config = found[0] / "config.yaml" if found else out / "config.yaml"
     changes = config_changes(old_config.read_text(), config_yaml) if old_config.is_file() else []
+    style_fallback = STYLE_FALLBACK in changes
+    if style_fallback:  # checked against the builder once it is built (vlmrl.run.check_style)
+        changes.remove(STYLE_FALLBACK)
     if changes and not cfg.resume.allow_config_change:
         shown = "; ".join(changes[:6]) + (f"; ... ({len(changes)} keys)" if len(changes) > 6 else "")
         raise RunFolderError(f"{out} holds a run with another config ({shown}); rerun with the same settings to "
@@ -134,9 +145,10 @@ def plan_resume(cfg: Any, config_yaml: str) -> ResumePlan:
             return ResumePlan()  # no run here yet
         if rows:
             log.warning("%s has %d metrics row(s) but no complete checkpoint: restarting at step 1", out, rows)
-        return ResumePlan(fresh=False, changes=changes)
+        return ResumePlan(fresh=False, changes=changes, style_fallback=style_fallback)
     folder, state = found
-    return ResumePlan(folder, int(state["step"]), fresh=False, state=state, changes=changes)
+    return ResumePlan(folder, int(state["step"]), fresh=False, state=state, changes=changes,
+                      style_fallback=style_fallback)
 
 
 def record_resume(out_dir: Path, plan: ResumePlan) -> None:

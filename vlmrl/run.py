@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
@@ -28,9 +29,10 @@ from vlmrl.metrics import rollout_metrics
 from vlmrl.models import load_policy
 from vlmrl.rewards import group_advantages
 from vlmrl.rollout.episode import EpisodeRunner
-from vlmrl.resume import (BadStepGuard, ResumePlan, StepAbandoned, StopSignals, TooManyBadSteps,
+from vlmrl.resume import (STYLE_FALLBACK, BadStepGuard, ResumePlan, StepAbandoned, StopSignals, TooManyBadSteps,
                           TrainingInterrupted, nonfinite_episodes, plan_resume, record_resume)
-from vlmrl.runfiles import ImageStore, RunFiles
+from vlmrl import runlock
+from vlmrl.runfiles import ImageStore, RunFiles, RunFolderError
 from vlmrl.wiring import build_runner
 from vlmrl.tokens.base import PrefixMode, TokenBuilder
 from vlmrl.train.trainer import GRPOTrainer
@@ -92,21 +94,28 @@ def build_job(cfg: Config, plan: ResumePlan | None = None) -> Job:
     seed_everything(cfg.seed)
     main_rank = int(os.environ.get("RANK", "0")) == 0  # known before torch.distributed starts
     keep_until = None if plan is None or plan.fresh else plan.step
-    files = RunFiles(cfg.logging.output_dir, cfg.logging.overwrite, keep_until) if main_rank else None
+    needed = checkpoint.checkpoint_bytes(plan.checkpoint) if plan is not None and plan.checkpoint else 0
+    files = RunFiles(cfg.logging.output_dir, cfg.logging.overwrite, keep_until, needed) if main_rank else None
+    model, processor = load_policy(cfg.model)
+    trainer = GRPOTrainer(model, cfg.trainer, cfg.algorithm, cfg.rollout.temperature, family=cfg.model.family)
+    if files and not needed:
+        files.check_space(checkpoint.estimate_bytes(trainer.module))
+    runner, builder = build_runner(cfg, trainer.policy, processor)
+    style = export_style(cfg.export.style, builder)
+    if plan is not None and plan.style_fallback and style is not ExportStyle.individual:
+        raise RunFolderError(f"{cfg.logging.output_dir} holds a run with another config ({STYLE_FALLBACK}); rerun "
+                             "with the same settings to resume it, add resume.allow_config_change=true, or start "
+                             "over with logging.overwrite=true")
+    cfg = dataclasses.replace(cfg, export=dataclasses.replace(cfg.export, style=style))  # config.yaml: the effective
     if files:
         files.write_config(to_yaml(cfg))
         if plan is not None:
             record_resume(files.dir, plan)
-    model, processor = load_policy(cfg.model)
-    trainer = GRPOTrainer(model, cfg.trainer, cfg.algorithm, cfg.rollout.temperature, family=cfg.model.family)
-    if files:
-        files.check_space(checkpoint.estimate_bytes(trainer.module, trainer.cfg.dtype == "bf16"))
-    runner, builder = build_runner(cfg, trainer.policy, processor)
     tasks = load_env_tasks(cfg.env, cfg.data)
     if not tasks:
         raise ValueError(f"no usable rows in {cfg.data.path} (split {cfg.data.split})")
     random.Random(cfg.data.shuffle_seed).shuffle(tasks)
-    job = Job(cfg, trainer, runner, builder, tasks, export_style(cfg.export.style, builder), files, processor)
+    job = Job(cfg, trainer, runner, builder, tasks, style, files, processor)
     job.guard.max_in_row = cfg.trainer.max_bad_steps
     return job
 
@@ -211,8 +220,21 @@ def _stop_signal(job: Job) -> int | None:
 
 
 def train(cfg: Config, console: Console | None = None) -> Path:
-    """Run `cfg.trainer.steps` GRPO steps; write the run folder; return its path."""
-    console = console or Console()
+    """Run `cfg.trainer.steps` GRPO steps; write the run folder; return its path.
+
+    Rank 0 holds the run folder's lock (`vlmrl.runlock`) throughout: a second run into the same folder raises
+    RunLocked (a RunFolderError naming the holder) before anything is read or loaded."""
+    main_rank = int(os.environ.get("RANK", "0")) == 0
+    if main_rank:
+        runlock.acquire(cfg.logging.output_dir)
+    try:
+        return _train(cfg, console or Console())
+    finally:
+        if main_rank:
+            runlock.release(cfg.logging.output_dir)
+
+
+def _train(cfg: Config, console: Console) -> Path:
     plan = plan_resume(cfg, to_yaml(cfg))  # refuses a changed config / a non-empty folder before loading anything
     steps = cfg.trainer.steps
     if plan.step >= steps:

@@ -1,76 +1,126 @@
 """The run folder: resolved config, `trajectories.jsonl`, `metrics.jsonl`, checkpoints. Only rank 0 writes.
 
 Run files hold each step exactly once: rows are appended one whole line at a time (one write, then flush + fsync at
-the end of the step, trajectories before the step's metrics row), and a resumed run first cuts both files back to
-the steps its checkpoint covers (`keep_until`), dropping a torn last line too. Non-finite floats are written as
-`null` (strict JSON).
+the end of the step, trajectories before the step's metrics row), and a resumed run first repairs both files
+(`truncate_after`): rows of steps its checkpoint covers are kept, rows of later steps and a torn last line are
+dropped (redone), and any other unusable line (torn or corrupt in the middle, not UTF-8, not a JSON object) is moved
+to `<file>.quarantine` and named in the log with its line number. Non-finite floats are written as `null` (strict
+JSON). Reading and writing go through `vlmrl.jsonl`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
-import re
 import shutil
 from pathlib import Path
-from typing import Any
+
+from vlmrl.jsonl import append_jsonl, fsync_path, parse_line, write_atomic
 
 log = logging.getLogger("vlmrl.runfiles")
 
-_STEP_PREFIX = re.compile(rb'^\{"step": (\d+)[,}]')
+QUARANTINE_SUFFIX = ".quarantine"
 
 
 class RunFolderError(RuntimeError):
-    """The output folder cannot be used (not writable, or holds another run and overwrite is off)."""
+    """The output folder cannot be used (not writable, in use, too little space, or holds another run and overwrite
+    is off)."""
 
 
-def _finite_json(value: Any) -> Any:
-    """`value` with NaN/inf floats replaced by None (recursively through dicts, lists and tuples)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite_json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite_json(v) for v in value]
-    return value
+def quarantine(path: Path, bad: list[tuple[int, str, bytes]]) -> Path:
+    """Append the raw bytes of bad lines `(number, reason, raw)` of `path` to `<path>.quarantine` (fsynced) and log
+    each as `file:line: reason`. Returns the side file."""
+    side = path.with_name(path.name + QUARANTINE_SUFFIX)
+    with open(side, "ab") as f:
+        for _, _, raw in bad:
+            f.write(raw if raw.endswith(b"\n") else raw + b"\n")
+        f.flush()
+        os.fsync(f.fileno())
+    for number, reason, _ in bad:
+        log.warning("%s:%d: %s; the unusable bytes are in %s", path, number, reason, side.name)
+    return side
 
 
-def _line_step(line: bytes) -> int | None:
-    """The `step` of a whole JSON line, or None if the line does not parse (or has no integer step)."""
-    m = _STEP_PREFIX.match(line)
-    if m:
-        return int(m.group(1))
-    try:
-        step = json.loads(line).get("step")
-    except (ValueError, AttributeError):
-        return None
-    return step if isinstance(step, int) else None
+_ROW_START = b'{"step": '  # every run-file row starts so (metrics rows, trajectory records)
+
+
+def salvage(raw: bytes) -> tuple[int, dict] | None:
+    """A whole row at the end of an unusable line (a torn write followed by the next row, as one line): (offset of
+    the row in `raw`, the row), else None."""
+    at = raw.rfind(_ROW_START)
+    while at > 0:
+        row, _ = parse_line(raw[at:])
+        if row is not None and isinstance(row.get("step"), int):
+            return at, row
+        at = raw.rfind(_ROW_START, 0, at)
+    return None
+
+
+def _plan_lines(f, step: int) -> tuple[list[tuple[int, int]], list[tuple[int, str, bytes]], int, int]:
+    """One pass over an open run file: (byte ranges to keep, bad lines to quarantine, lines dropped, file size)."""
+    size = os.fstat(f.fileno()).st_size
+    keep, bad, dropped, offset = [], [], 0, 0
+    for number, raw in enumerate(f, 1):
+        start, offset = offset, offset + len(raw)
+        if not raw.strip():
+            continue
+        row, error = parse_line(raw)
+        if row is not None and not isinstance(row.get("step"), int):
+            row, error = None, "no integer `step`"
+        if row is None and offset == size and not raw.endswith(b"\n"):
+            dropped += 1  # the torn tail of a write cut short: after the checkpoint, redone
+            continue
+        if row is None:
+            found = salvage(raw)
+            if found is None:
+                bad.append((number, error, raw))
+                continue
+            at, row = found
+            bad.append((number, f"{error}: a torn row ({at} bytes, quarantined) followed by a whole row (kept)",
+                        raw[:at]))
+            start += at
+        if row["step"] > step:
+            dropped += 1
+        elif keep and keep[-1][1] == start:
+            keep[-1] = (keep[-1][0], offset)  # ranges of consecutive kept lines are merged
+        else:
+            keep.append((start, offset))
+    return keep, bad, dropped, size
 
 
 def truncate_after(path: Path, step: int) -> int:
-    """Cut `path` (JSON lines in step order) before its first line that is torn (no newline), unreadable, or of a
-    step after `step`. Returns the number of lines dropped (0 if the file is missing)."""
+    """Repair run file `path` for a resume after step `step`: keep every whole row of a step <= `step`, drop rows of
+    later steps and a torn last line, quarantine any other unusable line (`quarantine`). Cuts the file in place when
+    the kept rows are a prefix, else rewrites it atomically. Returns the number of lines removed (0 if missing)."""
     try:
         f = open(path, "r+b")
     except FileNotFoundError:
         return 0
     with f:
-        offset, cut_at, dropped = 0, None, 0
-        for line in f:
-            if cut_at is None:
-                line_step = _line_step(line) if line.endswith(b"\n") else None
-                if line_step is None or line_step > step:
-                    cut_at = offset
-            if cut_at is not None:
-                dropped += 1
-            offset += len(line)
-        if cut_at is not None:
-            f.truncate(cut_at)
+        keep, bad, dropped, size = _plan_lines(f, step)
+        if bad:
+            quarantine(path, bad)
+        if len(keep) <= 1 and (not keep or keep[0][0] == 0):
+            end = keep[0][1] if keep else 0
+            if end == size:
+                return 0
+            f.truncate(end)
             f.flush()
             os.fsync(f.fileno())
-    return dropped
+            return dropped + len(bad)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        with open(tmp, "wb") as out:
+            for a, b in keep:
+                f.seek(a)
+                while a < b:
+                    chunk = f.read(min(b - a, 1 << 20))
+                    out.write(chunk)
+                    a += len(chunk)
+            out.flush()
+            os.fsync(out.fileno())
+    os.replace(tmp, path)
+    fsync_path(path.parent)
+    return dropped + len(bad)
 
 
 class RunFiles:
@@ -80,17 +130,23 @@ class RunFiles:
     resume.log (one line per resume).
 
     keep_until None: a new run (an existing run there is an error unless `overwrite`, which deletes its files);
-    an int: continue the folder's run after step `keep_until` (later lines and a torn last line are dropped).
+    an int: continue the folder's run after step `keep_until` (`truncate_after` repairs both run files).
+    needed_bytes: free space a checkpoint needs; checked (after removing the `.tmp-*` folders a crash mid-save left
+    in checkpoints/) before any run file is touched, RunFolderError if short.
     """
 
-    def __init__(self, out_dir: str | Path, overwrite: bool = False, keep_until: int | None = None):
+    def __init__(self, out_dir: str | Path, overwrite: bool = False, keep_until: int | None = None,
+                 needed_bytes: int = 0):
         self.dir = Path(out_dir)
         self.trajectories = self.dir / "trajectories.jsonl"
         self.metrics = self.dir / "metrics.jsonl"
         self.checkpoints = self.dir / "checkpoints"
         if keep_until is None:
-            self._prepare(overwrite)
+            self._prepare(overwrite, needed_bytes)
         else:
+            self._check_writable()
+            self._remove_partial_checkpoints()
+            self.check_space(needed_bytes)
             self._continue(keep_until)
 
     def _holds_run(self) -> bool:
@@ -106,7 +162,17 @@ class RunFiles:
         except OSError as exc:
             raise RunFolderError(f"output folder {self.dir} is not writable: {exc.strerror}") from exc
 
-    def _prepare(self, overwrite: bool) -> None:
+    def _remove_partial_checkpoints(self) -> None:
+        """Delete the `.tmp-*` folders of checkpoints/ (a save cut short by a crash or a full disk), saying so."""
+        if not self.checkpoints.is_dir():
+            return
+        for p in sorted(self.checkpoints.iterdir()):
+            if p.name.startswith(".tmp-") and p.is_dir():
+                size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+                shutil.rmtree(p, ignore_errors=True)
+                log.warning("removed %s (%.1f MB): a checkpoint save that did not finish", p, size / 1e6)
+
+    def _prepare(self, overwrite: bool, needed_bytes: int = 0) -> None:
         """Fail before the first rollout if the folder is unusable; start the run files afresh."""
         if self._holds_run() and not overwrite:
             raise RunFolderError(
@@ -117,19 +183,22 @@ class RunFiles:
         if overwrite:
             shutil.rmtree(self.checkpoints, ignore_errors=True)
             (self.dir / "resume.log").unlink(missing_ok=True)
+        self.check_space(needed_bytes)
         for f in (self.trajectories, self.metrics):
             f.write_text("")
 
     def _continue(self, step: int) -> None:
-        self._check_writable()
         for f in (self.trajectories, self.metrics):
-            dropped = truncate_after(f, step)
-            if dropped:
-                log.info("%s: dropped %d line(s) after step %d (redone from the checkpoint)", f.name, dropped, step)
+            removed = truncate_after(f, step)
+            if removed:
+                log.info("%s: kept the rows of steps <= %d; removed %d line(s) (later steps are redone)", f.name,
+                         step, removed)
             f.touch()
 
     def check_space(self, needed_bytes: int) -> None:
         """RunFolderError if the folder's file system has less than `needed_bytes` free (e.g. one checkpoint)."""
+        if needed_bytes <= 0:
+            return
         free = shutil.disk_usage(self.dir).free
         if free < needed_bytes:
             raise RunFolderError(f"output folder {self.dir} has {free / 2**30:.2f} GiB free; a checkpoint needs "
@@ -140,13 +209,7 @@ class RunFiles:
 
     def append(self, path: Path, rows: list[dict]) -> None:
         """Append rows as JSON lines in one write, then flush to disk."""
-        if not rows:
-            return
-        text = "".join(json.dumps(_finite_json(r), ensure_ascii=False, allow_nan=False) + "\n" for r in rows)
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+        append_jsonl(path, rows)
 
 
 class ImageStore:
@@ -171,7 +234,5 @@ class ImageStore:
         path = self.run_dir / rel
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
+            write_atomic(path, data)
         return str(rel)

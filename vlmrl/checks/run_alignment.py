@@ -4,7 +4,6 @@ trajectory replayed with the run's builder, and its sampled tokens rescored with
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
@@ -59,15 +58,18 @@ class RunAlignment:
 
 
 def _read_records(path: Path, limit: int | None) -> Iterable[tuple[int, dict]]:
-    with open(path, encoding="utf-8") as f:
-        n = 0
-        for i, line in enumerate(f):
-            if not line.strip():
-                continue
-            if limit is not None and n >= limit:
-                return
-            n += 1
-            yield i, json.loads(line)
+    """(0-based line index, record) of the first `limit` records; CheckError `file:line: reason` on a bad line."""
+    from vlmrl.checks import CheckError
+    from vlmrl.jsonl import iter_jsonl
+
+    n = 0
+    for line in iter_jsonl(path):
+        if limit is not None and n >= limit:
+            return
+        if line.error is not None:
+            raise CheckError(f"{path}:{line.number}: {line.error}")
+        n += 1
+        yield line.number - 1, line.row
 
 
 class _Policies:

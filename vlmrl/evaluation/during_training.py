@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 from typing import Any
 
 from vlmrl.evaluation.metrics import _summary
 from vlmrl.evaluation.rollouts import chunks, eval_data_cfg, rollout_records
-from vlmrl.evaluation.run_folder import read_jsonl
+from vlmrl.jsonl import read_jsonl, write_jsonl_atomic
 from vlmrl.report.run_data import EVAL_TRAJECTORIES
 
 
@@ -52,9 +51,6 @@ def eval_during_training(job: Any, step: int) -> dict[str, float]:
     seconds = max(s for _, s in parts)
     if job.files:
         path = job.files.dir / EVAL_TRAJECTORIES
-        old, _ = read_jsonl(path)
-        keep = [r for r in old if int(r.get("step", 0)) < step]
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in keep + records), encoding="utf-8")
-        tmp.replace(path)
+        keep = [r for r in read_jsonl(path).rows if isinstance(r.get("step"), int) and r["step"] < step]
+        write_jsonl_atomic(path, keep + records)
     return {f"eval/{k}": v for k, v in _summary(records, records, seconds).items()}

@@ -63,9 +63,9 @@ def eval_metrics(records: list[dict]) -> dict[str, float]:
     """
     if not records:
         return {}
-    by_task: dict[str, list[dict]] = defaultdict(list)
-    for rec in records:
-        by_task[str(rec["task_id"])].append(rec)
+    by_task: dict[tuple, list[dict]] = defaultdict(list)
+    for rec in records:  # a problem: its id and, for `vlmrl generate`, its position (ids may repeat)
+        by_task[(str(rec["task_id"]), rec.get("row"))].append(rec)
     rewards = [float(r.get("reward", 0.0)) for r in records]
     graded = [(f, s) for r in records
               for f, s, g in zip(_turn_formatted(r), r.get("parse_status", []), _graded(r)) if g]
@@ -127,9 +127,12 @@ def tool_metrics(records: list[dict]) -> dict[str, float]:
 
 
 def _summary(records: list[dict], new: list[dict], seconds: float) -> dict[str, float]:
-    """eval_metrics over all records, with the speed of this invocation's rollouts (`new`, `seconds`)."""
+    """eval_metrics over all records plus their `generated_tokens`, with the speed of the rollouts that produced
+    `new` in `seconds` (`rollout_s`, `tokens_per_s`; absent without new records)."""
     out = eval_metrics(records)
+    if records:
+        out["generated_tokens"] = float(sum(generated_tokens(r) for r in records))
     if new:
         tokens = sum(generated_tokens(r) for r in new)
-        out.update(generated_tokens=float(tokens), rollout_s=seconds, tokens_per_s=tokens / max(seconds, 1e-9))
+        out.update(rollout_s=seconds, tokens_per_s=tokens / max(seconds, 1e-9))
     return out

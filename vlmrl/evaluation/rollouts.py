@@ -48,9 +48,15 @@ def chunks(items: list, size: int) -> Iterable[list]:
         yield items[i:i + size]
 
 
-def rollout_records(runner: Any, tasks: list[Task], samples: int, step: int) -> tuple[list[dict], float]:
-    """Run `samples` episodes of every task; returns (records in task order, wall seconds)."""
+def rollout_records(runner: Any, tasks: list[Task], samples: int, step: int,
+                    rows: list[int] | None = None) -> tuple[list[dict], float]:
+    """Run `samples` episodes of every task; returns (records in task order, wall seconds). rows: each task's position
+    in the eval task list, recorded as `row` (`vlmrl generate` keys problems by it: ids may repeat)."""
     t0 = time.perf_counter()
     trajs = runner.run(tasks, samples)
     seconds = time.perf_counter() - t0
-    return [full_record(traj, step, i % samples) for i, traj in enumerate(trajs)], seconds
+    recs = [full_record(traj, step, i % samples) for i, traj in enumerate(trajs)]
+    if rows is not None:
+        for i, rec in enumerate(recs):
+            rec["row"] = rows[i // samples]
+    return recs, seconds

@@ -1,17 +1,27 @@
 """The run folder of `vlmrl generate` (`GenerateFiles`): resumed unless overwritten, refused when it holds a training
-run or a generate run with other sampling settings (`identity_diff`)."""
+run or a generate run with other sampling settings (`identity_diff`).
+
+Resume works on a fixed grid: problem `p` (its position in the eval task list, recorded as `row` in each record, so
+duplicate ids are distinct problems) belongs to chunk `p // trainer.batch_size`, i.e. step `p // batch_size + 1`, and
+the metrics row of step `s` is cumulative over the problems of steps <= s. On reopening, problems with exactly
+`samples` records are done; the others' records are dropped; metrics rows are kept up to the first step that is
+missing, stale (a problem of it or before it is not done) or counts other episodes; the rest is redone in order. The
+metrics file after a rerun therefore equals that of an uninterrupted run.
+"""
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
-from vlmrl.runfiles import RunFiles, RunFolderError
+from vlmrl.jsonl import BadLine, read_jsonl, write_jsonl_atomic
+from vlmrl.runfiles import RunFiles, RunFolderError, quarantine
+from vlmrl.types import Task
 
 log = logging.getLogger("vlmrl.generate")
 
@@ -19,20 +29,6 @@ log = logging.getLogger("vlmrl.generate")
 IDENTITY_PREFIXES = ("model.", "data.", "env.", "rollout.", "tools.", "algorithm.group_size", "algorithm.turn_discount",
                      "seed")
 IDENTITY_IGNORED = ("data.limit", "data.eval_limit", "data.strict_rows")
-
-def read_jsonl(path: Path) -> tuple[list[dict], int]:
-    """Whole JSON lines of `path` (missing file: none) and the number of unreadable lines skipped (a torn tail)."""
-    if not path.exists():
-        return [], 0
-    rows, bad = [], 0
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            bad += 1
-    return rows, bad
 
 
 def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -52,18 +48,45 @@ def identity_diff(old_yaml: str, new_yaml: str) -> list[str]:
     return [k for k in keys if old.get(k) != new.get(k)]
 
 
+def _readable(path: Path) -> tuple[list[dict], list[BadLine]]:
+    """The usable rows of a run file; unusable lines other than a torn last line are quarantined (`quarantine`)."""
+    got = read_jsonl(path)
+    middle = [b for b in got.bad if b.raw.endswith(b"\n")]
+    if middle:
+        quarantine(path, [(b.number, b.reason, b.raw) for b in middle])
+    return got.rows, got.bad
+
+
+@dataclass
+class GeneratePlan:
+    """What a (resumed) generate run does. records: the kept records, each of a done problem; done: positions of
+    done problems; steps: (step, positions still to sample) for every step from the first one to (re)write."""
+
+    records: list[dict]
+    done: set[int]
+    steps: list[tuple[int, list[int]]] = field(default_factory=list)
+
+
+def record_row(rec: dict, first_of: dict[str, int]) -> int | None:
+    """A record's problem position: its `row`, else (records written before `row` existed) its id's first position."""
+    row = rec.get("row")
+    return row if isinstance(row, int) else first_of.get(str(rec.get("task_id")))
+
+
 class GenerateFiles(RunFiles):
     """The run folder of `vlmrl generate`: kept between runs (resume) unless `overwrite`.
 
-    On open: refuses a training run's folder and a folder whose config samples differently; drops the records of
-    problems with fewer than `samples` lines (rewriting trajectories.jsonl atomically); `records` holds the rest.
+    On open: refuses a training run's folder and a folder whose config samples differently, quarantines corrupt
+    lines; `records` / `rows` hold the usable trajectory records / metrics rows. `plan(tasks, batch_size)` then
+    decides what to keep and what to redo (module doc) and rewrites both files accordingly.
     """
 
     def __init__(self, out_dir: str | Path, overwrite: bool, config_yaml: str, samples: int):
-        self.config_yaml, self.samples, self.records = config_yaml, samples, []
+        self.config_yaml, self.samples, self.records, self.rows = config_yaml, samples, [], []
+        self._unclean: set[Path] = set()  # run files with unusable lines: rewritten by `plan`
         super().__init__(out_dir, overwrite)
 
-    def _prepare(self, overwrite: bool) -> None:
+    def _prepare(self, overwrite: bool, needed_bytes: int = 0) -> None:
         if overwrite:
             super()._prepare(overwrite)
             self.write_config(self.config_yaml)
@@ -72,30 +95,53 @@ class GenerateFiles(RunFiles):
             raise RunFolderError(f"{self.dir} holds a training run (checkpoints/); choose another logging.output_dir "
                                  "or set logging.overwrite=true")
         old_config = self.dir / "config.yaml"
-        records, bad = read_jsonl(self.trajectories)
+        records, bad = _readable(self.trajectories)
         if records and old_config.exists():
             diff = identity_diff(old_config.read_text(), self.config_yaml)
             if diff:
                 raise RunFolderError(f"{self.dir} holds a generate run with other settings ({', '.join(diff)} differ); "
                                      "rerun with the same settings to resume, or set logging.overwrite=true")
         self._check_writable()
-        counts = Counter(str(r.get("task_id")) for r in records)
-        kept = [r for r in records if counts[str(r.get("task_id"))] >= self.samples]
-        if bad or len(kept) != len(records):
-            log.warning("%s: dropping %d unreadable line(s) and %d line(s) of unfinished problems; they run again",
-                        self.trajectories, bad, len(records) - len(kept))
-            tmp = self.trajectories.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in kept), encoding="utf-8")
-            tmp.replace(self.trajectories)
-        self.records = kept
+        self.records = records
+        self.rows, bad_rows = _readable(self.metrics)
+        self._unclean = {p for p, b in ((self.trajectories, bad), (self.metrics, bad_rows)) if b}
         self.metrics.touch()
         self.trajectories.touch()
         self.write_config(self.config_yaml)
 
-    def done_tasks(self) -> set[str]:
-        return {str(r["task_id"]) for r in self.records}
-
-    def last_step(self) -> int:
-        rows, _ = read_jsonl(self.metrics)
-        steps = [int(r.get("step", 0)) for r in rows] + [int(r.get("step", 0)) for r in self.records]
-        return max(steps, default=0)
+    def plan(self, tasks: list[Task], batch_size: int) -> GeneratePlan:
+        """Keep the records of done problems and the still valid metrics rows (rewriting the files if anything is
+        dropped); return what to sample, step by step (module doc)."""
+        first_of: dict[str, int] = {}
+        for i, t in enumerate(tasks):
+            first_of.setdefault(t.id, i)
+        for rec in self.records:
+            rec["row"] = record_row(rec, first_of)  # in memory (and in the file if it is rewritten)
+        counts = Counter(r["row"] for r in self.records)
+        done = {p for p, n in counts.items() if p is not None and n == self.samples}
+        kept = [r for r in self.records if r["row"] in done | {None}]  # None: a problem not in this task list
+        batch = max(batch_size, 1)
+        by_step = {r.get("step"): r for r in self.rows}
+        plan, valid = GeneratePlan(kept, {p for p in done if p < len(tasks)}), []
+        for start in range(0, len(tasks), batch):
+            step, end = start // batch + 1, min(start + batch, len(tasks))
+            row = by_step.get(step)
+            if not plan.steps and row is not None and row.get("episodes") == self.samples * end and \
+                    all(p in done for p in range(end)):
+                valid.append(row)
+                continue
+            plan.steps.append((step, [p for p in range(start, end) if p not in done]))
+        if len(kept) != len(self.records) or self.trajectories in self._unclean:
+            if len(kept) != len(self.records):
+                log.warning("%s: dropping %d record(s) of unfinished problems; they run again", self.trajectories,
+                            len(self.records) - len(kept))
+            write_jsonl_atomic(self.trajectories, kept)
+        if plan.steps and valid != self.rows:
+            log.info("%s: kept the rows of steps 1-%d; the rest is redone from step %d", self.metrics, len(valid),
+                     plan.steps[0][0])
+            self.rows = valid
+            write_jsonl_atomic(self.metrics, valid)
+        elif self.metrics in self._unclean:
+            write_jsonl_atomic(self.metrics, self.rows)
+        self.records = kept
+        return plan

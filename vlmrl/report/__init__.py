@@ -13,13 +13,17 @@ from __future__ import annotations
 
 import base64
 import html
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from vlmrl.report import plots, table, viewer
 from vlmrl.report.run_data import RunData, load_run
 
-__all__ = ["Report", "build_report", "load_run", "RunData", "summary_row"]
+__all__ = ["Report", "ReportError", "build_report", "load_run", "RunData", "summary_row"]
+
+
+class ReportError(RuntimeError):
+    """The report cannot be written (read-only `--out`, `--out` an existing file); one line."""
 
 CSS = """
 body{font:14px/1.45 system-ui,-apple-system,Segoe UI,sans-serif;margin:1.5em auto;max-width:1100px;padding:0 1em;
@@ -58,6 +62,7 @@ class Report:
     summary: dict
     trajectories_shown: int
     tokenizer_loaded: bool
+    problems: list[str] = field(default_factory=list)  # `file:line: reason` of the run-file lines left out
 
 
 def summary_row(run: RunData) -> dict:
@@ -79,9 +84,22 @@ def _header(run: RunData) -> str:
 
 def build_report(run_dir: str | Path, out_dir: str | Path | None = None, max_trajectories: int = 200,
                  image_side: int = 256, tokenizer: bool = True) -> Report:
-    """Write the report of `run_dir` into `out_dir` (default `run_dir/report`); see the module doc."""
+    """Write the report of `run_dir` into `out_dir` (default `run_dir/report`); see the module doc.
+
+    Raises FileNotFoundError (not a run folder), OSError (a run file cannot be read at all: RunFolderUnreadable),
+    ReportError (the report cannot be written: a read-only or non-folder `out_dir`). Each message is one line."""
     run = load_run(run_dir)
     out = Path(out_dir) if out_dir else run.dir / "report"
+    try:
+        return _write_report(run, out, max_trajectories, image_side, tokenizer)
+    except OSError as exc:
+        where = exc.filename or out
+        raise ReportError(f"cannot write the report to {out}: {exc.strerror or exc} ({where})") from None
+
+
+def _write_report(run: RunData, out: Path, max_trajectories: int, image_side: int, tokenizer: bool) -> Report:
+    if out.exists() and not out.is_dir():
+        raise ReportError(f"--out {out} exists and is not a folder; choose a folder for the report")
     out.mkdir(parents=True, exist_ok=True)
     cols = table.columns(run.metrics)
     metrics_md = out / "metrics.md"
@@ -100,9 +118,10 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None, max_tra
     legend = ('<p class="legend note"><span class="m1">loss mask 1 (sampled)</span><span class="m0">mask 0 (context)'
               '</span><span class="bd">inserted at a turn boundary</span><span class="fold">repeated id folded</span> '
               f'· {tok_note} · hover a token for its id and logprob</p>')
-    sections = viewer.section_html("Trajectories", "t", run.trajectories, max_trajectories, inline, text_of)
+    sections = viewer.section_html("Trajectories", "t", run.trajectories, max_trajectories, inline, text_of,
+                                   run.problems)
     sections += viewer.section_html("Eval trajectories (trainer.eval_every)", "e", run.eval_trajectories,
-                                    max_trajectories, inline, text_of)
+                                    max_trajectories, inline, text_of, run.problems)
     shown = len(viewer.select(run.trajectories, max_trajectories)) + len(
         viewer.select(run.eval_trajectories, max_trajectories))
     page = (f'<!doctype html><html><head><meta charset="utf-8"><title>vlmrl report · {html.escape(run.dir.name)}'
@@ -112,4 +131,4 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None, max_tra
             f'{legend}{sections or "<p>no trajectories</p>"}</body></html>')
     index = out / "index.html"
     index.write_text(page, encoding="utf-8")
-    return Report(out, index, metrics_md, pngs, summary, shown, tok is not None)
+    return Report(out, index, metrics_md, pngs, summary, shown, tok is not None, run.problems)

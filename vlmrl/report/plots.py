@@ -36,7 +36,8 @@ def series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
     for i, row in enumerate(rows):
         v = row.get(key)
         if isinstance(v, (int, float)) and not isinstance(v, bool):
-            xs.append(float(row.get("step", i + 1)))
+            step = row.get("step")
+            xs.append(float(step) if isinstance(step, (int, float)) and not isinstance(step, bool) else i + 1.0)
             ys.append(float(v))
     return xs, ys
 

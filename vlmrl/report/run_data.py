@@ -2,26 +2,32 @@
 
 from __future__ import annotations
 
-import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vlmrl.jsonl import read_jsonl
+
+log = logging.getLogger("vlmrl.report")
+
 EVAL_TRAJECTORIES = "eval_trajectories.jsonl"
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """Whole JSON lines of `path` (none if missing); an unreadable line (a torn tail) is skipped."""
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return rows
+class RunFolderUnreadable(OSError):
+    """A run folder file cannot be read at all (permissions, a folder where a file should be); one line."""
+
+
+def _rows(path: Path, problems: list[str]) -> list[dict]:
+    """The usable rows of `path`; each unusable line is noted in `problems` as `file:line: reason (skipped)`."""
+    try:
+        got = read_jsonl(path)
+    except OSError as exc:
+        raise RunFolderUnreadable(f"cannot read {path}: {exc.strerror or exc}") from None
+    for bad in got.bad:
+        problems.append(f"{bad} (skipped)")
+        log.debug("%s (skipped)", bad)
+    return got.rows
 
 
 @dataclass
@@ -36,6 +42,7 @@ class RunData:
     metrics: list[dict]
     trajectories: list[dict]
     eval_trajectories: list[dict] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # `file:line: reason` of every line that could not be used
 
     def cfg(self, dotted: str, default: Any = None) -> Any:
         node: Any = self.config
@@ -58,21 +65,33 @@ class RunData:
         return sorted(found, key=step, reverse=True)
 
 
-def load_run(run_dir: str | Path) -> RunData:
-    """Read a run folder. Raises FileNotFoundError if it holds neither metrics.jsonl nor trajectories.jsonl."""
-    d = Path(run_dir)
-    if not (d / "metrics.jsonl").exists() and not (d / "trajectories.jsonl").exists():
-        raise FileNotFoundError(f"{d} is not a run folder (no metrics.jsonl or trajectories.jsonl)")
-    config_text = (d / "config.yaml").read_text() if (d / "config.yaml").exists() else ""
-    config: dict = {}
-    if config_text:
-        try:
-            from omegaconf import OmegaConf
+def _config(path: Path, problems: list[str]) -> tuple[str, dict]:
+    """config.yaml's text and parsed tree ("" and {} if missing or unreadable, noted in `problems`)."""
+    if not path.exists():
+        return "", {}
+    try:
+        text = path.read_text(encoding="utf-8")
+        from omegaconf import OmegaConf
 
-            config = OmegaConf.to_container(OmegaConf.create(config_text))  # type: ignore[assignment]
-        except Exception:  # noqa: BLE001 - a config we cannot parse only costs the header
-            config = {}
-    trajs = read_jsonl(d / "trajectories.jsonl")
+        tree = OmegaConf.to_container(OmegaConf.create(text))
+        if not isinstance(tree, dict):
+            raise ValueError("not a mapping")
+        return text, tree
+    except (OSError, UnicodeDecodeError, ValueError, Exception) as exc:  # noqa: BLE001 - only costs the header
+        problems.append(f"{path}: cannot be read as a YAML config ({type(exc).__name__}); header left empty")
+        return "", {}
+
+
+def load_run(run_dir: str | Path) -> RunData:
+    """Read a run folder. Unusable lines are skipped and listed in `problems` (`file:line: reason`).
+    Raises FileNotFoundError if it holds neither metrics.jsonl nor trajectories.jsonl, RunFolderUnreadable (an
+    OSError) if one of them cannot be read at all."""
+    d = Path(run_dir)
+    if not (d / "metrics.jsonl").is_file() and not (d / "trajectories.jsonl").is_file():
+        raise FileNotFoundError(f"{d} is not a run folder (no metrics.jsonl or trajectories.jsonl)")
+    problems: list[str] = []
+    config_text, config = _config(d / "config.yaml", problems)
+    trajs = _rows(d / "trajectories.jsonl", problems)
+    metrics = _rows(d / "metrics.jsonl", problems)
     kind = "generate" if trajs and all("sample" in t for t in trajs) and not (d / "checkpoints").exists() else "train"
-    return RunData(d, kind, config_text, config, read_jsonl(d / "metrics.jsonl"), trajs,
-                   read_jsonl(d / EVAL_TRAJECTORIES))
+    return RunData(d, kind, config_text, config, metrics, trajs, _rows(d / EVAL_TRAJECTORIES, problems), problems)

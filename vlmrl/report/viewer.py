@@ -260,12 +260,24 @@ def index_html(chosen: list[tuple[int, dict]], section: str) -> str:
     return f'<div class="scroll idx"><table class="metrics"><thead>{head}</thead><tbody>{body}</tbody></table></div>'
 
 
-def section_html(title: str, section: str, records: list[dict], limit: int, inline, text_of) -> str:
+def section_html(title: str, section: str, records: list[dict], limit: int, inline, text_of,
+                 problems: list[str] | None = None) -> str:
+    """The viewer section of `records` (at most `limit`, `select`); a record that cannot be rendered becomes a note
+    on the page and a line in `problems`."""
     if not records:
         return ""
     chosen = select(records, limit)
     note = f"{len(chosen)} of {len(records)} trajectories"
     if len(chosen) < len(records):
         note += " (spread over the run)"
-    body = "".join(trajectory_html(rec, idx, section, inline, text_of) for idx, rec in chosen)
-    return f'<h2>{_esc(title)}</h2><p class="note">{note}</p>{index_html(chosen, section)}{body}'
+    shown, body = [], []
+    for idx, rec in chosen:  # a record of unexpected shape becomes a note, not a crash of the whole report
+        try:
+            body.append(trajectory_html(rec, idx, section, inline, text_of))
+            index_html([(idx, rec)], section)
+            shown.append((idx, rec))
+        except Exception as exc:  # noqa: BLE001
+            if problems is not None:
+                problems.append(f"{title}: record #{idx} cannot be shown ({type(exc).__name__}: {exc})")
+            body.append(f'<p class="noimg">record #{idx} cannot be shown ({_esc(type(exc).__name__)})</p>')
+    return f'<h2>{_esc(title)}</h2><p class="note">{note}</p>{index_html(shown, section)}{"".join(body)}'

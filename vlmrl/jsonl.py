@@ -1,0 +1,157 @@
+"""The one JSON-lines reader and the one atomic writer of run files (`metrics.jsonl`, `trajectories.jsonl`,
+`eval_trajectories.jsonl`, checkpoint `state.json`/`latest`), used by resume, `vlmrl generate`, the report and the
+checks.
+
+A line is *usable* when it is whole (ends with a newline), valid UTF-8, strict JSON, and a JSON object. Anything else
+is a `BadLine` naming file, 1-based line number and reason; readers decide whether to skip, quarantine or refuse it.
+Writes are strict JSON: NaN/inf floats become `null`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+
+@dataclass
+class Line:
+    """One physical line of a JSONL file. number: 1-based; raw: its bytes (with the newline, if any); row: the parsed
+    object (None if the line is bad); error: why the line is bad (None if usable)."""
+
+    number: int
+    raw: bytes
+    row: dict | None
+    error: str | None
+
+
+@dataclass
+class BadLine:
+    """An unusable line: `path:number: reason` (str)."""
+
+    path: Path
+    number: int
+    reason: str
+    raw: bytes = b""
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.number}: {self.reason}"
+
+
+@dataclass
+class JsonlRead:
+    """rows: the usable objects in file order; numbers: their 1-based line numbers; bad: the unusable lines."""
+
+    rows: list[dict] = field(default_factory=list)
+    numbers: list[int] = field(default_factory=list)
+    bad: list[BadLine] = field(default_factory=list)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"non-strict JSON constant {name}")
+
+
+def parse_line(raw: bytes) -> tuple[dict | None, str | None]:
+    """(object, None) for a whole line holding a JSON object, else (None, reason)."""
+    if not raw.endswith(b"\n"):
+        return None, "torn line (no newline at the end: a write was cut short)"
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return None, f"not UTF-8 (byte {raw[exc.start]:#04x} at column {exc.start + 1})"
+    try:
+        row = json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as exc:
+        return None, f"not JSON ({exc.msg} at column {exc.colno})"
+    except ValueError as exc:
+        return None, f"not JSON ({exc})"
+    except RecursionError:
+        return None, "not JSON (nested too deeply)"
+    if not isinstance(row, dict):
+        return None, f"not a JSON object (a {type(row).__name__})"
+    return row, None
+
+
+def iter_jsonl(path: str | Path) -> Iterator[Line]:
+    """Every non-blank line of `path` (none if the file is missing), parsed. Raises OSError if it cannot be read."""
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        return
+    with f:
+        for number, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            row, error = parse_line(raw)
+            yield Line(number, raw, row, error)
+
+
+def read_jsonl(path: str | Path) -> JsonlRead:
+    """The usable rows of `path` and its bad lines (see the module doc). A missing file reads as empty."""
+    out = JsonlRead()
+    for line in iter_jsonl(path):
+        if line.error is None:
+            out.rows.append(line.row)
+            out.numbers.append(line.number)
+        else:
+            out.bad.append(BadLine(Path(path), line.number, line.error, line.raw))
+    return out
+
+
+def finite_json(value: Any) -> Any:
+    """`value` with NaN/inf floats replaced by None (recursively through dicts, lists and tuples)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(v) for v in value]
+    return value
+
+
+def dump_lines(rows: list[dict]) -> str:
+    """Rows as strict JSON lines (NaN/inf -> null), each ending with a newline."""
+    return "".join(json.dumps(finite_json(r), ensure_ascii=False, allow_nan=False) + "\n" for r in rows)
+
+
+def fsync_path(path: str | Path) -> None:
+    """fsync a file or a folder (makes a rename in it durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: str | Path, data: str | bytes) -> None:
+    """Write `data` to `path` through `.<name>.tmp<pid>` + fsync + rename: readers see the old or the new content,
+    never a part. The temporary file is removed if the write fails (e.g. ENOSPC, re-raised)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_jsonl_atomic(path: str | Path, rows: list[dict]) -> None:
+    """Replace `path` by `rows` as JSON lines, atomically (`write_atomic`)."""
+    write_atomic(path, dump_lines(rows))
+
+
+def append_jsonl(path: str | Path, rows: list[dict]) -> None:
+    """Append rows as JSON lines in one write, then flush + fsync (a crash leaves at most a torn last line)."""
+    if not rows:
+        return
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(dump_lines(rows))
+        f.flush()
+        os.fsync(f.fileno())
