@@ -367,3 +367,37 @@ def test_verify_run_and_align_every_catch_a_builder_that_changes_every_feedback_
     assert cli.exit_code == 1 and "NOT aligned" in cli.output
     align = sampled_alignment(model, builder, trajs, k=len(trajs), temperature=1.0)
     assert align.token_mismatches == sum(len(t.tokens.turn_spans) > 1 for t in trajs) > 0
+
+
+def test_verify_run_bad_lines_name_file_and_line_and_empty_runs_are_not_aligned(tiny_run, tmp_path):
+    """A torn, non-UTF-8, non-object or mistyped line is a failing row naming `trajectories.jsonl line N` (the good
+    lines are still checked); a run with no trajectory is NOT aligned (exit 1); a broken config is one line (exit 2).
+    Never a traceback."""
+    run_dir = tiny_run[0]
+    good = (run_dir / "trajectories.jsonl").read_bytes().splitlines()[0]
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    shutil.copy(run_dir / "config.yaml", bad / "config.yaml")
+    mistyped = json.loads(good)
+    mistyped["input_ids"] = "abc"
+    lines = [good, good[:40], b'{"step": 1, "x": "\xff"}', b"[1, 2]", b"", json.dumps(mistyped).encode()]
+    (bad / "trajectories.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    result = verify_run(bad, logprobs=False)
+    assert not result.ok and [r.ok for r in result.trajectories] == [True, False, False, False, False]
+    errors = [r.error for r in result.trajectories[1:]]
+    for line_no, why in zip((2, 3, 4, 6), ("not JSON", "not UTF-8", "a JSON list", "'input_ids'")):
+        assert any(f"trajectories.jsonl line {line_no}: " in e and why in e for e in errors), (line_no, errors)
+    cli = runner.invoke(app, ["verify-alignment", "--run", str(bad), "--no-logprobs"])
+    assert cli.exit_code == 1 and "Traceback" not in cli.output and "line 3: not UTF-8" in cli.output
+
+    (bad / "trajectories.jsonl").write_text("\n\n")
+    result = verify_run(bad, logprobs=False)
+    assert not result.ok and result.trajectories == [] and any("no trajectories" in n for n in result.notes)
+    cli = runner.invoke(app, ["verify-alignment", "--run", str(bad), "--no-logprobs"])
+    assert cli.exit_code == 1 and "NOT aligned" in cli.output and "no trajectories in" in cli.output
+    assert cli.exception is None or isinstance(cli.exception, SystemExit)
+
+    (bad / "config.yaml").write_text("model: [unclosed\n")
+    cli = runner.invoke(app, ["verify-alignment", "--run", str(bad)])
+    assert cli.exit_code == 2 and "config.yaml" in cli.output and len(cli.output.strip().splitlines()) == 1
+    assert isinstance(cli.exception, SystemExit)

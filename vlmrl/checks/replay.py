@@ -48,6 +48,9 @@ class Recorded:
 
     @staticmethod
     def from_record(rec: dict, index: int, run_dir: Path | None, patch_size: int | None) -> "Recorded":
+        """A `trajectories.jsonl` record (`vlmrl.export.trajectory_record`). Raises KeyError / ValueError /
+        TypeError naming the missing or malformed field."""
+        _check_fields(rec)
         grids = rec.get("image_grid_thw") or []
         messages, n_img, stand_ins = [], 0, 0
         for m in rec["messages"]:
@@ -71,6 +74,28 @@ class Recorded:
                         [tuple(s) for s in rec["turn_spans"]], boundary,
                         list(rec.get("stop_reasons") or []), grids or None, int(rec.get("step", 0)),
                         str(rec.get("task_id", "")), index, None, stand_ins)
+
+
+def _check_fields(rec: dict) -> None:
+    """Types of the fields `from_record` reads: lists of ints / numbers / [start, end] pairs, messages as objects."""
+    def ints(name: str) -> None:
+        value = rec[name]
+        if not isinstance(value, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                                  for x in value):
+            raise ValueError(f"field {name!r} is not a list of non-negative integers")
+
+    ints("input_ids")
+    ints("loss_mask")
+    if not isinstance(rec["logprobs"], list) or not all(isinstance(x, (int, float)) for x in rec["logprobs"]):
+        raise ValueError("field 'logprobs' is not a list of numbers")
+    spans = rec["turn_spans"]
+    if not isinstance(spans, list) or not all(isinstance(sp, list) and len(sp) == 2 and
+                                              all(isinstance(x, int) for x in sp) for sp in spans):
+        raise ValueError("field 'turn_spans' is not a list of [start, end] integer pairs")
+    msgs = rec["messages"]
+    if not isinstance(msgs, list) or not all(isinstance(m, dict) and isinstance(m.get("content"), list) and
+                                             all(isinstance(p, dict) for p in m["content"]) for m in msgs):
+        raise ValueError("field 'messages' is not a list of {role, content: [parts]} objects")
 
 
 def _open_image(ref: str, run_dir: Path | None):
