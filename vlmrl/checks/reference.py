@@ -15,9 +15,10 @@ so they are never re-encoded). When the sampled ids end with the token the templ
 token is the sampled one and is not repeated. Tokens the builder inserted at a turn boundary (`BoundaryEdit`) may
 differ from the reference and are reported, not failures.
 
-Deliberate difference: user and environment text holding a special-token string (e.g. `<|im_start|>`) is tokenised as
-plain text by the builder (`TokenBuilder.hf_messages`) while the processor's render turns it into the special id; such
-a trajectory reports a mismatch there, as it should (the model saw plain text).
+Control strings in user and environment text (e.g. `<|im_start|>`): the builder tokenises them as plain text
+(`TokenBuilder.guard_messages`, a documented text rule), while the processor's render of the raw text would turn them
+into special ids. The reference therefore renders the guarded messages: the processor still does all the rendering,
+and the rule itself is tested on its own (tests/test_tokens_guard.py).
 """
 
 from __future__ import annotations
@@ -52,8 +53,9 @@ def _find(ids: list[int], sub: list[int], start: int) -> int:
 
 
 def full_reference(builder, messages: list[Message], sampled: list[list[int]]) -> Reference:
-    """The reference of a trajectory: `builder.render_full` (the processor's own render) of `messages` with every
-    assistant message's tokens replaced by its sampled ids `sampled[k]` ([N_k] each, in order).
+    """The reference of a trajectory: `builder.render_full` (the processor's own render) of `messages` (user and
+    tool text guarded like the builder does) with every assistant message's tokens replaced by its sampled ids
+    `sampled[k]` ([N_k] each, in order).
 
     Raises ValueError when the number of assistant messages differs from len(sampled) or a marker cannot be found in
     the render (a template whose tokens merge across the assistant content's border).
@@ -68,6 +70,8 @@ def full_reference(builder, messages: list[Message], sampled: list[list[int]]) -
             marked.append(m)
     if k != len(sampled):
         raise ValueError(f"{k} assistant messages but {len(sampled)} sampled spans")
+    guard = getattr(builder, "guard_messages", None)
+    marked = guard(marked) if callable(guard) else marked
     full = builder.render_full(marked, add_generation_prompt=bool(marked) and marked[-1].role != Role.ASSISTANT)
     out: list[int] = []
     spans: list[tuple[int, int]] = []
