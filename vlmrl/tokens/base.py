@@ -65,7 +65,8 @@ def control_strings_of(processor, extra: tuple[str, ...] = ()) -> tuple[str, ...
              if getattr(t, "special", False)}
     found |= {str(t) for t in (getattr(tok, "all_special_tokens", None) or ())}
     if tok is not processor:
-        found |= {v for k, v in getattr(processor, "__dict__", {}).items() if k.endswith("_token") and isinstance(v, str)}
+        found |= {v for k, v in getattr(processor, "__dict__", {}).items()
+                  if k.endswith("_token") and isinstance(v, str)}
     found |= set(extra)
     return tuple(sorted((t for t in found if len(t) > 1 and t.strip() == t), key=lambda t: (-len(t), t)))
 
