@@ -151,10 +151,9 @@ def test_diff_tokens_classification():
 
 
 # --- mode 2: a run folder ------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory, qwen25_policy):
+def _write_run(out: Path, model, processor, builder=None):
     """A run folder written by the real episode loop: 1 Geometry3K task × 2 episodes × up to 2 turns, step 1, the
-    tiny seeded Qwen2.5-VL (the config's model), plus the in-memory trajectories."""
+    tiny seeded Qwen2.5-VL (the config's model); returns (folder, in-memory trajectories, builder)."""
     from vlmrl.config import load, to_yaml
     from vlmrl.envs import load_env_tasks, make_env_factory
     from vlmrl.export import trajectory_record
@@ -162,11 +161,9 @@ def tiny_run(tmp_path_factory, qwen25_policy):
     from vlmrl.rollout.engine import SamplingParams
     from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner
 
-    out = tmp_path_factory.mktemp("run")
     cfg = load("geometry3k_tiny", [f"logging.output_dir={out}", "data.limit=2", "env.max_turns=2",
                                    "rollout.max_new_tokens=10", "algorithm.group_size=2"])
-    model, processor = qwen25_policy
-    builder = get_builder(cfg.model.family, processor)
+    builder = builder or get_builder(cfg.model.family, processor)
     engine = make_engine(cfg.rollout, lambda: contextlib.nullcontext(model), processor, builder)
     tasks = load_env_tasks(cfg.env, cfg.data)[:1]
     runner_ = EpisodeRunner(builder, engine, make_env_factory(cfg.env), EpisodeLimits(2, 4096, 0.95),
@@ -175,6 +172,14 @@ def tiny_run(tmp_path_factory, qwen25_policy):
     (out / "config.yaml").write_text(to_yaml(cfg))
     lines = [json.dumps(trajectory_record(t, 1)) for t in trajs]
     (out / "trajectories.jsonl").write_text("\n".join(lines) + "\n")
+    return out, trajs, builder
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, qwen25_policy):
+    """`_write_run` with the real builder, plus the model."""
+    model, processor = qwen25_policy
+    out, trajs, builder = _write_run(tmp_path_factory.mktemp("run"), model, processor)
     return out, trajs, builder, model
 
 
@@ -334,3 +339,65 @@ def test_verify_run_reads_images_saved_in_the_run_folder(tiny_run, tmp_path):
     result = verify_run(_copy_run(run_dir, tmp_path / "lost", lose_image), max_trajectories=1)
     assert result.ok and result.trajectories[0].stand_in_images == 1 and result.n_tokens == 0
     assert result.trajectories[0].logprob_note.startswith("skipped: 1 image(s) not on disk")
+
+
+def test_verify_run_and_align_every_catch_a_builder_that_changes_every_feedback_message(qwen25_policy, tmp_path,
+                                                                                         monkeypatch):
+    """A builder bug in the incremental render of non-assistant messages (one token of every feedback message
+    changed) is recorded by the run AND reproduced by a re-render with the same builder: only the processor's own
+    full render of the recorded messages (the reference for prefix-preserving families) catches it."""
+    from vlmrl.tokens.qwen_vl import QwenVLBuilder
+
+    model, processor = qwen25_policy
+    real = QwenVLBuilder.render_messages
+
+    def buggy(self, seq, messages):
+        piece = real(self, seq, messages)
+        piece.ids[3] += 1  # the first token after "<|im_start|>user\n"
+        return piece
+
+    monkeypatch.setattr(QwenVLBuilder, "render_messages", buggy)
+    run_dir, trajs, builder = _write_run(tmp_path, model, processor)
+    assert any(len(t.tokens.turn_spans) > 1 for t in trajs)  # some episode got feedback (the mutation ran)
+    result = verify_run(run_dir, logprobs=False)
+    assert not result.ok and result.token_failures == sum(len(t.tokens.turn_spans) > 1 for t in trajs)
+    fails = [m for r in result.trajectories for m in r.mismatches if m.failure]
+    assert fails and all(m.check.startswith("after turn") for m in fails)
+    cli = runner.invoke(app, ["verify-alignment", "--run", str(run_dir), "--no-logprobs"])
+    assert cli.exit_code == 1 and "NOT aligned" in cli.output
+    align = sampled_alignment(model, builder, trajs, k=len(trajs), temperature=1.0)
+    assert align.token_mismatches == sum(len(t.tokens.turn_spans) > 1 for t in trajs) > 0
+
+
+def test_verify_run_bad_lines_name_file_and_line_and_empty_runs_are_not_aligned(tiny_run, tmp_path):
+    """A torn, non-UTF-8, non-object or mistyped line is a failing row naming `trajectories.jsonl line N` (the good
+    lines are still checked); a run with no trajectory is NOT aligned (exit 1); a broken config is one line (exit 2).
+    Never a traceback."""
+    run_dir = tiny_run[0]
+    good = (run_dir / "trajectories.jsonl").read_bytes().splitlines()[0]
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    shutil.copy(run_dir / "config.yaml", bad / "config.yaml")
+    mistyped = json.loads(good)
+    mistyped["input_ids"] = "abc"
+    lines = [good, good[:40], b'{"step": 1, "x": "\xff"}', b"[1, 2]", b"", json.dumps(mistyped).encode()]
+    (bad / "trajectories.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    result = verify_run(bad, logprobs=False)
+    assert not result.ok and [r.ok for r in result.trajectories] == [True, False, False, False, False]
+    errors = [r.error for r in result.trajectories[1:]]
+    for line_no, why in zip((2, 3, 4, 6), ("not JSON", "not UTF-8", "not a JSON object (a list)", "'input_ids'")):
+        assert any(f"trajectories.jsonl line {line_no}: " in e and why in e for e in errors), (line_no, errors)
+    cli = runner.invoke(app, ["verify-alignment", "--run", str(bad), "--no-logprobs"])
+    assert cli.exit_code == 1 and "Traceback" not in cli.output and "line 3: not UTF-8" in cli.output
+
+    (bad / "trajectories.jsonl").write_text("\n\n")
+    result = verify_run(bad, logprobs=False)
+    assert not result.ok and result.trajectories == [] and any("no trajectories" in n for n in result.notes)
+    cli = runner.invoke(app, ["verify-alignment", "--run", str(bad), "--no-logprobs"])
+    assert cli.exit_code == 1 and "NOT aligned" in cli.output and "no trajectories in" in cli.output
+    assert cli.exception is None or isinstance(cli.exception, SystemExit)
+
+    (bad / "config.yaml").write_text("model: [unclosed\n")
+    cli = runner.invoke(app, ["verify-alignment", "--run", str(bad)])
+    assert cli.exit_code == 2 and "config.yaml" in cli.output and len(cli.output.strip().splitlines()) == 1
+    assert isinstance(cli.exception, SystemExit)

@@ -12,12 +12,17 @@ builders that declare `PrefixMode.REWRITES_HISTORY` (thinking templates), differ
 turns and their generation prompts are reported as "history_rewrite" (expected: the builder keeps what the model saw).
 
 Mode 2, a run (`verify_run`): for each line of the run's `trajectories.jsonl` (`vlmrl.export.trajectory_record`),
-re-render the trajectory's messages with the run's builder — its first messages with `start`, each recorded assistant
-span verbatim with `add_generation` (sampled ids may be non-canonical tokenisations, so they are never re-encoded
-from text), the messages after each turn with `render_messages` — and compare every non-sampled segment (prompt,
-observations, boundary tokens) with the recorded ids; differences at recorded boundary positions are reported, not
-failures. Images are re-read from their `ref` when it is a file (a dataset file, or `<run>/images/…` saved by the
-run); otherwise a stand-in of the recorded grid's size keeps the placeholder count and logprobs are skipped for that
+compare the recorded ids with an independent reference. For prefix-preserving families (`PrefixMode.EXTENDS`) that is
+the processor's own full render of the recorded messages (`apply_chat_template` with the run's tools, then the
+processor on the text and images) with each assistant message replaced by its recorded sampled ids
+(`vlmrl.checks.reference`): every non-sampled segment (prompt, observations, boundary tokens), `pixel_values`,
+`image_grid_thw` and the placeholder count are checked against it, and (in memory) the sampled spans against the
+engine's ids. For the other families (thinking templates that rewrite history) no full render is a reference: the
+trajectory is re-rendered with the run's builder (`start`, each sampled span verbatim with `add_generation`,
+`render_messages`), which checks determinism and the record's structure only, and a "note" says so. Differences at
+recorded boundary positions are reported, not failures. The builder's re-render also gives the images the logprobs
+are scored on: re-read from their `ref` when it is a file (a dataset file, or `<run>/images/…` saved by the run);
+otherwise a stand-in of the recorded grid's size keeps the placeholder count and logprobs are skipped for that
 trajectory. Then recompute the trainer's logprobs of the sampled tokens (`vlmrl.train.logprobs.sequence_logprobs`, one
 forward over the recorded ids: with continuous tokens every sampled token sees exactly the context it was sampled in)
 with the weights that sampled them: step s was sampled by the weights after s-1 updates, i.e.
@@ -32,7 +37,8 @@ unbiased); about d**2 / 2 for small d. The tiny fp32 runs here (transformers eng
 ~1e-13; a bf16 engine against a trainer gives more, so `verify_run(max_kl=...)` / `--max-kl` is configurable.
 
 `sampled_alignment(trainer_or_model, builder, trajectories, k)` is the cheap version the training loop runs every N
-steps on k of the step's in-memory trajectories (right after the rollout, before the update).
+steps on k of the step's in-memory trajectories (right after the rollout, before the update), with the same
+reference (and the trainer's own pixel_values).
 
 This module gathers the API; the code lives in `vlmrl.checks.diff` (`Mismatch`, `diff_tokens`),
 `vlmrl.checks.scenario_alignment` (mode 1), `vlmrl.checks.replay` (`Recorded`, `replay`), `vlmrl.checks.logprobs`

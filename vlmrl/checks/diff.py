@@ -10,7 +10,7 @@ from typing import Any
 
 from vlmrl.types import TokenSeq
 
-FAIL, BOUNDARY, REWRITE, TRAILING = "mismatch", "boundary", "history_rewrite", "trailing"
+FAIL, BOUNDARY, REWRITE, TRAILING, NOTE = "mismatch", "boundary", "history_rewrite", "trailing", "note"
 
 
 @dataclass
@@ -19,7 +19,8 @@ class Mismatch:
     position: token position in the builder's / recorded sequence (-1 when not a token position); kind: "mismatch"
     (a failure), "boundary" (at a recorded boundary token), "history_rewrite" (an earlier turn a REWRITES_HISTORY
     template re-renders) or "trailing" (the template's after-turn text, e.g. LLaVA-NeXT's " " after `</s>`, that the
-    builder leaves to the next message and the full render writes after the final turn; never seen by the model);
+    builder leaves to the next message and the full render writes after the final turn; never seen by the model)
+    or "note" (how the check was made, e.g. no full-render reference for this family);
     expected: the reference (processor render / re-render), got: the builder's / recorded value, both decoded."""
 
     check: str

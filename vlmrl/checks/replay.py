@@ -1,14 +1,18 @@
 """Mode 2 of `vlmrl verify-alignment` (`vlmrl.checks.alignment`), per trajectory: what a run recorded (`Recorded`,
 from `trajectories.jsonl` lines or in-memory trajectories; images re-read from their ref or replaced by same-grid
-stand-ins) and `replay`, its re-render with the run's builder compared segment by segment."""
+stand-ins) and `replay`: its re-render with the run's builder (the images and sequence the logprobs are scored on),
+and the recorded ids compared with the processor's own full render of the recorded messages for prefix-preserving
+families (`vlmrl.checks.reference`), else with the builder's re-render (then a "note" says so)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-from vlmrl.checks.diff import FAIL, Mismatch, _decoder, diff_tokens
+from vlmrl.checks.diff import FAIL, NOTE, Mismatch, _decoder, _vision_of, diff_tokens
+from vlmrl.checks.reference import _segments, compare_tokens, compare_vision, full_reference
 from vlmrl.checks.scenarios import turns
+from vlmrl.tokens.base import PrefixMode
 from vlmrl.types import (BoundaryEdit, Generation, ImagePart, Message, Role, StopReason, TextPart, TokenSeq,
                          Trajectory, VisionInputs)
 
@@ -30,6 +34,7 @@ class Recorded:
     index: int = 0
     vision: VisionInputs | None = None  # what the trainer got (in-memory trajectories only)
     stand_in_images: int = 0  # images whose ref was not a file (same-size stand-ins)
+    generations: list[list[int]] | None = None  # each turn's sampled ids as the engine returned them (in memory)
 
     @staticmethod
     def from_trajectory(traj: Trajectory, index: int = 0, step: int = 0) -> "Recorded":
@@ -39,10 +44,13 @@ class Recorded:
                         [tuple(s) for s in seq.turn_spans], list(seq.boundary),
                         [t.generation.stop_reason.value for t in traj.turns],
                         vision.image_grid_thw.tolist() if vision is not None else None, step, traj.task_id, index,
-                        vision)
+                        vision, 0, [list(t.generation.token_ids) for t in traj.turns])
 
     @staticmethod
     def from_record(rec: dict, index: int, run_dir: Path | None, patch_size: int | None) -> "Recorded":
+        """A `trajectories.jsonl` record (`vlmrl.export.trajectory_record`). Raises KeyError / ValueError /
+        TypeError naming the missing or malformed field."""
+        _check_fields(rec)
         grids = rec.get("image_grid_thw") or []
         messages, n_img, stand_ins = [], 0, 0
         for m in rec["messages"]:
@@ -66,6 +74,28 @@ class Recorded:
                         [tuple(s) for s in rec["turn_spans"]], boundary,
                         list(rec.get("stop_reasons") or []), grids or None, int(rec.get("step", 0)),
                         str(rec.get("task_id", "")), index, None, stand_ins)
+
+
+def _check_fields(rec: dict) -> None:
+    """Types of the fields `from_record` reads: lists of ints / numbers / [start, end] pairs, messages as objects."""
+    def ints(name: str) -> None:
+        value = rec[name]
+        if not isinstance(value, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                                  for x in value):
+            raise ValueError(f"field {name!r} is not a list of non-negative integers")
+
+    ints("input_ids")
+    ints("loss_mask")
+    if not isinstance(rec["logprobs"], list) or not all(isinstance(x, (int, float)) for x in rec["logprobs"]):
+        raise ValueError("field 'logprobs' is not a list of numbers")
+    spans = rec["turn_spans"]
+    if not isinstance(spans, list) or not all(isinstance(sp, list) and len(sp) == 2 and
+                                              all(isinstance(x, int) for x in sp) for sp in spans):
+        raise ValueError("field 'turn_spans' is not a list of [start, end] integer pairs")
+    msgs = rec["messages"]
+    if not isinstance(msgs, list) or not all(isinstance(m, dict) and isinstance(m.get("content"), list) and
+                                             all(isinstance(p, dict) for p in m["content"]) for m in msgs):
+        raise ValueError("field 'messages' is not a list of {role, content: [parts]} objects")
 
 
 def _open_image(ref: str, run_dir: Path | None):
@@ -128,18 +158,11 @@ def _structure_checks(rec: Recorded, decode) -> list[Mismatch]:
     return out
 
 
-def _segments(spans: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:
-    """The non-sampled ranges around the sampled spans: [0, s0), [e0, s1), ..., [e_last, n)."""
-    out, prev = [], 0
-    for s, e in spans:
-        out.append((prev, s))
-        prev = e
-    out.append((prev, n))
-    return out
-
-
 def replay(builder, rec: Recorded) -> tuple[TokenSeq | None, list[Mismatch]]:
-    """Re-render `rec` with `builder` (sampled spans verbatim) and compare each non-sampled segment."""
+    """Re-render `rec` with `builder` (sampled spans verbatim) and compare it, segment by segment, with the reference:
+    the processor's full render of the recorded messages (`vlmrl.checks.reference.full_reference`) when the builder
+    is prefix-preserving (`PrefixMode.EXTENDS`), else the builder's re-render itself. Returns the re-render (None when
+    it failed) and the differences (failures and reported-only kinds, `vlmrl.checks.diff`)."""
     decode = _decoder(builder)
     mismatches = _structure_checks(rec, decode)
     first, plan = turns(rec.messages)
@@ -163,14 +186,46 @@ def replay(builder, rec: Recorded) -> tuple[TokenSeq | None, list[Mismatch]]:
                                    f"{type(exc).__name__}: {exc}"))
         return None, mismatches
     rec_b = {b.position for b in rec.boundary}
-    seq_b = {b.position for b in seq.boundary}
-    for j, ((a0, a1), (b0, b1)) in enumerate(zip(_segments(rec.turn_spans, len(rec.ids)),
-                                                   _segments(seq.turn_spans, len(seq.ids)))):
-        label = "prompt" if j == 0 else f"after turn {j - 1}"
-        mismatches += diff_tokens(label, rec.ids[a0:a1], seq.ids[b0:b1], decode, got_offset=a0, ref_offset=b0,
-                                  got_boundary=rec_b, ref_boundary=seq_b)
+    if PrefixMode(getattr(builder, "prefix_mode", PrefixMode.EXTENDS)) is PrefixMode.EXTENDS:
+        mismatches += _against_full_render(builder, rec, seq, rec_b, decode)
+    else:
+        mismatches.append(Mismatch("reference", -1, NOTE, "the processor's full render",
+                                   "not prefix-preserving: compared with the builder's own re-render"))
+        mismatches += _against_rerender(rec, seq, rec_b, decode)
     vision = seq.vision  # the recorded grid is `seq.vision`'s (vlmrl.export.trajectory_record)
     grid = vision.image_grid_thw.tolist() if vision is not None else None
     if (rec.image_grid_thw or None) != (grid or None):
         mismatches.append(Mismatch("image_grid_thw", -1, FAIL, str(grid), str(rec.image_grid_thw)))
     return seq, mismatches
+
+
+def _against_rerender(rec: Recorded, seq: TokenSeq, rec_b: set[int], decode) -> list[Mismatch]:
+    """Each non-sampled segment of `rec` vs the builder's re-render `seq` (families that are not prefix-preserving)."""
+    out = []
+    seq_b = {b.position for b in seq.boundary}
+    for j, ((a0, a1), (b0, b1)) in enumerate(zip(_segments(rec.turn_spans, len(rec.ids)),
+                                                   _segments(seq.turn_spans, len(seq.ids)))):
+        label = "prompt" if j == 0 else f"after turn {j - 1}"
+        out += diff_tokens(label, rec.ids[a0:a1], seq.ids[b0:b1], decode, got_offset=a0, ref_offset=b0,
+                           got_boundary=rec_b, ref_boundary=seq_b)
+    return out
+
+
+def _against_full_render(builder, rec: Recorded, seq: TokenSeq, rec_b: set[int], decode) -> list[Mismatch]:
+    """`rec` vs the processor's full render of its messages (`vlmrl.checks.reference`): tokens segment by segment,
+    the sampled spans vs the engine's ids (in-memory trajectories), pixel_values, image_grid_thw, placeholders."""
+    sampled = [rec.ids[s:e] for s, e in rec.turn_spans]
+    out = []
+    if rec.generations is not None:
+        for k, (ids, gen) in enumerate(zip(sampled, rec.generations)):
+            if ids != list(gen):
+                out.append(Mismatch(f"sampled turn {k}", rec.turn_spans[k][0], FAIL, decode(gen), decode(ids)))
+    try:
+        ref = full_reference(builder, rec.messages, sampled)
+    except Exception as exc:  # noqa: BLE001 - no reference here: fall back to the builder's re-render, say so
+        out.append(Mismatch("reference", -1, NOTE, "the processor's full render",
+                            f"unavailable ({type(exc).__name__}: {exc}); compared with the builder's own re-render"))
+        return out + _against_rerender(rec, seq, rec_b, decode)
+    out += compare_tokens(builder, rec.ids, rec.turn_spans, rec_b, ref, decode)
+    got = rec.vision if rec.vision is not None else _vision_of(builder, seq)
+    return out + compare_vision(builder, got, ref.vision, rec.ids)

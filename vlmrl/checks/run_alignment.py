@@ -57,19 +57,21 @@ class RunAlignment:
     notes: list[str] = field(default_factory=list)
 
 
-def _read_records(path: Path, limit: int | None) -> Iterable[tuple[int, dict]]:
-    """(0-based line index, record) of the first `limit` records; CheckError `file:line: reason` on a bad line."""
-    from vlmrl.checks import CheckError
+def _read_records(path: Path, limit: int | None) -> Iterable[tuple[int, dict | None, str]]:
+    """(0-based line index, the record or None, why it is unreadable) for the first `limit` non-blank lines of a
+    `trajectories.jsonl` (read with `vlmrl.jsonl.iter_jsonl`): a torn line, or one that is not UTF-8, not JSON or
+    not a JSON object, is returned with its reason."""
     from vlmrl.jsonl import iter_jsonl
 
     n = 0
     for line in iter_jsonl(path):
         if limit is not None and n >= limit:
             return
-        if line.error is not None:
-            raise CheckError(f"{path}:{line.number}: {line.error}")
         n += 1
-        yield line.number - 1, line.row
+        if line.error is not None:
+            yield line.number - 1, None, line.error
+        else:
+            yield line.number - 1, line.row, ""
 
 
 class _Policies:
@@ -136,12 +138,21 @@ def _run_builder(cfg, processor):
     return make_builder(cfg.model.family, processor, tools), notes
 
 
-def _unreadable(index: int, raw: dict, exc: Exception) -> TrajectoryAlignment:
-    """The result for a `trajectories.jsonl` line `Recorded.from_record` cannot read."""
-    return TrajectoryAlignment(index, int(raw.get("step", 0)), str(raw.get("task_id", "")), False,
-                               len(raw.get("input_ids", [])), 0,
-                               [Mismatch("record", -1, FAIL, "a readable record", str(exc))],
-                               error=f"{type(exc).__name__}: {exc}")
+def _unreadable(index: int, raw: dict | None, where: str, why: str) -> TrajectoryAlignment:
+    """The result for a `trajectories.jsonl` line that cannot be checked: `where` names file and line."""
+    raw = raw or {}
+    ids = raw.get("input_ids")
+    return TrajectoryAlignment(index, _int(raw.get("step")), str(raw.get("task_id", "")), False,
+                               len(ids) if isinstance(ids, list) else 0, 0,
+                               [Mismatch("record", -1, FAIL, "a readable record", f"{where}: {why}")],
+                               error=f"{where}: {why}")
+
+
+def _int(value) -> int:
+    try:
+        return int(value or 0)
+    except (TypeError, ValueError):
+        return 0
 
 
 def _score(res: TrajectoryAlignment, rec: Recorded, seq, builder, policies: _Policies, temperature: float,
@@ -166,45 +177,78 @@ def _score(res: TrajectoryAlignment, rec: Recorded, seq, builder, policies: _Pol
         sources[why] = sources.get(why, 0) + 1
 
 
+def _open_run(run: Path):
+    """(config, processor, builder, notes) of a run folder. Raises CheckError (one line naming the file or model)
+    for a folder that is not a run, an unreadable `config.yaml` or a model whose processor does not load."""
+    from vlmrl.checks import CheckError
+    from vlmrl.config import from_yaml
+
+    if not (run / "config.yaml").is_file() or not (run / "trajectories.jsonl").is_file():
+        raise CheckError(f"{run} is not a run folder (needs config.yaml and trajectories.jsonl)")
+    try:
+        cfg = from_yaml(run / "config.yaml")
+    except Exception as exc:  # noqa: BLE001 - yaml, omegaconf and validation errors: one line naming the file
+        raise CheckError(f"{run / 'config.yaml'}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    try:
+        processor = _run_processor(cfg.model.family, cfg.model.name_or_path, cfg.model.min_pixels,
+                                   cfg.model.max_pixels)
+        builder, notes = _run_builder(cfg, processor)
+    except Exception as exc:  # noqa: BLE001 - a missing or garbage model folder: one line naming it
+        raise CheckError(f"model {cfg.model.name_or_path!r} (family {cfg.model.family}) from {run / 'config.yaml'}: "
+                         f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    return cfg, processor, builder, notes
+
+
+def _check_one(index: int, raw: dict, run: Path, patch, builder, score) -> TrajectoryAlignment:
+    """One `trajectories.jsonl` record: replay vs the reference, then `score(res, rec, seq)` (logprobs)."""
+    where = f"{run / 'trajectories.jsonl'} line {index + 1}"
+    try:
+        rec = Recorded.from_record(raw, index, run, patch if isinstance(patch, int) else None)
+    except (KeyError, ValueError, TypeError, AttributeError, IndexError) as exc:
+        return _unreadable(index, raw, where, f"{type(exc).__name__}: {exc}")
+    seq, mismatches = replay(builder, rec)
+    res = TrajectoryAlignment(index, rec.step, rec.task_id, not any(m.failure for m in mismatches), len(rec.ids),
+                              sum(rec.loss_mask), mismatches, sum(m.kind == BOUNDARY for m in mismatches),
+                              stand_in_images=rec.stand_in_images)
+    try:
+        score(res, rec, seq)
+    except (RuntimeError, ValueError, IndexError, TypeError, OSError) as exc:
+        res.ok, res.error = False, f"{where}: logprobs not computable ({type(exc).__name__}: {exc})"
+    return res
+
+
 def verify_run(run_dir: str | Path, max_trajectories: int | None = None, checkpoint: str | None = None,
                logprobs: bool = True, max_kl: float = 1e-2) -> RunAlignment:
     """Mode 2 over a run folder (`config.yaml` + `trajectories.jsonl`); see the module docstring.
 
-    A trajectory fails on a token mismatch that is not at a recorded boundary token; the run also fails when the
-    mismatch KL over all checked tokens exceeds `max_kl`. checkpoint: score every step with these weights instead.
+    A trajectory fails on a token mismatch that is not at a recorded boundary token, and a line that cannot be read
+    fails naming file and line; the run also fails when the mismatch KL over all checked tokens exceeds `max_kl`,
+    and when there is no trajectory to check. checkpoint: score every step with these weights instead.
+    Raises CheckError for a folder that is not a run, an unreadable config or a model that does not load.
     """
-    from vlmrl.checks import CheckError
-    from vlmrl.config import from_yaml
-
     run = Path(run_dir)
-    if not (run / "config.yaml").is_file() or not (run / "trajectories.jsonl").is_file():
-        raise CheckError(f"{run} is not a run folder (needs config.yaml and trajectories.jsonl)")
-    cfg = from_yaml(run / "config.yaml")
-    processor = _run_processor(cfg.model.family, cfg.model.name_or_path, cfg.model.min_pixels, cfg.model.max_pixels)
-    builder, notes = _run_builder(cfg, processor)
+    cfg, processor, builder, notes = _open_run(run)
     patch = getattr(getattr(processor, "image_processor", None), "patch_size", None)
     temperature = float(cfg.rollout.temperature)
     policies = _Policies(run, cfg, checkpoint)
     total = LogprobStats()
     results = []
     sources: dict[str, int] = {}
-    for index, raw in _read_records(run / "trajectories.jsonl", max_trajectories):
-        try:
-            rec = Recorded.from_record(raw, index, run, patch if isinstance(patch, int) else None)
-        except (KeyError, ValueError, TypeError) as exc:
-            results.append(_unreadable(index, raw, exc))
-            continue
-        seq, mismatches = replay(builder, rec)
-        res = TrajectoryAlignment(index, rec.step, rec.task_id, not any(m.failure for m in mismatches), len(rec.ids),
-                                  sum(rec.loss_mask), mismatches, sum(m.kind == BOUNDARY for m in mismatches),
-                                  stand_in_images=rec.stand_in_images)
+
+    def score(res, rec, seq):
         if logprobs:
             _score(res, rec, seq, builder, policies, temperature, total, sources)
-        results.append(res)
+
+    path = run / "trajectories.jsonl"
+    for index, raw, why in _read_records(path, max_trajectories):
+        results.append(_check_one(index, raw, run, patch, builder, score) if raw is not None else
+                       _unreadable(index, None, f"{path} line {index + 1}", why))
     failures = sum(not r.ok for r in results)
     computed = total.n_tokens > 0
     kl = total.kl if computed else None
-    ok = failures == 0 and (kl is None or kl <= max_kl)
+    ok = bool(results) and failures == 0 and (kl is None or kl <= max_kl)
+    if not results:
+        notes.append(f"no trajectories in {path}: nothing was checked")
     if computed and kl is not None and kl > max_kl:
         notes.append(f"mismatch KL {kl:.3g} > max_kl {max_kl:g}")
     notes += [f"logprobs of {n} trajectories from {src}" for src, n in sources.items()]

@@ -49,6 +49,7 @@ class LlavaNextBuilder(TemplateBuilder):
     after_assistant_inserted = False
     stop_is_role_opener = False
     image_token = "<image>"
+    control_strings = ("[INST]", "[/INST]", "<<SYS>>", "<</SYS>>")  # plain text in Mistral's v1 vocabulary
 
     def _vision(self, out: Any, n_images: int) -> LlavaNextVision | None:
         if not n_images:
