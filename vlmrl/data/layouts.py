@@ -42,7 +42,7 @@ def normalise(raw: RawRecord, src: Source, layout: str, columns: Mapping[str, st
     rid = _row_id(rec, raw.index)
     where = f"row {rid} of {src.name} ({raw.position})"
     if raw.record is None:
-        raise BadRowError(f"{where}: {raw.error}")
+        raise BadRowError(f"unreadable row of {src.name} ({raw.position}): {raw.error}")
     if layout == "columns" or (layout == "auto" and columns):
         rec, layout = apply_columns(rec, columns, where), "trl"
     if layout == "auto":
