@@ -9,7 +9,7 @@ leaves the elf where it is and shows the frame again.
 Tasks are generated, not read: task i is the random map `generate_random_map(map_size, p=frozen_prob,
 seed=data.shuffle_seed + i)`, for `data.limit` tasks (64 if unset). Knobs: `env.map_size`, `env.slippery`
 (gymnasium's `is_slippery`), `env.frozen_prob`, `env.format_reward`. Slippery episodes of one GRPO group get
-different slip seeds (one per episode, counted by the factory).
+different slip seeds (one per episode, from a per-process counter).
 """
 
 from __future__ import annotations
