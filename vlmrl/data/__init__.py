@@ -116,3 +116,12 @@ def load_rows(data_cfg: Any) -> list[Row]:
 def task_of(row: Row) -> Task:
     """The plain task of a row: its prompt messages, its answer, and its columns in `meta["columns"]`."""
     return Task(id=row.id, messages=row.messages, answer=row.answer, meta={"columns": dict(row.columns)})
+
+
+def __getattr__(name: str):
+    """`GeometryRow` moved to `vlmrl.envs.geometry3k.rows`; the old import still works."""
+    if name == "GeometryRow":
+        from vlmrl.envs.geometry3k.rows import GeometryRow
+
+        return GeometryRow
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
