@@ -1,4 +1,4 @@
-"""Test-only environments for tests/test_resume.py, registered with `vlmrl.envs.register_env` (no production hook).
+"""Test-only environments for tests/test_resume.py, selected by import path (env._target_=resume_envs.ScoredEnv).
 
 `scored`: Geometry3K prompts, but the reward is a deterministic function of the reply's text (so a tiny random model
 gets non-zero GRPO advantages, real losses and real updates, and two runs can be compared number for number).
@@ -7,14 +7,10 @@ gets non-zero GRPO advantages, real losses and real updates, and two runs can be
 
 from __future__ import annotations
 
-import functools
 import os
-from typing import Any
 
 from vlmrl.envs.base import StepResult
-from vlmrl.envs.geometry3k import Geometry3KConfig, Geometry3KEnv, build_task
-
-__all__ = ["build_task", "env_factory"]  # the environment-module API (vlmrl.envs)
+from vlmrl.envs.geometry3k import Geometry3KEnv
 
 GROUPS = {"count": -1, "last_task": None, "first": False}
 
@@ -36,7 +32,3 @@ class ScoredEnv(Geometry3KEnv):
     def step(self, assistant_text: str, turn: int, last_turn: bool) -> StepResult:
         reward = float("nan") if self.nan else (sum(assistant_text.encode()) % 7) / 6
         return StepResult(reward, True, [], formatted=False)
-
-
-def env_factory(env_cfg: Any):
-    return functools.partial(ScoredEnv, Geometry3KConfig.from_cfg(env_cfg))

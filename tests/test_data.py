@@ -1,4 +1,5 @@
-"""Loading Geometry3K rows from JSONL folders, parquet files (HF layout) and `datasets`, and bad-row handling."""
+"""Loading Geometry3K rows from JSONL folders, parquet files (HF layout) and `datasets`, and bad-row handling
+(rows read by `vlmrl.data`, Geometry3K's fields checked by `vlmrl.envs.geometry3k.rows.geometry_row`)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,15 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from vlmrl.data import BadRowError, GeometryRow, load_rows, load_tasks, to_rgb
+from vlmrl.data import BadRowError, load_tasks, to_rgb
+from vlmrl.envs.geometry3k import GeometryRow, geometry_row
 
 GEOMETRY3K = Path(__file__).resolve().parents[1] / "vlmrl" / "assets" / "data" / "geometry3k"  # in-repo sample
+
+
+def load_rows(data_cfg):
+    """Geometry3K rows of `data_cfg`."""
+    return load_tasks(data_cfg, geometry_row)
 
 
 def _png_bytes(color=(255, 0, 0), size=(8, 6), mode="RGB") -> bytes:
@@ -40,7 +47,7 @@ def test_real_file_path_split_and_shuffle():
 
 
 def test_load_tasks_uses_the_prompt_builder():
-    tasks = load_tasks({"path": str(GEOMETRY3K), "split": "test", "limit": 2}, _simple_task)
+    tasks = load_tasks({"path": str(GEOMETRY3K), "split": "test", "limit": 2}, lambda r: _simple_task(geometry_row(r)))
     assert [t.id for t in tasks] == ["2401", "2402"] and tasks[0].answer == "B"
 
 
@@ -152,14 +159,15 @@ def test_hf_datasets_loader_on_local_parquet(tmp_path, monkeypatch):
     """The `datasets.load_dataset` branch, run on a local HF-layout folder (no network, cache in tmp)."""
     import datasets
 
-    from vlmrl.data import _open_hf, _to_row
+    from vlmrl.data.layouts import normalise
+    from vlmrl.data.readers import _open_hf
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
     data_dir = tmp_path / "ds"
     _hf_layout_table(data_dir)
     src = _open_hf(str(data_dir), "test")
-    assert isinstance(src.rows[1].record["images"][0], dict)  # images stay undecoded until a row is kept
-    rows = [_to_row(raw, src) for raw in src.rows if raw.record["id"] != 8]
+    assert isinstance(src.records[1].record["images"][0], dict)  # images stay undecoded until a row is kept
+    rows = [geometry_row(normalise(raw, src, "auto", {})) for raw in src.records if raw.record["id"] != 8]
     assert [(r.id, r.answer, r.answer_value) for r in rows] == [("7", "B", "60"), ("9", None, "12")]
     assert rows[0].image.getpixel((0, 0)) == (0, 255, 0) and rows[0].image_ref == f"{data_dir}:7"
 

@@ -8,13 +8,14 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from vlmrl.data import GeometryRow
 from vlmrl.envs import load_env_tasks, make_env_factory
-from vlmrl.envs.geometry3k import Geometry3KConfig, Geometry3KEnv, build_task
+from vlmrl.config import ConfigError
+from vlmrl.envs.geometry3k import Geometry3KConfig, Geometry3KEnv, GeometryRow, build_task
 from vlmrl.types import ImagePart, Message, ParseStatus, Role, Task, TextPart
 
 GEOMETRY3K = Path(__file__).resolve().parents[1] / "vlmrl" / "assets" / "data" / "geometry3k"  # in-repo sample
-ENV_CFG = {"name": "geometry3k", "max_turns": 3, "system_prompt": "You are a careful geometer.", "feedback": None}
+ENV_CFG = {"_target_": "vlmrl.envs.geometry3k.Geometry3KEnv", "max_turns": 3,
+           "system_prompt": "You are a careful geometer."}
 
 
 def _row() -> GeometryRow:
@@ -81,10 +82,12 @@ def test_feedback_template_and_config_errors():
     assert env.step("\\boxed{}", 0, False).messages[0].text_content == (
         "Your boxed answer could not be read. 2 left; use \\boxed{}."
     )
-    with pytest.raises(ValueError, match="max_turns"):
+    with pytest.raises(ConfigError, match="max_turns"):
         make_env_factory({**ENV_CFG, "max_turns": 0})
-    with pytest.raises(ValueError, match="unknown environment 'nope'.*geometry3k"):
-        make_env_factory({"name": "nope"})
+    with pytest.raises(ConfigError, match="env._target_: cannot import 'nope.Env'"):
+        make_env_factory({"_target_": "nope.Env"})
+    with pytest.raises(ConfigError, match="env.bogus"):
+        make_env_factory({**ENV_CFG, "bogus": 1})
     with pytest.raises(RuntimeError):
         Geometry3KEnv().step("\\boxed{B}", 0, False)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from vlmrl.config import DataConfig, EnvConfig, ExportStyle, load
+from vlmrl.config import ConfigError, DataConfig, ExportStyle, load
 from vlmrl.envs import load_env_tasks, make_env_factory
 from vlmrl.export import count_images, to_samples, trajectory_record
 from vlmrl.metrics import rollout_metrics
@@ -74,7 +74,7 @@ def check_alignment(builder, traj):
 # --- geometry3k_tools ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def geo_tasks():
-    return load_env_tasks(EnvConfig(name="geometry3k_tools", max_turns=4),
+    return load_env_tasks({"_target_": "vlmrl.envs.geometry3k_tools.Geometry3KToolsEnv", "max_turns": 4},
                           DataConfig(path=str(GEOMETRY3K), split="test", limit=1))
 
 
@@ -189,10 +189,12 @@ def test_frozenlake_hole_ends_episode_and_config(qwen25_processor):
     cfg = load("frozenlake_tiny", ["data.limit=3", "env.map_size=5", "env.slippery=true"])
     tasks = load_env_tasks(cfg.env, cfg.data)
     assert [len(t.meta["desc"]) for t in tasks] == [5, 5, 5] and len({t.id for t in tasks}) == 3
-    assert FrozenLakeConfig.from_cfg(cfg.env).slippery
+    assert isinstance(cfg.env, FrozenLakeConfig) and cfg.env.slippery
     assert parse_move("\\boxed{Up}") == (3, parse_move("\\boxed{3}")[1]) and parse_move("nothing")[0] is None
     with pytest.raises(ValueError, match="frozenlake"):
-        FrozenLakeConfig.from_cfg({"map_size": 1})
+        FrozenLakeConfig(map_size=1)
+    with pytest.raises(ConfigError, match="frozenlake"):
+        load("frozenlake_tiny", ["env.map_size=1"])
 
 
 # --- color_square -------------------------------------------------------------------------------------------------

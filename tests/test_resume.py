@@ -37,7 +37,7 @@ TIMING = {"step_s", "rollout_s", "rollout_tokens_per_s", "time_s"}
 def _args(out: Path, *extra: str) -> list[str]:
     return ["train", "recipe=geometry3k_tiny", f"data.path={GEOMETRY3K}", "data.limit=4", f"trainer.steps={STEPS}",
             "trainer.batch_size=1", "algorithm.group_size=2", "rollout.max_new_tokens=12", "env.max_turns=1",
-            "env.name=scored", "trainer.save_every=1", f"logging.output_dir={out}", "logging.progress=false", *extra]
+            "env._target_=resume_envs.ScoredEnv", "trainer.save_every=1", f"logging.output_dir={out}", "logging.progress=false", *extra]
 
 
 def _start(out: Path, *extra: str) -> subprocess.Popen:
@@ -229,16 +229,14 @@ def test_nan_rewards_skip_updates_and_a_bad_streak_stops_the_run(tmp_path, monke
     steps in a row (trainer.max_bad_steps=2) it stops with its last good checkpoint (step 2) intact."""
     import resume_envs
 
-    from vlmrl.envs import register_env
     from vlmrl.resume import TooManyBadSteps
     from vlmrl.run import train
 
-    register_env("scored", "resume_envs")
     monkeypatch.setenv("VLMRL_TEST_NAN_GROUPS", "0,2,3")
     resume_envs.GROUPS.update(count=-1, last_task=None)
     out = tmp_path / "run"
     cfg = _cfg(out, "data.limit=4", "trainer.steps=4", "trainer.batch_size=1", "algorithm.group_size=2",
-               "rollout.max_new_tokens=4", "env.max_turns=1", "env.name=scored", "trainer.save_every=1",
+               "rollout.max_new_tokens=4", "env.max_turns=1", "env._target_=resume_envs.ScoredEnv", "trainer.save_every=1",
                "trainer.max_bad_steps=2", "logging.progress=false")
     with pytest.raises(TooManyBadSteps, match="2 consecutive steps"):
         train(cfg)

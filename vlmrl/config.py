@@ -55,20 +55,18 @@ class DataConfig:
     shuffle_seed: int = 0
     eval_split: Optional[str] = None  # split for `vlmrl generate` and trainer.eval_every (None: `split`)
     eval_limit: Optional[int] = None  # problems of the eval split (None: `limit`)
+    layout: str = "auto"  # auto | trl | verl | easyr1 | geometry3k | columns (vlmrl.data.schema)
+    columns: dict[str, str] = field(default_factory=dict)  # {prompt: question, images: pics, answer: gt}
 
 
 @dataclass
 class EnvConfig:
-    name: str = "geometry3k"
+    """The fields every environment has. An environment's own config subclasses this (its class's `config_class`,
+    e.g. `Geometry3KConfig`); `env._target_` names the environment class, built with `hydra.utils.instantiate`."""
+
+    _target_: str = "vlmrl.envs.geometry3k.Geometry3KEnv"
     max_turns: int = 2
     system_prompt: Optional[str] = None
-    # retry message; {reason} = why the answer failed, {turns_left} = turns still allowed
-    feedback: str = "{reason} Please try again: reason briefly and put only the final choice letter in \\boxed{}."
-    # frozenlake: map side, gymnasium's is_slippery, share of frozen tiles in generated maps, format reward
-    map_size: int = 4
-    slippery: bool = False
-    frozen_prob: float = 0.8
-    format_reward: float = 0.1
 
 
 @dataclass
@@ -217,19 +215,35 @@ def load(recipe: Optional[str] = None, overrides: list[str] | None = None) -> Co
     Raises ConfigError (one line) for an unknown recipe, group option, key, or a value of the wrong type.
     """
     overrides = list(overrides or [])
-    args = [f"hydra.searchpath=[file://{ROOT}]"]
+    # `config_dir=PATH`: a folder of the user's own config groups (PATH/env/*.yaml, PATH/recipes/*.yaml, ...)
+    extra = [str(Path(o.split("=", 1)[1]).expanduser().resolve()) for o in overrides if o.startswith("config_dir=")]
+    overrides = [o for o in overrides if not o.startswith("config_dir=")]
+    args = [f"hydra.searchpath=[{','.join(f'file://{p}' for p in [ROOT, *extra])}]"]
     if recipe:
         args.append(f"+recipes={recipe}")
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(str(ROOT / "conf"), version_base=None):
             raw = compose("config", overrides=args + overrides)
-        schema = OmegaConf.structured(Config)
-        merged = OmegaConf.merge(schema, raw)
-        cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
+        cfg = _typed(raw)
+    except ConfigError:
+        raise
     except Exception as exc:  # hydra/omegaconf raise many types; all become one clear line
         raise ConfigError(_one_line(exc)) from exc
     _validate(cfg)
+    return cfg
+
+
+def _typed(raw) -> Config:
+    """`raw` merged into the schema, `env` into its environment's own config class (from `env._target_`)."""
+    from vlmrl.envs.plugins import env_schema
+
+    schema = OmegaConf.structured(Config)
+    env_raw = raw.get("env") if raw is not None else None
+    if env_raw is not None:
+        schema.env = env_schema(env_raw)
+    merged = OmegaConf.merge(schema, raw)
+    cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
     return cfg
 
 
@@ -257,6 +271,9 @@ def _validate(cfg: Config) -> None:
     for ok, msg in checks:
         if not ok:
             raise ConfigError(msg)
+    from vlmrl.envs.plugins import check_plugins
+
+    check_plugins(cfg)  # env/reward/tool import paths: an error now, before any model loads
 
 
 def to_yaml(cfg: Config) -> str:
@@ -266,5 +283,4 @@ def to_yaml(cfg: Config) -> str:
 
 def from_yaml(path: Path) -> Config:
     """Read a run folder's `config.yaml` back into a validated `Config`."""
-    merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path))
-    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    return _typed(OmegaConf.load(path))

@@ -1,8 +1,7 @@
 """Answer checking, the turn discount and GRPO group advantages (pure functions, no torch).
 
-- `extract_boxed` / `score_choice_answer`: read the last `\\boxed{...}` of a reply and grade it against a
-  multiple-choice answer (letter) and its value (math-verify).
-- `geometry_reward`: the canonical Geometry3K reward 0.9 * accuracy + 0.1 * format.
+- `extract_boxed` / `math_equal`: read the last `\\boxed{...}` of a reply; compare answers with math-verify.
+  (Geometry3K's multiple-choice grading lives with its environment: `vlmrl.envs.geometry3k.grading`.)
 - `episode_reward`: max over turns of r_t * gamma**t (AReaL #931).
 - `group_advantages`: GRPO (Shao et al. 2024) group-normalised advantages.
 """
@@ -14,9 +13,6 @@ import re
 import threading
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
-
-from vlmrl.types import ParseStatus
 
 MAX_ANSWER_CHARS = 256  # longer boxed contents are not handed to math-verify (UNPARSABLE)
 MATH_VERIFY_TIMEOUT_S = 5  # used only on the main thread (math-verify's timeouts are SIGALRM based)
@@ -24,28 +20,12 @@ _MAX_EXPONENT = 10_000  # sympy exponents above this (or power towers) are refus
 
 _BOXED_RE = re.compile(r"\\boxed\s*\{")
 _WRAPPER_RE = re.compile(r"\\(?:text|textbf|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}")
-_LETTER_RE = re.compile(r"^\(?\s*([A-Za-z])\s*\)?\s*(?:[.:)]\s*(?:.*))?$", re.DOTALL)
 _UNIT_RE = re.compile(
     r"(?<=[\d}\s])\s*(?:square\s+|sq\.?\s*)?"
     r"(?:units?|cm|mm|km|m|in|inch|inches|ft|feet|foot|yd|yards?|meters?|centimeters?|degrees?|deg)"
     r"\s*(?:\^\s*\{?\s*[23]\s*\}?|²|³)?\s*\.?\s*$",
     re.IGNORECASE,
 )
-
-
-@dataclass(frozen=True)
-class AnswerScore:
-    """How a reply's final answer was graded.
-
-    parse_status: OK (a readable boxed answer), NO_ANSWER (no non-empty `\\boxed{}`), UNPARSABLE (boxed, unreadable);
-    correct: the boxed answer is the right choice letter or equals the answer value;
-    formatted: a non-empty boxed answer exists; pred: the boxed content (None without one).
-    """
-
-    parse_status: ParseStatus
-    correct: bool
-    formatted: bool
-    pred: str | None = None
 
 
 def extract_boxed(text: str) -> str | None:
@@ -82,18 +62,6 @@ def _unwrap(content: str) -> str:
     while prev != out:
         prev, out = out, _WRAPPER_RE.sub(r"\1", out)
     return out.replace("$", "").strip()
-
-
-def choice_letter(content: str, n_choices: int) -> str | None:
-    """The choice letter a boxed answer names (`C`, `(C)`, `C.`, `C) 60`, `\\text{C}`), upper-cased, else None.
-
-    Only letters that name one of the `n_choices` options count, so `x` or `E` (with four choices) is not a letter.
-    """
-    m = _LETTER_RE.match(_unwrap(content))
-    if not m or n_choices <= 0:
-        return None
-    letter = m.group(1).upper()
-    return letter if ord(letter) - ord("A") < n_choices else None
 
 
 def strip_units(content: str) -> str:
@@ -164,42 +132,6 @@ def math_equal(pred: str, gold: str) -> bool | None:
         return False
 
 
-def score_choice_answer(
-    text: str, choices: Sequence[str], answer_letter: str | None, answer_value: str | None
-) -> AnswerScore:
-    """Grade a reply against a multiple-choice answer; never raises.
-
-    The last `\\boxed{}` is the answer. If it names a choice letter, it is correct iff that is `answer_letter`
-    (another choice's letter is wrong). Otherwise it is correct iff math-verify finds it equal to
-    `answer_value` (`60`, `60.0`, `60^\\circ`, `60 cm`, `\\frac{..}` all handled). Empty/huge/unreadable boxed
-    contents are UNPARSABLE (formatted only if non-empty); no box is NO_ANSWER.
-    """
-    try:
-        pred = extract_boxed(text if isinstance(text, str) else "")
-    except Exception:  # noqa: BLE001 - defensive: scoring must never break a rollout
-        pred = None
-    if pred is None or not pred.strip():
-        return AnswerScore(ParseStatus.NO_ANSWER if pred is None else ParseStatus.UNPARSABLE, False, False, pred)
-    letter = choice_letter(pred, len(choices)) if answer_letter else None
-    if letter is not None:
-        return AnswerScore(ParseStatus.OK, letter == answer_letter.strip().upper(), True, pred)
-    if not answer_value:
-        return AnswerScore(ParseStatus.UNPARSABLE, False, True, pred)
-    equal = math_equal(pred, answer_value)
-    if equal is None:
-        return AnswerScore(ParseStatus.UNPARSABLE, False, True, pred)
-    return AnswerScore(ParseStatus.OK, equal, True, pred)
-
-
-def geometry_reward(score: AnswerScore, format_weight: float = 0.1) -> float:
-    """The canonical Geometry3K reward: (1 - w) * accuracy + w * format, w = 0.1 (so 0.9 * correct + 0.1 * boxed).
-
-    Same weighting as verl `verl/utils/reward_score/geo3k.py::compute_score(format_score=0.1)` and EasyR1's
-    r1v/geo reward; format here is "a boxed answer exists" (we do not require `<think>` tags).
-    """
-    return (1.0 - format_weight) * float(score.correct) + format_weight * float(score.formatted)
-
-
 def episode_reward(turn_rewards: Sequence[float], gamma: float) -> float:
     """max_t r_t * gamma**t over the turns of an episode (t = 0 for the first turn); 0.0 for no turns.
 
@@ -237,3 +169,15 @@ def group_advantages(
         for i, v in zip(idx, vals):
             out[i] = (v - mean) / (std + eps) if scale_by_std else v - mean
     return out
+
+
+_MOVED = ("AnswerScore", "choice_letter", "score_choice_answer", "geometry_reward")
+
+
+def __getattr__(name: str):
+    """Geometry3K's grading moved to `vlmrl.envs.geometry3k.grading`; the old names still import from here."""
+    if name in _MOVED:
+        from vlmrl.envs.geometry3k import grading
+
+        return getattr(grading, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,69 +1,43 @@
-"""Environment registry: `env_cfg.name` -> an environment module.
+"""Environments by import path: `env._target_` names an `Environment` subclass, configured by its own typed config
+(`config_class`) and built per episode with `hydra.utils.instantiate`.
 
-An environment module exposes two functions:
-- `env_factory(env_cfg) -> Callable[[], Environment]`: validates its config once; each call of the result is a
-  fresh environment for one episode;
-- `build_task(row) -> Task`: the environment's prompt for one dataset row (`vlmrl.data.GeometryRow`);
-- optionally `make_tasks(env_cfg, data_cfg) -> list[Task]`: for environments that generate their tasks instead of
-  reading dataset rows (frozenlake, color_square); `load_env_tasks` then calls it instead of reading `data.path`.
+    env._target_=vlmrl.envs.geometry3k.Geometry3KEnv env.max_turns=3      # or env=geometry3k (conf/env/*.yaml)
+    env._target_=mypkg.envs:MyEnv env.my_key=5                           # a user's own environment, no edit here
 
-To add an environment, add one line to `ENV_MODULES` (modules are imported lazily), or call `register_env`.
+Built in: `geometry3k.Geometry3KEnv`, `geometry3k_tools.Geometry3KToolsEnv`, `frozenlake.FrozenLakeEnv`,
+`color_square.ColorSquareEnv`, and the generic `generic.SingleTurnEnv` / `generic.MultiTurnEnv` graded by
+trl-style reward functions (`env.rewards`).
 """
 
 from __future__ import annotations
 
-import importlib
+import functools
 from collections.abc import Callable
-from types import ModuleType
 from typing import Any
 
-from vlmrl.data import cfg_value, load_tasks
+from vlmrl.data import load_tasks
 from vlmrl.envs.base import Environment, StepResult
+from vlmrl.envs.plugins import env_class, env_config
 from vlmrl.types import Task
 
-ENV_MODULES: dict[str, str] = {
-    "geometry3k": "vlmrl.envs.geometry3k",
-    "geometry3k_tools": "vlmrl.envs.geometry3k_tools",
-    "frozenlake": "vlmrl.envs.frozenlake",
-    "color_square": "vlmrl.envs.color_square",
-}
-
-__all__ = ["Environment", "StepResult", "ENV_MODULES", "register_env", "env_module", "make_env_factory",
-           "load_env_tasks"]
-
-
-def register_env(name: str, module: str) -> None:
-    """Register environment `name`, implemented by the importable module path `module`."""
-    ENV_MODULES[name] = module
-
-
-def env_module(name: str) -> ModuleType:
-    """The module implementing environment `name`; ValueError listing the known names if there is none."""
-    if name not in ENV_MODULES:
-        raise ValueError(f"unknown environment {name!r}; known: {', '.join(sorted(ENV_MODULES))}")
-    module = importlib.import_module(ENV_MODULES[name])
-    for attr in ("env_factory", "build_task"):
-        if not callable(getattr(module, attr, None)):
-            raise TypeError(f"environment module {module.__name__} has no function {attr}()")
-    return module
-
-
-def _name(env_cfg: Any) -> str:
-    name = cfg_value(env_cfg, "name")
-    if not name:
-        raise ValueError("env.name is not set")
-    return str(name)
+__all__ = ["Environment", "StepResult", "env_config", "make_env_factory", "load_env_tasks"]
 
 
 def make_env_factory(env_cfg: Any) -> Callable[[], Environment]:
-    """A zero-argument factory of fresh environments of kind `env_cfg.name`, configured by `env_cfg`."""
-    return env_module(_name(env_cfg)).env_factory(env_cfg)
+    """A picklable zero-argument factory of fresh environments: `hydra.utils.instantiate` of `env._target_` with
+    `_partial_=True`, given the typed config. Raises ConfigError for a bad target, key or value."""
+    from hydra.utils import instantiate
+
+    cfg = env_config(env_cfg)
+    return instantiate({"_target_": cfg._target_, "_partial_": True}, cfg)
 
 
 def load_env_tasks(env_cfg: Any, data_cfg: Any) -> list[Task]:
-    """Rows of `data_cfg` (see `vlmrl.data.load_rows`) turned into tasks by the environment's `build_task`, or the
-    environment's own `make_tasks(env_cfg, data_cfg)` when it generates its tasks."""
-    module = env_module(_name(env_cfg))
-    if callable(getattr(module, "make_tasks", None)):
-        return module.make_tasks(env_cfg, data_cfg)
-    return load_tasks(data_cfg, module.build_task)
+    """The environment's generated tasks (`make_tasks`), else the rows of `data_cfg` (`vlmrl.data.load_tasks`)
+    turned into tasks by its `build_task`."""
+    cfg = env_config(env_cfg)
+    cls = env_class(cfg._target_)
+    tasks = cls.make_tasks(cfg, data_cfg)
+    if tasks is not None:
+        return tasks
+    return load_tasks(data_cfg, functools.partial(cls.build_task, cfg=cfg))

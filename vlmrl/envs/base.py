@@ -1,11 +1,20 @@
-"""The environment interface: environments speak messages, never token ids."""
+"""The environment interface: environments speak messages, never token ids.
+
+An environment is a class (named in config by `env._target_`) with its own typed config (`config_class`, a
+dataclass subclassing `vlmrl.config.EnvConfig`). One instance runs one episode: `Env(cfg)`. Its classmethods make
+the episodes' tasks: `build_task(row, cfg)` for a dataset row, or `make_tasks(cfg, data_cfg)` for an environment
+that generates its own tasks (then `data.path` is not read).
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
-from vlmrl.types import Message, ParseStatus, Task
+from vlmrl.config import EnvConfig
+from vlmrl.data import Row, task_of
+from vlmrl.types import Message, ParseStatus, Role, Task
 
 
 @dataclass
@@ -24,8 +33,28 @@ class StepResult:
     formatted: bool = False
 
 
+def with_system_prompt(task: Task, system_prompt: str | None) -> list[Message]:
+    """A fresh copy of the task's messages, `system_prompt` first when set and the task has no system message."""
+    messages = [Message(m.role, list(m.content)) for m in task.messages]
+    if system_prompt and not (messages and messages[0].role is Role.SYSTEM):
+        messages.insert(0, Message.text(Role.SYSTEM, system_prompt))
+    return messages
+
+
 class Environment(ABC):
-    """One episode's environment, created per episode by the env factory."""
+    """One episode's environment, created per episode by the env factory (`vlmrl.envs.make_env_factory`)."""
+
+    config_class: ClassVar[type[EnvConfig]] = EnvConfig
+
+    @classmethod
+    def build_task(cls, row: Row, cfg: Any) -> Task:
+        """The task of one dataset row (default: the row's prompt messages, answer and columns as they are)."""
+        return task_of(row)
+
+    @classmethod
+    def make_tasks(cls, cfg: Any, data_cfg: Any) -> list[Task] | None:
+        """The environment's own generated tasks, or None to read `data.path` (the default)."""
+        return None
 
     @abstractmethod
     def reset(self, task: Task) -> list[Message]:

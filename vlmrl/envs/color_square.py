@@ -8,14 +8,13 @@ unset); the squares are 56x56 pixels (four image tokens for Qwen2.5-VL).
 
 from __future__ import annotations
 
-import functools
 import random
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from PIL import Image
 
+from vlmrl.config import EnvConfig
 from vlmrl.data import cfg_value
 from vlmrl.envs.base import Environment, StepResult
 from vlmrl.rewards import extract_boxed
@@ -45,7 +44,7 @@ def build_task(row: ColorRow) -> Task:
                 meta={"colors": list(row.colors), "seed": row.seed})
 
 
-def make_tasks(env_cfg: Any, data_cfg: Any) -> list[Task]:
+def make_tasks(cfg: Any, data_cfg: Any) -> list[Task]:
     """`data.limit` (default 16) tasks with seeded colour pairs."""
     n = int(cfg_value(data_cfg, "limit") or 16)
     base = int(cfg_value(data_cfg, "shuffle_seed") or 0)
@@ -57,11 +56,22 @@ def make_tasks(env_cfg: Any, data_cfg: Any) -> list[Task]:
     return [build_task(r) for r in rows]
 
 
-class ColorSquareEnv(Environment):
-    """Two questions, one image each."""
+@dataclass
+class ColorSquareConfig(EnvConfig):
+    _target_: str = "vlmrl.envs.color_square.ColorSquareEnv"
 
-    def __init__(self, max_turns: int = 2) -> None:
-        self.max_turns = max_turns
+
+class ColorSquareEnv(Environment):
+    """Two questions, one image each (one if `max_turns` is 1)."""
+
+    config_class = ColorSquareConfig
+
+    @classmethod
+    def make_tasks(cls, cfg: ColorSquareConfig, data_cfg: Any) -> list[Task]:
+        return make_tasks(cfg, data_cfg)
+
+    def __init__(self, cfg: ColorSquareConfig | None = None) -> None:
+        self.max_turns = max(1, min(2, (cfg or ColorSquareConfig()).max_turns))
         self.task: Task | None = None
 
     def reset(self, task: Task) -> list[Message]:
@@ -82,7 +92,3 @@ class ColorSquareEnv(Environment):
         ref = f"color_square:{self.task.meta['seed']}#1"
         msg = Message(Role.USER, [TextPart(SECOND), ImagePart(square(colors[1]), ref), TextPart(QUESTION)])
         return StepResult(reward, False, [msg], status, correct, status is ParseStatus.OK)
-
-
-def env_factory(env_cfg: Any) -> Callable[[], ColorSquareEnv]:
-    return functools.partial(ColorSquareEnv, max(1, min(2, int(cfg_value(env_cfg, "max_turns", 2) or 2))))

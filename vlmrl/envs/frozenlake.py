@@ -9,11 +9,12 @@ leaves the elf where it is and shows the frame again.
 Tasks are generated, not read: task i is the random map `generate_random_map(map_size, p=frozen_prob,
 seed=data.shuffle_seed + i)`, for `data.limit` tasks (64 if unset). Knobs: `env.map_size`, `env.slippery`
 (gymnasium's `is_slippery`), `env.frozen_prob`, `env.format_reward`. Slippery episodes of one GRPO group get
-different slip seeds (one per episode, counted by the factory).
+different slip seeds (one per episode, from a per-process counter).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,7 @@ import gymnasium as gym  # noqa: E402
 from gymnasium.envs.toy_text.frozen_lake import generate_random_map  # noqa: E402
 from PIL import Image  # noqa: E402
 
+from vlmrl.config import EnvConfig  # noqa: E402
 from vlmrl.data import cfg_value  # noqa: E402
 from vlmrl.envs.base import Environment, StepResult  # noqa: E402
 from vlmrl.rewards import extract_boxed  # noqa: E402
@@ -40,33 +42,23 @@ NEXT = "Your next move?"
 UNREADABLE = "Your move could not be read: answer with one of left, down, right or up in \\boxed{}."
 
 
-@dataclass(frozen=True)
-class FrozenLakeConfig:
-    """The env config fields FrozenLake reads (`env.name == "frozenlake"`)."""
+@dataclass
+class FrozenLakeConfig(EnvConfig):
+    """FrozenLake's env config (`env=frozenlake`)."""
 
+    _target_: str = "vlmrl.envs.frozenlake.FrozenLakeEnv"
     max_turns: int = 8
-    map_size: int = 4
-    slippery: bool = False
-    frozen_prob: float = 0.8
-    format_reward: float = 0.1
-    system_prompt: str | None = None
+    map_size: int = 4  # the map's side
+    slippery: bool = False  # gymnasium's is_slippery
+    frozen_prob: float = 0.8  # share of frozen tiles in generated maps
+    format_reward: float = 0.1  # reward of a readable move
 
-    @staticmethod
-    def from_cfg(env_cfg: Any) -> "FrozenLakeConfig":
-        d = FrozenLakeConfig()
-        cfg = FrozenLakeConfig(
-            max_turns=int(cfg_value(env_cfg, "max_turns", d.max_turns) or 0),
-            map_size=int(cfg_value(env_cfg, "map_size", d.map_size) or 0),
-            slippery=bool(cfg_value(env_cfg, "slippery", d.slippery)),
-            frozen_prob=float(cfg_value(env_cfg, "frozen_prob", d.frozen_prob)),
-            format_reward=float(cfg_value(env_cfg, "format_reward", d.format_reward)),
-            system_prompt=cfg_value(env_cfg, "system_prompt") or None,
-        )
-        if cfg.max_turns < 1 or cfg.map_size < 2 or not 0.0 < cfg.frozen_prob <= 1.0 \
-                or not 0.0 <= cfg.format_reward < 1.0:
-            raise ValueError(f"bad frozenlake config: {cfg} (need max_turns >= 1, map_size >= 2, "
-                             "0 < frozen_prob <= 1, 0 <= format_reward < 1)")
-        return cfg
+    def __post_init__(self) -> None:
+        if self.max_turns < 1 or self.map_size < 2 or not 0.0 < self.frozen_prob <= 1.0 \
+                or not 0.0 <= self.format_reward < 1.0:
+            raise ValueError(f"bad frozenlake config: max_turns={self.max_turns} map_size={self.map_size} "
+                             f"frozen_prob={self.frozen_prob} format_reward={self.format_reward} (need max_turns "
+                             ">= 1, map_size >= 2, 0 < frozen_prob <= 1, 0 <= format_reward < 1)")
 
 
 @dataclass(frozen=True)
@@ -99,9 +91,8 @@ def build_task(row: FrozenLakeRow) -> Task:
                 meta={"seed": row.seed, "desc": list(row.desc)})
 
 
-def make_tasks(env_cfg: Any, data_cfg: Any) -> list[Task]:
+def make_tasks(cfg: FrozenLakeConfig, data_cfg: Any) -> list[Task]:
     """`data.limit` (default 64) generated maps, seeds from `data.shuffle_seed`."""
-    cfg = FrozenLakeConfig.from_cfg(env_cfg)
     n = int(cfg_value(data_cfg, "limit") or 64)
     base = int(cfg_value(data_cfg, "shuffle_seed") or 0)
     rows = [FrozenLakeRow(base + i, tuple(generate_random_map(cfg.map_size, cfg.frozen_prob, seed=base + i)))
@@ -119,10 +110,19 @@ def parse_move(text: str) -> tuple[int | None, ParseStatus]:
 
 
 class FrozenLakeEnv(Environment):
-    """One FrozenLake episode on the task's map; `seed` drives slips (slippery maps only)."""
+    """One FrozenLake episode on the task's map; `seed` drives slips (slippery maps only: the factory's episodes
+    get seeds 1, 2, ... from a shared counter, so the episodes of one GRPO group slip differently)."""
 
-    def __init__(self, cfg: FrozenLakeConfig, seed: int = 0) -> None:
-        self.cfg, self.seed = cfg, seed
+    config_class = FrozenLakeConfig
+    _episodes = itertools.count(1)
+
+    @classmethod
+    def make_tasks(cls, cfg: FrozenLakeConfig, data_cfg: Any) -> list[Task]:
+        return make_tasks(cfg, data_cfg)
+
+    def __init__(self, cfg: FrozenLakeConfig | None = None, seed: int | None = None) -> None:
+        self.cfg = cfg or FrozenLakeConfig()
+        self.seed = next(FrozenLakeEnv._episodes) if seed is None else seed
         self.gym: gym.Env | None = None
         self.task: Task | None = None
 
@@ -153,18 +153,3 @@ class FrozenLakeEnv(Environment):
         lead = f"You chose {MOVE_NAMES[action]}." if action is not None else UNREADABLE
         msg = Message(Role.USER, [TextPart(lead), ImagePart(frame(self.gym), ref), TextPart(NEXT)])
         return StepResult(reward, False, [msg], status, reached, action is not None)
-
-
-class FrozenLakeFactory:
-    """Picklable factory of fresh episodes; each episode gets the next slip seed."""
-
-    def __init__(self, cfg: FrozenLakeConfig) -> None:
-        self.cfg, self.count = cfg, 0
-
-    def __call__(self) -> FrozenLakeEnv:
-        self.count += 1
-        return FrozenLakeEnv(self.cfg, seed=self.count)
-
-
-def env_factory(env_cfg: Any) -> FrozenLakeFactory:
-    return FrozenLakeFactory(FrozenLakeConfig.from_cfg(env_cfg))

@@ -9,14 +9,12 @@ model the diagram's size in pixels, the coordinate system of the crop/zoom tools
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
 
 from PIL import Image
 
-from vlmrl.data import GeometryRow
-from vlmrl.envs.geometry3k import Geometry3KConfig, Geometry3KEnv, format_prompt
+from vlmrl.data.row import Row
+from vlmrl.envs.geometry3k import Geometry3KConfig, Geometry3KEnv, GeometryRow, format_prompt, geometry_row
 from vlmrl.envs.geometry3k import build_task as geometry_task
 from vlmrl.tools.builtin import calculate, crop_image, zoom_image
 from vlmrl.tools.spec import Tool, tools_from_object
@@ -37,8 +35,23 @@ def build_task(row: GeometryRow) -> Task:
     return task
 
 
+@dataclass
+class Geometry3KToolsConfig(Geometry3KConfig):
+    """Geometry3K's config (`env=geometry3k_tools`); tool turns count toward `max_turns`."""
+
+    _target_: str = "vlmrl.envs.geometry3k_tools.Geometry3KToolsEnv"
+    max_turns: int = 4
+
+
 class Geometry3KToolsEnv(Geometry3KEnv):
     """A Geometry3K episode whose tools act on this episode's diagram."""
+
+    config_class = Geometry3KToolsConfig
+
+    @classmethod
+    def build_task(cls, row: Row, cfg: Geometry3KConfig) -> Task:
+        """Geometry3K's task with the tools note (raises BadRowError for a bad row)."""
+        return build_task(geometry_row(row))
 
     def __init__(self, cfg: Geometry3KConfig | None = None) -> None:
         super().__init__(cfg)
@@ -77,8 +90,3 @@ class Geometry3KToolsEnv(Geometry3KEnv):
             factor: Magnification, greater than 1 and at most 8.
         """
         return zoom_image(self._image(), x, y, factor)
-
-
-def env_factory(env_cfg: Any) -> Callable[[], Geometry3KToolsEnv]:
-    """A picklable zero-argument factory of fresh environments (config validated once, here)."""
-    return functools.partial(Geometry3KToolsEnv, Geometry3KConfig.from_cfg(env_cfg))

@@ -2,21 +2,21 @@
 
 The environment owns its prompt: `build_task(row)` turns a `GeometryRow` into a `Task` whose first message is the
 user turn (diagram image, then the problem, the lettered choices and the answer instruction). `reset` prepends the
-configured system prompt. `step` grades the reply (`vlmrl.rewards`), r_t = 0.9 * correct + 0.1 * boxed; when
+configured system prompt. `step` grades the reply (`grading`), r_t = 0.9 * correct + 0.1 * boxed; when
 r_t < 1 and another turn is allowed, the episode goes on with a feedback *user Message* (AReaL #931 appended a bare
 string instead).
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from vlmrl.data import GeometryRow, cfg_value
-from vlmrl.envs.base import Environment, StepResult
-from vlmrl.rewards import AnswerScore, geometry_reward, score_choice_answer
+from vlmrl.config import EnvConfig
+from vlmrl.data.row import Row
+from vlmrl.envs.base import Environment, StepResult, with_system_prompt
+from vlmrl.envs.geometry3k.grading import AnswerScore, geometry_reward, score_choice_answer
+from vlmrl.envs.geometry3k.rows import GeometryRow, geometry_row
 from vlmrl.types import ImagePart, Message, ParseStatus, Role, Task, TextPart
 
 INSTRUCTION = (
@@ -32,31 +32,22 @@ REASONS = {
 }
 
 
-@dataclass(frozen=True)
-class Geometry3KConfig:
-    """The env config fields this environment reads (`env_cfg.name == "geometry3k"`).
+@dataclass
+class Geometry3KConfig(EnvConfig):
+    """Geometry3K's env config (`env=geometry3k`).
 
     max_turns: assistant turns allowed per episode (>= 1); system_prompt: optional system message;
     feedback: retry message template; `{reason}` is replaced by why the answer failed, `{turns_left}` by the number
     of turns still allowed (plain replacement, so `\\boxed{}` needs no escaping).
     """
 
-    name: str = "geometry3k"
+    _target_: str = "vlmrl.envs.geometry3k.Geometry3KEnv"
     max_turns: int = 3
-    system_prompt: str | None = None
     feedback: str = DEFAULT_FEEDBACK
 
-    @staticmethod
-    def from_cfg(env_cfg: Any) -> "Geometry3KConfig":
-        max_turns = int(cfg_value(env_cfg, "max_turns", 3) or 0)
-        if max_turns < 1:
-            raise ValueError(f"env.max_turns must be >= 1, got {cfg_value(env_cfg, 'max_turns')}")
-        return Geometry3KConfig(
-            name=str(cfg_value(env_cfg, "name", "geometry3k")),
-            max_turns=max_turns,
-            system_prompt=cfg_value(env_cfg, "system_prompt") or None,
-            feedback=str(cfg_value(env_cfg, "feedback") or DEFAULT_FEEDBACK),
-        )
+    def __post_init__(self) -> None:
+        if self.max_turns < 1:
+            raise ValueError(f"env.max_turns must be >= 1, got {self.max_turns}")
 
 
 def format_prompt(problem: str, choices: Sequence[str]) -> str:
@@ -90,6 +81,13 @@ def feedback_text(template: str, score: AnswerScore, turns_left: int) -> str:
 class Geometry3KEnv(Environment):
     """One Geometry3K episode: up to `max_turns` answers, feedback after each wrong one."""
 
+    config_class = Geometry3KConfig
+
+    @classmethod
+    def build_task(cls, row: Row, cfg: Geometry3KConfig) -> Task:
+        """The Geometry3K prompt of a dataset row (validated by `geometry_row`; raises BadRowError)."""
+        return build_task(geometry_row(row))
+
     def __init__(self, cfg: Geometry3KConfig | None = None) -> None:
         self.cfg = cfg or Geometry3KConfig()
         self.task: Task | None = None
@@ -99,10 +97,7 @@ class Geometry3KEnv(Environment):
         """[system prompt if configured] + the task's messages (a fresh list; the task is not mutated)."""
         self.task = task
         self.scores = []
-        messages = [Message(m.role, list(m.content)) for m in task.messages]
-        if self.cfg.system_prompt and not (messages and messages[0].role is Role.SYSTEM):
-            messages.insert(0, Message.text(Role.SYSTEM, self.cfg.system_prompt))
-        return messages
+        return with_system_prompt(task, self.cfg.system_prompt)
 
     def _answer_key(self) -> tuple[list[str], str | None, str | None]:
         """(choices, letter, value) from task.meta; falls back to `task.answer` for tasks built elsewhere."""
@@ -129,8 +124,3 @@ class Geometry3KEnv(Environment):
         done = reward >= 1.0 or last_turn or turns_left <= 0
         messages = [] if done else [Message.text(Role.USER, feedback_text(self.cfg.feedback, score, turns_left))]
         return StepResult(reward, done, messages, score.parse_status, score.correct, score.formatted)
-
-
-def env_factory(env_cfg: Any) -> Callable[[], Geometry3KEnv]:
-    """A picklable zero-argument factory of fresh environments (config validated once, here)."""
-    return functools.partial(Geometry3KEnv, Geometry3KConfig.from_cfg(env_cfg))

@@ -1,0 +1,88 @@
+"""Generic environments for a user's own dataset, graded by reward functions (`vlmrl.envs.reward_funcs`).
+
+`MultiTurnEnv`: the row's prompt; each reply is scored by `env.rewards` (weighted sum r_t); if r_t is below
+`success_threshold` and turns are left, a feedback user message asks for another try. `SingleTurnEnv`: one reply.
+
+    env:
+      _target_: vlmrl.envs.generic.MultiTurnEnv
+      max_turns: 2
+      rewards: [{fn: vlmrl.envs.reward_funcs:boxed_accuracy, weight: 0.9},
+                {fn: vlmrl.envs.reward_funcs:boxed_format, weight: 0.1}]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vlmrl.config import EnvConfig
+from vlmrl.envs.base import Environment, StepResult, with_system_prompt
+from vlmrl.envs.reward_funcs import RewardSpec, load_reward_funcs, weighted_reward
+from vlmrl.types import Message, Role, Task
+
+DEFAULT_FEEDBACK = "Your answer is not correct. Please try again and put your final answer in \\boxed{}."
+
+
+def _default_rewards() -> list[RewardSpec]:
+    return [RewardSpec("vlmrl.envs.reward_funcs:boxed_accuracy", 0.9),
+            RewardSpec("vlmrl.envs.reward_funcs:boxed_format", 0.1)]
+
+
+@dataclass
+class MultiTurnConfig(EnvConfig):
+    """rewards: weighted trl-style reward functions; success_threshold: r_t at or above it is correct and ends the
+    episode; feedback: the retry message (`{reward}` = r_t to 2 decimals, `{turns_left}` = turns still allowed)."""
+
+    _target_: str = "vlmrl.envs.generic.MultiTurnEnv"
+    rewards: list[RewardSpec] = field(default_factory=_default_rewards)
+    success_threshold: float = 1.0
+    feedback: str = DEFAULT_FEEDBACK
+
+
+@dataclass
+class SingleTurnConfig(MultiTurnConfig):
+    _target_: str = "vlmrl.envs.generic.SingleTurnEnv"
+    max_turns: int = 1
+
+
+class MultiTurnEnv(Environment):
+    """One episode of a dataset row: reply, reward functions, feedback while below the threshold."""
+
+    config_class = MultiTurnConfig
+
+    def __init__(self, cfg: MultiTurnConfig | None = None) -> None:
+        self.cfg = cfg or self.config_class()
+        self.funcs = load_reward_funcs(self.cfg.rewards)
+        self.task: Task | None = None
+        self.scores: list[dict[str, float]] = []
+
+    def reset(self, task: Task) -> list[Message]:
+        self.task, self.scores = task, []
+        return with_system_prompt(task, self.cfg.system_prompt)
+
+    def reward_kwargs(self) -> dict:
+        """The reward functions' keyword arguments: dataset columns, `ground_truth` and `prompts` (1-lists)."""
+        assert self.task is not None
+        cols = dict(self.task.meta.get("columns") or {})
+        prompt = "\n".join(m.text_content for m in self.task.messages)
+        return {**{k: [v] for k, v in cols.items()}, "ground_truth": [self.task.answer], "prompts": [prompt]}
+
+    def feedback(self, reward: float, turns_left: int) -> Message:
+        text = self.cfg.feedback.replace("{reward}", f"{reward:.2f}").replace("{turns_left}", str(turns_left))
+        return Message.text(Role.USER, text)
+
+    def step(self, assistant_text: str, turn: int, last_turn: bool) -> StepResult:
+        if self.task is None:
+            raise RuntimeError(f"{type(self).__name__}.step called before reset")
+        reward, scores = weighted_reward(self.funcs, assistant_text, self.reward_kwargs())
+        self.scores.append(scores)
+        correct = reward >= self.cfg.success_threshold - 1e-9  # 0.9 + 0.1 may round below 1.0
+        turns_left = self.cfg.max_turns - (turn + 1)
+        done = correct or last_turn or turns_left <= 0
+        messages = [] if done else [self.feedback(reward, turns_left)]
+        return StepResult(reward, done, messages, correct=correct, formatted=reward > 0)
+
+
+class SingleTurnEnv(MultiTurnEnv):
+    """One reply per episode (`max_turns` 1), graded by the reward functions."""
+
+    config_class = SingleTurnConfig
