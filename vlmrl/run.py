@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
@@ -19,7 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from vlmrl import checkpoint
 from vlmrl.checks.alignment import sampled_alignment
-from vlmrl.config import Config, ExportStyle, to_yaml
+from vlmrl.config import AlgorithmConfig, Config, ExportStyle, to_yaml
 from vlmrl.envs import load_env_tasks
 from vlmrl.export import to_samples, trajectory_record
 from vlmrl.generate import eval_during_training
@@ -33,6 +34,7 @@ from vlmrl.resume import (BadStepGuard, ResumePlan, StepAbandoned, StopSignals, 
 from vlmrl.runfiles import ImageStore, RunFiles
 from vlmrl.wiring import build_runner
 from vlmrl.tokens.base import PrefixMode, TokenBuilder
+from vlmrl.train import loss_agg, rollout_correction
 from vlmrl.train.trainer import GRPOTrainer
 from vlmrl.types import Task, Trajectory
 
@@ -68,6 +70,15 @@ def assign_advantages(trajs: list[Trajectory], scale_by_std: bool) -> None:
         traj.advantage = adv
 
 
+def trainer_algorithm(cfg: Config) -> AlgorithmConfig:
+    """The algorithm settings the trainer gets: `rollout_correction=auto` resolved from the engine, the Dr. GRPO
+    constant `loss_agg_norm=0` resolved to the response budget (vlmrl.train.rollout_correction / loss_agg)."""
+    alg = cfg.algorithm
+    return dataclasses.replace(
+        alg, rollout_correction=rollout_correction.resolve(alg.rollout_correction, cfg.rollout.engine).value,
+        loss_agg_norm=loss_agg.constant_length(alg.loss_agg_norm, cfg.rollout.max_new_tokens, cfg.env.max_turns))
+
+
 @dataclass
 class Job:
     cfg: Config
@@ -98,7 +109,7 @@ def build_job(cfg: Config, plan: ResumePlan | None = None) -> Job:
         if plan is not None:
             record_resume(files.dir, plan)
     model, processor = load_policy(cfg.model)
-    trainer = GRPOTrainer(model, cfg.trainer, cfg.algorithm, cfg.rollout.temperature, family=cfg.model.family)
+    trainer = GRPOTrainer(model, cfg.trainer, trainer_algorithm(cfg), cfg.rollout.temperature, family=cfg.model.family)
     if files:
         files.check_space(checkpoint.estimate_bytes(trainer.module, trainer.cfg.dtype == "bf16"))
     runner, builder = build_runner(cfg, trainer.policy, processor)
