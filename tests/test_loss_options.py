@@ -77,8 +77,9 @@ def test_tis_and_mis_weights_by_hand():
     # k3 KL(rollout || trainer) = sum rho - log rho - 1 over the 5 loss tokens (the masked 9.0 is ignored)
     k3 = sum(r - math.log(r) - 1 for r in (0.5, 1.5, 3.0, 1.0, 4.0))  # 0.19315 + 0.09453 + 0.90139 + 0 + 1.61371
     assert c.mismatch_kl == pytest.approx(k3) and k3 == pytest.approx(2.80278, abs=1e-5)
-    # a wider band keeps row 1: 2 <= 2.0
+    # a wider band keeps row 1: 2 <= 2.0; a lower bound of 1.5 drops row 0 (1.31 < 1.5)
     assert correction_weights(trainer, rollout, CMASK, "mis", mis_low=0.5, mis_high=2.0).keep.tolist() == [1.0, 1.0]
+    assert correction_weights(trainer, rollout, CMASK, "mis", mis_low=1.5, mis_high=2.0).keep.tolist() == [0.0, 1.0]
     off = correction_weights(trainer, rollout, CMASK, "off")
     assert off.is_weights is None and off.keep is None and off.capped == 0
 
@@ -145,3 +146,21 @@ def test_one_micro_batch_equals_two_through_the_trainer(qwen25_model, options):
         assert locals_[0][8].item() > 0
     if "mis" in options.get("rollout_correction", ""):
         assert locals_[0][9].item() > 0
+
+
+def test_run_resolves_auto_correction_and_the_dr_grpo_constant():
+    """`vlmrl.run.trainer_algorithm`: auto -> tis with vLLM, off with transformers; `algorithm=dr_grpo` sets the
+    constant normaliser (0 -> rollout.max_new_tokens 24 * env.max_turns 2 = 48) and no std scaling."""
+    from vlmrl.config import ConfigError, load
+    from vlmrl.run import trainer_algorithm
+
+    alg = trainer_algorithm(load("geometry3k_tiny", ["rollout=vllm", "algorithm=dr_grpo"]))
+    assert (alg.rollout_correction, alg.loss_agg, alg.loss_agg_norm, alg.scale_by_std) == \
+        ("tis", "seq-mean-token-sum-norm", 48, False)
+    assert trainer_algorithm(load("geometry3k_tiny")).rollout_correction == "off"
+    for bad, msg in [("algorithm.tis_cap=0.5", "tis_cap"), ("algorithm.mis_low=1.5", "mis_low"),
+                     ("algorithm.loss_agg=sum", "loss_agg"), ("algorithm.overlong_buffer=24", "overlong_buffer"),
+                     ("algorithm.rollout_correction=on", "rollout_correction"),
+                     ("algorithm.max_sampling_rounds=0", "max_sampling_rounds")]:
+        with pytest.raises(ConfigError, match=msg):
+            load("geometry3k_tiny", [bad])
