@@ -123,6 +123,27 @@ class AlgorithmConfig:
     clip_eps_high: float = 0.28
     kl_coef: float = 0.0
     scale_by_std: bool = True
+    # rollout/trainer mismatch correction (vlmrl/train/rollout_correction.py): auto (tis with rollout.engine=vllm,
+    # else off) | off | tis | mis | tis+mis; TIS cap C; MIS band of the geometric-mean sequence ratio
+    rollout_correction: str = "auto"
+    tis_cap: float = 2.0
+    mis_low: float = 0.5
+    mis_high: float = 2.0
+    # loss aggregation (vlmrl/train/loss_agg.py): token-mean | seq-mean-token-mean | seq-mean-token-sum-norm (Dr.
+    # GRPO, divides by loss_agg_norm tokens; 0: rollout.max_new_tokens * env.max_turns)
+    loss_agg: str = "token-mean"
+    loss_agg_norm: int = 0
+    # DAPO overlong handling (vlmrl/train/overlong.py): loss mask 0 on length-truncated turns; soft penalty over the
+    # last overlong_buffer tokens of rollout.max_new_tokens (0: off), at most overlong_penalty per turn
+    overlong_filter: bool = False
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
+    # DAPO dynamic sampling (vlmrl/train/dynamic_sampling.py): drop groups with equal rewards, sample more prompts
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 4  # rollout rounds per step at most (each of trainer.batch_size prompts)
+    # episode: one GRPO advantage per trajectory; turn: each turn's discounted reward-to-go (vlmrl/train/
+    # turn_advantages.py; needs export.style=individual)
+    advantage: str = "episode"
 
 
 @dataclass
@@ -267,6 +288,22 @@ def _validate(cfg: Config) -> None:
         (cfg.tools.memory_mb >= 256, "tools.memory_mb must be >= 256"),
         (cfg.tools.cpu_s > 0, "tools.cpu_s must be > 0"),
         (cfg.tools.isolation in ("auto", "bwrap", "rlimits"), "tools.isolation must be auto, bwrap or rlimits"),
+        # algorithm toolbox (issue 12)
+        (cfg.algorithm.rollout_correction in ("auto", "off", "tis", "mis", "tis+mis"),
+         "algorithm.rollout_correction must be auto, off, tis, mis or tis+mis"),
+        (cfg.algorithm.tis_cap >= 1.0, "algorithm.tis_cap must be >= 1"),
+        (0.0 < cfg.algorithm.mis_low <= 1.0 <= cfg.algorithm.mis_high,
+         "algorithm.mis_low/mis_high must satisfy 0 < mis_low <= 1 <= mis_high"),
+        (cfg.algorithm.loss_agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+         "algorithm.loss_agg must be token-mean, seq-mean-token-mean or seq-mean-token-sum-norm"),
+        (cfg.algorithm.loss_agg_norm >= 0, "algorithm.loss_agg_norm must be >= 0"),
+        (0 <= cfg.algorithm.overlong_buffer < cfg.rollout.max_new_tokens,
+         "algorithm.overlong_buffer must be in [0, rollout.max_new_tokens)"),
+        (cfg.algorithm.overlong_penalty >= 0.0, "algorithm.overlong_penalty must be >= 0"),
+        (cfg.algorithm.max_sampling_rounds >= 1, "algorithm.max_sampling_rounds must be >= 1"),
+        (cfg.algorithm.advantage in ("episode", "turn"), "algorithm.advantage must be episode or turn"),
+        (cfg.algorithm.advantage == "episode" or cfg.export.style is ExportStyle.individual,
+         "algorithm.advantage=turn needs export.style=individual (one sample per turn)"),
     ]
     for ok, msg in checks:
         if not ok:

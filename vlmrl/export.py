@@ -5,7 +5,9 @@
 - `individual`: one sample per assistant turn: the ids up to the end of that turn (its prompt is everything before
   it, exactly as the model saw it), loss mask 1 only on that turn's sampled tokens.
 Both carry the images whose placeholders lie in the sample's ids, sliced per image grid (never per sample:
-trl #6274), and the trajectory's GRPO advantage.
+trl #6274), and the trajectory's GRPO advantage (`individual`: the turn's own when the trajectory has
+`turn_advantages`, `vlmrl.train.turn_advantages`). `mask_truncated`: DAPO overlong filtering, loss mask 0 on the
+turns cut at the length budget (`vlmrl.train.overlong`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Callable
 import torch
 
 from vlmrl.config import ExportStyle
-from vlmrl.types import ImagePart, Sample, TokenSeq, Trajectory, VisionInputs
+from vlmrl.types import ImagePart, Sample, StopReason, TokenSeq, Trajectory, VisionInputs
 
 
 def count_images(ids: list[int], image_token_id: int) -> int:
@@ -52,7 +54,7 @@ def images_before(seq: TokenSeq, end: int, image_token_id: int) -> VisionInputs 
     return VisionInputs.cat(seq.vision_parts[:sum(a < end for a in held)])
 
 
-def _sample(traj: Trajectory, end: int, mask: list[int], image_token_id: int) -> Sample:
+def _sample(traj: Trajectory, end: int, mask: list[int], image_token_id: int, advantage: float) -> Sample:
     ids = traj.tokens.ids[:end]
     input_ids = torch.tensor(ids, dtype=torch.long)
     vision = images_before(traj.tokens, end, image_token_id)
@@ -60,29 +62,37 @@ def _sample(traj: Trajectory, end: int, mask: list[int], image_token_id: int) ->
         input_ids=input_ids,
         loss_mask=torch.tensor(mask[:end], dtype=torch.float32),
         old_logprobs=torch.tensor(traj.tokens.logprobs[:end], dtype=torch.float32),
-        advantage=traj.advantage,
+        advantage=advantage,
         vision=vision,
         mm_token_type_ids=(input_ids == image_token_id).long(),
         task_id=traj.task_id,
     )
 
 
-def to_samples(trajs: list[Trajectory], style: ExportStyle, image_token_id: int) -> list[Sample]:
+def to_samples(trajs: list[Trajectory], style: ExportStyle, image_token_id: int,
+               mask_truncated: bool = False) -> list[Sample]:
     """Export trajectories to samples. concat: [len(trajs)] samples; individual: one per assistant turn.
 
-    Trajectories without a sampled turn give no sample.
+    Trajectories without a sampled turn give no sample. mask_truncated: loss mask 0 on the spans of turns whose
+    stop reason is `length` (turn_spans[i] is turns[i]'s sampled ids).
     """
     samples = []
     for traj in trajs:
         spans = traj.tokens.turn_spans
         if not spans:
             continue
+        full = list(traj.tokens.loss_mask)
+        if mask_truncated:
+            for (start, end), turn in zip(spans, traj.turns):
+                if turn.generation.stop_reason is StopReason.LENGTH:
+                    full[start:end] = [0] * (end - start)
         if style is ExportStyle.concat:
-            samples.append(_sample(traj, len(traj.tokens.ids), traj.tokens.loss_mask, image_token_id))
+            samples.append(_sample(traj, len(traj.tokens.ids), full, image_token_id, traj.advantage))
             continue
-        for start, end in spans:
-            mask = [0] * start + traj.tokens.loss_mask[start:end]
-            samples.append(_sample(traj, end, mask, image_token_id))
+        for i, (start, end) in enumerate(spans):
+            mask = [0] * start + full[start:end]
+            adv = traj.turn_advantages[i] if traj.turn_advantages else traj.advantage
+            samples.append(_sample(traj, end, mask, image_token_id, adv))
     return samples
 
 
@@ -110,6 +120,7 @@ def trajectory_record(traj: Trajectory, step: int, image_ref: Callable[[ImagePar
         "end_reason": traj.end_reason,
         "reward": traj.reward,
         "advantage": traj.advantage,
+        **({"turn_advantages": traj.turn_advantages} if traj.turn_advantages else {}),
         "tool_calls": [[c.to_json() for c in t.tool_calls] for t in traj.turns],
         "tool_errors": [list(t.tool_errors) for t in traj.turns],
         "tool_stats": traj.tool_stats.to_json(),

@@ -20,7 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from vlmrl import checkpoint
 from vlmrl.checks.alignment import sampled_alignment
-from vlmrl.config import Config, ExportStyle, to_yaml
+from vlmrl.config import AlgorithmConfig, Config, ExportStyle, to_yaml
 from vlmrl.envs import load_env_tasks
 from vlmrl.export import to_samples, trajectory_record
 from vlmrl.generate import eval_during_training
@@ -35,6 +35,9 @@ from vlmrl import runlock
 from vlmrl.runfiles import ImageStore, RunFiles, RunFolderError
 from vlmrl.wiring import build_runner
 from vlmrl.tokens.base import PrefixMode, TokenBuilder
+from vlmrl.train import loss_agg, overlong, rollout_correction
+from vlmrl.train.dynamic_sampling import SampledBatch, sample_until_full
+from vlmrl.train.turn_advantages import assign_turn_advantages
 from vlmrl.train.trainer import GRPOTrainer
 from vlmrl.types import Task, Trajectory
 
@@ -57,8 +60,13 @@ def export_style(requested: ExportStyle, builder: TokenBuilder) -> ExportStyle:
 
 
 def step_tasks(tasks: list[Task], step: int, batch_size: int, rank: int, world: int) -> list[Task]:
-    """The prompts of step `step` (1-based) for this rank: a cyclic window over the (shuffled) task list."""
-    start = (step - 1) * batch_size
+    """The prompts of step `step` (1-based) for this rank without dynamic sampling (`prompts_at` of the step)."""
+    return prompts_at(tasks, (step - 1) * batch_size, batch_size, rank, world)
+
+
+def prompts_at(tasks: list[Task], start: int, batch_size: int, rank: int, world: int) -> list[Task]:
+    """`batch_size` prompts from data position `start` (prompts consumed so far) for this rank: a cyclic window over
+    the (shuffled) task list."""
     batch = [tasks[(start + i) % len(tasks)] for i in range(batch_size)]
     return batch[rank::world]
 
@@ -68,6 +76,54 @@ def assign_advantages(trajs: list[Trajectory], scale_by_std: bool) -> None:
     advs = group_advantages([t.reward for t in trajs], [t.group for t in trajs], scale_by_std=scale_by_std)
     for traj, adv in zip(trajs, advs):
         traj.advantage = adv
+
+
+def assign_step_advantages(cfg: Config, trajs: list[Trajectory]) -> None:
+    """`algorithm.advantage`: episode (GRPO per trajectory) or turn (discounted reward-to-go per turn, with each
+    turn's overlong penalty; vlmrl.train.turn_advantages)."""
+    alg = cfg.algorithm
+    if alg.advantage != "turn":
+        assign_advantages(trajs, alg.scale_by_std)
+        return
+    pens = [overlong.turn_penalties(t, cfg.rollout.max_new_tokens, alg.overlong_buffer, alg.overlong_penalty)
+            for t in trajs] if alg.overlong_buffer else None
+    assign_turn_advantages(trajs, alg.turn_discount, alg.scale_by_std, pens)
+
+
+def sample_step(job: "Job") -> SampledBatch:
+    """The step's rollouts from the data position `job.position`: one round of trainer.batch_size prompts, or DAPO
+    dynamic sampling rounds (vlmrl.train.dynamic_sampling); the soft overlong penalty is added to the rewards."""
+    cfg, trainer, alg, size = job.cfg, job.trainer, job.cfg.algorithm, job.cfg.trainer.batch_size
+
+    def one_round(start: int) -> tuple[list[Task], list[Trajectory]]:
+        batch = prompts_at(job.tasks, start, size, trainer.rank, trainer.world_size)
+        trajs = job.runner.run(batch, alg.group_size)
+        if alg.overlong_buffer:
+            overlong.apply_soft_penalty(trajs, cfg.rollout.max_new_tokens, alg.overlong_buffer, alg.overlong_penalty)
+        return batch, trajs
+
+    if not alg.dynamic_sampling:
+        batch, trajs = one_round(job.position)
+        return SampledBatch(trajs, trajs, batch, prompts=size)
+    gather = lambda n: [int(x) for x in trainer.gather(n)]  # noqa: E731
+    return sample_until_full(one_round, job.position, size, alg.max_sampling_rounds, gather, trainer.rank)
+
+
+def option_metrics(cfg: Config, sampled: SampledBatch) -> dict[str, float]:
+    """Per-rank metrics of the algorithm options on the step's rollouts (overlong penalty / filtering)."""
+    alg = cfg.algorithm
+    pens = [overlong.turn_penalties(t, cfg.rollout.max_new_tokens, alg.overlong_buffer, alg.overlong_penalty)
+            for t in sampled.generated] if alg.overlong_buffer else None
+    return overlong.overlong_metrics(sampled.generated, pens, alg.overlong_filter)
+
+
+def trainer_algorithm(cfg: Config) -> AlgorithmConfig:
+    """The algorithm settings the trainer gets: `rollout_correction=auto` resolved from the engine, the Dr. GRPO
+    constant `loss_agg_norm=0` resolved to the response budget (vlmrl.train.rollout_correction / loss_agg)."""
+    alg = cfg.algorithm
+    return dataclasses.replace(
+        alg, rollout_correction=rollout_correction.resolve(alg.rollout_correction, cfg.rollout.engine).value,
+        loss_agg_norm=loss_agg.constant_length(alg.loss_agg_norm, cfg.rollout.max_new_tokens, cfg.env.max_turns))
 
 
 @dataclass
@@ -84,6 +140,7 @@ class Job:
     guard: BadStepGuard = field(default_factory=BadStepGuard)  # updates skipped for non-finite numbers
     saved_step: int = -1  # step of the newest checkpoint of this run
     eval_tasks: list[Task] | None = None  # the eval split, loaded at the first trainer.eval_every (vlmrl.generate)
+    position: int = 0  # data position: prompts consumed by all ranks so far (the next step starts there)
 
 
 def build_job(cfg: Config, plan: ResumePlan | None = None) -> Job:
@@ -97,7 +154,7 @@ def build_job(cfg: Config, plan: ResumePlan | None = None) -> Job:
     needed = checkpoint.checkpoint_bytes(plan.checkpoint) if plan is not None and plan.checkpoint else 0
     files = RunFiles(cfg.logging.output_dir, cfg.logging.overwrite, keep_until, needed) if main_rank else None
     model, processor = load_policy(cfg.model)
-    trainer = GRPOTrainer(model, cfg.trainer, cfg.algorithm, cfg.rollout.temperature, family=cfg.model.family)
+    trainer = GRPOTrainer(model, cfg.trainer, trainer_algorithm(cfg), cfg.rollout.temperature, family=cfg.model.family)
     if files and not needed:
         files.check_space(checkpoint.estimate_bytes(trainer.module))
     runner, builder = build_runner(cfg, trainer.policy, processor)
@@ -124,30 +181,34 @@ def run_step(job: Job, step: int) -> dict:
     """One GRPO step: rollouts, advantages, export, update. Returns the step's metrics row (all ranks merged)."""
     cfg, trainer = job.cfg, job.trainer
     t0 = time.perf_counter()
-    batch = step_tasks(job.tasks, step, cfg.trainer.batch_size, trainer.rank, trainer.world_size)
     with job.stop.abandonable(trainer.world_size == 1):  # a stop signal here drops the step: nothing changed yet
-        trajs = job.runner.run(batch, cfg.algorithm.group_size)
-    t_rollout = time.perf_counter() - t0
-    assign_advantages(trajs, cfg.algorithm.scale_by_std)
-    samples = to_samples(trajs, job.style, job.builder.image_token_id)
+        sampled = sample_step(job)
+    t_rollout, trajs = time.perf_counter() - t0, sampled.kept
+    assign_step_advantages(cfg, trajs)
+    samples = to_samples(trajs, job.style, job.builder.image_token_id, mask_truncated=cfg.algorithm.overlong_filter)
+    if sampled.fill_only:  # dynamic sampling left this rank nothing to learn from: run the step with no loss token
+        samples = [dataclasses.replace(s, loss_mask=torch.zeros_like(s.loss_mask)) for s in samples]
     align = {}
     if cfg.trainer.align_every and step % cfg.trainer.align_every == 0:  # before the update: the sampling policy
         align = sampled_alignment(trainer, job.builder, trajs, cfg.trainer.align_samples, seed=step).as_dict()
-    bad = [e for part in trainer.gather(nonfinite_episodes(trajs)) for e in part]  # NaN/inf reward or advantage
+    bad = [e for part in trainer.gather(nonfinite_episodes(sampled.generated)) for e in part]  # NaN/inf reward/adv.
     stats = None if bad else trainer.train_step(samples)
+    job.position += sampled.prompts  # the next step's prompts follow the ones this step consumed
     sync = job.runner.engine.sync_weights() if stats is not None else {}  # vLLM: push weights + stale-head check
-    skipped = job.guard.check(step, bad, stats, [t.id for t in batch])
-    gen_tokens = sum(len(t.generation.token_ids) for traj in trajs for t in traj.turns)
-    rollout = {**rollout_metrics(trajs), "samples": float(len(samples)),
+    skipped = job.guard.check(step, bad, stats, [t.id for t in sampled.tasks])
+    gen_tokens = sum(len(t.generation.token_ids) for traj in sampled.generated for t in traj.turns)
+    rollout = {**rollout_metrics(sampled.generated), **option_metrics(cfg, sampled), "samples": float(len(samples)),
                "rollout_tokens_per_s": gen_tokens / max(t_rollout, 1e-9), "rollout_s": t_rollout}
     rollout = merge_rollout_rows(trainer.gather(rollout))  # StepStats are already global; rollouts are per rank
-    row = {"step": step, **rollout, **(stats.as_dict() if stats else {}), **sync, **align, "skipped": int(skipped),
-           "skipped_steps": job.guard.skipped, "step_s": time.perf_counter() - t0}
+    dynamic = sampled.metrics() if cfg.algorithm.dynamic_sampling else {}
+    row = {"step": step, **rollout, **dynamic, **(stats.as_dict() if stats else {}), **sync, **align,
+           "skipped": int(skipped), "skipped_steps": job.guard.skipped, "step_s": time.perf_counter() - t0}
     row["step"] = step
     if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
         row.update(eval_during_training(job, step))  # eval/* metrics: the eval split with the current policy
     store = ImageStore(cfg.logging.output_dir)  # tool/env images without a file are saved under <run>/images/
-    records = [r for part in trainer.gather([trajectory_record(t, step, store) for t in trajs]) for r in part]
+    records = [r for part in trainer.gather([trajectory_record(t, step, store) for t in sampled.generated])
+               for r in part]
     if job.files:
         job.files.append(job.files.trajectories, records)
         job.files.append(job.files.metrics, [row])
@@ -176,8 +237,8 @@ def save(job: Job, step: int) -> Path:
     processor, RNG states, config, and the run state (step, data position, skip counters)."""
     cfg = job.cfg
     state = {
-        "step": step,  # the next step is step + 1, whose prompts are step_tasks(tasks, step + 1, ...)
-        "data": {"prompts_done": step * cfg.trainer.batch_size, "num_tasks": len(job.tasks)},
+        "step": step,  # the next step is step + 1, whose prompts start at data.prompts_done
+        "data": {"prompts_done": job.position, "num_tasks": len(job.tasks)},  # the next step starts there
         **job.guard.state(),
         "world_size": job.trainer.world_size,
         "reference_model": "frozen initial policy, rebuilt from model.name_or_path" if cfg.algorithm.kl_coef else None,
@@ -198,6 +259,7 @@ def resume(job: Job, plan: ResumePlan) -> int:
     state = checkpoint.load(job.trainer, plan.checkpoint)
     job.guard.load(state)
     job.saved_step = plan.step
+    job.position = int(state.get("data", {}).get("prompts_done", plan.step * job.cfg.trainer.batch_size))
     num_tasks = state.get("data", {}).get("num_tasks")
     if num_tasks is not None and num_tasks != len(job.tasks):
         log.warning("the data now has %d prompts, the checkpoint's run had %d: the next prompts differ",

@@ -325,6 +325,7 @@ class Trajectory:
     advantage: float = 0.0
     end_reason: StopReason | str = ""
     tool_stats: ToolStats = field(default_factory=ToolStats)
+    turn_advantages: list[float] = field(default_factory=list)  # per turn (algorithm.advantage=turn), else empty
 
     @property
     def correct(self) -> bool:

@@ -6,6 +6,8 @@ Rank 0 trains on 3 samples, rank 1 on 1 (uneven: ZeRO-3 needs the trainer's zero
 Per stage: (1) the DeepSpeed gradient of the step equals plain torch's full-batch gradient over all 4 samples
 (token-level normalisation over ranks); (2) after a step, a generate of rank-dependent length inside `trainer.policy()`
 and another step, both ranks hold identical parameters. Prints one `OK` line per rank and stage; exits 1 on failure.
+`--options '{"loss_agg": "seq-mean-token-mean", "rollout_correction": "tis+mis", ...}'`: trainer settings of the
+algorithm options (vlmrl.train.loss_agg / rollout_correction), applied to the reference loss the same way.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import copy
 import hashlib
+import json
 import sys
 from pathlib import Path
 
@@ -24,17 +27,31 @@ from test_trainer import image_sample, with_old_logprobs  # noqa: E402
 from vlmrl.models import load_policy  # noqa: E402
 from vlmrl.train.grpo import grpo_loss  # noqa: E402
 from vlmrl.train.logprobs import batch_logprobs, collate  # noqa: E402
+from vlmrl.train.loss_agg import token_weights  # noqa: E402
+from vlmrl.train.rollout_correction import correction_weights  # noqa: E402
 from vlmrl.train.trainer import GRPOTrainer, TrainerSettings  # noqa: E402
 
 CHECKED = ["model.visual.patch_embed.proj.weight", "model.language_model.layers.1.mlp.up_proj.weight",
            "model.language_model.embed_tokens.weight"]  # fmt: skip
 
 
-def reference_grads(model: torch.nn.Module, samples) -> dict[str, torch.Tensor]:
-    """Plain torch: the full-batch GRPO loss over all samples (one padded batch), its gradients."""
+def reference_grads(model: torch.nn.Module, samples, options: dict | None = None) -> dict[str, torch.Tensor]:
+    """Plain torch: the full-batch GRPO loss over all samples (one padded batch), its gradients. options: the loss
+    aggregation and rollout correction (TrainerSettings names), computed over the whole batch at once."""
     batch = collate(samples)
     adv = torch.tensor([s.advantage for s in samples])
-    loss, _ = grpo_loss(batch_logprobs(model, batch, 1.0), batch["old_logprobs"], adv, batch["loss_mask"])
+    if not options:
+        loss, _ = grpo_loss(batch_logprobs(model, batch, 1.0), batch["old_logprobs"], adv, batch["loss_mask"])
+    else:
+        lp, mask, old = batch_logprobs(model, batch, 1.0), batch["loss_mask"], batch["old_logprobs"]
+        n_tok, n_seq = float(mask.sum()), float((mask.sum(-1) > 0).sum())
+        w = token_weights(mask, options.get("loss_agg", "token-mean"), n_tok, n_seq, options.get("loss_agg_norm", 1))
+        mode = options.get("rollout_correction", "off")
+        corr = correction_weights(lp.detach(), old, mask, mode, options.get("tis_cap", 2.0),
+                                  options.get("mis_low", 0.5), options.get("mis_high", 2.0))
+        if mode != "off":
+            old, w = lp.detach(), w if corr.keep is None else w * corr.keep[:, None]
+        loss, _ = grpo_loss(lp, old, adv, mask, num_tokens=n_tok, is_weights=corr.is_weights, token_weights=w)
     loss.backward()
     return {n: p.grad.clone() for n, p in model.named_parameters() if n in CHECKED}
 
@@ -46,15 +63,16 @@ def params_digest(trainer: GRPOTrainer) -> str:
     return h.hexdigest()[:16]
 
 
-def run_stage(stage: int) -> None:
+def run_stage(stage: int, options: dict) -> None:
     from deepspeed.utils import safe_get_full_grad
 
     model, _ = load_policy({"name_or_path": "tiny:qwen2_5_vl", "family": "qwen2_5_vl", "dtype": "float32", "seed": 0})
     model.train()
     everything = [image_sample(50 + i, n_gen=2 + 3 * i, advantage=a) for i, a in enumerate([1.0, -0.5, 0.8, -1.2])]
     everything = with_old_logprobs(model, everything, noise=0.3)
-    expected = reference_grads(copy.deepcopy(model), everything)
-    trainer = GRPOTrainer(model, TrainerSettings(zero_stage=stage, micro_batch_size=1, lr=1e-3, max_grad_norm=0.0))
+    expected = reference_grads(copy.deepcopy(model), everything, options)
+    trainer = GRPOTrainer(model, TrainerSettings(zero_stage=stage, micro_batch_size=1, lr=1e-3, max_grad_norm=0.0,
+                                                 **options))
     mine = everything[:3] if trainer.rank == 0 else everything[3:]
     trainer.engine.train()
     _, num_tokens, num_samples = trainer.accumulate_gradients(mine)
@@ -83,9 +101,10 @@ def run_stage(stage: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--stages", type=int, nargs="+", default=[2])
+    parser.add_argument("--options", default="{}", help="JSON of TrainerSettings algorithm options")
     args = parser.parse_args()
     for stage in args.stages:
-        run_stage(stage)
+        run_stage(stage, json.loads(args.options))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,10 @@ Normalisation is token-level (DAPO, Yu et al. 2025, sec. 3.3): every loss token 
 weighs the same, whatever the length of its sequence. Pass `num_tokens` = the masked-token count of the whole step
 (all micro-batches, all ranks) so that the losses of micro-batches add up to exactly the loss of the full batch.
 Asymmetric clipping (`clip_eps_high` = 0.28) is DAPO's "clip-higher".
+
+Options (each its own module): `is_weights` multiply the policy-gradient term per token (truncated importance sampling
+of the rollout/trainer mismatch, `vlmrl.train.rollout_correction`); `token_weights` replace mask / num_tokens as each
+token's weight in the loss sum (other loss aggregations, `vlmrl.train.loss_agg`). The stats stay token means.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ class LossStats:
     clip_low_frac: r < 1 - eps_low with A < 0; clip_high_frac: r > 1 + eps_high with A > 0.
     kl: mean k3 KL(pi || pi_ref) (0 without a reference); ratio_mean: mean r;
     policy_kl: mean k3 KL(pi_old || pi) -- the train/rollout mismatch, ~0 on the first update of a step.
+    mismatch_kl / tis_capped_frac (token means), mis_masked_frac (share of sequences): the rollout/trainer
+    mismatch correction's (`vlmrl.train.rollout_correction`; filled by the trainer, 0 when it is off).
     """
 
     clip_frac: float = 0.0
@@ -41,6 +47,9 @@ class LossStats:
     kl: float = 0.0
     ratio_mean: float = 0.0
     policy_kl: float = 0.0
+    mismatch_kl: float = 0.0
+    tis_capped_frac: float = 0.0
+    mis_masked_frac: float = 0.0
 
     def __add__(self, other: "LossStats") -> "LossStats":
         return LossStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
@@ -62,13 +71,17 @@ def grpo_loss(
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     num_tokens: float | torch.Tensor | None = None,
+    is_weights: torch.Tensor | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
     """Token-level clipped GRPO loss.
 
     logprobs: [B, T] log pi(token) under the current policy (requires grad);
     old_logprobs: [B, T] the rollout (sampling) logprobs; advantages: [B] (broadcast over tokens) or [B, T];
     loss_mask: [B, T] 1 on tokens the policy sampled; ref_logprobs: [B, T] under the frozen reference, or None;
-    num_tokens: the normaliser (default: loss_mask.sum() of this call; at least 1).
+    num_tokens: the normaliser (default: loss_mask.sum() of this call; at least 1);
+    is_weights: [B, T] detached weights of the policy-gradient term (not of the KL term), or None (1);
+    token_weights: [B, T] each token's weight in the loss sum, or None (loss_mask / num_tokens).
     Returns (scalar loss, LossStats). Positions where loss_mask is 0 contribute nothing, whatever their values.
     """
     mask = loss_mask.to(logprobs.dtype)
@@ -85,13 +98,18 @@ def grpo_loss(
     pg_unclipped = -adv * ratio
     pg_clipped = -adv * torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
     per_token = torch.maximum(pg_unclipped, pg_clipped)
+    if is_weights is not None:
+        per_token = per_token * is_weights.detach().to(logprobs.dtype)
     kl = torch.zeros_like(logprobs)
     if ref_logprobs is not None:
         ref = torch.where(mask > 0, ref_logprobs.to(logprobs.dtype), logprobs.detach())
         kl = k3_kl(logprobs, ref)
         if kl_coef:
             per_token = per_token + kl_coef * kl
-    loss = (per_token * mask).sum() / denom
+    if token_weights is None:
+        loss = (per_token * mask).sum() / denom
+    else:
+        loss = (per_token * mask * token_weights.to(logprobs.dtype)).sum()
 
     with torch.no_grad():
         low = ((ratio < 1.0 - clip_eps_low) & (adv < 0)).to(mask.dtype) * mask

@@ -9,7 +9,9 @@ Settings read (from dataclasses, OmegaConf nodes or dicts, merged by `TrainerSet
 winning; missing ones take the defaults of `TrainerSettings`): zero_stage (0|1|2|3, default 2), lr, weight_decay,
 betas, max_grad_norm (0 = no clipping), micro_batch_size (samples per forward), clip_eps_low, clip_eps_high,
 kl_coef (0 = no reference model), temperature (the sampling temperature: logprobs are of logits / temperature),
-seed (torch is seeded with seed + rank), dtype ("fp32" | "bf16" | "auto" = bf16 mixed precision with fp32 master
+seed (torch is seeded with seed + rank), rollout_correction (off|tis|mis|tis+mis; auto = off here: `vlmrl.run`
+resolves it from the engine), tis_cap, mis_low, mis_high (`vlmrl.train.rollout_correction`), loss_agg and
+loss_agg_norm (`vlmrl.train.loss_agg`; the Dr. GRPO constant must be > 0 with seq-mean-token-sum-norm), dtype ("fp32" | "bf16" | "auto" = bf16 mixed precision with fp32 master
 weights iff the model's parameters are bf16).
 
 Exact token-level normalisation over micro-batches and ranks: DeepSpeed runs with gradient_accumulation_steps=1 and we
@@ -42,6 +44,8 @@ from vlmrl.train import dist
 from vlmrl.train.dist import all_gather_object, is_main, world_size
 from vlmrl.train.grpo import LossStats, grpo_loss
 from vlmrl.train.logprobs import batch_logprobs, collate
+from vlmrl.train.loss_agg import LossAgg, token_weights
+from vlmrl.train.rollout_correction import Correction, correction_weights
 from vlmrl.types import Sample
 
 
@@ -60,6 +64,12 @@ class TrainerSettings:
     kl_coef: float = 0.0
     temperature: float = 1.0
     seed: int = 0
+    rollout_correction: str = "off"
+    tis_cap: float = 2.0
+    mis_low: float = 0.5
+    mis_high: float = 2.0
+    loss_agg: str = "token-mean"
+    loss_agg_norm: int = 0
     dtype: str = "auto"  # "fp32" | "bf16" | "auto" (= the model's parameter dtype)
 
     @staticmethod
@@ -92,6 +102,9 @@ class StepStats:
     clip_high_frac: float
     ratio_mean: float
     policy_kl: float
+    mismatch_kl: float
+    tis_capped_frac: float
+    mis_masked_frac: float
     num_tokens: int
     num_samples: int
     lr: float
@@ -180,6 +193,8 @@ class GRPOTrainer:
         self.family = family or family_of_model(model)
 
         self.cfg = TrainerSettings.from_any(*(c for c in (cfg, algorithm) if c is not None), temperature=temperature)
+        if LossAgg(self.cfg.loss_agg) is LossAgg.seq_mean_token_sum_norm and self.cfg.loss_agg_norm <= 0:
+            raise ValueError("loss_agg=seq-mean-token-sum-norm needs loss_agg_norm > 0 (the Dr. GRPO constant)")
         if self.cfg.dtype == "auto":
             bf16 = next(model.parameters()).dtype == torch.bfloat16
             self.cfg = dataclasses.replace(self.cfg, dtype="bf16" if bf16 else "fp32")
@@ -281,9 +296,11 @@ class GRPOTrainer:
         if not samples:
             raise ValueError("a training step needs at least one sample on every rank")
         local_tokens = float(sum(float(s.loss_mask.sum()) for s in samples))
-        totals = dist.all_reduce(torch.tensor([local_tokens, float(len(samples))], device=self.device), "sum")
+        local_seqs = float(sum(bool(s.loss_mask.sum() > 0) for s in samples))
+        totals = dist.all_reduce(torch.tensor([local_tokens, float(len(samples)), local_seqs], device=self.device),
+                                 "sum")
         num_tokens, num_samples = int(totals[0].item()), int(totals[1].item())
-        norm = max(num_tokens, 1) / world_size()
+        norm = (max(num_tokens, 1) / world_size(), max(int(totals[2].item()), 1) / world_size())
         chunks = self._micro_batches(samples)
         loss_sum, stats = 0.0, LossStats()
         for i, (chunk, weight) in enumerate(chunks):
@@ -295,8 +312,8 @@ class GRPOTrainer:
         local = torch.tensor([loss_sum, *(getattr(stats, f.name) for f in fields(LossStats))], device=self.device)
         return local, num_tokens, num_samples
 
-    def _micro_step(self, chunk: list[Sample], norm: float) -> tuple[torch.Tensor, LossStats]:
-        """Forward one micro-batch; its loss is normalised by `norm` (see the module docstring)."""
+    def _micro_step(self, chunk: list[Sample], norm: tuple[float, float]) -> tuple[torch.Tensor, LossStats]:
+        """Forward one micro-batch; norm = (loss tokens, sequences) of the step / world size (module docstring)."""
         batch = collate(chunk, family=self.family)
         logprobs = batch_logprobs(self.engine, batch, self.cfg.temperature, only_masked=True)
         ref_logprobs = None
@@ -304,11 +321,20 @@ class GRPOTrainer:
             with torch.no_grad():
                 ref_logprobs = batch_logprobs(self.ref_model, batch, self.cfg.temperature, only_masked=True)
         advantages = torch.tensor([float(s.advantage) for s in chunk], device=logprobs.device)
-        return grpo_loss(
-            logprobs, batch["old_logprobs"].to(logprobs.device), advantages, batch["loss_mask"].to(logprobs.device),
-            clip_eps_low=self.cfg.clip_eps_low, clip_eps_high=self.cfg.clip_eps_high,
-            ref_logprobs=ref_logprobs, kl_coef=self.cfg.kl_coef, num_tokens=norm,
+        mask, old = batch["loss_mask"].to(logprobs.device), batch["old_logprobs"].to(logprobs.device)
+        weights = token_weights(mask, self.cfg.loss_agg, norm[0], norm[1], self.cfg.loss_agg_norm)
+        corr = correction_weights(logprobs.detach(), old, mask, self.cfg.rollout_correction, self.cfg.tis_cap,
+                                  self.cfg.mis_low, self.cfg.mis_high)
+        if Correction(self.cfg.rollout_correction) not in (Correction.off, Correction.auto):
+            old = logprobs.detach()  # PPO's old policy: the trainer's own, under the behaviour (pre-update) weights
+            weights = weights if corr.keep is None else weights * corr.keep[:, None]
+        loss, stats = grpo_loss(
+            logprobs, old, advantages, mask, clip_eps_low=self.cfg.clip_eps_low, clip_eps_high=self.cfg.clip_eps_high,
+            ref_logprobs=ref_logprobs, kl_coef=self.cfg.kl_coef, num_tokens=norm[0], is_weights=corr.is_weights,
+            token_weights=weights,
         )  # fmt: skip
+        return loss, dataclasses.replace(stats, mismatch_kl=corr.mismatch_kl / norm[0],
+                                         tis_capped_frac=corr.capped / norm[0], mis_masked_frac=corr.masked / norm[1])
 
     @contextlib.contextmanager
     def policy(self) -> Iterator[torch.nn.Module]:

@@ -1,0 +1,80 @@
+"""Rollout/trainer mismatch correction: truncated (TIS) and masked (MIS) importance sampling.
+
+The engine samples with its own kernels (vLLM: other matmuls, bf16 KV cache, ...), so its logprobs `rollout` differ
+from the trainer's logprobs `trainer` of the same tokens under the same weights: the update is off-policy even
+without async rollouts (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training";
+verl `rollout_is`, slime, AReaL). The correction takes the trainer's own logprobs under the behaviour (pre-update)
+weights as PPO's old logprobs, and reweights each token by the trainer/rollout ratio:
+
+    rho[b, t] = exp(trainer[b, t] - rollout[b, t])
+    TIS:  w[b, t] = min(rho[b, t], C)      multiplies the (clipped) policy-gradient term, detached; C = tis_cap
+    MIS:  g[b] = exp(sum_t m (trainer - rollout) / n_b)   (the GEOMETRIC mean of the sequence's token ratios, so
+          the band does not depend on the length); a sequence with g[b] outside [mis_low, mis_high] gets loss
+          weight 0 (it stays in the step's normaliser, like a token of weight 0)
+
+`algorithm.rollout_correction`: auto (tis with the vLLM engine, off otherwise) | off | tis | mis | tis+mis.
+The trainer's logprobs under the behaviour weights: a step makes one optimizer update after all its micro-batches, so
+each micro-batch's forward runs with the pre-update weights, and `trainer = logprobs.detach()` of that forward is
+exactly the "old" logprobs of a separate no-grad pass (no dropout in the supported models), at no extra cost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+
+class Correction(str, Enum):
+    auto = "auto"
+    off = "off"
+    tis = "tis"
+    mis = "mis"
+    tis_mis = "tis+mis"
+
+
+def resolve(mode: Correction | str, engine: str) -> Correction:
+    """`auto` -> tis for the vLLM engine (`rollout.engine=vllm`), off otherwise; other modes unchanged."""
+    mode = Correction(mode)
+    if mode is Correction.auto:
+        return Correction.tis if engine == "vllm" else Correction.off
+    return mode
+
+
+@dataclass
+class CorrectionWeights:
+    """is_weights: [B, T] TIS weights of the policy-gradient term (None without TIS); keep: [B] 1/0 MIS sequence
+    weights (None without MIS); capped: tokens whose ratio exceeded the cap; masked: sequences MIS dropped;
+    mismatch_kl: sum over loss tokens of k3 KL(pi_rollout || pi_trainer) = exp(d) - d - 1, d = trainer - rollout."""
+
+    is_weights: torch.Tensor | None
+    keep: torch.Tensor | None
+    capped: float
+    masked: float
+    mismatch_kl: float
+
+
+@torch.no_grad()
+def correction_weights(trainer: torch.Tensor, rollout: torch.Tensor, loss_mask: torch.Tensor, mode: Correction | str,
+                       tis_cap: float = 2.0, mis_low: float = 0.5, mis_high: float = 2.0) -> CorrectionWeights:
+    """The correction's weights for one micro-batch. trainer/rollout: [B, T] logprobs (nats) of the sampled tokens
+    under the trainer (behaviour weights) and the engine; loss_mask: [B, T]. Values off the mask are ignored.
+    mode: tis | mis | tis+mis (off/auto: no weights). Source: see the module docstring."""
+    mode = Correction(mode)
+    mask = loss_mask.to(trainer.dtype) > 0
+    d = torch.where(mask, trainer - rollout.to(trainer.dtype), torch.zeros_like(trainer))
+    rho = torch.exp(d)
+    d64 = d.double()  # exp(d) - d - 1 cancels in fp32 for the ~1e-6 mismatches of a good engine: expm1 in fp64
+    kl = float(((torch.expm1(d64) - d64) * mask).sum())
+    is_weights = keep = None
+    capped = masked = 0.0
+    if mode in (Correction.tis, Correction.tis_mis):
+        is_weights = torch.clamp(rho, max=tis_cap) * mask
+        capped = float(((rho > tis_cap) & mask).sum())
+    if mode in (Correction.mis, Correction.tis_mis):
+        n = mask.sum(dim=-1)
+        geo = torch.exp(d.sum(dim=-1) / n.clamp(min=1))
+        keep = ((geo >= mis_low) & (geo <= mis_high)).to(trainer.dtype)
+        masked = float(((keep == 0) & (n > 0)).sum())
+    return CorrectionWeights(is_weights, keep, capped, masked, kl)

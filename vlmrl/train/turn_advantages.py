@@ -1,0 +1,60 @@
+"""Per-turn advantages (`algorithm.advantage=turn`): each turn's discounted reward-to-go of group-normalised turn
+rewards, for `individual` export (one sample per turn, each with its own advantage).
+
+GRPO with process supervision (Shao et al. 2024, "DeepSeekMath", sec. 4.1.3), one step = one assistant turn, with
+the turn discount gamma (`algorithm.turn_discount`):
+
+    r~[i, k] = (r[i, k] - mean(R)) / (std(R) + eps)     R = the rewards of every turn of every episode of the group
+    A[i, t]  = sum_{k >= t} gamma**(k - t) * r~[i, k]
+
+std is the sample (n - 1) std as in `vlmrl.rewards.group_advantages` (a group whose turn rewards are all equal gets
+0); `algorithm.scale_by_std=false` gives r - mean (Dr. GRPO). r[i, k] is the turn's environment reward (0 for a tool
+turn, which is a step like any other here, and counts in the discount) plus its overlong penalty, if any. With one
+turn per episode this is exactly `group_advantages`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from vlmrl.rewards import group_advantages
+from vlmrl.types import Trajectory
+
+
+def reward_to_go(rewards: Sequence[float], gamma: float) -> list[float]:
+    """[len(rewards)] G[t] = sum_{k >= t} gamma**(k - t) * rewards[k] (computed backwards: G[t] = r[t] + gamma G[t+1])."""
+    out, acc = [0.0] * len(rewards), 0.0
+    for t in range(len(rewards) - 1, -1, -1):
+        acc = float(rewards[t]) + gamma * acc
+        out[t] = acc
+    return out
+
+
+def turn_advantages(turn_rewards: Sequence[Sequence[float]], groups: Sequence[int], gamma: float,
+                    scale_by_std: bool = True) -> list[list[float]]:
+    """Per episode, per turn advantages [len(turn_rewards)][turns]. turn_rewards[i]: episode i's turn rewards;
+    groups[i]: its GRPO group. Raises ValueError for mismatched lengths or gamma outside (0, 1]."""
+    if len(turn_rewards) != len(groups):
+        raise ValueError(f"{len(turn_rewards)} episodes but {len(groups)} group ids")
+    if not 0.0 < gamma <= 1.0:
+        raise ValueError(f"turn discount gamma must be in (0, 1], got {gamma}")
+    flat = [float(r) for rs in turn_rewards for r in rs]
+    flat_groups = [g for rs, g in zip(turn_rewards, groups) for _ in rs]
+    normed = group_advantages(flat, flat_groups, scale_by_std=scale_by_std)
+    out, i = [], 0
+    for rs in turn_rewards:
+        out.append(reward_to_go(normed[i : i + len(rs)], gamma))
+        i += len(rs)
+    return out
+
+
+def assign_turn_advantages(trajs: list[Trajectory], gamma: float, scale_by_std: bool,
+                           penalties: list[list[float]] | None = None) -> None:
+    """Write `turn_advantages` (and `advantage` = the first turn's) onto the trajectories. penalties: per-turn
+    overlong penalties added to the turn rewards (`vlmrl.train.overlong.apply_soft_penalty`), or None."""
+    rewards = [[t.reward + (penalties[i][k] if penalties else 0.0) for k, t in enumerate(traj.turns)]
+               for i, traj in enumerate(trajs)]
+    advs = turn_advantages(rewards, [t.group for t in trajs], gamma, scale_by_std)
+    for traj, adv in zip(trajs, advs):
+        traj.turn_advantages = adv
+        traj.advantage = adv[0] if adv else 0.0
