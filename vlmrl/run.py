@@ -27,6 +27,7 @@ from vlmrl.logging_backends import make_loggers
 from vlmrl.metrics import rollout_metrics
 from vlmrl.models import load_policy
 from vlmrl.rewards import group_advantages
+from vlmrl.rollout.engine import derive_seed
 from vlmrl.rollout.episode import EpisodeRunner
 from vlmrl.resume import (BadStepGuard, ResumePlan, StepAbandoned, StopSignals, TooManyBadSteps,
                           TrainingInterrupted, nonfinite_episodes, plan_resume, record_resume)
@@ -117,7 +118,8 @@ def run_step(job: Job, step: int) -> dict:
     t0 = time.perf_counter()
     batch = step_tasks(job.tasks, step, cfg.trainer.batch_size, trainer.rank, trainer.world_size)
     with job.stop.abandonable(trainer.world_size == 1):  # a stop signal here drops the step: nothing changed yet
-        trajs = job.runner.run(batch, cfg.algorithm.group_size)
+        # request seeds derive from (seed, step, rank, task, sample, turn): the same whatever the batching or resume
+        trajs = job.runner.run(batch, cfg.algorithm.group_size, seed=derive_seed(cfg.seed, step, trainer.rank))
     t_rollout = time.perf_counter() - t0
     assign_advantages(trajs, cfg.algorithm.scale_by_std)
     samples = to_samples(trajs, job.style, job.builder.image_token_id)
