@@ -47,7 +47,7 @@ def test_token_building_bench_small():
     bench = _load("token_building")
     rows = bench.run([2], repeats=1)
     assert rows[0]["turns"] == 2 and rows[0]["prompt_tokens"] > 0
-    assert all(rows[0][f"{k}_s"] > 0 for k in "abcd")
+    assert all(rows[0][f"{k}_s"] > 0 for k in "abcdti")
     text = _render(bench.table(rows))
-    for col in ("(a) ours", "(d) floor", "a/d"):
+    for col in ("(a) ours", "(d) floor", "(t) text", "(i) images", "a/d", "(a-i)/t"):
         assert col in text
