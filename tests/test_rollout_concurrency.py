@@ -110,7 +110,7 @@ def _runner(builder, clock, turns=3, wait=0.05):
 
 def test_one_engine_call_per_turn_for_all_episodes(builder):
     clock = Clock()
-    runner, engine = _runner(builder, clock)
+    runner, engine = _runner(builder, clock, wait=2.0)  # fast env steps, however loaded the machine
     trajs = runner.run(_tasks("a", "b", "c"), group_size=2)
     assert [len(t.turns) for t in trajs] == [3] * 6
     # turn 0: one request per group (n = 2); turns 1 and 2: one request per episode; each turn ONE engine call

@@ -37,15 +37,17 @@ class EngineBatcher:
     def __init__(self, engine: Engine, live: int, max_wait_s: float):
         self.engine, self.live, self.max_wait_s = engine, live, max_wait_s
         self.batch_sizes: list[int] = []
-        self._pending: list[tuple[GenerateRequest, int, asyncio.Future]] = []
+        self._pending: list[tuple[tuple, GenerateRequest, int, asyncio.Future]] = []
         self._offloaded = 0
         self._changed = asyncio.Event()
         self._engine_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vlmrl-engine")
 
-    async def generate(self, request: GenerateRequest, episodes: int = 1) -> list[Generation]:
-        """The request's `request.n` generations, once a batch holding it has been served (engine errors raise)."""
+    async def generate(self, request: GenerateRequest, episodes: int = 1, order: tuple = ()) -> list[Generation]:
+        """The request's `request.n` generations, once a batch holding it has been served (engine errors raise).
+        A batch lists its requests by `order` (e.g. (group, sample)), not by arrival: the same batch composition
+        always gives the engine the same call."""
         future: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._pending.append((request, episodes, future))
+        self._pending.append((order, request, episodes, future))
         self._changed.set()
         return await future
 
@@ -73,17 +75,17 @@ class EngineBatcher:
                 deadline = loop.time() + self.max_wait_s
                 await self._until(lambda: self._local() == 0 and (self._offloaded == 0 or loop.time() >= deadline),
                                   deadline)
-                batch, self._pending = self._pending, []
+                batch, self._pending = sorted(self._pending, key=lambda p: p[0]), []
                 self.batch_sizes.append(len(batch))
                 try:
                     results = await loop.run_in_executor(self._engine_thread, self.engine.generate_batch,
-                                                         [req for req, _, _ in batch])
+                                                         [req for _, req, _, _ in batch])
                 except Exception as err:  # noqa: BLE001 - handed to every waiting episode
-                    for _, _, future in batch:
+                    for _, _, _, future in batch:
                         if not future.done():
                             future.set_exception(err)
                     continue
-                for (_, _, future), gens in zip(batch, results):
+                for (_, _, _, future), gens in zip(batch, results):
                     if not future.done():
                         future.set_result(gens)
         finally:
@@ -91,7 +93,7 @@ class EngineBatcher:
 
     def _local(self) -> int:
         """Live episodes neither waiting for the engine nor in offloaded work: busy on the event loop."""
-        return self.live - sum(n for _, n, _ in self._pending) - self._offloaded
+        return self.live - sum(n for _, _, n, _ in self._pending) - self._offloaded
 
     async def _until(self, ready: Callable[[], bool], deadline: float | None = None) -> None:
         loop = asyncio.get_running_loop()

@@ -181,7 +181,8 @@ class EpisodeRunner:
         budget = self.limits.max_context_tokens - len(ep.seq.ids)
         seed = derive_seed(self._seed, ep.task.id, ep.group, "group" if n > 1 else ep.sample, turn)
         params = dataclasses.replace(self.sampling, max_new_tokens=min(self.sampling.max_new_tokens, budget), seed=seed)
-        return await self.batcher.generate(GenerateRequest(ep.seq.prompt(), n, params), episodes=n)  # type: ignore[union-attr]
+        request = GenerateRequest(ep.seq.prompt(), n, params)
+        return await self.batcher.generate(request, episodes=n, order=(ep.group, ep.sample))  # type: ignore[union-attr]
 
     async def _on_generate(self, ep: Episode) -> None:
         """GENERATE: wait for the next reply (turn 0: this sample of the group's shared request)."""
