@@ -62,3 +62,4 @@ test-vllm: $(VLLM_VENV)/.installed
 
 bench: setup
 	$(BIN)/python bench/token_building.py
+	$(BIN)/python bench/rollout.py

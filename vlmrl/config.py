@@ -98,6 +98,7 @@ class RolloutConfig:
     max_new_tokens: int = 64
     stop: list[str] = field(default_factory=list)
     max_context_tokens: int = 4096
+    batch_wait_s: float = 0.05  # an idle engine waits this long for episodes in env steps / tool calls
     # rollout.engine=vllm (see conf/rollout/vllm.yaml and vlmrl/rollout/vllm_engine.py)
     vllm_mode: str = "colocate"  # colocate (LLM in the trainer process) | server (OpenAI-compatible server)
     vllm_url: Optional[str] = None  # server mode: e.g. http://127.0.0.1:8000
@@ -280,6 +281,7 @@ def _validate(cfg: Config) -> None:
         (cfg.rollout.temperature > 0, "rollout.temperature must be > 0"),
         (cfg.rollout.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1"),
         (cfg.rollout.vllm_mode in ("colocate", "server"), "rollout.vllm_mode must be colocate or server"),
+        (cfg.rollout.batch_wait_s >= 0, "rollout.batch_wait_s must be >= 0"),
         (cfg.tools.timeout_s > 0, "tools.timeout_s must be > 0"),
         (cfg.tools.max_tool_calls >= 0, "tools.max_tool_calls must be >= 0"),
         (cfg.tools.max_tool_response_tokens >= 1, "tools.max_tool_response_tokens must be >= 1"),

@@ -28,6 +28,7 @@ from vlmrl.logging_backends import make_loggers
 from vlmrl.metrics import rollout_metrics
 from vlmrl.models import load_policy
 from vlmrl.rewards import group_advantages
+from vlmrl.rollout.engine import derive_seed
 from vlmrl.rollout.episode import EpisodeRunner
 from vlmrl.resume import (STYLE_FALLBACK, BadStepGuard, ResumePlan, StepAbandoned, StopSignals, TooManyBadSteps,
                           TrainingInterrupted, nonfinite_episodes, plan_resume, record_resume)
@@ -90,14 +91,17 @@ def assign_step_advantages(cfg: Config, trajs: list[Trajectory]) -> None:
     assign_turn_advantages(trajs, alg.turn_discount, alg.scale_by_std, pens)
 
 
-def sample_step(job: "Job") -> SampledBatch:
+def sample_step(job: "Job", step: int) -> SampledBatch:
     """The step's rollouts from the data position `job.position`: one round of trainer.batch_size prompts, or DAPO
     dynamic sampling rounds (vlmrl.train.dynamic_sampling); the soft overlong penalty is added to the rewards."""
     cfg, trainer, alg, size = job.cfg, job.trainer, job.cfg.algorithm, job.cfg.trainer.batch_size
 
     def one_round(start: int) -> tuple[list[Task], list[Trajectory]]:
         batch = prompts_at(job.tasks, start, size, trainer.rank, trainer.world_size)
-        trajs = job.runner.run(batch, alg.group_size)
+        # request seeds derive from (seed, step, rank[, round], task, sample, turn): the same whatever the batching
+        rnd = (start - job.position) // size
+        seed = derive_seed(cfg.seed, step, trainer.rank, *((rnd,) if rnd else ()))
+        trajs = job.runner.run(batch, alg.group_size, seed=seed)
         if alg.overlong_buffer:
             overlong.apply_soft_penalty(trajs, cfg.rollout.max_new_tokens, alg.overlong_buffer, alg.overlong_penalty)
         return batch, trajs
@@ -182,7 +186,7 @@ def run_step(job: Job, step: int) -> dict:
     cfg, trainer = job.cfg, job.trainer
     t0 = time.perf_counter()
     with job.stop.abandonable(trainer.world_size == 1):  # a stop signal here drops the step: nothing changed yet
-        sampled = sample_step(job)
+        sampled = sample_step(job, step)
     t_rollout, trajs = time.perf_counter() - t0, sampled.kept
     assign_step_advantages(cfg, trajs)
     samples = to_samples(trajs, job.style, job.builder.image_token_id, mask_truncated=cfg.algorithm.overlong_filter)

@@ -28,5 +28,6 @@ def build_runner(
     sampling = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p,
                               list(cfg.rollout.stop))
     limits = EpisodeLimits(cfg.env.max_turns, cfg.rollout.max_context_tokens, cfg.algorithm.turn_discount)
-    runner = EpisodeRunner(builder, engine, tooling.env_factory, limits, sampling, tools=tooling.runtime)
+    runner = EpisodeRunner(builder, engine, tooling.env_factory, limits, sampling, tools=tooling.runtime,
+                           batch_wait_s=cfg.rollout.batch_wait_s)
     return runner, builder

@@ -2,12 +2,19 @@
 
 Engines never see messages or text prompts. Implementations: `hf.TransformersEngine` (CPU/GPU, in process);
 a vLLM engine implements the same interface (only the vllm engine module imports vllm).
+
+The episode loop (`episode.EpisodeRunner`) sends every pending request of all its episodes in one
+`generate_batch` call (through `batcher.EngineBatcher`); each request carries its own seed (`derive_seed`), so an
+engine that samples each request from its own seeded generator gives the same ids whatever the batch holds.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Iterator
 
 from vlmrl.types import EnginePrompt, Generation
 
@@ -19,6 +26,8 @@ class SamplingParams:
     temperature: logits are divided by it before sampling and before computing the returned logprobs (the trainer
     recomputes logprobs with the same temperature). top_p: nucleus sampling (logprobs are of the full tempered
     distribution, not the truncated one). stop: strings that end a turn (the EOS id is then not in the output).
+    seed: the request's seed (sample k of a request is drawn from `derive_seed(seed, k)` by the transformers
+    engine, vLLM seeds its own per-request generator); None: engine-chosen.
     """
 
     max_new_tokens: int = 64
@@ -28,6 +37,26 @@ class SamplingParams:
     seed: int | None = None
 
 
+@dataclass
+class GenerateRequest:
+    """One prompt to sample `n` continuations of, with its own sampling settings (max_new_tokens, seed)."""
+
+    prompt: EnginePrompt
+    n: int
+    params: SamplingParams
+
+
+def derive_seed(*parts: int | str) -> int:
+    """A seed in [0, 2**63) from `parts` (ints and strings), the same in every process and Python version.
+
+    blake2b of the parts' repr (Python's `hash` of a str is salted per process). Used as
+    `derive_seed(run seed, task id, group, sample, turn)`: a request's seed depends on nothing else, so the same
+    run gives the same trajectories whatever the batch compositions.
+    """
+    digest = hashlib.blake2b(repr(tuple(parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
 class Engine(ABC):
     @abstractmethod
     def generate(self, prompts: list[EnginePrompt], n: int, params: SamplingParams) -> list[list[Generation]]:
@@ -35,6 +64,20 @@ class Engine(ABC):
 
         Each prompt's token_ids already hold the expanded image placeholders of its images.
         """
+
+    def generate_batch(self, requests: list[GenerateRequest]) -> list[list[Generation]]:
+        """Serve all `requests` (each its own prompt, n and params); returns [len(requests)][request.n].
+
+        The default makes one `generate` call per request; batching engines override it with one batched call.
+        """
+        return [self.generate([r.prompt], r.n, r.params)[0] for r in requests]
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        """A block holding one rollout's calls (the episode loop enters it once per `run`). The transformers engine
+        enters its policy context once here (collective under ZeRO-3: one entry per step on every rank, however many
+        batches each rank serves). Default: nothing."""
+        yield
 
     def sync_weights(self) -> dict[str, float]:
         """Make the engine use the trainer's current weights (collective under ZeRO-3); returns sync metrics.

@@ -9,21 +9,28 @@ as error messages) and renders the tool messages (loss mask 0); a tool response 
 `max_tool_response_tokens` is dropped whole and ends the episode (trl #5521). Tool turns get reward 0 and do not
 count in the turn discount (max over graded turns t of r_t * gamma**t, t counting graded turns).
 
-All episodes of a step advance together so that the engine sees batches: at turn 0 the `group_size` episodes of a
-task share one prompt (built once, its images processed once) and are sampled with `n=group_size`.
+Every episode runs as its own coroutine and awaits the engine; episodes never wait for each other's turns. An
+`EngineBatcher` sends whatever is pending to the engine in one batch; environment steps and tool calls run in worker
+threads while the others sample. At turn 0 the `group_size` episodes of a task share one prompt (built once, its
+images processed once) and one request with `n=group_size`. Each request's seed is
+`derive_seed(run seed, task id, group, sample, turn)`, so a seed gives the same trajectories whatever the batching.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable
 
+import torch
+
 from vlmrl.envs.base import Environment
 from vlmrl.rewards import episode_reward
-from vlmrl.rollout.engine import Engine, SamplingParams
+from vlmrl.rollout.batcher import EngineBatcher
+from vlmrl.rollout.engine import Engine, GenerateRequest, SamplingParams, derive_seed
 from vlmrl.tokens.base import Piece, TokenBuilder
 from vlmrl.tools.parsers import get_parser
 from vlmrl.tools.runtime import ToolRuntime
@@ -35,7 +42,7 @@ log = logging.getLogger("vlmrl.rollout")
 
 
 class State(str, Enum):
-    GENERATE = "generate"
+    GENERATE = "generate"  # waiting for the engine
     REPLY = "reply"
     TOOL = "tool"
     ENV_STEP = "env_step"
@@ -64,6 +71,7 @@ class EpisodeLimits:
 class Episode:
     task: Task
     group: int
+    sample: int  # index within the GRPO group
     env: Environment
     seq: TokenSeq
     messages: list[Message]
@@ -76,12 +84,14 @@ class Episode:
     tool_stats: ToolStats = field(default_factory=ToolStats)
     calls: list[ToolCall] = field(default_factory=list)
     piece: Piece | None = None  # the observation already rendered (by TOOL)
+    first: asyncio.Future | None = None  # turn 0: the group's shared request (its generations, one per sample)
 
 
 class EpisodeRunner:
     """Runs GRPO groups of episodes: `run(tasks, group_size) -> [Trajectory]` (group_size per task, task order).
 
     tools: the `ToolRuntime` for environments with tools (default: the builder family's parser, default limits).
+    batch_wait_s: how long an idle engine waits for episodes still in env steps / tool calls (`EngineBatcher`).
     """
 
     def __init__(
@@ -92,11 +102,14 @@ class EpisodeRunner:
         limits: EpisodeLimits,
         sampling: SamplingParams,
         tools: ToolRuntime | None = None,
+        batch_wait_s: float = 0.05,
     ):
         self.builder, self.engine, self.env_factory = builder, engine, env_factory
-        self.limits, self.sampling, self._tools = limits, sampling, tools
-        self.handlers = {State.REPLY: self._on_reply, State.TOOL: self._on_tool, State.ENV_STEP: self._on_env_step,
-                         State.OBSERVE: self._on_observe}
+        self.limits, self.sampling, self._tools, self.batch_wait_s = limits, sampling, tools, batch_wait_s
+        self.handlers = {State.GENERATE: self._on_generate, State.REPLY: self._on_reply, State.TOOL: self._on_tool,
+                         State.ENV_STEP: self._on_env_step, State.OBSERVE: self._on_observe}
+        self.batcher: EngineBatcher | None = None  # the current run's (its batch_sizes stay readable afterwards)
+        self._seed = 0
 
     @property
     def tools(self) -> ToolRuntime:
@@ -104,14 +117,44 @@ class EpisodeRunner:
             self._tools = ToolRuntime(get_parser(self.builder.family), tokenizer=getattr(self.builder, "tokenizer", None))
         return self._tools
 
-    def run(self, tasks: list[Task], group_size: int) -> list[Trajectory]:
+    def run(self, tasks: list[Task], group_size: int, seed: int | None = None) -> list[Trajectory]:
+        """All episodes of `tasks` (group_size each), concurrently; returns them in task order.
+
+        seed: the run's sampling seed (request seeds derive from it); None: `sampling.seed` if set, else drawn from
+        torch's global RNG (so `torch.manual_seed` and restored RNG states reproduce it). Runs its own event loop
+        (`asyncio.run`); from inside a running loop, await `run_async`.
+        """
+        if seed is None:
+            seed = self.sampling.seed if self.sampling.seed is not None else int(torch.randint(0, 2**62, ()))
+        with self.engine.session():
+            return asyncio.run(self.run_async(tasks, group_size, seed))
+
+    async def run_async(self, tasks: list[Task], group_size: int, seed: int) -> list[Trajectory]:
+        """`run` inside a running event loop (the engine session is the caller's)."""
+        self._seed = seed
         episodes = [ep for g, task in enumerate(tasks) for ep in self._start(task, g, group_size)]
-        while any(ep.state is not State.DONE for ep in episodes):
-            self._generate([ep for ep in episodes if ep.state is State.GENERATE])
-            for ep in episodes:
-                while ep.state in self.handlers:
-                    self.handlers[ep.state](ep)
+        self.batcher = EngineBatcher(self.engine, len(episodes), self.batch_wait_s)
+        server = asyncio.create_task(self.batcher.serve())
+        try:
+            for g in range(len(tasks)):  # turn 0: one request per group, n = its live episodes
+                group = [ep for ep in episodes[g * group_size:(g + 1) * group_size] if ep.state is State.GENERATE]
+                if group:
+                    first = asyncio.ensure_future(self._request(group[0], n=len(group)))
+                    for ep in group:
+                        ep.first = first
+            await asyncio.gather(*(self._run_episode(ep) for ep in episodes))
+        finally:
+            server.cancel()
+            await asyncio.gather(server, return_exceptions=True)
         return [self._finish(ep) for ep in episodes]
+
+    async def _run_episode(self, ep: Episode) -> None:
+        """One episode, state by state, until DONE."""
+        try:
+            while ep.state is not State.DONE:
+                await self.handlers[ep.state](ep)
+        finally:
+            self.batcher.finish()  # type: ignore[union-attr]
 
     def _start(self, task: Task, group: int, group_size: int) -> list[Episode]:
         """Build the task's prompt once and give each of the group's episodes its own copy."""
@@ -123,7 +166,8 @@ class EpisodeRunner:
         if tools[0]:
             messages = self.tools.prepare_prompt(messages, list(tools[0].values()))
         seq = self.builder.start(messages)
-        episodes = [Episode(task, group, env, seq.fork(), list(messages), tools=t) for env, t in zip(envs, tools)]
+        episodes = [Episode(task, group, k, env, seq.fork(), list(messages), tools=t)
+                    for k, (env, t) in enumerate(zip(envs, tools))]
         for ep in episodes:
             if len(seq.ids) >= self.limits.max_context_tokens:
                 log.warning("task %s: prompt of %d tokens exceeds rollout.max_context_tokens=%d; no turn sampled",
@@ -131,20 +175,25 @@ class EpisodeRunner:
                 self._end(ep, EndReason.CONTEXT)
         return episodes
 
-    def _generate(self, ready: list[Episode]) -> None:
-        """GENERATE: one engine call per distinct prompt (turn-0 groups share theirs, n = group size)."""
-        batches: dict[tuple, list[Episode]] = {}
-        for ep in ready:
-            key = (ep.task.id, ep.group) if not ep.turns else (id(ep),)
-            batches.setdefault(key, []).append(ep)
-        for eps in batches.values():
-            budget = self.limits.max_context_tokens - len(eps[0].seq.ids)
-            params = dataclasses.replace(self.sampling, max_new_tokens=min(self.sampling.max_new_tokens, budget))
-            gens = self.engine.generate([eps[0].seq.prompt()], n=len(eps), params=params)[0]
-            for ep, gen in zip(eps, gens):
-                ep.pending, ep.state = gen, State.REPLY
+    async def _request(self, ep: Episode, n: int) -> list[Generation]:
+        """n samples of the episode's current prompt, within its token budget, seeded by (task, sample, turn)."""
+        turn = len(ep.turns)
+        budget = self.limits.max_context_tokens - len(ep.seq.ids)
+        seed = derive_seed(self._seed, ep.task.id, ep.group, "group" if n > 1 else ep.sample, turn)
+        params = dataclasses.replace(self.sampling, max_new_tokens=min(self.sampling.max_new_tokens, budget), seed=seed)
+        request = GenerateRequest(ep.seq.prompt(), n, params)
+        return await self.batcher.generate(request, episodes=n, order=(ep.group, ep.sample))  # type: ignore[union-attr]
 
-    def _on_reply(self, ep: Episode) -> None:
+    async def _on_generate(self, ep: Episode) -> None:
+        """GENERATE: wait for the next reply (turn 0: this sample of the group's shared request)."""
+        if ep.first is not None:
+            gens, ep.first = await ep.first, None
+            ep.pending = gens[ep.sample]
+        else:
+            (ep.pending,) = await self._request(ep, n=1)
+        ep.state = State.REPLY
+
+    async def _on_reply(self, ep: Episode) -> None:
         """REPLY: append the sampled ids; tool calls (if the env has tools and a turn is left) go to TOOL."""
         gen = ep.pending
         assert gen is not None
@@ -154,10 +203,12 @@ class EpisodeRunner:
         ep.calls = self.tools.parse(gen.text) if ep.tools and not last else []
         ep.state = State.TOOL if ep.calls else State.ENV_STEP
 
-    def _on_tool(self, ep: Episode) -> None:
-        """TOOL: run the calls, render their messages; an over-long image response is dropped and ends the episode."""
-        assert ep.pending is not None
-        result = self.tools.run(ep.calls, ep.tools, ep.tool_stats, ref=f"{ep.task.id}/turn{len(ep.turns)}")
+    async def _on_tool(self, ep: Episode) -> None:
+        """TOOL: run the calls (worker thread), render their messages; an over-long image response is dropped and
+        ends the episode."""
+        assert ep.pending is not None and self.batcher is not None
+        ref = f"{ep.task.id}/turn{len(ep.turns)}"
+        result = await self.batcher.offload(self.tools.run, ep.calls, ep.tools, ep.tool_stats, ref)
         piece = self.builder.render_messages(ep.seq, result.messages)
         dropped = self.tools.drop_oversized(result, piece.ids, self.builder.image_token_id, ep.tool_stats)
         ep.turns.append(Turn(ep.pending, 0.0, ParseStatus.NO_ANSWER, False, False, result.calls, result.errors))
@@ -166,20 +217,20 @@ class EpisodeRunner:
             return
         ep.observation, ep.piece, ep.state = result.messages, piece, State.OBSERVE
 
-    def _on_env_step(self, ep: Episode) -> None:
-        """ENV_STEP: let the environment score the reply, decide whether to go on."""
+    async def _on_env_step(self, ep: Episode) -> None:
+        """ENV_STEP: let the environment score the reply (worker thread), decide whether to go on."""
         gen = ep.pending
-        assert gen is not None
+        assert gen is not None and self.batcher is not None
         turn = len(ep.turns)
         last = turn + 1 >= self.limits.max_turns
-        result = ep.env.step(gen.text, turn, last)
+        result = await self.batcher.offload(ep.env.step, gen.text, turn, last)
         ep.turns.append(Turn(gen, result.reward, result.parse_status, result.correct, result.formatted))
         if result.done or last or not result.messages:
             self._end(ep, EndReason.MAX_TURNS if last and not result.correct else EndReason.ENV_DONE)
         else:
             ep.observation, ep.state = result.messages, State.OBSERVE
 
-    def _on_observe(self, ep: Episode) -> None:
+    async def _on_observe(self, ep: Episode) -> None:
         """OBSERVE: render the environment's messages; drop them whole if the next turn would not fit."""
         piece = ep.piece if ep.piece is not None else self.builder.render_messages(ep.seq, ep.observation)
         ep.piece = None

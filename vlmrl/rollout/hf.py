@@ -1,25 +1,45 @@
-"""A transformers `generate` engine: in process, CPU or GPU, sharing the policy module with the trainer."""
+"""A transformers `generate` engine: in process, CPU or GPU, sharing the policy module with the trainer.
+
+`generate_batch` left-pads every row of every pending request (n rows per request) into ONE `model.generate` call.
+Positions stay exact under left padding: `generate` derives them from the attention mask (Qwen-VL: `get_rope_index`
+with the mask, M-RoPE over the unpadded tokens only). Each row is sampled by `sampling.RowSampler` from its own
+generator (seed `derive_seed(request seed, k)` for sample k), so a request's samples do not depend on the batch.
+"""
 
 from __future__ import annotations
 
+import contextlib
 from contextlib import AbstractContextManager
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import torch
+from transformers import GenerationConfig, LogitsProcessorList
 
 from vlmrl.models import family_of_model, model_inputs
-from vlmrl.rollout.engine import Engine, SamplingParams
-from vlmrl.types import EnginePrompt, Generation, StopReason
+from vlmrl.rollout.engine import Engine, GenerateRequest, SamplingParams, derive_seed
+from vlmrl.rollout.sampling import RowSampler
+from vlmrl.types import EnginePrompt, Generation, StopReason, VisionInputs
+
+
+@dataclass
+class _Row:
+    """One sampled continuation: a request's prompt and params, and this sample's seed."""
+
+    prompt: EnginePrompt
+    params: SamplingParams
+    seed: int
 
 
 class TransformersEngine(Engine):
-    """Samples with `model.generate` one prompt at a time (n return sequences each, so no padding inside a group).
+    """Samples with `model.generate`, all pending requests in one left-padded batch.
 
     policy: a callable returning a context manager that yields the current policy module (for ZeRO-3 the trainer
-    gathers the parameters inside it). eos_ids: ids that end a turn (e.g. Qwen's `<|im_end|>` and `<|endoftext|>`).
-    image_token_id: the placeholder id (mm_token_type_ids / token_type_ids). family: the model family, whose image
-    inputs `vlmrl.models.model_inputs` builds (None: read from the model's `config.model_type`; a model of no known
-    family, e.g. a text-only LM, gets the Qwen-VL inputs).
+    gathers the parameters inside it; `session()` enters it once per rollout). eos_ids: ids that end a turn (e.g.
+    Qwen's `<|im_end|>` and `<|endoftext|>`). pad_id: the left-padding id (None: eos_ids[0]). image_token_id: the
+    placeholder id (mm_token_type_ids / token_type_ids). family: the model family, whose image inputs
+    `vlmrl.models.model_inputs` builds (None: read from the model's `config.model_type`; a model of no known family,
+    e.g. a text-only LM, gets the Qwen-VL inputs). suppress_ids: ids never sampled (default: the image placeholder).
     """
 
     def __init__(
@@ -27,7 +47,7 @@ class TransformersEngine(Engine):
         policy: Callable[[], AbstractContextManager[torch.nn.Module]],
         tokenizer,
         eos_ids: list[int],
-        pad_id: int,
+        pad_id: int | None,
         image_token_id: int,
         family: str | None = None,
         suppress_ids: list[int] | None = None,
@@ -38,59 +58,100 @@ class TransformersEngine(Engine):
         self.suppress_ids = list(suppress_ids) if suppress_ids is not None else [image_token_id]
         self.tokenizer = tokenizer
         self.eos_ids = list(eos_ids)
-        self.pad_id = pad_id
+        self.pad_id = pad_id if pad_id is not None else self.eos_ids[0]
         self.image_token_id = image_token_id
         self.family = family
+        self._module: torch.nn.Module | None = None
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        """Enter the policy context once for a whole rollout (collective under ZeRO-3); nested sessions reuse it."""
+        if self._module is not None:
+            yield
+            return
+        with self.policy() as model:
+            self._module = model
+            try:
+                yield
+            finally:
+                self._module = None
+
+    def generate(self, prompts: list[EnginePrompt], n: int, params: SamplingParams) -> list[list[Generation]]:
+        """n samples of each prompt; prompt i gets seed `params.seed + i` (None: drawn from torch's global RNG)."""
+        seeds = [None if params.seed is None else params.seed + i for i in range(len(prompts))]
+        return self.generate_batch([GenerateRequest(p, n, SamplingParams(params.max_new_tokens, params.temperature,
+                                                                         params.top_p, list(params.stop), s))
+                                    for p, s in zip(prompts, seeds)])
 
     @torch.no_grad()
-    def generate(self, prompts: list[EnginePrompt], n: int, params: SamplingParams) -> list[list[Generation]]:
-        out = []
-        with self.policy() as model:
-            for i, prompt in enumerate(prompts):
-                if params.seed is not None:
-                    torch.manual_seed(params.seed + i)
-                out.append(self._generate_one(model, prompt, n, params))
-        return out
+    def generate_batch(self, requests: list[GenerateRequest]) -> list[list[Generation]]:
+        """All requests' rows in one left-padded `generate` (one per distinct stop-string list). Returns
+        [len(requests)][request.n]. A request without a seed gets one from torch's global RNG (in request order)."""
+        rows: list[_Row] = []
+        for req in requests:
+            seed = req.params.seed
+            if seed is None:
+                seed = int(torch.randint(0, 2**62, ()))
+            rows += [_Row(req.prompt, req.params, derive_seed(seed, k)) for k in range(req.n)]
+        gens: list[Generation | None] = [None] * len(rows)
+        by_stop: dict[tuple[str, ...], list[int]] = {}
+        for i, row in enumerate(rows):
+            by_stop.setdefault(tuple(row.params.stop), []).append(i)
+        model_cm = contextlib.nullcontext(self._module) if self._module is not None else self.policy()
+        with model_cm as model:
+            for stop, idx in by_stop.items():
+                for i, gen in zip(idx, self._sample(model, [rows[i] for i in idx], list(stop))):
+                    gens[i] = gen
+        out, start = [], 0
+        for req in requests:
+            out.append(gens[start : start + req.n])
+            start += req.n
+        return out  # type: ignore[return-value]
 
-    def _model_inputs(self, model: torch.nn.Module, prompt: EnginePrompt) -> dict:
-        """The family's generate kwargs for one prompt (`vlmrl.models.model_inputs`), on the model's device; pixel
-        values in the model's dtype."""
+    def _batch_inputs(self, model: torch.nn.Module, rows: list[_Row]) -> dict:
+        """The family's generate kwargs for the left-padded rows (`vlmrl.models.model_inputs`): input_ids and
+        attention_mask [B, T] (0 on padding), the rows' images concatenated in row order; on the model's device,
+        pixel values in the model's dtype."""
+        width = max(len(r.prompt.token_ids) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for b, row in enumerate(rows):
+            n = len(row.prompt.token_ids)
+            ids[b, width - n :] = torch.tensor(row.prompt.token_ids, dtype=torch.long)
+            mask[b, width - n :] = 1
+        visions = [r.prompt.vision for r in rows if r.prompt.vision is not None]
         device = next(model.parameters()).device
         family = self.family or family_of_model(model)
         if family is None:  # not a known VLM family: a text-only LM, or a Qwen-VL-like model
             family = "qwen2_5_vl"
-            if prompt.vision is None:
-                ids = torch.tensor([prompt.token_ids], device=device)
-                return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-        inputs = model_inputs(family, prompt.token_ids, prompt.vision, self.image_token_id)
+            if not visions:
+                return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
+        inputs = model_inputs(family, ids, VisionInputs.cat(visions), self.image_token_id, mask)
         return {k: v.to(device, dtype=model.dtype) if k == "pixel_values" else v.to(device)
                 for k, v in inputs.items()}
 
-    def _generate_one(self, model, prompt: EnginePrompt, n: int, params: SamplingParams) -> list[Generation]:
-        inputs = self._model_inputs(model, prompt)
-        was_training = model.training
+    def _sample(self, model, rows: list[_Row], stop: list[str]) -> list[Generation]:
+        inputs = self._batch_inputs(model, rows)
+        width = inputs["input_ids"].shape[1]
+        max_new = [r.params.max_new_tokens for r in rows]
+        sampler = RowSampler([r.seed for r in rows], max_new, [r.params.temperature for r in rows],
+                             [r.params.top_p for r in rows], width, self.suppress_ids, self.eos_ids[0],
+                             inputs["input_ids"].device)
+        config = GenerationConfig(do_sample=False, max_new_tokens=max(max_new), eos_token_id=self.eos_ids,
+                                  pad_token_id=self.pad_id, stop_strings=stop or None)
+        # greedy over RowSampler's one-hot scores; the model's own generation_config (repetition_penalty,
+        # suppress_tokens, ...) is swapped out so that no other logits processor touches the logits
+        saved, was_training = model.generation_config, model.training
+        model.generation_config = GenerationConfig()
         model.eval()
-        out = model.generate(
-            **inputs,
-            do_sample=True,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=0,
-            max_new_tokens=params.max_new_tokens,
-            num_return_sequences=n,
-            eos_token_id=self.eos_ids,
-            pad_token_id=self.pad_id,
-            stop_strings=params.stop or None,
-            tokenizer=self.tokenizer if params.stop else None,
-            suppress_tokens=self.suppress_ids or None,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-        model.train(was_training)
-        new = out.sequences[:, inputs["input_ids"].shape[1] :]
-        logits = torch.stack(out.logits, dim=1).float() / params.temperature  # [n, L, V]
-        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
-        return [self._trim(new[k].tolist(), logprobs[k].tolist(), params) for k in range(n)]
+        try:
+            seqs = model.generate(**inputs, generation_config=config, logits_processor=LogitsProcessorList([sampler]),
+                                  tokenizer=self.tokenizer if stop else None)
+        finally:
+            model.generation_config = saved
+            model.train(was_training)
+        new, logprobs = seqs[:, width:].tolist(), sampler.logprobs().tolist()
+        return [self._trim(new[b][:m], logprobs[b][:m], row.params) for b, (row, m) in enumerate(zip(rows, max_new))]
 
     def _trim(self, ids: list[int], logprobs: list[float], params: SamplingParams) -> Generation:
         """Cut a padded sampled row at its end: a stop string (HF pads after it), else the first EOS (kept), else

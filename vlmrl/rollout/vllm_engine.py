@@ -60,17 +60,19 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import logging
 import os
 import tempfile
 import time
-from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 
-from vlmrl.rollout.engine import Engine, SamplingParams
+from vlmrl.rollout.engine import Engine, GenerateRequest, SamplingParams
 from vlmrl.rollout.vllm_convert import (_finish, _id_of, _logprob_value, choose_logprobs_mode,
                                         collapse_image_placeholders, completion_body, generation_from_choice,
                                         generation_from_vllm, image_token_counts, logprobs_exact, max_abs_delta,
@@ -144,20 +146,37 @@ class VLLMEngine(Engine):
 
     # --- public ---------------------------------------------------------------------------------------------------
     def generate(self, prompts: list[EnginePrompt], n: int, params: SamplingParams) -> list[list[Generation]]:
-        if not logprobs_exact(self.logprobs_mode, params.temperature, params.top_p):
-            self._warn_once("mode", f"vLLM logprobs_mode={self.logprobs_mode} does not give log_softmax(logits / "
-                            f"temperature) of the full distribution at temperature={params.temperature}, "
-                            f"top_p={params.top_p}: rollout logprobs will differ from the trainer's")
+        """n samples of each prompt; prompt i gets seed `params.seed + i * n` (None: vLLM's engine seed)."""
         seeds = [None if params.seed is None else params.seed + i * n for i in range(len(prompts))]
+        return self.generate_batch([GenerateRequest(p, n, dataclasses.replace(params, seed=s))
+                                    for p, s in zip(prompts, seeds)])
+
+    def generate_batch(self, requests: list[GenerateRequest]) -> list[list[Generation]]:
+        """All requests at once (each its own n, params and seed): colocated, ONE `LLM.generate` with per-request
+        sampling params (vLLM batches them continuously); server, sent concurrently."""
+        for req in requests:
+            params = req.params
+            if not logprobs_exact(self.logprobs_mode, params.temperature, params.top_p):
+                self._warn_once("mode", f"vLLM logprobs_mode={self.logprobs_mode} does not give log_softmax(logits / "
+                                f"temperature) of the full distribution at temperature={params.temperature}, "
+                                f"top_p={params.top_p}: rollout logprobs will differ from the trainer's")
         if self.settings.mode == "colocate":
-            out = self._generate_colocated(prompts, n, params, seeds)
+            out = self._generate_colocated(requests)
         else:
-            out = self.server.generate(prompts, n, params, seeds, self.eos_ids, self._decode)  # type: ignore[union-attr]
-        for prompt, gens in zip(prompts, out):
+            server = self.server
+            assert server is not None
+
+            def one(req: GenerateRequest) -> list[Generation]:
+                return server.generate([req.prompt], req.n, req.params, [req.params.seed], self.eos_ids,
+                                       self._decode)[0]
+
+            with ThreadPoolExecutor(max_workers=max(1, min(32, len(requests)))) as pool:  # the server batches them
+                out = list(pool.map(one, requests))
+        for req, gens in zip(requests, out):
             if gens:
                 g = gens[0]
-                self._recent.append(EnginePrompt(list(prompt.token_ids) + list(g.token_ids), prompt.images,
-                                                 prompt.vision))
+                self._recent.append(EnginePrompt(list(req.prompt.token_ids) + list(g.token_ids), req.prompt.images,
+                                                 req.prompt.vision))
         return out
 
     def sync_weights(self) -> dict[str, float]:
@@ -275,15 +294,15 @@ class VLLMEngine(Engine):
                 f"vLLM expanded the prompt to {len(vllm_ids)} tokens, ours has {len(prompt.token_ids)}: its image "
                 "processing differs from the token builder's (min/max pixels?); rollouts would be off-policy")
 
-    def _generate_colocated(self, prompts, n, params, seeds) -> list[list[Generation]]:
+    def _generate_colocated(self, requests: list[GenerateRequest]) -> list[list[Generation]]:
         from vllm import SamplingParams as VSamplingParams
 
-        inputs = [self._vllm_prompt(p) for p in prompts]
-        sps = [VSamplingParams(**sampling_kwargs(params, n, self.eos_ids, seed)) for seed in seeds]
+        inputs = [self._vllm_prompt(r.prompt) for r in requests]
+        sps = [VSamplingParams(**sampling_kwargs(r.params, r.n, self.eos_ids, r.params.seed)) for r in requests]
         outs = self.llm.generate(inputs, sps, use_tqdm=False)  # type: ignore[union-attr]
         result = []
-        for prompt, out in zip(prompts, outs):
-            self._check_prompt(prompt, out.prompt_token_ids)
+        for req, out in zip(requests, outs):
+            self._check_prompt(req.prompt, out.prompt_token_ids)
             samples = sorted(out.outputs, key=lambda o: o.index)
             result.append([generation_from_vllm(o, self.eos_ids, self._decode) for o in samples])
         return result

@@ -1,0 +1,53 @@
+"""The benches run (tiny sizes), so they cannot rot: bench/rollout.py and bench/token_building.py produce their
+tables with every column and sane numbers."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def _render(table) -> str:
+    console = Console(width=250, record=True)
+    console.print(table)
+    return console.export_text()
+
+
+@pytest.mark.slow
+def test_rollout_bench_small(qwen25_policy):
+    bench = _load("rollout")
+    model, processor = qwen25_policy
+    row = bench.measure(model, processor, episodes=4, turns=2, max_new=3, repeats=1)
+    assert row["episodes"] == 4 and row["turns"] == 2 and 4 < row["tokens"] <= 4 * 2 * 3
+    assert row["batches"] == [1, 4]  # the group's shared turn-0 request, then its four episodes in one call
+    for k in ("r", "f", "s"):
+        assert row[f"{k}_wall_s"] > 0 and row[f"{k}_tok_s"] > 0
+    assert row["r/f"] > 0 and row["r/s"] > 0
+    text = _render(bench.table([row], "t"))
+    header = next(line for line in text.splitlines() if "episodes" in line)
+    assert [c.strip() for c in header.strip("┃│ ").split("┃" if "┃" in header else "│")] == list(bench.COLUMNS)
+
+
+@pytest.mark.slow
+def test_token_building_bench_small():
+    bench = _load("token_building")
+    rows = bench.run([2], repeats=1)
+    assert rows[0]["turns"] == 2 and rows[0]["prompt_tokens"] > 0
+    assert all(rows[0][f"{k}_s"] > 0 for k in "abcdti")
+    text = _render(bench.table(rows))
+    for col in ("(a) ours", "(d) floor", "(t) text", "(i) images", "a/d", "(a-i)/t"):
+        assert col in text
