@@ -6,6 +6,8 @@ An environment module exposes two functions:
 - `build_task(row) -> Task`: the environment's prompt for one dataset row (`vlmrl.data.GeometryRow`);
 - optionally `make_tasks(env_cfg, data_cfg) -> list[Task]`: for environments that generate their tasks instead of
   reading dataset rows (frozenlake, color_square); `load_env_tasks` then calls it instead of reading `data.path`.
+- optionally `make_demos(env_cfg, data_cfg, count, seed) -> list[list[Message]]`: demonstration conversations
+  (assistant messages included) for `vlmrl sft` with sft.demos=env (colors).
 
 To add an environment, add one line to `ENV_MODULES` (modules are imported lazily), or call `register_env`.
 """
@@ -26,6 +28,7 @@ ENV_MODULES: dict[str, str] = {
     "geometry3k_tools": "vlmrl.envs.geometry3k_tools",
     "frozenlake": "vlmrl.envs.frozenlake",
     "color_square": "vlmrl.envs.color_square",
+    "colors": "vlmrl.envs.colors",
 }
 
 __all__ = ["Environment", "StepResult", "ENV_MODULES", "register_env", "env_module", "make_env_factory",
