@@ -130,3 +130,18 @@ def test_sft_checkpoint_loads_in_train_and_generate(tmp_path):
     res = _cli("generate", *common, "data.limit=2", f"logging.output_dir={tmp_path / 'gen'}")
     assert res.returncode == 0, res.stdout + res.stderr
     assert len((tmp_path / "gen" / "trajectories.jsonl").read_text().splitlines()) == 4
+
+
+def test_colors_env_retries_with_feedback_until_right():
+    task = colors.build_task(7, "green")
+    env = colors.env_factory({"max_turns": 2})()
+    assert env.reset(task)[0].images[0].getpixel((0, 0)) == colors.COLORS["green"]
+    wrong = env.step("\\boxed{red}", 0, False)
+    assert (wrong.reward, wrong.done, wrong.correct, wrong.formatted) == (pytest.approx(0.1), False, False, True)
+    assert wrong.messages[0].text_content == colors.FEEDBACK
+    right = env.step("so \\boxed{Green}", 1, True)
+    assert (right.reward, right.done, right.correct) == (pytest.approx(1.0), True, True)
+    assert env.step("green", 0, False).reward == 0.0  # no \\boxed{}: no format reward
+    one = colors.env_factory({"max_turns": 1})()
+    one.reset(task)
+    assert one.step("\\boxed{red}", 0, False).done  # no turn left: no feedback
