@@ -76,6 +76,23 @@ def train(overrides: Optional[list[str]] = OVERRIDES) -> None:
     console.print(f"run folder: {out}")
 
 
+@app.command()
+def sft(overrides: Optional[list[str]] = OVERRIDES) -> None:
+    """Supervised warm start on demonstrations (sft.demos: env or a JSONL file), cross-entropy on assistant tokens
+    through the same token builder, export and DeepSpeed trainer; writes OUTPUT_DIR/hf for `train`/`generate`."""
+    _setup_logging()
+    cfg = _load_or_exit(overrides)
+    from vlmrl.runfiles import RunFolderError
+    from vlmrl.sft import sft as run_sft
+
+    try:
+        out = run_sft(cfg)
+    except (RunFolderError, FileNotFoundError, ValueError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1)
+    console.print(f"checkpoint: {out}  (vlmrl train model.name_or_path={out})")
+
+
 def _resume_command(overrides: Optional[list[str]], output_dir: str) -> str:
     """`vlmrl train` with the same overrides, pinned to the run folder (resume=auto, no overwrite)."""
     import shlex

@@ -170,6 +170,14 @@ class TrainerConfig:
     seed: int = 0
 
 
+@dataclass
+class SftConfig:
+    """`vlmrl sft` (supervised warm start; steps, batch_size, lr and the rest from `trainer`)."""
+
+    demos: str = "env"  # "env": the environment's make_demos(); else a JSONL file of conversations (vlmrl.sft)
+    num_demos: int = 256  # conversations the environment generates (demos=env)
+
+
 class ResumeMode(str, Enum):
     auto = "auto"  # continue the output folder's run from its newest complete checkpoint (or start one)
     never = "never"  # start fresh; a non-empty output folder is an error unless logging.overwrite=true
@@ -206,6 +214,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     resume: ResumeConfig = field(default_factory=ResumeConfig)
+    sft: SftConfig = field(default_factory=SftConfig)
     seed: int = 0
 
 
@@ -306,6 +315,8 @@ def _validate(cfg: Config) -> None:
         (cfg.algorithm.advantage in ("episode", "turn"), "algorithm.advantage must be episode or turn"),
         (cfg.algorithm.advantage == "episode" or cfg.export.style is ExportStyle.individual,
          "algorithm.advantage=turn needs export.style=individual (one sample per turn)"),
+        (cfg.sft.num_demos >= 1, "sft.num_demos must be >= 1"),
+        (bool(cfg.sft.demos), "sft.demos must be 'env' or a JSONL file"),
     ]
     for ok, msg in checks:
         if not ok:

@@ -11,8 +11,9 @@ from vlmrl.types import ParseStatus, ToolFailure, Trajectory
 
 def rollout_metrics(trajs: list[Trajectory]) -> dict[str, float]:
     """reward mean/std, accuracy (any turn correct), format rate (share of graded turns with a boxed answer), turns
-    and generated tokens per episode, images per episode, parse failures and end reasons (shares of episodes),
-    and the tool metrics of `tool_metrics`. Tool turns are not graded: format/parse rates count graded turns only."""
+    and generated tokens per episode, images per episode, second_turn_accuracy (share of correct second graded turns
+    among the episodes that reached one: retries after feedback; only when some did), parse failures and end
+    reasons (shares of episodes), and the tool metrics of `tool_metrics`. Tool turns are not graded: format/parse rates count graded turns only."""
     if not trajs:
         return {}
     rewards = [t.reward for t in trajs]
@@ -34,6 +35,9 @@ def rollout_metrics(trajs: list[Trajectory]) -> dict[str, float]:
         "images_per_episode": statistics.fmean(len(t.tokens.images) for t in trajs),
         "episodes": float(len(trajs)),
     }
+    retried = [g[1] for g in ([t for t in traj.turns if not t.is_tool_turn] for traj in trajs) if len(g) > 1]
+    if retried:  # second graded turn (a retry after feedback): accuracy over the episodes that reached one
+        out["second_turn_accuracy"] = statistics.fmean(float(t.correct) for t in retried)
     for reason, n in Counter(t.end_reason for t in trajs).items():
         out[f"end_{reason}"] = n / len(trajs)
     for reason, n in Counter(t.generation.stop_reason.value for t in turns).items():

@@ -46,6 +46,7 @@ from vlmrl.train.grpo import LossStats, grpo_loss
 from vlmrl.train.logprobs import batch_logprobs, collate
 from vlmrl.train.loss_agg import LossAgg, token_weights
 from vlmrl.train.rollout_correction import Correction, correction_weights
+from vlmrl.train.sft_loss import sft_loss
 from vlmrl.types import Sample
 
 
@@ -182,15 +183,21 @@ class GRPOTrainer:
         temperature: float | None = None,
         ref_model: torch.nn.Module | None = None,
         family: str | None = None,
+        objective: str = "grpo",
     ):
         """model: the HF policy (trainable params = those with requires_grad); cfg/algorithm: configs whose fields
         merge into `TrainerSettings` (algorithm wins: clip_eps_low/high, kl_coef); temperature: the rollout sampling
         temperature; ref_model: the KL reference (default: a deepcopy of `model` now, when kl_coef > 0); family: the
-        model family (`model.family`), whose image inputs `collate` builds (None: read from the model's config).
+        model family (`model.family`), whose image inputs `collate` builds (None: read from the model's config);
+        objective: "grpo" (the GRPO loss) or "sft" (cross-entropy on the loss-mask tokens, `vlmrl.train.sft_loss`;
+        advantages and old logprobs are ignored). ValueError for another objective.
         """
         import deepspeed
 
         self.family = family or family_of_model(model)
+        if objective not in ("grpo", "sft"):
+            raise ValueError(f"unknown trainer objective {objective!r}; expected grpo or sft")
+        self.objective = objective
 
         self.cfg = TrainerSettings.from_any(*(c for c in (cfg, algorithm) if c is not None), temperature=temperature)
         if LossAgg(self.cfg.loss_agg) is LossAgg.seq_mean_token_sum_norm and self.cfg.loss_agg_norm <= 0:
@@ -316,6 +323,8 @@ class GRPOTrainer:
         """Forward one micro-batch; norm = (loss tokens, sequences) of the step / world size (module docstring)."""
         batch = collate(chunk, family=self.family)
         logprobs = batch_logprobs(self.engine, batch, self.cfg.temperature, only_masked=True)
+        if self.objective == "sft":
+            return sft_loss(logprobs, batch["loss_mask"].to(logprobs.device), num_tokens=norm[0]), LossStats()
         ref_logprobs = None
         if self.ref_model is not None:
             with torch.no_grad():

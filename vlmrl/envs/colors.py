@@ -1,0 +1,117 @@
+"""Colors: name the colour of a square shown in an image (a task that needs the image), with retry feedback.
+
+The learning demo of vlmrl (`recipes/colors_sft_tiny.yaml` then `recipes/colors_tiny.yaml`): a tiny random model
+learns the answer *format* from demonstrations whose answers ignore the image (`make_demos`), so its accuracy is
+chance (1 / len(COLORS)); GRPO then has to learn to read the image.
+
+Turn 0 shows one 56x56 square (four image tokens for Qwen2.5-VL) and asks its colour. r_t = 0.9 * correct +
+0.1 * boxed. A wrong answer with turns left gets the user message FEEDBACK and the model tries again (same image);
+the episode reward is max_t r_t * turn_discount^t (`vlmrl.rewards.episode_reward`). Tasks are generated: task i's
+colour is drawn with `random.Random(data.shuffle_seed + i)`, `data.limit` tasks (64 if unset).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from PIL import Image
+
+from vlmrl.config import EnvConfig
+from vlmrl.data import cfg_value
+from vlmrl.envs.base import Environment, StepResult
+from vlmrl.rewards import extract_boxed
+from vlmrl.types import ImagePart, Message, ParseStatus, Role, Task, TextPart
+
+COLORS = {"red": (220, 40, 40), "green": (40, 170, 70), "blue": (40, 80, 220), "yellow": (235, 205, 40)}
+SIZE = 56
+QUESTION = "What color is the square? Answer with one word in \\boxed{}."
+FEEDBACK = "Wrong, try again."
+
+
+def square(color: str, size: int = SIZE) -> Image.Image:
+    """A `size` x `size` RGB square of the colour `color` (a key of COLORS); KeyError for another name."""
+    return Image.new("RGB", (size, size), COLORS[color])
+
+
+def build_task(seed: int, color: str) -> Task:
+    """The prompt for one square: [image, QUESTION]; the answer is the colour's name."""
+    image = ImagePart(square(color), f"colors:{seed}")
+    return Task(id=f"colors-{seed}", messages=[Message(Role.USER, [image, TextPart(QUESTION)])], answer=color,
+                meta={"seed": seed})
+
+
+def make_tasks(env_cfg: Any, data_cfg: Any) -> list[Task]:
+    """`data.limit` (default 64) tasks, task i's colour drawn uniformly with random.Random(data.shuffle_seed + i)."""
+    n = int(cfg_value(data_cfg, "limit") or 64)
+    base = int(cfg_value(data_cfg, "shuffle_seed") or 0)
+    names = sorted(COLORS)
+    return [build_task(base + i, random.Random(base + i).choice(names)) for i in range(n)]
+
+
+def answer(color: str) -> str:
+    """The demonstrated reply for `color`."""
+    return f"\\boxed{{{color}}}"
+
+
+def make_demos(env_cfg: EnvConfig, count: int, seed: int = 0) -> list[list[Message]]:
+    """`count` demonstration conversations that teach the FORMAT but not the task: every demonstrated answer is a
+    colour drawn uniformly at random, independently of the image, so a model trained on them answers at chance.
+
+    With env.max_turns >= 2, every second demo is a retry: [image + question, wrong answer, FEEDBACK, answer]
+    (the second answer also drawn independently of the image). Images come from `make_tasks`' generator with
+    seeds `seed * 1_000_003 + i`, so demos and training tasks share no seed unless seed is 0 and the counts overlap.
+    """
+    rng = random.Random(seed)
+    names = sorted(COLORS)
+    retry = env_cfg.max_turns >= 2
+    demos = []
+    for i in range(count):
+        task = build_task(seed * 1_000_003 + i, rng.choice(names))
+        conv = [*task.messages, Message.text(Role.ASSISTANT, answer(rng.choice(names)))]
+        if retry and i % 2 == 1:
+            conv += [Message.text(Role.USER, FEEDBACK), Message.text(Role.ASSISTANT, answer(rng.choice(names)))]
+        demos.append(conv)
+    return demos
+
+
+@dataclass
+class ColorsConfig(EnvConfig):
+    _target_: str = "vlmrl.envs.colors.ColorsEnv"
+    max_turns: int = 1
+
+
+class ColorsEnv(Environment):
+    """One square; a wrong answer with turns left gets FEEDBACK and another try."""
+
+    config_class = ColorsConfig
+
+    @classmethod
+    def make_tasks(cls, cfg: ColorsConfig, data_cfg: Any) -> list[Task]:
+        return make_tasks(cfg, data_cfg)
+
+    @classmethod
+    def make_demos(cls, cfg: ColorsConfig, count: int, seed: int = 0) -> list[list[Message]]:
+        """Demonstrations for `vlmrl sft` with sft.demos=env (see the module-level `make_demos`)."""
+        return make_demos(cfg, count, seed)
+
+    def __init__(self, cfg: ColorsConfig | None = None) -> None:
+        self.max_turns = (cfg or ColorsConfig()).max_turns
+        self.task: Task | None = None
+
+    def reset(self, task: Task) -> list[Message]:
+        self.task = task
+        return [Message(m.role, list(m.content)) for m in task.messages]
+
+    def step(self, assistant_text: str, turn: int, last_turn: bool) -> StepResult:
+        if self.task is None:
+            raise RuntimeError("ColorsEnv.step called before reset")
+        boxed = extract_boxed(assistant_text)
+        status = ParseStatus.OK if boxed and boxed.strip() else ParseStatus.NO_ANSWER
+        correct = status is ParseStatus.OK and boxed.strip().lower() == self.task.answer
+        formatted = status is ParseStatus.OK
+        reward = 0.9 * correct + 0.1 * formatted
+        if correct or last_turn or turn + 1 >= self.max_turns:
+            return StepResult(reward, True, [], status, correct, formatted)
+        return StepResult(reward, False, [Message.text(Role.USER, FEEDBACK)], status, correct, formatted)

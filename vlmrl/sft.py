@@ -1,0 +1,130 @@
+"""`vlmrl sft`: supervised warm start on demonstration conversations, through the same pieces as `vlmrl train`.
+
+    conversations -> token builder (start / add_generation / render_messages) -> export (`to_samples`)
+                  -> DeepSpeed trainer with the cross-entropy objective -> checkpoint + <output_dir>/hf
+
+Each assistant message is tokenised as the engine would have sampled it (its text's ids, then the end-of-turn id)
+and appended with `TokenBuilder.add_generation`, so its tokens get loss mask 1 and every other token (system,
+user, feedback, images, the template's tokens around turns) loss mask 0, exactly as in a rollout. The result is a
+`checkpoints/step_<n>/` folder like a training run's and a copy of its `hf/` (weights + processor) at
+`<output_dir>/hf`, which `vlmrl train model.name_or_path=<output_dir>/hf` and `vlmrl generate` load.
+
+Demonstrations (`sft.demos`): `env` = the environment class's `make_demos(env_cfg, sft.num_demos, seed)`;
+otherwise a JSONL file, one conversation per line: {"messages": [{"role": "user", "content": [{"type": "image",
+"ref": "img/0.png"}, {"type": "text", "text": "..."}]}, {"role": "assistant", "content": [{"type": "text", ...}]}]}
+(the `messages` format of `trajectories.jsonl`; image paths relative to the file's folder).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import shutil
+import time
+from pathlib import Path
+
+from PIL import Image
+
+from vlmrl import checkpoint
+from vlmrl.config import Config, to_yaml
+from vlmrl.data import to_rgb
+from vlmrl.envs import env_config
+from vlmrl.envs.plugins import env_class
+from vlmrl.export import to_samples
+from vlmrl.models import load_policy
+from vlmrl.run import export_style, seed_everything
+from vlmrl.runfiles import RunFiles
+from vlmrl.tokens import get_builder
+from vlmrl.tokens.base import TokenBuilder
+from vlmrl.train.trainer import GRPOTrainer
+from vlmrl.types import Generation, ImagePart, Message, Role, StopReason, TextPart, Trajectory
+
+log = logging.getLogger("vlmrl.sft")
+
+
+def demo_trajectory(builder: TokenBuilder, conv: list[Message], demo_id: str) -> Trajectory:
+    """The continuous tokens of one demonstration: `conv` must start with non-assistant messages and hold at least
+    one assistant message. Assistant ids: tokenizer(text) + [eos] (mask 1, logprob 0). ValueError naming the demo
+    otherwise."""
+    first = next((i for i, m in enumerate(conv) if m.role is Role.ASSISTANT), None)
+    if not first:
+        raise ValueError(f"demo {demo_id}: needs user message(s) and then an assistant message")
+    seq = builder.start(conv[:first])
+    pending: list[Message] = []
+    for msg in conv[first:]:
+        if msg.role is not Role.ASSISTANT:
+            pending.append(msg)
+            continue
+        if pending:
+            builder.extend(seq, builder.render_messages(seq, pending))
+            pending = []
+        ids = builder.tokenizer.encode(msg.text_content, add_special_tokens=False) + [builder.eos_token_id]
+        builder.add_generation(seq, Generation(ids, [0.0] * len(ids), StopReason.EOS, msg.text_content))
+    if pending:
+        raise ValueError(f"demo {demo_id}: ends with a {pending[-1].role.value} message (nothing to learn after it)")
+    return Trajectory(task_id=demo_id, group=0, messages=conv, tokens=seq, turns=[], advantage=1.0)
+
+
+def load_demos(cfg: Config) -> list[list[Message]]:
+    """The demonstrations of `cfg.sft` (see the module docstring). ValueError/FileNotFoundError naming the file."""
+    if cfg.sft.demos == "env":
+        cls = env_class(cfg.env._target_)
+        if not callable(getattr(cls, "make_demos", None)):
+            raise ValueError(f"sft.demos=env: environment {cfg.env._target_!r} has no make_demos(); give a JSONL file")
+        return cls.make_demos(env_config(cfg.env), cfg.sft.num_demos, cfg.seed)
+    path = Path(cfg.sft.demos)
+    if not path.is_file():
+        raise FileNotFoundError(f"sft.demos {str(path)!r}: no such file")
+    demos = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            demos.append(_conversation(json.loads(line), path.parent, f"{path}:{n}"))
+    return demos
+
+
+def _conversation(rec: dict, root: Path, where: str) -> list[Message]:
+    try:
+        out = []
+        for m in rec["messages"]:
+            content = m["content"] if isinstance(m["content"], list) else [{"type": "text", "text": m["content"]}]
+            parts = [TextPart(p["text"]) if p["type"] == "text" else
+                     ImagePart(to_rgb(Image.open(root / (p.get("ref") or p["image"]))), str(p.get("ref") or p["image"]))
+                     for p in content]
+            out.append(Message(Role(m["role"]), parts))
+        return out
+    except (KeyError, TypeError, ValueError, OSError) as exc:
+        raise ValueError(f"{where}: bad demonstration ({type(exc).__name__}: {exc})") from exc
+
+
+def sft(cfg: Config) -> Path:
+    """Run `cfg.trainer.steps` SFT steps of `cfg.trainer.batch_size` demonstrations each (cycling over the shuffled
+    demos); write config.yaml, metrics.jsonl (loss per step), the final checkpoint and `<output_dir>/hf`.
+    Returns the `hf` folder."""
+    seed_everything(cfg.seed)
+    model, processor = load_policy(cfg.model)
+    trainer = GRPOTrainer(model, cfg.trainer, cfg.algorithm, 1.0, family=cfg.model.family, objective="sft")
+    files = RunFiles(cfg.logging.output_dir, cfg.logging.overwrite) if trainer.is_main else None
+    if files:
+        files.write_config(to_yaml(cfg))
+    builder = get_builder(cfg.model.family, processor)
+    style = export_style(cfg.export.style, builder)
+    demos = [demo_trajectory(builder, c, f"demo-{i}") for i, c in enumerate(load_demos(cfg))]
+    random.Random(cfg.data.shuffle_seed).shuffle(demos)
+    size = cfg.trainer.batch_size
+    for step in range(1, cfg.trainer.steps + 1):
+        t0 = time.perf_counter()
+        batch = [demos[((step - 1) * size + i) % len(demos)] for i in range(size)][trainer.rank::trainer.world_size]
+        stats = trainer.train_step(to_samples(batch, style, builder.image_token_id))
+        row = {"step": step, "loss": stats.loss, "grad_norm": stats.grad_norm, "num_tokens": stats.num_tokens,
+               "num_samples": stats.num_samples, "lr": stats.lr, "step_s": time.perf_counter() - t0}
+        if files:
+            files.append(files.metrics, [row])
+        if step == 1 or step % 10 == 0 or step == cfg.trainer.steps:
+            log.info("sft step %d/%d loss %.4f grad_norm %.3f", step, cfg.trainer.steps, stats.loss, stats.grad_norm)
+    root = Path(cfg.logging.output_dir)
+    path = checkpoint.save(trainer, root / "checkpoints", cfg.trainer.steps, {"step": cfg.trainer.steps},
+                           processor=processor, config_yaml=to_yaml(cfg), keep_last=cfg.trainer.keep_last)
+    if trainer.is_main:
+        shutil.copytree(path / "hf", root / "hf", dirs_exist_ok=True)
+    return root / "hf"
