@@ -17,6 +17,25 @@ from vlmrl.config import ConfigError, load
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Multi-turn RL (GRPO) for vision-language models.")
 console = Console(stderr=True, soft_wrap=True)
 
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"vlmrl {version('vlmrl')}")
+        except PackageNotFoundError:  # a source tree that was not pip-installed
+            typer.echo("vlmrl (not installed: run `make setup`)")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    show_version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                      help="Print the vlmrl version and exit."),
+) -> None:
+    """Multi-turn RL (GRPO) for vision-language models."""
+
+
 OVERRIDES = typer.Argument(None, help="recipe=NAME and Hydra overrides, e.g. env.max_turns=3 trainer.steps=10")
 
 
@@ -46,10 +65,10 @@ def _split_recipe(overrides: list[str]) -> tuple[Optional[str], list[str]]:
     return recipe, rest
 
 
-def _load_or_exit(overrides: Optional[list[str]]):
+def _load_or_exit(overrides: Optional[list[str]], training: bool = True):
     recipe, rest = _split_recipe(list(overrides or []))
     try:
-        return load(recipe, rest)
+        return load(recipe, rest, training=training)
     except ConfigError as exc:
         console.print(f"[red]config error:[/red] {exc}")
         raise typer.Exit(2)
@@ -113,7 +132,7 @@ def generate(overrides: Optional[list[str]] = OVERRIDES) -> None:
     (data.eval_split, else data.split), algorithm.group_size samples per problem; no update. Writes a run folder;
     rerunning the same command resumes (skips problems already written)."""
     _setup_logging()
-    cfg = _load_or_exit(overrides)
+    cfg = _load_or_exit(overrides, training=False)  # group_size=1: a plain pass@1 eval
     from vlmrl.generate import generate as run_generate
     from vlmrl.runfiles import RunFolderError
 

@@ -55,11 +55,11 @@ def generate(cfg: Config, console: Any = None) -> GenerateResult:
     """Run `algorithm.group_size` episodes per problem of the eval split (`data.eval_split`, else `data.split`) in
     chunks of `trainer.batch_size` problems; append their records and a cumulative metrics row per chunk."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from vlmrl.envs import load_env_tasks
     from vlmrl.logging_backends import make_loggers
     from vlmrl.models import load_policy
+    from vlmrl.progress import StepProgress
 
     console = console or Console()
     samples = cfg.algorithm.group_size
@@ -80,13 +80,11 @@ def generate(cfg: Config, console: Any = None) -> GenerateResult:
     model, processor = load_policy(cfg.model)
     model.eval()
     runner, _ = build_runner(cfg, model, processor)
-    loggers = make_loggers(cfg, enabled=True, prefix="generate")
+    loggers = make_loggers(cfg, enabled=True, prefix="generate", resume=bool(done))
     step, new, seconds = files.last_step(), [], 0.0
-    columns = [TextColumn("[bold]generate"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-               TimeElapsedColumn()]
-    try:
-        with Progress(*columns, console=console, disable=not cfg.logging.progress) as progress:
-            bar = progress.add_task("generate", total=len(tasks), completed=len(done), info="")
+    try:  # a rich bar on a terminal, else one plain line per chunk
+        with StepProgress(console, len(tasks), len(done), enabled=cfg.logging.progress, title="generate",
+                          label="problems", remaining=False) as progress:
             for batch in chunks(todo, cfg.trainer.batch_size):
                 step += 1
                 recs, dt = rollout_records(runner, batch, samples, step)
@@ -97,7 +95,7 @@ def generate(cfg: Config, console: Any = None) -> GenerateResult:
                 files.append(files.metrics, [metrics])
                 loggers.log(metrics, step)
                 top = metrics.get(f"pass@{samples}", 0.0)
-                progress.update(bar, advance=len(batch), info=f"acc {metrics['accuracy']:.3f} pass@{samples} {top:.3f}")
+                progress.update(len(batch), f"acc {metrics['accuracy']:.3f} pass@{samples} {top:.3f}")
     finally:
         loggers.close()
     return GenerateResult(files.dir, metrics, len(todo), len(done))

@@ -3,12 +3,13 @@ architecture with the family's real processor, built from `vlmrl/assets/tiny/<as
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -81,7 +82,9 @@ def load_processor(family: str, path: str, min_pixels: int | None = None, max_pi
                                                   local_files_only=True)
     else:
         _check_path(path)
-        processor = AutoProcessor.from_pretrained(path)
+        _check_hub(path)
+        with model_load_errors(path, "processor"):
+            processor = AutoProcessor.from_pretrained(path)
     return _fix_pixels(processor, min_pixels, max_pixels)
 
 
@@ -101,6 +104,56 @@ def _check_path(path: str) -> None:
     local_like = path.startswith(("/", ".", "~")) or path.count("/") != 1
     if local_like and not Path(path).expanduser().is_dir():
         raise FileNotFoundError(f"model.name_or_path {path!r}: no such directory (and not a hub id 'org/name')")
+
+
+class ModelLoadError(ValueError):
+    """A model or processor that cannot be loaded; the message is one line naming model.name_or_path."""
+
+
+_OFFLINE_HINT = ("offline? set model.name_or_path to a local folder holding the model (config.json, weights, "
+                 "processor files), or download it once and run with HF_HUB_OFFLINE=1")
+
+
+@contextlib.contextmanager
+def model_load_errors(path: str, what: str) -> Iterator[None]:
+    """Turn a transformers / huggingface_hub / safetensors failure while loading `what` (config | processor | weights)
+    from `path` into one `ModelLoadError` line: for a hub id, what to do offline; for a local folder, what is wrong
+    with it. Our own ValueErrors pass through unchanged."""
+    try:
+        yield
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - OSError, SafetensorError, HF hub errors, JSON errors...
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        reason = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+        if Path(path).expanduser().is_dir():
+            raise ModelLoadError(f"model.name_or_path {path!r}: cannot load its {what} ({reason}); is it a complete "
+                                 "HF model folder (config.json, *.safetensors, processor files)?") from None
+        raise ModelLoadError(f"model.name_or_path {path!r}: cannot load its {what} from the Hugging Face Hub "
+                             f"({reason}); {_OFFLINE_HINT}") from None
+
+
+def _check_hub(path: str) -> None:
+    """For a hub id that is not in the local HF cache: fail at once (one ModelLoadError line saying what to do
+    offline) when HF_HUB_OFFLINE is set or the hub's host does not resolve, instead of minutes of retries."""
+    if Path(path).expanduser().is_dir():
+        return
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(path, "config.json"), str):
+        return
+    if constants.HF_HUB_OFFLINE:
+        raise ModelLoadError(f"model.name_or_path {path!r}: not in the local Hugging Face cache and HF_HUB_OFFLINE "
+                             f"is set; {_OFFLINE_HINT}")
+    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError as exc:
+        raise ModelLoadError(f"model.name_or_path {path!r}: not in the local Hugging Face cache and {host} cannot be "
+                             f"reached ({exc.strerror or exc}); {_OFFLINE_HINT}") from None
 
 
 def _cfg(cfg: Any, key: str, default: Any = None) -> Any:
@@ -131,11 +184,13 @@ def load_policy(model_cfg: Any):
     if path.startswith("tiny:"):
         model = tiny_model(family, int(_cfg(model_cfg, "seed", 0) or 0), dtype, **extra)
     else:
-        config = AutoConfig.from_pretrained(path)
+        with model_load_errors(path, "config"):
+            config = AutoConfig.from_pretrained(path)
         if str(config.model_type) not in FAMILIES[family].model_types:
             raise ValueError(f"model.family {family!r} does not match {path!r} (model_type {config.model_type!r}; "
                              f"expected one of {FAMILIES[family].model_types})")
-        model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, **extra)
+        with model_load_errors(path, "weights"):
+            model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, **extra)
     model.train()
     return model, processor
 
