@@ -77,8 +77,8 @@ def _load_or_exit(overrides: Optional[list[str]], training: bool = True):
 @app.command()
 def train(overrides: Optional[list[str]] = OVERRIDES) -> None:
     """Train a policy with GRPO: rollouts, rewards, advantages, DeepSpeed update; writes a run folder."""
+    cfg = _load_or_exit(overrides)  # config errors first: before transformers/torch are imported
     _setup_logging()
-    cfg = _load_or_exit(overrides)
     from vlmrl.resume import TooManyBadSteps, TrainingInterrupted
     from vlmrl.run import train as run_train
     from vlmrl.runfiles import RunFolderError
@@ -131,8 +131,8 @@ def generate(overrides: Optional[list[str]] = OVERRIDES) -> None:
     """Eval-only rollouts of a model or checkpoint (model.name_or_path=RUN/checkpoints/step_N/hf) on the eval split
     (data.eval_split, else data.split), algorithm.group_size samples per problem; no update. Writes a run folder;
     rerunning the same command resumes (skips problems already written)."""
-    _setup_logging()
     cfg = _load_or_exit(overrides, training=False)  # group_size=1: a plain pass@1 eval
+    _setup_logging()
     from vlmrl.generate import generate as run_generate
     from vlmrl.runfiles import RunFolderError
 

@@ -156,6 +156,20 @@ def _check_hub(path: str) -> None:
                              f"reached ({exc.strerror or exc}); {_OFFLINE_HINT}") from None
 
 
+def _check_weight_files(path: str) -> None:
+    """A local model folder: every `*.safetensors` header must read (safetensors `safe_open`, no tensor loaded), so a
+    truncated or garbage file is one ModelLoadError line in a second, before the model is built."""
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        return
+    from safetensors import safe_open
+
+    for file in sorted(folder.glob("*.safetensors")):
+        with model_load_errors(path, f"weights ({file.name})"):
+            with safe_open(str(file), framework="pt") as f:
+                f.keys()
+
+
 def _cfg(cfg: Any, key: str, default: Any = None) -> Any:
     return cfg.get(key, default) if isinstance(cfg, dict) else getattr(cfg, key, default)
 
@@ -180,15 +194,20 @@ def load_policy(model_cfg: Any):
     dtype = _DTYPES[dtype_name]
     attn = _cfg(model_cfg, "attn_implementation")
     extra = {"attn_implementation": attn} if attn else {}
-    processor = load_processor(family, path, _cfg(model_cfg, "min_pixels"), _cfg(model_cfg, "max_pixels"))
-    if path.startswith("tiny:"):
-        model = tiny_model(family, int(_cfg(model_cfg, "seed", 0) or 0), dtype, **extra)
-    else:
+    tiny = path.startswith("tiny:")
+    if not tiny:  # config and weight-file headers first: a bad folder fails before the (slow) processor loads
+        _check_path(path)
+        _check_hub(path)
         with model_load_errors(path, "config"):
             config = AutoConfig.from_pretrained(path)
         if str(config.model_type) not in FAMILIES[family].model_types:
             raise ValueError(f"model.family {family!r} does not match {path!r} (model_type {config.model_type!r}; "
                              f"expected one of {FAMILIES[family].model_types})")
+        _check_weight_files(path)
+    processor = load_processor(family, path, _cfg(model_cfg, "min_pixels"), _cfg(model_cfg, "max_pixels"))
+    if tiny:
+        model = tiny_model(family, int(_cfg(model_cfg, "seed", 0) or 0), dtype, **extra)
+    else:
         with model_load_errors(path, "weights"):
             model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, **extra)
     model.train()
