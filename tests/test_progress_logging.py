@@ -9,11 +9,10 @@ import types
 from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from test_generate import _cfg, _lines, letter_engine  # noqa: F401 - the fixture is used by name
+from test_generate import _lines, letter_engine  # noqa: F401 - the fixture is used by name
 from vlmrl import generate as gen
 from vlmrl.cli import app
 from vlmrl.progress import StepProgress, train_line

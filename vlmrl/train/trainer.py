@@ -10,7 +10,10 @@ winning; missing ones take the defaults of `TrainerSettings`): zero_stage (0|1|2
 betas, max_grad_norm (0 = no clipping), micro_batch_size (samples per forward), clip_eps_low, clip_eps_high,
 kl_coef (0 = no reference model), temperature (the sampling temperature: logprobs are of logits / temperature),
 seed (torch is seeded with seed + rank), dtype ("fp32" | "bf16" | "auto" = bf16 mixed precision with fp32 master
-weights iff the model's parameters are bf16).
+weights iff the model's parameters are bf16), steps + lr_scheduler + warmup_steps / warmup_ratio (transformers'
+`get_scheduler`, stepped by DeepSpeed after each applied update and kept in its checkpoints; `StepStats.lr` is the LR
+the update used), gradient_checkpointing (non-reentrant), deepspeed_config (a user JSON merged over ours,
+`vlmrl.train.settings.merge_deepspeed_config`; its zero_optimization.stage wins).
 
 Exact token-level normalisation over micro-batches and ranks: DeepSpeed runs with gradient_accumulation_steps=1 and we
 mark the accumulation boundary ourselves (`engine.set_gradient_accumulation_boundary(False)` before every micro-batch
@@ -43,8 +46,8 @@ from vlmrl.train import dist
 from vlmrl.train.dist import all_gather_object, is_main, world_size
 from vlmrl.train.grpo import LossStats, grpo_loss
 from vlmrl.train.logprobs import batch_logprobs, collate
-from vlmrl.train.settings import (TrainerSettings, deepspeed_config, hf_deepspeed_config, load_deepspeed_config,
-                                  merge_deepspeed_config)
+from vlmrl.train.settings import (TrainerSettings, deepspeed_config, hf_deepspeed_config,  # noqa: F401 - re-exported
+                                  load_deepspeed_config, merge_deepspeed_config)
 from vlmrl.types import Sample
 
 
