@@ -125,21 +125,45 @@ def test_garbage_model_folder_is_one_line(tmp_path):
 def test_offline_hub_failure_is_one_line_saying_what_to_do(monkeypatch):
     from huggingface_hub import constants
 
-    from vlmrl.modeling.loading import ModelLoadError
+    from vlmrl.modeling.sources import ModelLoadError, check_model_source
     from vlmrl.models import load_processor
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     t0 = time.perf_counter()
     with pytest.raises(ModelLoadError) as info:
-        load_processor("qwen2_5_vl", "some-org/not-cached-model")
+        check_model_source("some-org/not-cached-model")  # what the CLI runs before torch is imported
     msg = str(info.value)
     assert time.perf_counter() - t0 < 5 and "\n" not in msg
     assert "model.name_or_path" in msg and "local folder" in msg and "HF_HUB_OFFLINE" in msg
+    with pytest.raises(ModelLoadError, match="HF_HUB_OFFLINE"):  # and the loader itself, for library callers
+        load_processor("qwen2_5_vl", "some-org/not-cached-model")
+
+
+def test_start_failing_after_the_folder_opened_leaves_nothing_that_blocks(tmp_path):
+    """`vlmrl.run.train` itself (no CLI pre-check): the run folder is opened, the model load fails; config.yaml is
+    written only after a successful start, so the corrected config plans a fresh run and the folder is accepted."""
+    from vlmrl.config import to_yaml
+    from vlmrl.modeling.sources import ModelLoadError, check_model_source
+    from vlmrl.resume import plan_resume
+    from vlmrl.run import train
+    from vlmrl.runfiles import RunFiles
+
+    out = tmp_path / "run"
+    bad = load("geometry3k_tiny", [f"model.name_or_path={_garbage_model_folder(tmp_path)}",
+                                   f"logging.output_dir={out}"])
+    with pytest.raises(ModelLoadError, match="cannot load its weights"):
+        train(bad)
+    assert out.is_dir() and not (out / "config.yaml").exists()
+    good = load("geometry3k_tiny", [f"logging.output_dir={out}", "trainer.lr=0.001"])
+    assert plan_resume(good, to_yaml(good)).fresh
+    RunFiles(out, overwrite=False, keep_until=None)  # accepted: no run to protect
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        check_model_source(str(tmp_path))
 
 
 @pytest.mark.slow
 def test_failed_start_does_not_block_the_corrected_rerun(tmp_path):
-    """A bad model folder fails after the run folder is opened; the corrected command then trains in that folder."""
+    """A bad model folder fails at once (the CLI checks it before torch loads); the corrected command trains there."""
     import json
 
     from conftest import GEOMETRY3K

@@ -74,10 +74,22 @@ def _load_or_exit(overrides: Optional[list[str]], training: bool = True):
         raise typer.Exit(2)
 
 
+def _check_model_or_exit(cfg) -> None:
+    """model.name_or_path checked before torch is imported (folder, config.json, safetensors headers, hub reach)."""
+    from vlmrl.modeling.sources import check_model_source
+
+    try:
+        check_model_source(cfg.model.name_or_path)
+    except (OSError, ValueError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1)
+
+
 @app.command()
 def train(overrides: Optional[list[str]] = OVERRIDES) -> None:
     """Train a policy with GRPO: rollouts, rewards, advantages, DeepSpeed update; writes a run folder."""
     cfg = _load_or_exit(overrides)  # config errors first: before transformers/torch are imported
+    _check_model_or_exit(cfg)
     _setup_logging()
     from vlmrl.resume import TooManyBadSteps, TrainingInterrupted
     from vlmrl.run import train as run_train
@@ -132,6 +144,7 @@ def generate(overrides: Optional[list[str]] = OVERRIDES) -> None:
     (data.eval_split, else data.split), algorithm.group_size samples per problem; no update. Writes a run folder;
     rerunning the same command resumes (skips problems already written)."""
     cfg = _load_or_exit(overrides, training=False)  # group_size=1: a plain pass@1 eval
+    _check_model_or_exit(cfg)
     _setup_logging()
     from vlmrl.generate import generate as run_generate
     from vlmrl.runfiles import RunFolderError
