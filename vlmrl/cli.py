@@ -17,6 +17,25 @@ from vlmrl.config import ConfigError, load
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Multi-turn RL (GRPO) for vision-language models.")
 console = Console(stderr=True, soft_wrap=True)
 
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"vlmrl {version('vlmrl')}")
+        except PackageNotFoundError:  # a source tree that was not pip-installed
+            typer.echo("vlmrl (not installed: run `make setup`)")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    show_version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                      help="Print the vlmrl version and exit."),
+) -> None:
+    """Multi-turn RL (GRPO) for vision-language models."""
+
+
 OVERRIDES = typer.Argument(None, help="recipe=NAME and Hydra overrides, e.g. env.max_turns=3 trainer.steps=10")
 
 
@@ -46,20 +65,32 @@ def _split_recipe(overrides: list[str]) -> tuple[Optional[str], list[str]]:
     return recipe, rest
 
 
-def _load_or_exit(overrides: Optional[list[str]]):
+def _load_or_exit(overrides: Optional[list[str]], training: bool = True):
     recipe, rest = _split_recipe(list(overrides or []))
     try:
-        return load(recipe, rest)
+        return load(recipe, rest, training=training)
     except ConfigError as exc:
         console.print(f"[red]config error:[/red] {exc}")
         raise typer.Exit(2)
 
 
+def _check_model_or_exit(cfg) -> None:
+    """model.name_or_path checked before torch is imported (folder, config.json, safetensors headers, hub reach)."""
+    from vlmrl.modeling.sources import check_model_source
+
+    try:
+        check_model_source(cfg.model.name_or_path)
+    except (OSError, ValueError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1)
+
+
 @app.command()
 def train(overrides: Optional[list[str]] = OVERRIDES) -> None:
     """Train a policy with GRPO: rollouts, rewards, advantages, DeepSpeed update; writes a run folder."""
+    cfg = _load_or_exit(overrides)  # config errors first: before transformers/torch are imported
+    _check_model_or_exit(cfg)
     _setup_logging()
-    cfg = _load_or_exit(overrides)
     from vlmrl.resume import TooManyBadSteps, TrainingInterrupted
     from vlmrl.run import train as run_train
     from vlmrl.runfiles import RunFolderError
@@ -129,8 +160,9 @@ def generate(overrides: Optional[list[str]] = OVERRIDES) -> None:
     """Eval-only rollouts of a model or checkpoint (model.name_or_path=RUN/checkpoints/step_N/hf) on the eval split
     (data.eval_split, else data.split), algorithm.group_size samples per problem; no update. Writes a run folder;
     rerunning the same command resumes (skips problems already written)."""
+    cfg = _load_or_exit(overrides, training=False)  # group_size=1: a plain pass@1 eval
+    _check_model_or_exit(cfg)
     _setup_logging()
-    cfg = _load_or_exit(overrides)
     from vlmrl.generate import generate as run_generate
     from vlmrl.runfiles import RunFolderError
 

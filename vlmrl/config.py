@@ -8,12 +8,13 @@ with a one-line message naming the key or value.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Optional
+from typing import Any, Dict, Optional
 
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
@@ -38,12 +39,27 @@ class ExportStyle(str, Enum):
 
 
 @dataclass
+class LoraSettings:
+    """LoRA adapters via peft (`model.lora.r > 0`); the base weights are frozen, the synced/saved weights merged."""
+
+    r: int = 0  # rank (0: no LoRA, full fine-tuning)
+    alpha: int = 16  # scaling = alpha / r
+    dropout: float = 0.0
+    # module names (peft `target_modules`): the language model's attention by default; ["all-linear"] for every linear
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+@dataclass
 class ModelConfig:
     family: str = "qwen2_5_vl"
     name_or_path: str = "tiny:qwen2_5_vl"  # a hub id, a local folder, or tiny:<family> (random tiny model)
     dtype: str = "float32"
     min_pixels: Optional[int] = None
     max_pixels: Optional[int] = None
+    attn_implementation: Optional[str] = None  # eager | sdpa | flash_attention_2 | ... (None: transformers' default)
+    freeze_vision_tower: bool = False  # no updates to the vision encoder (vlmrl.modeling.adapters.vision_params)
+    freeze_projector: bool = False  # no updates to the vision-to-language projector (merger / connector)
+    lora: LoraSettings = field(default_factory=LoraSettings)  # lora.r > 0: train LoRA adapters only
 
 
 @dataclass
@@ -168,6 +184,11 @@ class TrainerConfig:
     align_every: int = 10  # re-render + recompute logprobs of align_samples trajectories every N steps (0: never)
     align_samples: int = 4
     seed: int = 0
+    lr_scheduler: str = "constant"  # transformers.get_scheduler name: constant | linear | cosine | polynomial | ...
+    warmup_steps: int = 0  # LR warm-up steps (0: warmup_ratio * steps)
+    warmup_ratio: float = 0.0
+    gradient_checkpointing: bool = False  # recompute activations in the backward pass (less memory, ~30% slower)
+    deepspeed_config: Optional[str] = None  # a DeepSpeed JSON (e.g. offload); our settings fill in what it leaves out
 
 
 @dataclass
@@ -218,7 +239,16 @@ class Config:
     seed: int = 0
 
 
-ConfigStore.instance().store(name="vlmrl_schema", node=Config)
+@dataclass
+class _ComposeSchema(Config):
+    """`Config` as Hydra composes it (`vlmrl_schema`, first in conf/config.yaml's defaults, so every field can be
+    overridden and is type-checked): `env` stays an open mapping until `_typed` merges it into the config class of
+    its environment (`env._target_`), whose own keys only that class knows."""
+
+    env: Dict[str, Any] = field(default_factory=dict)  # type: ignore[assignment]
+
+
+ConfigStore.instance().store(name="vlmrl_schema", node=_ComposeSchema)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -233,25 +263,55 @@ def _one_line(exc: BaseException) -> str:
         chain.append(cause)
         cause = cause.__cause__
     key = next((c.full_key for c in chain if getattr(c, "full_key", None)), None)
-    if any("not in struct" in str(c) for c in chain):
+    detail = next((c for c in chain[1:] if getattr(c, "full_key", None)), None)
+    if detail is not None and msg.startswith(("Could not override", "Error merging override")):
+        first = str(detail).strip().splitlines()[0]  # the schema's own words: "Key 'x' not in ...", "Invalid value"
+        msg = f"{detail.full_key}: " + ("no such key" if re.match(r"Key '.*' not in ", first) else first)
+    elif any("not in struct" in str(c) for c in chain):
         msg = msg.rstrip(".") + ": no such key"
     elif key and key not in msg:
         msg = f"{key}: {msg}"
     return re.sub(r"\s+", " ", msg)
 
 
-def load(recipe: Optional[str] = None, overrides: list[str] | None = None) -> Config:
+def _recipe_source(recipe: str) -> tuple[Optional[Path], str]:
+    """(extra search-path folder or None, recipe name) for `recipe=`: a name inside `recipes/` (subfolders allowed),
+    or an explicit absolute path to a YAML file (copied into a temporary `recipes/` folder Hydra can search).
+
+    Raises ConfigError for a name that leaves `recipes/` (`..`) or a missing absolute file."""
+    if os.path.isabs(recipe):
+        path = Path(recipe if recipe.endswith(".yaml") else recipe + ".yaml")
+        if not path.is_file():
+            raise ConfigError(f"recipe={recipe}: no such file")
+        import tempfile
+
+        tmp = Path(tempfile.mkdtemp(prefix="vlmrl-recipe-"))
+        (tmp / "recipes").mkdir()
+        (tmp / "recipes" / path.name).write_text(path.read_text())
+        return tmp, path.stem
+    name = recipe[:-5] if recipe.endswith(".yaml") else recipe
+    root = (ROOT / "recipes").resolve()
+    if ".." in Path(name).parts or not (root / f"{name}.yaml").resolve().is_relative_to(root):
+        raise ConfigError(f"recipe={recipe}: a recipe is a name inside {root} (or an absolute path to a YAML file)")
+    return None, name
+
+
+def load(recipe: Optional[str] = None, overrides: list[str] | None = None, training: bool = True) -> Config:
     """Compose `conf/config.yaml` + optional `recipes/<recipe>.yaml` + overrides into a validated `Config`.
 
-    Raises ConfigError (one line) for an unknown recipe, group option, key, or a value of the wrong type.
+    recipe: a name inside `recipes/` or an absolute path to a YAML file; training: False for `vlmrl generate` (which
+    allows algorithm.group_size=1). Raises ConfigError (one line) for an unknown recipe, group option, key, a value
+    of the wrong type or out of range.
     """
     overrides = list(overrides or [])
     # `config_dir=PATH`: a folder of the user's own config groups (PATH/env/*.yaml, PATH/recipes/*.yaml, ...)
-    extra = [str(Path(o.split("=", 1)[1]).expanduser().resolve()) for o in overrides if o.startswith("config_dir=")]
+    user_dirs = [str(Path(o.split("=", 1)[1]).expanduser().resolve()) for o in overrides if o.startswith("config_dir=")]
     overrides = [o for o in overrides if not o.startswith("config_dir=")]
-    args = [f"hydra.searchpath=[{','.join(f'file://{p}' for p in [ROOT, *extra])}]"]
-    if recipe:
-        args.append(f"+recipes={recipe}")
+    extra, name = _recipe_source(recipe) if recipe else (None, None)
+    paths = ",".join(f"file://{p}" for p in ([extra] if extra else []) + [str(ROOT), *user_dirs])
+    args = [f"hydra.searchpath=[{paths}]"]
+    if name:
+        args.append(f"+recipes={name}")
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(str(ROOT / "conf"), version_base=None):
@@ -261,7 +321,12 @@ def load(recipe: Optional[str] = None, overrides: list[str] | None = None) -> Co
         raise
     except Exception as exc:  # hydra/omegaconf raise many types; all become one clear line
         raise ConfigError(_one_line(exc)) from exc
-    _validate(cfg)
+    finally:
+        if extra:
+            import shutil
+
+            shutil.rmtree(extra, ignore_errors=True)
+    _validate(cfg, training)
     return cfg
 
 
@@ -278,10 +343,12 @@ def _typed(raw) -> Config:
     return cfg
 
 
-def _validate(cfg: Config) -> None:
+def _validate(cfg: Config, training: bool = True) -> None:
+    group_ok = cfg.algorithm.group_size >= (2 if training else 1)
     checks = [
         (cfg.env.max_turns >= 1, "env.max_turns must be >= 1"),
-        (cfg.algorithm.group_size >= 2, "algorithm.group_size must be >= 2 (GRPO needs a group)"),
+        (group_ok, "algorithm.group_size must be >= 2 (GRPO needs a group)" if training else
+         "algorithm.group_size must be >= 1"),
         (0.0 < cfg.algorithm.turn_discount <= 1.0, "algorithm.turn_discount must be in (0, 1]"),
         (cfg.trainer.batch_size >= 1, "trainer.batch_size must be >= 1"),
         (cfg.trainer.save_every >= 0 and cfg.trainer.keep_last >= 0, "trainer.save_every and keep_last must be >= 0"),
@@ -318,12 +385,72 @@ def _validate(cfg: Config) -> None:
         (cfg.sft.num_demos >= 1, "sft.num_demos must be >= 1"),
         (bool(cfg.sft.demos), "sft.demos must be 'env' or a JSONL file"),
     ]
-    for ok, msg in checks:
+    for ok, msg in checks + _range_checks(cfg):
         if not ok:
             raise ConfigError(msg)
     from vlmrl.envs.plugins import check_plugins
 
     check_plugins(cfg)  # env/reward/tool import paths: an error now, before any model loads
+
+
+_ATTN = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+# transformers.SchedulerType values (`get_scheduler` names) that need no extra arguments
+_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+               "inverse_sqrt")
+
+
+def _fin(x: float) -> bool:
+    return math.isfinite(x)
+
+
+def _range_checks(cfg: Config) -> list[tuple[bool, str]]:
+    """Range checks of every numeric knob (and the names of the trainer knobs), before anything loads."""
+    m, d, t, r, a, tr = cfg.model, cfg.data, cfg.tools, cfg.rollout, cfg.algorithm, cfg.trainer
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    return [
+        (m.min_pixels is None or m.min_pixels >= 1, "model.min_pixels must be >= 1"),
+        (m.max_pixels is None or m.max_pixels >= 1, "model.max_pixels must be >= 1"),
+        (m.attn_implementation in (None, *_ATTN), f"model.attn_implementation must be one of {', '.join(_ATTN)}"),
+        (m.lora.r >= 0, "model.lora.r must be >= 0 (0: no LoRA)"),
+        (m.lora.alpha > 0, "model.lora.alpha must be > 0"),
+        (0.0 <= m.lora.dropout < 1.0, "model.lora.dropout must be in [0, 1)"),
+        (bool(m.lora.target_modules), "model.lora.target_modules must name at least one module"),
+        (d.limit is None or d.limit >= 1, "data.limit must be >= 1 (or null: all rows)"),
+        (d.eval_limit is None or d.eval_limit >= 1, "data.eval_limit must be >= 1 (or null)"),
+        (_fin(t.timeout_s), "tools.timeout_s must be finite"),
+        (t.max_call_chars >= 1, "tools.max_call_chars must be >= 1"),
+        (r.engine in ("transformers", "vllm"), f"rollout.engine={r.engine!r} is not an engine (choose: transformers, "
+         "vllm)"),
+        (_fin(r.temperature), "rollout.temperature must be finite"),
+        (0.0 < r.top_p <= 1.0, "rollout.top_p must be in (0, 1]"),
+        (r.max_context_tokens >= 1, "rollout.max_context_tokens must be >= 1"),
+        (0.0 < r.gpu_memory_utilization <= 1.0, "rollout.gpu_memory_utilization must be in (0, 1]"),
+        (r.vllm_kv_cache_gb is None or r.vllm_kv_cache_gb > 0, "rollout.vllm_kv_cache_gb must be > 0"),
+        (r.vllm_tensor_parallel_size >= 1, "rollout.vllm_tensor_parallel_size must be >= 1"),
+        (r.vllm_logprobs_mode in ("auto", "processed_logprobs", "raw_logprobs"),
+         "rollout.vllm_logprobs_mode must be auto, processed_logprobs or raw_logprobs"),
+        (r.vllm_sync_check_seqs >= 0 and r.vllm_sync_check_tokens >= 1,
+         "rollout.vllm_sync_check_seqs must be >= 0 and vllm_sync_check_tokens >= 1"),
+        (r.vllm_sync_warn_dlogprob >= 0, "rollout.vllm_sync_warn_dlogprob must be >= 0"),
+        (r.vllm_timeout_s > 0, "rollout.vllm_timeout_s must be > 0"),
+        (0.0 <= a.clip_eps_low < 1.0 and a.clip_eps_high >= 0, "algorithm.clip_eps_low must be in [0, 1) and "
+         "clip_eps_high >= 0"),
+        (a.kl_coef >= 0 and _fin(a.kl_coef), "algorithm.kl_coef must be >= 0"),
+        (tr.steps >= 1, "trainer.steps must be >= 1"),
+        (tr.batch_size >= world, f"trainer.batch_size ({tr.batch_size}) must be >= the number of ranks (WORLD_SIZE="
+         f"{world}): every rank needs a prompt"),
+        (tr.lr > 0 and _fin(tr.lr), "trainer.lr must be > 0 and finite"),
+        (tr.weight_decay >= 0 and _fin(tr.weight_decay), "trainer.weight_decay must be >= 0"),
+        (tr.max_grad_norm >= 0 and _fin(tr.max_grad_norm), "trainer.max_grad_norm must be >= 0 (0: no clipping)"),
+        (tr.micro_batch_size >= 1, "trainer.micro_batch_size must be >= 1"),
+        (tr.eval_every >= 0 and tr.align_every >= 0, "trainer.eval_every and align_every must be >= 0"),
+        (tr.align_samples >= 1, "trainer.align_samples must be >= 1"),
+        (tr.lr_scheduler in _SCHEDULERS, f"trainer.lr_scheduler must be one of {', '.join(_SCHEDULERS)}"),
+        (tr.warmup_steps >= 0, "trainer.warmup_steps must be >= 0"),
+        (0.0 <= tr.warmup_ratio < 1.0, "trainer.warmup_ratio must be in [0, 1)"),
+        (tr.deepspeed_config is None or Path(tr.deepspeed_config).is_file(),
+         f"trainer.deepspeed_config={tr.deepspeed_config}: no such file"),
+    ]
 
 
 def to_yaml(cfg: Config) -> str:

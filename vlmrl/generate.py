@@ -68,11 +68,11 @@ def generate(cfg: Config, console: Any = None) -> GenerateResult:
 
 def _generate(cfg: Config, console: Any) -> GenerateResult:
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from vlmrl.envs import load_env_tasks
     from vlmrl.logging_backends import make_loggers
     from vlmrl.models import load_policy
+    from vlmrl.progress import StepProgress
 
     console = console or Console()
     samples = cfg.algorithm.group_size
@@ -92,12 +92,10 @@ def _generate(cfg: Config, console: Any) -> GenerateResult:
         model, processor = load_policy(cfg.model)
         model.eval()
         runner, _ = build_runner(cfg, model, processor)
-    loggers = make_loggers(cfg, enabled=True, prefix="generate")
-    columns = [TextColumn("[bold]generate"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-               TimeElapsedColumn()]
-    try:
-        with Progress(*columns, console=console, disable=not cfg.logging.progress) as progress:
-            bar = progress.add_task("generate", total=len(tasks), completed=len(tasks) - len(todo), info="")
+    loggers = make_loggers(cfg, enabled=True, prefix="generate", resume=bool(plan.done))
+    try:  # a rich bar on a terminal, else one plain line per chunk
+        with StepProgress(console, len(tasks), len(tasks) - len(todo), enabled=cfg.logging.progress,
+                          title="generate", label="problems", remaining=False) as progress:
             for step, missing in plan.steps:
                 recs, dt = [], 0.0
                 if missing:
@@ -110,8 +108,7 @@ def _generate(cfg: Config, console: Any) -> GenerateResult:
                 files.append(files.metrics, [metrics])
                 loggers.log(metrics, step)
                 top = metrics.get(f"pass@{samples}", 0.0)
-                info = f"acc {metrics['accuracy']:.3f} pass@{samples} {top:.3f}"
-                progress.update(bar, advance=len(missing), info=info)
+                progress.update(len(missing), f"acc {metrics['accuracy']:.3f} pass@{samples} {top:.3f}")
     finally:
         loggers.close()
     return GenerateResult(files.dir, metrics, len(todo), len(plan.done))

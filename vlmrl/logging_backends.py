@@ -4,6 +4,9 @@
 whose package is not importable is skipped with a warning, so the package never depends on them. Only numeric
 values are logged; a key without a `/` goes under `<prefix>/` (e.g. `train/reward_mean`), `eval/accuracy` stays.
 Only the main rank should pass `enabled=True`.
+
+wandb: the run id is kept in `<output_dir>/wandb_run_id`, so a resumed training run continues the same wandb run
+(`wandb.init(id=..., resume="allow")`); `log_samples` logs a few trajectories per step as a `wandb.Table`.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from __future__ import annotations
 import importlib.util
 import logging
 import math
+import secrets
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -46,18 +51,55 @@ class TensorBoardSink:
         self.writer.close()
 
 
-class ModuleSink:
-    """wandb or trackio (the same `init / log(dict, step=) / finish` API)."""
+WANDB_RUN_ID = "wandb_run_id"
+SAMPLE_COLUMNS = ["step", "task_id", "group", "reward", "advantage", "correct", "turns", "end_reason", "completion"]
 
-    def __init__(self, module_name: str, project: str, name: str, out_dir: Path, config: dict):
+
+def wandb_run_id(out_dir: Path, resume: bool) -> str:
+    """The wandb run id of the run folder: the stored one when resuming, else a new one (stored for later resumes)."""
+    path = Path(out_dir) / WANDB_RUN_ID
+    if resume and path.is_file() and path.read_text().strip():
+        return path.read_text().strip()
+    run_id = secrets.token_hex(4)  # wandb ids: lowercase letters and digits
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(run_id + "\n")
+    return run_id
+
+
+def sample_rows(records: list[dict], max_rows: int) -> list[list]:
+    """Table rows (SAMPLE_COLUMNS) of the first `max_rows` trajectory records: the assistant turns' text joined."""
+    rows = []
+    for rec in records[:max_rows]:
+        text = "\n---\n".join(part.get("text", "") for m in rec.get("messages", []) if m.get("role") == "assistant"
+                              for part in m.get("content", []) if part.get("type") == "text")
+        rows.append([rec.get("step"), str(rec.get("task_id")), rec.get("group"), rec.get("reward"),
+                     rec.get("advantage"), any(rec.get("correct", [])), len(rec.get("turn_spans", [])),
+                     rec.get("end_reason"), text])
+    return rows
+
+
+class ModuleSink:
+    """wandb or trackio (the same `init / log(dict, step=) / finish` API); wandb resumes `run_id` if given."""
+
+    def __init__(self, module_name: str, project: str, name: str, out_dir: Path, config: dict,
+                 run_id: str | None = None):
         self.module = importlib.import_module(module_name)
         kwargs: dict[str, Any] = {"project": project, "name": name, "config": config}
         if module_name == "wandb":
             kwargs["dir"] = str(out_dir)
+            if run_id:
+                kwargs.update(id=run_id, resume="allow")
         self.run = self.module.init(**kwargs)
 
     def log(self, values: dict[str, float], step: int) -> None:
         self.module.log(values, step=step)
+
+    def log_samples(self, key: str, records: list[dict], step: int, max_rows: int) -> None:
+        """wandb only: the records as a `wandb.Table` under `key`."""
+        table_cls = getattr(self.module, "Table", None)
+        if table_cls is None or not records:
+            return
+        self.module.log({key: table_cls(columns=SAMPLE_COLUMNS, data=sample_rows(records, max_rows))}, step=step)
 
     def close(self) -> None:
         self.module.finish()
@@ -74,6 +116,12 @@ class MetricLoggers:
         for sink in self.sinks:
             sink.log(values, step)
 
+    def log_samples(self, records: list[dict], step: int, max_rows: int = 8) -> None:
+        """Sample trajectories (`trajectories.jsonl` records) as a table, in the sinks that support it (wandb)."""
+        for sink in self.sinks:
+            if hasattr(sink, "log_samples"):
+                sink.log_samples(f"{self.prefix}/samples", records, step, max_rows)
+
     def close(self) -> None:
         for sink in self.sinks:
             sink.close()
@@ -89,22 +137,27 @@ class MetricLoggers:
         self.close()
 
 
-def make_loggers(cfg: Any, enabled: bool = True, prefix: str = "train") -> MetricLoggers:
-    """The sinks `cfg.logging` asks for (none when `enabled` is False, e.g. on ranks other than 0)."""
+def _installed(name: str) -> bool:
+    return name in sys.modules or importlib.util.find_spec(name) is not None
+
+
+def make_loggers(cfg: Any, enabled: bool = True, prefix: str = "train", resume: bool = False) -> MetricLoggers:
+    """The sinks `cfg.logging` asks for (none when `enabled` is False, e.g. on ranks other than 0). resume: the run
+    folder's run continues (wandb then resumes the run id stored there)."""
     lc = cfg.logging
     sinks: list[Any] = []
     if not enabled:
         return MetricLoggers(sinks, prefix)
     out = Path(lc.output_dir)
     if getattr(lc, "tensorboard", False):
-        if importlib.util.find_spec("tensorboard") is None:
+        if not _installed("tensorboard"):
             log.warning("logging.tensorboard=true but tensorboard is not installed (pip install tensorboard); skipped")
         else:
             sinks.append(TensorBoardSink(out / "tensorboard"))
     for name in ("wandb", "trackio"):
         if not getattr(lc, name, False):
             continue
-        if importlib.util.find_spec(name) is None:
+        if not _installed(name):
             log.warning("logging.%s=true but %s is not installed; skipped", name, name)
             continue
         from omegaconf import OmegaConf
@@ -112,5 +165,6 @@ def make_loggers(cfg: Any, enabled: bool = True, prefix: str = "train") -> Metri
         from vlmrl.config import to_yaml
 
         config = OmegaConf.to_container(OmegaConf.create(to_yaml(cfg)))
-        sinks.append(ModuleSink(name, getattr(lc, "project", "vlmrl"), out.name, out, config))
+        run_id = wandb_run_id(out, resume) if name == "wandb" else None
+        sinks.append(ModuleSink(name, getattr(lc, "project", "vlmrl"), out.name, out, config, run_id))
     return MetricLoggers(sinks, prefix)

@@ -16,7 +16,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from vlmrl import checkpoint
 from vlmrl.checks.alignment import sampled_alignment
@@ -26,7 +25,9 @@ from vlmrl.export import to_samples, trajectory_record
 from vlmrl.generate import eval_during_training
 from vlmrl.logging_backends import make_loggers
 from vlmrl.metrics import rollout_metrics
+from vlmrl.modeling.adapters import prepare_policy
 from vlmrl.models import load_policy
+from vlmrl.progress import StepProgress, train_line
 from vlmrl.rewards import group_advantages
 from vlmrl.rollout.engine import derive_seed
 from vlmrl.rollout.episode import EpisodeRunner
@@ -145,6 +146,7 @@ class Job:
     saved_step: int = -1  # step of the newest checkpoint of this run
     eval_tasks: list[Task] | None = None  # the eval split, loaded at the first trainer.eval_every (vlmrl.generate)
     position: int = 0  # data position: prompts consumed by all ranks so far (the next step starts there)
+    records: list[dict] = field(default_factory=list)  # the last step's trajectory records (all ranks; rank 0)
 
 
 def build_job(cfg: Config, plan: ResumePlan | None = None) -> Job:
@@ -158,6 +160,7 @@ def build_job(cfg: Config, plan: ResumePlan | None = None) -> Job:
     needed = checkpoint.checkpoint_bytes(plan.checkpoint) if plan is not None and plan.checkpoint else 0
     files = RunFiles(cfg.logging.output_dir, cfg.logging.overwrite, keep_until, needed) if main_rank else None
     model, processor = load_policy(cfg.model)
+    model = prepare_policy(model, cfg.model)  # model.lora / freeze_vision_tower / freeze_projector
     trainer = GRPOTrainer(model, cfg.trainer, trainer_algorithm(cfg), cfg.rollout.temperature, family=cfg.model.family)
     if files and not needed:
         files.check_space(checkpoint.estimate_bytes(trainer.module))
@@ -168,14 +171,14 @@ def build_job(cfg: Config, plan: ResumePlan | None = None) -> Job:
                              "with the same settings to resume it, add resume.allow_config_change=true, or start "
                              "over with logging.overwrite=true")
     cfg = dataclasses.replace(cfg, export=dataclasses.replace(cfg.export, style=style))  # config.yaml: the effective
-    if files:
-        files.write_config(to_yaml(cfg))
-        if plan is not None:
-            record_resume(files.dir, plan)
     tasks = load_env_tasks(cfg.env, cfg.data)
     if not tasks:
         raise ValueError(f"no usable rows in {cfg.data.path} (split {cfg.data.split})")
     random.Random(cfg.data.shuffle_seed).shuffle(tasks)
+    if files:  # only now: a start that failed above leaves no config.yaml to block the corrected rerun
+        files.write_config(to_yaml(cfg))
+        if plan is not None:
+            record_resume(files.dir, plan)
     job = Job(cfg, trainer, runner, builder, tasks, style, files, processor)
     job.guard.max_in_row = cfg.trainer.max_bad_steps
     return job
@@ -216,6 +219,7 @@ def run_step(job: Job, step: int) -> dict:
     if job.files:
         job.files.append(job.files.trajectories, records)
         job.files.append(job.files.metrics, [row])
+    job.records = records
     return row
 
 
@@ -310,11 +314,8 @@ def _train(cfg: Config, console: Console) -> Path:
     job = build_job(cfg, plan)
     done = resume(job, plan)
     show = job.files is not None and cfg.logging.progress
-    columns = [TextColumn("[bold]GRPO"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-               TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn()]
-    with job.stop, make_loggers(cfg, enabled=job.files is not None) as loggers, \
-            Progress(*columns, console=console, disable=not show) as progress:
-        bar = progress.add_task("train", total=steps, completed=done, info="")
+    with job.stop, make_loggers(cfg, enabled=job.files is not None, resume=not plan.fresh) as loggers, \
+            StepProgress(console, steps, done, enabled=show) as progress:  # a plain line per step off a terminal
         for step in range(done + 1, steps + 1):
             rng = checkpoint.rng_state()
             try:
@@ -323,9 +324,9 @@ def _train(cfg: Config, console: Console) -> Path:
                 checkpoint.set_rng_state(rng)
                 path = save(job, step - 1) if step > 1 and job.saved_step != step - 1 else _newest(job)
                 raise TrainingInterrupted(job.stop.requested, step - 1, path) from None
-            info = f"reward {row.get('reward_mean', 0):.3f} acc {row.get('accuracy', 0):.2f} loss {row.get('loss', 0):+.4f}"
-            progress.update(bar, advance=1, info=info)
+            progress.update(1, train_line(row))
             loggers.log(row, step)  # TensorBoard / wandb / trackio when configured (logging.*)
+            loggers.log_samples(job.records, step)  # wandb: a Table of sample trajectories
             if job.guard.exceeded():
                 raise TooManyBadSteps(f"{job.guard.in_row} consecutive steps skipped their update for non-finite "
                                       f"numbers (trainer.max_bad_steps); stopped after step {step}; last good "

@@ -14,6 +14,8 @@ import torch
 
 from vlmrl.modeling.cache import cache_dir
 from vlmrl.modeling.families import _ASSETS, _QW, FAMILIES, _check_family, chat_template
+from vlmrl.modeling.sources import (ModelLoadError, _check_hub, _check_path, _check_weight_files,  # noqa: F401
+                                    model_load_errors)
 from vlmrl.modeling.tokenizer_fetch import family_tokenizer_json
 
 
@@ -81,7 +83,9 @@ def load_processor(family: str, path: str, min_pixels: int | None = None, max_pi
                                                   local_files_only=True)
     else:
         _check_path(path)
-        processor = AutoProcessor.from_pretrained(path)
+        _check_hub(path)
+        with model_load_errors(path, "processor"):
+            processor = AutoProcessor.from_pretrained(path)
     return _fix_pixels(processor, min_pixels, max_pixels)
 
 
@@ -93,14 +97,6 @@ def _tiny_family(path: str, family: str) -> str:
     if tiny != family:
         raise ValueError(f"model.name_or_path {path!r} does not match model.family {family!r}")
     return tiny
-
-
-def _check_path(path: str) -> None:
-    if not path or not isinstance(path, str):
-        raise ValueError(f"model.name_or_path must be a non-empty string; got {path!r}")
-    local_like = path.startswith(("/", ".", "~")) or path.count("/") != 1
-    if local_like and not Path(path).expanduser().is_dir():
-        raise FileNotFoundError(f"model.name_or_path {path!r}: no such directory (and not a hub id 'org/name')")
 
 
 def _cfg(cfg: Any, key: str, default: Any = None) -> Any:
@@ -127,15 +123,22 @@ def load_policy(model_cfg: Any):
     dtype = _DTYPES[dtype_name]
     attn = _cfg(model_cfg, "attn_implementation")
     extra = {"attn_implementation": attn} if attn else {}
-    processor = load_processor(family, path, _cfg(model_cfg, "min_pixels"), _cfg(model_cfg, "max_pixels"))
-    if path.startswith("tiny:"):
-        model = tiny_model(family, int(_cfg(model_cfg, "seed", 0) or 0), dtype, **extra)
-    else:
-        config = AutoConfig.from_pretrained(path)
+    tiny = path.startswith("tiny:")
+    if not tiny:  # config and weight-file headers first: a bad folder fails before the (slow) processor loads
+        _check_path(path)
+        _check_hub(path)
+        with model_load_errors(path, "config"):
+            config = AutoConfig.from_pretrained(path)
         if str(config.model_type) not in FAMILIES[family].model_types:
             raise ValueError(f"model.family {family!r} does not match {path!r} (model_type {config.model_type!r}; "
                              f"expected one of {FAMILIES[family].model_types})")
-        model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, **extra)
+        _check_weight_files(path)
+    processor = load_processor(family, path, _cfg(model_cfg, "min_pixels"), _cfg(model_cfg, "max_pixels"))
+    if tiny:
+        model = tiny_model(family, int(_cfg(model_cfg, "seed", 0) or 0), dtype, **extra)
+    else:
+        with model_load_errors(path, "weights"):
+            model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, **extra)
     model.train()
     return model, processor
 

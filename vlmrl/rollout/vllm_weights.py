@@ -20,8 +20,11 @@ def _world() -> tuple[int, Callable[[], None]]:
 
 
 def full_state_items(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """Every `state_dict()` entry, tied ones included (vLLM's CPU build keeps a stale LM head without them)."""
-    return [(k, v.detach()) for k, v in module.state_dict().items()]
+    """Every `state_dict()` entry of the plain model, tied ones included (vLLM's CPU build keeps a stale LM head
+    without them); a LoRA (peft) policy gives its merged weights (`vlmrl.modeling.adapters.merged_state_dict`)."""
+    from vlmrl.modeling.adapters import merged_state_dict
+
+    return [(k, v.detach()) for k, v in merged_state_dict(module).items()]
 
 
 def write_weights(module: torch.nn.Module, directory: Path) -> Path:

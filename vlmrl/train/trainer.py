@@ -11,8 +11,12 @@ betas, max_grad_norm (0 = no clipping), micro_batch_size (samples per forward), 
 kl_coef (0 = no reference model), temperature (the sampling temperature: logprobs are of logits / temperature),
 seed (torch is seeded with seed + rank), rollout_correction (off|tis|mis|tis+mis; auto = off here: `vlmrl.run`
 resolves it from the engine), tis_cap, mis_low, mis_high (`vlmrl.train.rollout_correction`), loss_agg and
-loss_agg_norm (`vlmrl.train.loss_agg`; the Dr. GRPO constant must be > 0 with seq-mean-token-sum-norm), dtype ("fp32" | "bf16" | "auto" = bf16 mixed precision with fp32 master
-weights iff the model's parameters are bf16).
+loss_agg_norm (`vlmrl.train.loss_agg`; the Dr. GRPO constant must be > 0 with seq-mean-token-sum-norm), dtype
+("fp32" | "bf16" | "auto" = bf16 mixed precision with fp32 master weights iff the model's parameters are bf16),
+steps + lr_scheduler + warmup_steps / warmup_ratio (transformers' `get_scheduler`, stepped by DeepSpeed after each
+applied update and kept in its checkpoints; `StepStats.lr` is the LR the update used), gradient_checkpointing
+(non-reentrant), deepspeed_config (a user JSON merged over ours, `vlmrl.train.settings.merge_deepspeed_config`; its
+zero_optimization.stage wins).
 
 Exact token-level normalisation over micro-batches and ranks: DeepSpeed runs with gradient_accumulation_steps=1 and we
 mark the accumulation boundary ourselves (`engine.set_gradient_accumulation_boundary(False)` before every micro-batch
@@ -39,6 +43,7 @@ from typing import Any, Iterator
 
 import torch
 
+from vlmrl.modeling.adapters import merged_state_dict, save_pretrained_merged
 from vlmrl.models import family_of_model
 from vlmrl.train import dist
 from vlmrl.train.dist import all_gather_object, is_main, world_size
@@ -46,48 +51,10 @@ from vlmrl.train.grpo import LossStats, grpo_loss
 from vlmrl.train.logprobs import batch_logprobs, collate
 from vlmrl.train.loss_agg import LossAgg, token_weights
 from vlmrl.train.rollout_correction import Correction, correction_weights
+from vlmrl.train.settings import (TrainerSettings, deepspeed_config, hf_deepspeed_config,  # noqa: F401 - re-exported
+                                  load_deepspeed_config, merge_deepspeed_config)
 from vlmrl.train.sft_loss import sft_loss
 from vlmrl.types import Sample
-
-
-@dataclass
-class TrainerSettings:
-    """The trainer's resolved settings (merged from the run's trainer/algorithm configs by `from_any`)."""
-
-    zero_stage: int = 2
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    max_grad_norm: float = 1.0
-    micro_batch_size: int = 1
-    clip_eps_low: float = 0.2
-    clip_eps_high: float = 0.2  # 0.28 = DAPO clip-higher
-    kl_coef: float = 0.0
-    temperature: float = 1.0
-    seed: int = 0
-    rollout_correction: str = "off"
-    tis_cap: float = 2.0
-    mis_low: float = 0.5
-    mis_high: float = 2.0
-    loss_agg: str = "token-mean"
-    loss_agg_norm: int = 0
-    dtype: str = "auto"  # "fp32" | "bf16" | "auto" (= the model's parameter dtype)
-
-    @staticmethod
-    def from_any(*cfgs: Any, temperature: float | None = None) -> "TrainerSettings":
-        """Merge the known fields of attribute-style configs or dicts, later ones winning (unknown fields ignored).
-
-        E.g. `from_any(cfg.trainer, cfg.algorithm, temperature=cfg.rollout.temperature)`.
-        """
-        values: dict[str, Any] = {}
-        for cfg in cfgs:
-            get = cfg.get if isinstance(cfg, dict) else lambda k, c=cfg: getattr(c, k, None)
-            values.update({f.name: get(f.name) for f in fields(TrainerSettings) if get(f.name) is not None})
-        if temperature is not None:
-            values["temperature"] = temperature
-        if "betas" in values:
-            values["betas"] = tuple(values["betas"])
-        return TrainerSettings(**values)
 
 
 @dataclass
@@ -114,35 +81,6 @@ class StepStats:
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
-
-
-def deepspeed_config(cfg: TrainerSettings, micro_batch_size: int | None = None) -> dict[str, Any]:
-    """The DeepSpeed config dict: ZeRO stage, torch AdamW, clipping, dtype; gradient_accumulation_steps = 1."""
-    ds: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": micro_batch_size or cfg.micro_batch_size,
-        "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": cfg.zero_stage},
-        "optimizer": {
-            "type": "AdamW",
-            "params": {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "betas": list(cfg.betas), "torch_adam": True},
-        },
-        "gradient_clipping": cfg.max_grad_norm or 0.0,
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
-    if cfg.dtype == "bf16":
-        ds["bf16"] = {"enabled": True}
-    return ds
-
-
-def hf_deepspeed_config(cfg: Any):
-    """An `HfDeepSpeedConfig` to keep alive while building a model for ZeRO-3 zero.Init (sharded construction).
-
-    Only for models too big for one rank; keep the returned object referenced until training ends.
-    """
-    from transformers.integrations import HfDeepSpeedConfig
-
-    return HfDeepSpeedConfig(deepspeed_config(TrainerSettings.from_any(cfg)))
 
 
 def _is_partitioned(model: torch.nn.Module) -> bool:
@@ -208,13 +146,26 @@ class GRPOTrainer:
         dist.init_distributed()
         torch.manual_seed(self.cfg.seed + dist.rank())  # ranks sample different rollouts
         self.ref_model = self._make_reference(model, ref_model) if self.cfg.kl_coef > 0 else None
+        if self.cfg.gradient_checkpointing:  # non-reentrant: works with frozen inputs (LoRA, frozen vision)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         params = [p for p in model.parameters() if p.requires_grad]
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, model_parameters=params, config=deepspeed_config(self.cfg)
+        ds_config = load_deepspeed_config(self.cfg)
+        stage = int(ds_config.get("zero_optimization", {}).get("stage", self.cfg.zero_stage))
+        self.cfg = dataclasses.replace(self.cfg, zero_stage=stage)  # a user JSON may choose the stage
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, model_parameters=params, config=ds_config, lr_scheduler=self._make_scheduler
         )
         self.device = next(self.engine.module.parameters()).device
         if self.ref_model is not None and self.cfg.zero_stage != 3:
             self.ref_model.to(self.device)  # DeepSpeed moved the policy to this rank's device
+
+    def _make_scheduler(self, optimizer: torch.optim.Optimizer):
+        """transformers' `get_scheduler(lr_scheduler, optimizer, num_warmup_steps, num_training_steps=steps)`; stepped
+        by DeepSpeed after every applied update and saved/restored with its checkpoints."""
+        from transformers import get_scheduler
+
+        return get_scheduler(self.cfg.lr_scheduler, optimizer, num_warmup_steps=self.cfg.num_warmup_steps,
+                             num_training_steps=max(self.cfg.steps, 1))
 
     def _make_reference(self, model: torch.nn.Module, ref_model: torch.nn.Module | None) -> torch.nn.Module:
         """A frozen copy of the policy as it is now (deepcopy), or the given `ref_model`; ZeRO-3 shards it too."""
@@ -271,6 +222,7 @@ class GRPOTrainer:
         """
         start = time.perf_counter()
         self.engine.train()
+        lr = float(self.engine.get_lr()[0])  # the LR this update uses (the scheduler steps after it)
         local, num_tokens, num_samples = self.accumulate_gradients(samples)
         mean = dist.all_reduce(local.double(), "mean").tolist()
         own_norm = self._plain_grad_norm() if self.cfg.zero_stage == 0 else None
@@ -285,7 +237,7 @@ class GRPOTrainer:
         return StepStats(
             step=self.step, loss=mean[0], grad_norm=float(grad_norm) if grad_norm is not None else math.nan,
             **{f.name: v for f, v in zip(fields(LossStats), mean[1:])},
-            num_tokens=num_tokens, num_samples=num_samples, lr=float(self.engine.get_lr()[0]),
+            num_tokens=num_tokens, num_samples=num_samples, lr=lr,
             time_s=time.perf_counter() - start, skipped=not applied,
         )  # fmt: skip
 
@@ -369,9 +321,9 @@ class GRPOTrainer:
             module.train(was_training)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full (gathered) weights as CPU tensors on every rank, for weight sync (e.g. to a vLLM engine)."""
+        """Full (gathered) weights of the plain model as CPU tensors on every rank (LoRA merged in), for weight sync."""
         with self.policy() as module:
-            return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+            return {k: v.detach().cpu().clone() for k, v in merged_state_dict(module).items()}
 
     def save_checkpoint(self, directory: str | Path, processor: Any = None, client_state: dict | None = None) -> Path:
         """DeepSpeed checkpoint (weights + optimizer, resumable) in `directory`, and HF weights in `directory/hf`.
@@ -383,7 +335,7 @@ class GRPOTrainer:
         self.engine.save_checkpoint(str(directory), tag=f"step{self.step}", client_state=state)
         with self.policy() as module:
             if is_main():
-                module.save_pretrained(directory / "hf")
+                save_pretrained_merged(module, directory / "hf")  # LoRA: merged into a plain model
                 if processor is not None:
                     processor.save_pretrained(directory / "hf")
         dist.barrier()

@@ -1,0 +1,186 @@
+"""Bad settings fail within seconds, before any model loads, with one line; recipes stay inside recipes/; a bad model
+folder or an offline hub is one line; a failed start never blocks the corrected rerun; generate takes group_size=1."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from vlmrl.config import ConfigError, load
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("rollout.engine=sglang", "rollout.engine"),
+    ("trainer.steps=0", "trainer.steps"),
+    ("rollout.max_context_tokens=-5", "rollout.max_context_tokens"),
+    ("trainer.lr=-1", "trainer.lr"),
+    ("rollout.top_p=0", "rollout.top_p"),
+    ("rollout.temperature=inf", "rollout.temperature"),
+    ("trainer.micro_batch_size=0", "trainer.micro_batch_size"),
+    ("trainer.warmup_ratio=1.5", "trainer.warmup_ratio"),
+    ("trainer.lr_scheduler=zigzag", "trainer.lr_scheduler"),
+    ("model.attn_implementation=magic", "model.attn_implementation"),
+    ("model.lora.r=-1", "model.lora.r"),
+    ("model.lora.nope=1", "model.lora.nope: no such key"),
+    ("trainer.deepspeed_config=/no/such.json", "trainer.deepspeed_config"),
+    ("algorithm.kl_coef=-0.1", "algorithm.kl_coef"),
+    ("data.limit=0", "data.limit"),
+])
+def test_bad_value_is_a_one_line_config_error(override, needle):
+    with pytest.raises(ConfigError) as info:
+        load("geometry3k_tiny", [override])
+    msg = str(info.value)
+    assert needle in msg and "\n" not in msg
+
+
+def test_new_knobs_are_overridable_with_their_defaults():
+    cfg = load("geometry3k_tiny", ["trainer.lr_scheduler=cosine", "trainer.warmup_steps=3", "model.lora.r=8",
+                                   "model.lora.target_modules=[q_proj,v_proj]", "model.freeze_vision_tower=true",
+                                   "trainer.gradient_checkpointing=true", "model.attn_implementation=sdpa"])
+    assert (cfg.trainer.lr_scheduler, cfg.trainer.warmup_steps, cfg.model.lora.r) == ("cosine", 3, 8)
+    assert cfg.model.lora.target_modules == ["q_proj", "v_proj"] and cfg.model.freeze_vision_tower
+    assert cfg.trainer.gradient_checkpointing and cfg.model.attn_implementation == "sdpa"
+    default = load("geometry3k_tiny")
+    assert default.model.lora.r == 0 and default.trainer.lr_scheduler == "constant"
+    assert default.model.attn_implementation is None and not default.model.freeze_projector
+
+
+def test_batch_size_below_world_size_is_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ConfigError, match=r"trainer.batch_size \(2\) must be >= the number of ranks"):
+        load("geometry3k_tiny", ["trainer.batch_size=2"])
+    assert load("geometry3k_tiny", ["trainer.batch_size=4"]).trainer.batch_size == 4
+
+
+def test_group_size_one_only_for_generate():
+    with pytest.raises(ConfigError, match="group_size must be >= 2"):
+        load("geometry3k_tiny", ["algorithm.group_size=1"])
+    assert load("geometry3k_tiny", ["algorithm.group_size=1"], training=False).algorithm.group_size == 1
+    with pytest.raises(ConfigError, match="group_size must be >= 1"):
+        load("geometry3k_tiny", ["algorithm.group_size=0"], training=False)
+
+
+def test_recipes_resolve_only_inside_recipes(tmp_path):
+    outside = tmp_path / "evil.yaml"
+    outside.write_text("# @package _global_\ntrainer:\n  steps: 9\n")
+    rel = os.path.relpath(outside, ROOT / "recipes")[:-5]  # ../../..../evil
+    for name in (rel, "../recipes/geometry3k_tiny", "sub/../../x"):
+        with pytest.raises(ConfigError, match="a recipe is a name inside"):
+            load(name)
+    assert load(str(outside)).trainer.steps == 9  # an explicit absolute path is allowed
+    with pytest.raises(ConfigError, match="no such file"):
+        load(str(tmp_path / "missing.yaml"))
+
+
+def _cli(*args: str, env: dict | None = None, timeout: float = 300) -> tuple[subprocess.CompletedProcess, float]:
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "vlmrl.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "DS_ACCELERATOR": "cpu", "COLUMNS": "200", **(env or {})},
+                          timeout=timeout)
+    return proc, time.perf_counter() - t0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("override", ["rollout.engine=sglang", "trainer.micro_batch_size=0", "recipe=../../x"])
+def test_cli_config_errors_come_before_any_model_load(tmp_path, override):
+    args = ["train", "recipe=geometry3k_tiny", f"logging.output_dir={tmp_path / 'run'}", override]
+    proc, seconds = _cli(*args)
+    assert proc.returncode == 2 and "config error" in proc.stderr and "Traceback" not in proc.stderr
+    assert len([ln for ln in proc.stderr.splitlines() if ln.strip()]) == 1, proc.stderr
+    assert not (tmp_path / "run").exists()  # nothing was started
+    print(f"{override}: first error after {seconds:.1f} s")
+
+
+def _garbage_model_folder(root: Path) -> Path:
+    """A folder with a real Qwen2.5-VL config.json but a garbage `model.safetensors`."""
+    import shutil
+
+    folder = root / "garbage_model"
+    folder.mkdir()
+    shutil.copy(ROOT / "vlmrl" / "assets" / "tiny" / "qwen2_5_vl" / "config.json", folder / "config.json")
+    (folder / "model.safetensors").write_bytes(b"not a safetensors file at all")
+    return folder
+
+
+def test_garbage_model_folder_is_one_line(tmp_path):
+    from vlmrl.modeling.loading import ModelLoadError
+    from vlmrl.models import load_policy
+
+    folder = _garbage_model_folder(tmp_path)
+    t0 = time.perf_counter()
+    with pytest.raises(ModelLoadError) as info:
+        load_policy({"name_or_path": str(folder), "family": "qwen2_5_vl"})
+    assert time.perf_counter() - t0 < 10  # the header check comes before the processor and the model are built
+    msg = str(info.value)
+    assert "\n" not in msg and str(folder) in msg and "cannot load its weights (model.safetensors)" in msg and "config.json" in msg
+
+
+def test_offline_hub_failure_is_one_line_saying_what_to_do(monkeypatch):
+    from huggingface_hub import constants
+
+    from vlmrl.modeling.sources import ModelLoadError, check_model_source
+    from vlmrl.models import load_processor
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    t0 = time.perf_counter()
+    with pytest.raises(ModelLoadError) as info:
+        check_model_source("some-org/not-cached-model")  # what the CLI runs before torch is imported
+    msg = str(info.value)
+    assert time.perf_counter() - t0 < 5 and "\n" not in msg
+    assert "model.name_or_path" in msg and "local folder" in msg and "HF_HUB_OFFLINE" in msg
+    with pytest.raises(ModelLoadError, match="HF_HUB_OFFLINE"):  # and the loader itself, for library callers
+        load_processor("qwen2_5_vl", "some-org/not-cached-model")
+
+
+def test_start_failing_after_the_folder_opened_leaves_nothing_that_blocks(tmp_path):
+    """`vlmrl.run.train` itself (no CLI pre-check): the run folder is opened, the model load fails; config.yaml is
+    written only after a successful start, so the corrected config plans a fresh run and the folder is accepted."""
+    from vlmrl.config import to_yaml
+    from vlmrl.modeling.sources import ModelLoadError, check_model_source
+    from vlmrl.resume import plan_resume
+    from vlmrl.run import train
+    from vlmrl.runfiles import RunFiles
+
+    out = tmp_path / "run"
+    bad = load("geometry3k_tiny", [f"model.name_or_path={_garbage_model_folder(tmp_path)}",
+                                   f"logging.output_dir={out}"])
+    with pytest.raises(ModelLoadError, match="cannot load its weights"):
+        train(bad)
+    assert out.is_dir() and not (out / "config.yaml").exists()
+    good = load("geometry3k_tiny", [f"logging.output_dir={out}", "trainer.lr=0.001"])
+    assert plan_resume(good, to_yaml(good)).fresh
+    RunFiles(out, overwrite=False, keep_until=None)  # accepted: no run to protect
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        check_model_source(str(tmp_path))
+
+
+@pytest.mark.slow
+def test_failed_start_does_not_block_the_corrected_rerun(tmp_path):
+    """A bad model folder fails at once (the CLI checks it before torch loads); the corrected command trains there."""
+    import json
+
+    from conftest import GEOMETRY3K
+
+    folder = _garbage_model_folder(tmp_path)
+    base = ["train", "recipe=geometry3k_tiny", f"data.path={GEOMETRY3K}", "data.limit=4", "trainer.steps=1",
+            "trainer.batch_size=1", "algorithm.group_size=2", "rollout.max_new_tokens=4", "trainer.align_every=0",
+            f"logging.output_dir={tmp_path / 'run'}"]
+    bad, seconds = _cli(*base, f"model.name_or_path={folder}")
+    assert bad.returncode == 1 and "cannot load its weights" in bad.stderr and "Traceback" not in bad.stderr
+    assert not (tmp_path / "run" / "config.yaml").exists()
+    print(f"garbage model folder: first error after {seconds:.1f} s")
+    good, _ = _cli(*base)
+    assert good.returncode == 0, good.stderr[-2000:]
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1]
+    # stdout is a pipe here: one plain progress line per step instead of the rich bar
+    line = next(ln for ln in good.stdout.splitlines() if ln.startswith("step 1/1 |"))
+    for key in ("reward", "acc", "turns", "loss", "s/step"):
+        assert key in line

@@ -1,0 +1,142 @@
+"""The trainer's resolved settings (`TrainerSettings`) and its DeepSpeed config: ours (`deepspeed_config`), merged
+under a user's JSON (`trainer.deepspeed_config`, `merge_deepspeed_config`), and the `HfDeepSpeedConfig` for zero.Init."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class TrainerSettings:
+    """The trainer's resolved settings (merged from the run's trainer/algorithm configs by `from_any`)."""
+
+    zero_stage: int = 2
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    max_grad_norm: float = 1.0
+    micro_batch_size: int = 1
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2  # 0.28 = DAPO clip-higher
+    kl_coef: float = 0.0
+    temperature: float = 1.0
+    seed: int = 0
+    rollout_correction: str = "off"  # vlmrl.train.rollout_correction (vlmrl.run resolves `auto` from the engine)
+    tis_cap: float = 2.0
+    mis_low: float = 0.5
+    mis_high: float = 2.0
+    loss_agg: str = "token-mean"  # vlmrl.train.loss_agg
+    loss_agg_norm: int = 0
+    dtype: str = "auto"  # "fp32" | "bf16" | "auto" (= the model's parameter dtype)
+    steps: int = 1  # optimizer steps of the run (the LR schedule's num_training_steps)
+    lr_scheduler: str = "constant"  # a `transformers.get_scheduler` name
+    warmup_steps: int = 0  # 0: ceil(warmup_ratio * steps)
+    warmup_ratio: float = 0.0
+    gradient_checkpointing: bool = False
+    deepspeed_config: str | None = None  # path of a user DeepSpeed JSON merged under ours (`merge_deepspeed_config`)
+
+    @property
+    def num_warmup_steps(self) -> int:
+        """warmup_steps if set, else ceil(warmup_ratio * steps) (transformers' `TrainingArguments` rule)."""
+        return self.warmup_steps if self.warmup_steps > 0 else math.ceil(self.warmup_ratio * self.steps)
+
+    @staticmethod
+    def from_any(*cfgs: Any, temperature: float | None = None) -> "TrainerSettings":
+        """Merge the known fields of attribute-style configs or dicts, later ones winning (unknown fields ignored).
+
+        E.g. `from_any(cfg.trainer, cfg.algorithm, temperature=cfg.rollout.temperature)`.
+        """
+        values: dict[str, Any] = {}
+        for cfg in cfgs:
+            get = cfg.get if isinstance(cfg, dict) else lambda k, c=cfg: getattr(c, k, None)
+            values.update({f.name: get(f.name) for f in fields(TrainerSettings) if get(f.name) is not None})
+        if temperature is not None:
+            values["temperature"] = temperature
+        if "betas" in values:
+            values["betas"] = tuple(values["betas"])
+        return TrainerSettings(**values)
+
+
+def deepspeed_config(cfg: TrainerSettings, micro_batch_size: int | None = None) -> dict[str, Any]:
+    """The DeepSpeed config dict: ZeRO stage, torch AdamW, clipping, dtype; gradient_accumulation_steps = 1."""
+    ds: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro_batch_size or cfg.micro_batch_size,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": cfg.zero_stage},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "betas": list(cfg.betas), "torch_adam": True},
+        },
+        "gradient_clipping": cfg.max_grad_norm or 0.0,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if cfg.dtype == "bf16":
+        ds["bf16"] = {"enabled": True}
+    return ds
+
+
+# keys the trainer's exact loss normalisation owns (module docstring): a user JSON may not change them
+_OWNED = {"gradient_accumulation_steps": 1}
+
+
+def merge_deepspeed_config(ours: dict[str, Any], user: dict[str, Any], where: str = "trainer.deepspeed_config"
+                           ) -> dict[str, Any]:
+    """The user's DeepSpeed config with our computed keys filling in what it leaves out (recursively; a user value
+    of "auto", as in HF Trainer JSONs, takes ours). Returns a new dict.
+
+    Raises ValueError naming `where` if the user sets a key the trainer owns (gradient_accumulation_steps != 1) or
+    a batch size other than ours (train_micro_batch_size_per_gpu / train_batch_size: our micro-batches).
+    """
+    for key, value in _OWNED.items():
+        if user.get(key, value) not in (value, "auto"):
+            raise ValueError(f"{where}: {key} must be {value} (vlmrl accumulates micro-batches itself); got "
+                             f"{user[key]!r}")
+    for key in ("train_micro_batch_size_per_gpu", "train_batch_size"):
+        if user.get(key, "auto") != "auto":
+            raise ValueError(f"{where}: leave {key} out (or \"auto\"): it is trainer.micro_batch_size")
+
+    def merge(a: dict, b: dict) -> dict:
+        out = dict(a)
+        for key, value in b.items():
+            if isinstance(value, dict) and isinstance(out.get(key), dict):
+                out[key] = merge(out[key], value)
+            elif value != "auto" or key not in out:
+                out[key] = value
+        return out
+
+    merged = merge(ours, user)
+    merged.pop("train_batch_size", None)
+    return merged
+
+
+def load_deepspeed_config(cfg: TrainerSettings) -> dict[str, Any]:
+    """Our `deepspeed_config(cfg)`, merged under the user's JSON file `cfg.deepspeed_config` if one is given.
+
+    Raises ValueError naming the file for unreadable JSON (and the errors of `merge_deepspeed_config`)."""
+    import json
+
+    ours = deepspeed_config(cfg)
+    if not cfg.deepspeed_config:
+        return ours
+    path = Path(cfg.deepspeed_config)
+    try:
+        user = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"trainer.deepspeed_config={path}: not a readable JSON file ({exc})") from exc
+    if not isinstance(user, dict):
+        raise ValueError(f"trainer.deepspeed_config={path}: the JSON must be an object")
+    return merge_deepspeed_config(ours, user, f"trainer.deepspeed_config={path}")
+
+
+def hf_deepspeed_config(cfg: Any):
+    """An `HfDeepSpeedConfig` to keep alive while building a model for ZeRO-3 zero.Init (sharded construction).
+
+    Only for models too big for one rank; keep the returned object referenced until training ends.
+    """
+    from transformers.integrations import HfDeepSpeedConfig
+
+    return HfDeepSpeedConfig(deepspeed_config(TrainerSettings.from_any(cfg)))
