@@ -60,6 +60,9 @@ $(VLLM_VENV)/.installed: pyproject.toml tests/real_vllm/constraints.txt tests/re
 test-vllm: $(VLLM_VENV)/.installed
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_LOGGING_LEVEL=WARNING $(VLLM_BIN)/python -m pytest -q -s -p no:cacheprovider tests/real_vllm tests/test_vllm_convert.py
 
+lint: setup
+	$(BIN)/ruff check vlmrl tests bench examples
+
 bench: setup
 	$(BIN)/python bench/token_building.py
 	$(BIN)/python bench/rollout.py

@@ -9,11 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import GEOMETRY3K
 from typer.testing import CliRunner
 
 from vlmrl.cli import app
-
-from conftest import GEOMETRY3K
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()

@@ -8,14 +8,13 @@ import contextlib
 
 import pytest
 import torch
+from conftest import make_image
 
 from vlmrl.rollout.engine import GenerateRequest, SamplingParams
 from vlmrl.rollout.hf import TransformersEngine
 from vlmrl.tokens import get_builder
 from vlmrl.train.logprobs import sequence_logprobs
 from vlmrl.types import ImagePart, Message, Role, Sample, TextPart
-
-from conftest import make_image
 
 TOL = 1e-5  # fp32
 
@@ -121,6 +120,7 @@ def test_episodes_reproducible_whatever_the_batching(setup, qwen25_policy):
     """The same seed gives the same trajectories (ids and logprobs) with all pending requests in one batch and
     with one request per call in another order; another seed gives others."""
     from conftest import GEOMETRY3K
+
     from vlmrl.config import DataConfig, EnvConfig
     from vlmrl.envs import load_env_tasks, make_env_factory
     from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner

@@ -10,7 +10,7 @@ import torch
 from vlmrl.rollout.engine import SamplingParams
 from vlmrl.rollout.hf import TransformersEngine
 from vlmrl.tokens import get_builder
-from vlmrl.types import Message, Role, StopReason, TextPart, ImagePart
+from vlmrl.types import ImagePart, Message, Role, StopReason, TextPart
 
 
 @pytest.fixture(scope="module")

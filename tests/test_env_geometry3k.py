@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from vlmrl.envs import load_env_tasks, make_env_factory
 from vlmrl.config import ConfigError
+from vlmrl.envs import load_env_tasks, make_env_factory
 from vlmrl.envs.geometry3k import Geometry3KConfig, Geometry3KEnv, GeometryRow, build_task
 from vlmrl.types import ImagePart, Message, ParseStatus, Role, Task, TextPart
 

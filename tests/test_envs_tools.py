@@ -8,6 +8,7 @@ from collections import deque
 
 import pytest
 import torch
+from conftest import GEOMETRY3K
 from PIL import Image
 
 from vlmrl.config import ConfigError, DataConfig, ExportStyle, load
@@ -20,8 +21,6 @@ from vlmrl.tokens import get_builder
 from vlmrl.tools import HermesParser, ImageBounds
 from vlmrl.tools.setup import tool_setup
 from vlmrl.types import Generation, Role, StopReason
-
-from conftest import GEOMETRY3K
 
 P = HermesParser()
 

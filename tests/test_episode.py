@@ -5,17 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import GEOMETRY3K
 
-from vlmrl.config import ExportConfig, ExportStyle
+from vlmrl.config import DataConfig, EnvConfig, ExportConfig, ExportStyle
 from vlmrl.envs import load_env_tasks, make_env_factory
-from vlmrl.config import DataConfig, EnvConfig
 from vlmrl.export import count_images, to_samples
 from vlmrl.rollout.engine import Engine, SamplingParams
 from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner
 from vlmrl.tokens import get_builder
 from vlmrl.types import Generation, StopReason
-
-from conftest import GEOMETRY3K
 
 
 class ScriptedEngine(Engine):

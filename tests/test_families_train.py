@@ -18,8 +18,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from conftest import make_image
+
 from vlmrl.config import ExportStyle
 from vlmrl.export import to_samples
 from vlmrl.models import load_processor, tiny_model

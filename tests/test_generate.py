@@ -12,16 +12,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import GEOMETRY3K
 
 from vlmrl import config as config_mod
 from vlmrl import generate as gen
 from vlmrl.rollout.engine import Engine
 from vlmrl.runfiles import RunFolderError
 from vlmrl.types import Generation, StopReason
-
-from conftest import GEOMETRY3K
-
-
 
 # ------------------------------------------------------------------------------------------------ pass@k
 

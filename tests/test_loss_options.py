@@ -121,8 +121,8 @@ def test_one_micro_batch_equals_two_through_the_trainer(qwen25_model, options):
     """The DeepSpeed trainer's gradient of 4 samples is the same in 1 micro-batch of 4 and in 2 of 2, for each loss
     aggregation and with the correction on (noisy rollout logprobs, so some tokens are capped / sequences masked)."""
     from deepspeed.utils import safe_get_full_grad
-
     from test_trainer import image_sample, with_old_logprobs
+
     from vlmrl.train.trainer import GRPOTrainer, TrainerSettings
 
     samples = [image_sample(50 + i, n_gen=2 + 2 * i, advantage=a) for i, a in enumerate([1.0, -0.6, 0.3, -1.1])]

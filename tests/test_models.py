@@ -8,8 +8,15 @@ import time
 import pytest
 import torch
 
-from vlmrl.models import (FAMILIES, load_policy, load_processor, mm_token_type_ids, policy_inputs, qwen_tokenizer,
-                          qwen_tokenizer_json)
+from vlmrl.models import (
+    FAMILIES,
+    load_policy,
+    load_processor,
+    mm_token_type_ids,
+    policy_inputs,
+    qwen_tokenizer,
+    qwen_tokenizer_json,
+)
 from vlmrl.tokens import get_builder
 from vlmrl.types import Generation, ImagePart, Message, Role, StopReason, TextPart
 

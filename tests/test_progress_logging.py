@@ -10,9 +10,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from rich.console import Console
+from test_generate import _lines, letter_engine  # noqa: F401 - the fixture is used by name
 from typer.testing import CliRunner
 
-from test_generate import _lines, letter_engine  # noqa: F401 - the fixture is used by name
 from vlmrl import generate as gen
 from vlmrl.cli import app
 from vlmrl.progress import StepProgress, train_line
@@ -109,8 +109,9 @@ def test_wandb_resumes_the_run_id_and_logs_a_samples_table(tmp_path, monkeypatch
 
 
 def test_generate_accepts_one_sample_per_problem(tmp_path, letter_engine):  # noqa: F811
-    from vlmrl import config as config_mod
     from conftest import GEOMETRY3K
+
+    from vlmrl import config as config_mod
 
     cfg = config_mod.load("geometry3k_eval_tiny", [
         f"data.path={GEOMETRY3K}", "data.limit=4", "env.max_turns=1", "algorithm.group_size=1",

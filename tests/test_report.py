@@ -12,6 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import GEOMETRY3K, make_image
 from PIL import Image
 from typer.testing import CliRunner
 
@@ -19,8 +20,6 @@ from vlmrl import config as config_mod
 from vlmrl.cli import app
 from vlmrl.report import build_report, load_run
 from vlmrl.report.table import columns, markdown
-
-from conftest import GEOMETRY3K, make_image
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 DATA_URI = re.compile(r'<img[^>]*? src="data:(image/(?:png|jpeg));base64,([A-Za-z0-9+/=]+)"')

@@ -17,13 +17,12 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import GEOMETRY3K
 
 from vlmrl import checkpoint
 from vlmrl.config import load
 from vlmrl.resume import StepAbandoned, StopSignals, config_changes, nonfinite_episodes, plan_resume
 from vlmrl.runfiles import RunFiles, RunFolderError, truncate_after
-
-from conftest import GEOMETRY3K
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is deprecated.*:FutureWarning")
 

@@ -12,7 +12,8 @@ from vlmrl.envs.base import Environment, StepResult
 from vlmrl.rollout.engine import Engine, SamplingParams
 from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner
 from vlmrl.tokens import get_builder
-from vlmrl.types import Generation, Message, Role, StopReason, Task
+from vlmrl.tools.spec import as_tool, check_unique
+from vlmrl.types import Generation, Message, Role, StopReason, Task, ToolStats
 
 ENGINE_S = 0.25  # each engine call takes this long
 SLOW_S = 1.0  # the slow env step / tool call
@@ -81,9 +82,7 @@ def make_env(clock: Clock):
                 Args:
                     seconds: how long
                 """
-                start = time.perf_counter()
-                time.sleep(seconds)
-                clock.record("tool", start)
+                time.sleep(seconds)  # runs in a tool worker process: timed from the trainer side (_timed_tools)
                 return "done"
 
             return [wait]
@@ -118,9 +117,28 @@ def test_one_engine_call_per_turn_for_all_episodes(builder):
     assert runner.batcher.batch_sizes == [3, 6, 6]
 
 
+def _timed_tools(runner, clock: Clock) -> None:
+    """Start the tool worker (its ~1 s start-up is not what is timed here), then record each `ToolRuntime.run`
+    (the tool calls of one turn, run in that worker process) as a "tool" span."""
+    tools = check_unique(as_tool(t) for t in runner.env_factory().tools())
+    warm = '<tool_call>\n{"name": "wait", "arguments": {"seconds": 0}}\n</tool_call>'
+    runner.tools.run(runner.tools.parse(warm), tools, ToolStats())
+    run = runner.tools.run
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return run(*args, **kwargs)
+        finally:
+            clock.record("tool", start)
+
+    runner.tools.run = timed
+
+
 def test_slow_env_step_and_tool_do_not_hold_the_others(builder):
     clock = Clock()
     runner, engine = _runner(builder, clock)
+    _timed_tools(runner, clock)
     t0 = time.perf_counter()
     trajs = runner.run(_tasks("slow", "tool", "fast"), group_size=1)
     wall = time.perf_counter() - t0

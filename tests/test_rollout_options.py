@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import GEOMETRY3K
 
 from vlmrl.config import ConfigError, ExportStyle, load
 from vlmrl.export import to_samples
@@ -13,8 +14,6 @@ from vlmrl.train.dynamic_sampling import sample_until_full, split_groups
 from vlmrl.train.overlong import apply_soft_penalty, length_penalty, overlong_metrics
 from vlmrl.train.turn_advantages import assign_turn_advantages, reward_to_go, turn_advantages
 from vlmrl.types import Generation, ParseStatus, StopReason, Task, TokenSeq, Trajectory, Turn
-
-from conftest import GEOMETRY3K
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is deprecated.*:FutureWarning")
 

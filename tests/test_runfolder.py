@@ -17,13 +17,12 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import GEOMETRY3K
 from typer.testing import CliRunner
 
 from vlmrl import checkpoint, runlock
 from vlmrl.config import load
 from vlmrl.runfiles import RunFiles, RunFolderError
-
-from conftest import GEOMETRY3K
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is deprecated.*:FutureWarning")
 

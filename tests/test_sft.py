@@ -115,8 +115,8 @@ def test_sft_checkpoint_loads_in_train_and_generate(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     losses = [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 2 and losses[1] < losses[0]
-    from vlmrl.models import load_policy
     from vlmrl.modeling.loading import tiny_model
+    from vlmrl.models import load_policy
 
     model, _ = load_policy({"name_or_path": str(out / "hf"), "family": "qwen2_5_vl"})
     init = tiny_model("qwen2_5_vl", 0)
@@ -134,7 +134,7 @@ def test_sft_checkpoint_loads_in_train_and_generate(tmp_path):
 
 def test_colors_env_retries_with_feedback_until_right():
     task = colors.build_task(7, "green")
-    env = colors.env_factory({"max_turns": 2})()
+    env = colors.ColorsEnv(colors.ColorsConfig(max_turns=2))
     assert env.reset(task)[0].images[0].getpixel((0, 0)) == colors.COLORS["green"]
     wrong = env.step("\\boxed{red}", 0, False)
     assert (wrong.reward, wrong.done, wrong.correct, wrong.formatted) == (pytest.approx(0.1), False, False, True)
@@ -142,6 +142,6 @@ def test_colors_env_retries_with_feedback_until_right():
     right = env.step("so \\boxed{Green}", 1, True)
     assert (right.reward, right.done, right.correct) == (pytest.approx(1.0), True, True)
     assert env.step("green", 0, False).reward == 0.0  # no \\boxed{}: no format reward
-    one = colors.env_factory({"max_turns": 1})()
+    one = colors.ColorsEnv(colors.ColorsConfig(max_turns=1))
     one.reset(task)
     assert one.step("\\boxed{red}", 0, False).done  # no turn left: no feedback

@@ -15,8 +15,20 @@ import pytest
 import tools_hostile
 from PIL import Image
 
-from vlmrl.tools import (DataDir, FileAccessError, HermesParser, ImageBounds, Tool, ToolArgumentError, ToolLimits,
-                         ToolRuntime, ToolSpecError, calculate, get_parser, tools_from_object)
+from vlmrl.tools import (
+    DataDir,
+    FileAccessError,
+    HermesParser,
+    ImageBounds,
+    Tool,
+    ToolArgumentError,
+    ToolLimits,
+    ToolRuntime,
+    ToolSpecError,
+    calculate,
+    get_parser,
+    tools_from_object,
+)
 from vlmrl.tools.isolation import Sandbox
 from vlmrl.tools.objects import ToolEnvFactory, ToolEnvironment
 from vlmrl.tools.results import TextBudget, convert_result, sanitize

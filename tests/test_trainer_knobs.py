@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from test_trainer import image_sample, with_old_logprobs
+
 from vlmrl.types import Sample
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is deprecated.*:FutureWarning")

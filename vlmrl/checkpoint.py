@@ -27,7 +27,6 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import os
 import random
 import re
 import shutil

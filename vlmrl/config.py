@@ -334,6 +334,8 @@ def _typed(raw) -> Config:
     """`raw` merged into the schema, `env` into its environment's own config class (from `env._target_`)."""
     from vlmrl.envs.plugins import env_schema
 
+    # as plain data: merged as a `_ComposeSchema` node, `raw` would turn the schema's `env` back into an open mapping
+    raw = OmegaConf.create(OmegaConf.to_container(raw, resolve=False)) if raw is not None else None
     schema = OmegaConf.structured(Config)
     env_raw = raw.get("env") if raw is not None else None
     if env_raw is not None:

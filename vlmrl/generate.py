@@ -23,8 +23,16 @@ from typing import Any
 
 from vlmrl.config import Config, to_yaml
 from vlmrl.evaluation.during_training import eval_during_training
-from vlmrl.evaluation.metrics import (_summary, episode_correct, eval_metrics, first_graded_correct, generated_tokens,
-                                      pass_at_k, pass_ks, tool_metrics)
+from vlmrl.evaluation.metrics import (
+    _summary,
+    episode_correct,
+    eval_metrics,
+    first_graded_correct,
+    generated_tokens,
+    pass_at_k,
+    pass_ks,
+    tool_metrics,
+)
 from vlmrl.evaluation.rollouts import build_runner, chunks, eval_data_cfg, full_record, rollout_records
 from vlmrl.evaluation.run_folder import IDENTITY_IGNORED, IDENTITY_PREFIXES, GenerateFiles, identity_diff
 from vlmrl.report.run_data import EVAL_TRAJECTORIES

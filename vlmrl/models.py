@@ -21,16 +21,52 @@ from __future__ import annotations
 
 from vlmrl.modeling.cache import _RECIPE_VERSION, _atomic_write, cache_dir
 from vlmrl.modeling.families import _ASSETS, _QW, FAMILIES, FamilySpec, _check_family, chat_template
-from vlmrl.modeling.inputs import (_INPUT_STYLES, _QWEN_LIKE, family_of_model, image_kwargs, image_token_id,
-                                   input_style, mm_token_type_ids, model_inputs, policy_inputs)
-from vlmrl.modeling.loading import (_DTYPES, _cfg, _check_path, _fix_pixels, _tiny_family, load_policy,
-                                    load_processor, tiny_model, tiny_processor_dir)
-from vlmrl.modeling.qwen_bpe import (_ADDED, _ADDED_QWEN3_5, _QWEN3_5_REGEX, _QWEN_REGEX, _QWEN_VOCABS, _bpe_split,
-                                     _build_tokenizer_json, _bytes_to_unicode, _vocab_and_merges, qwen_tokenizer,
-                                     qwen_tokenizer_json)
-from vlmrl.modeling.tokenizer_fetch import (_IDEFICS3_ADDED, _SMOLVLM_ADDED, NPM_TOKENIZERS, _mistral_v1_tokenizer_json,
-                                            _tokenizer_source, _with_added_tokens, fetch_all, family_tokenizer_json,
-                                            npm_file)
+from vlmrl.modeling.inputs import (
+    _INPUT_STYLES,
+    _QWEN_LIKE,
+    family_of_model,
+    image_kwargs,
+    image_token_id,
+    input_style,
+    mm_token_type_ids,
+    model_inputs,
+    policy_inputs,
+)
+from vlmrl.modeling.loading import (
+    _DTYPES,
+    _cfg,
+    _check_path,
+    _fix_pixels,
+    _tiny_family,
+    load_policy,
+    load_processor,
+    tiny_model,
+    tiny_processor_dir,
+)
+from vlmrl.modeling.qwen_bpe import (
+    _ADDED,
+    _ADDED_QWEN3_5,
+    _QWEN3_5_REGEX,
+    _QWEN_REGEX,
+    _QWEN_VOCABS,
+    _bpe_split,
+    _build_tokenizer_json,
+    _bytes_to_unicode,
+    _vocab_and_merges,
+    qwen_tokenizer,
+    qwen_tokenizer_json,
+)
+from vlmrl.modeling.tokenizer_fetch import (
+    _IDEFICS3_ADDED,
+    _SMOLVLM_ADDED,
+    NPM_TOKENIZERS,
+    _mistral_v1_tokenizer_json,
+    _tokenizer_source,
+    _with_added_tokens,
+    family_tokenizer_json,
+    fetch_all,
+    npm_file,
+)
 
 __all__ = [
     "FAMILIES", "NPM_TOKENIZERS", "FamilySpec", "cache_dir", "chat_template", "family_of_model",

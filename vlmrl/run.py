@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from rich.console import Console
 
-from vlmrl import checkpoint
+from vlmrl import checkpoint, runlock
 from vlmrl.checks.alignment import sampled_alignment
 from vlmrl.config import AlgorithmConfig, Config, ExportStyle, to_yaml
 from vlmrl.envs import load_env_tasks
@@ -28,20 +28,29 @@ from vlmrl.metrics import rollout_metrics
 from vlmrl.modeling.adapters import prepare_policy
 from vlmrl.models import load_policy
 from vlmrl.progress import StepProgress, train_line
+from vlmrl.resume import (
+    STYLE_FALLBACK,
+    BadStepGuard,
+    ResumePlan,
+    StepAbandoned,
+    StopSignals,
+    TooManyBadSteps,
+    TrainingInterrupted,
+    nonfinite_episodes,
+    plan_resume,
+    record_resume,
+)
 from vlmrl.rewards import group_advantages
 from vlmrl.rollout.engine import derive_seed
 from vlmrl.rollout.episode import EpisodeRunner
-from vlmrl.resume import (STYLE_FALLBACK, BadStepGuard, ResumePlan, StepAbandoned, StopSignals, TooManyBadSteps,
-                          TrainingInterrupted, nonfinite_episodes, plan_resume, record_resume)
-from vlmrl import runlock
 from vlmrl.runfiles import ImageStore, RunFiles, RunFolderError
-from vlmrl.wiring import build_runner
 from vlmrl.tokens.base import PrefixMode, TokenBuilder
 from vlmrl.train import loss_agg, overlong, rollout_correction
 from vlmrl.train.dynamic_sampling import SampledBatch, sample_until_full
-from vlmrl.train.turn_advantages import assign_turn_advantages
 from vlmrl.train.trainer import GRPOTrainer
+from vlmrl.train.turn_advantages import assign_turn_advantages
 from vlmrl.types import Task, Trajectory
+from vlmrl.wiring import build_runner
 
 log = logging.getLogger("vlmrl.run")
 

@@ -7,9 +7,9 @@ from typing import Any, Callable
 
 import torch
 
+from vlmrl import rollout
 from vlmrl.config import Config
 from vlmrl.envs import make_env_factory
-from vlmrl import rollout
 from vlmrl.rollout.engine import SamplingParams
 from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner
 from vlmrl.tokens import get_builder

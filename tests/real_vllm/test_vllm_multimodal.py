@@ -40,8 +40,18 @@ from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner  # noqa: E402
 from vlmrl.rollout.vllm_engine import METRIC  # noqa: E402
 from vlmrl.tokens.qwen_vl import QwenVLBuilder  # noqa: E402
 from vlmrl.train.logprobs import sequence_logprobs  # noqa: E402
-from vlmrl.types import (EnginePrompt, Generation, ImagePart, Message, ParseStatus, Role, Sample,  # noqa: E402
-                         StopReason, Task, TextPart)
+from vlmrl.types import (  # noqa: E402
+    EnginePrompt,
+    Generation,
+    ImagePart,
+    Message,
+    ParseStatus,
+    Role,
+    Sample,
+    StopReason,
+    Task,
+    TextPart,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 DIAGRAMS = ROOT / "vlmrl" / "assets" / "data" / "geometry3k" / "images"

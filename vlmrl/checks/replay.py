@@ -13,8 +13,18 @@ from vlmrl.checks.diff import FAIL, NOTE, Mismatch, _decoder, _vision_of, diff_t
 from vlmrl.checks.reference import _segments, compare_tokens, compare_vision, full_reference
 from vlmrl.checks.scenarios import turns
 from vlmrl.tokens.base import PrefixMode
-from vlmrl.types import (BoundaryEdit, Generation, ImagePart, Message, Role, StopReason, TextPart, TokenSeq,
-                         Trajectory, VisionInputs)
+from vlmrl.types import (
+    BoundaryEdit,
+    Generation,
+    ImagePart,
+    Message,
+    Role,
+    StopReason,
+    TextPart,
+    TokenSeq,
+    Trajectory,
+    VisionInputs,
+)
 
 
 @dataclass

@@ -14,8 +14,7 @@ import torch
 
 from vlmrl.modeling.cache import cache_dir
 from vlmrl.modeling.families import _ASSETS, _QW, FAMILIES, _check_family, chat_template
-from vlmrl.modeling.sources import (ModelLoadError, _check_hub, _check_path, _check_weight_files,  # noqa: F401
-                                    model_load_errors)
+from vlmrl.modeling.sources import ModelLoadError, _check_hub, _check_path, _check_weight_files, model_load_errors  # noqa: F401
 from vlmrl.modeling.tokenizer_fetch import family_tokenizer_json
 
 

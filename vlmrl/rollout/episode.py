@@ -35,8 +35,20 @@ from vlmrl.tokens.base import Piece, TokenBuilder
 from vlmrl.tools.parsers import get_parser
 from vlmrl.tools.runtime import ToolRuntime
 from vlmrl.tools.spec import Tool, as_tool, check_unique
-from vlmrl.types import (Generation, Message, ParseStatus, Role, StopReason, Task, TextPart, TokenSeq, ToolCall,
-                         ToolStats, Trajectory, Turn)
+from vlmrl.types import (
+    Generation,
+    Message,
+    ParseStatus,
+    Role,
+    StopReason,
+    Task,
+    TextPart,
+    TokenSeq,
+    ToolCall,
+    ToolStats,
+    Trajectory,
+    Turn,
+)
 
 log = logging.getLogger("vlmrl.rollout")
 

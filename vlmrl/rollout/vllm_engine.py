@@ -73,11 +73,24 @@ from typing import Any, Callable, Sequence
 import torch
 
 from vlmrl.rollout.engine import Engine, GenerateRequest, SamplingParams
-from vlmrl.rollout.vllm_convert import (_finish, _id_of, _logprob_value, choose_logprobs_mode,
-                                        collapse_image_placeholders, completion_body, generation_from_choice,
-                                        generation_from_vllm, image_token_counts, logprobs_exact, max_abs_delta,
-                                        prompt_logprobs_list, sampled_logprobs, sampling_kwargs, to_stop_reason,
-                                        to_vllm_prompt)
+from vlmrl.rollout.vllm_convert import (
+    _finish,
+    _id_of,
+    _logprob_value,
+    choose_logprobs_mode,
+    collapse_image_placeholders,
+    completion_body,
+    generation_from_choice,
+    generation_from_vllm,
+    image_token_counts,
+    logprobs_exact,
+    max_abs_delta,
+    prompt_logprobs_list,
+    sampled_logprobs,
+    sampling_kwargs,
+    to_stop_reason,
+    to_vllm_prompt,
+)
 from vlmrl.rollout.vllm_server import VLLMServer
 from vlmrl.rollout.vllm_settings import LOGPROBS_MODES, VLLMSettings
 from vlmrl.rollout.vllm_weights import _world, full_state_items, write_weights

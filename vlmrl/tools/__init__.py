@@ -9,11 +9,11 @@
 """
 
 from vlmrl.tools.builtin import calculate
+from vlmrl.tools.files import DataDir, FileAccessError
+from vlmrl.tools.isolation import Sandbox
 from vlmrl.tools.parsers import HermesParser, ToolCallParser, get_parser, register_parser
 from vlmrl.tools.results import ImageBounds
 from vlmrl.tools.runtime import ToolLimits, ToolRuntime, ToolTurn, template_renders_tools
-from vlmrl.tools.files import DataDir, FileAccessError
-from vlmrl.tools.isolation import Sandbox
 from vlmrl.tools.spec import Tool, ToolArgumentError, ToolSpecError, as_tool, tools_from_object
 
 __all__ = ["Tool", "ToolArgumentError", "ToolSpecError", "as_tool", "tools_from_object", "ToolCallParser",

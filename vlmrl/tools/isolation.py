@@ -92,9 +92,10 @@ def bwrap_argv(sandbox: Sandbox, bwrap: str = "bwrap") -> list[str]:
             argv += ["--symlink", os.readlink(lib), lib]
         elif os.path.isdir(lib):
             argv += ["--ro-bind", lib, lib]
+    # the private /tmp first, the code folders on top: a venv or checkout under /tmp stays visible
+    argv += ["--proc", "/proc", "--dev", "/dev", *_tmp_size(bwrap), "--tmpfs", "/tmp"]
     for d in _code_dirs():
         argv += ["--ro-bind", d, d]
-    argv += ["--proc", "/proc", "--dev", "/dev", *_tmp_size(bwrap), "--tmpfs", "/tmp"]
     read = os.path.realpath(sandbox.read_dir) if sandbox.read_dir else None
     for h in (os.path.realpath(p) for p in sandbox.hide):
         if os.path.isdir(h) and any(_inside(h, d) for d in _code_dirs()):

@@ -16,8 +16,14 @@ from vlmrl.tools.isolation import Sandbox
 from vlmrl.tools.objects import RemoteMethod
 from vlmrl.tools.parsers import ToolCallParser, get_parser
 from vlmrl.tools.process import Reply, WorkerError
-from vlmrl.tools.results import (_CHARS_PER_TOKEN_BOUND, ImageBounds, TextBudget, convert_result, error_message,
-                                 items_from_blocks)
+from vlmrl.tools.results import (
+    _CHARS_PER_TOKEN_BOUND,
+    ImageBounds,
+    TextBudget,
+    convert_result,
+    error_message,
+    items_from_blocks,
+)
 from vlmrl.tools.spec import Tool, ToolArgumentError
 from vlmrl.types import ImagePart, Message, Role, TextPart, ToolCall, ToolCallStatus, ToolFailure, ToolStats
 

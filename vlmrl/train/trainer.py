@@ -51,8 +51,13 @@ from vlmrl.train.grpo import LossStats, grpo_loss
 from vlmrl.train.logprobs import batch_logprobs, collate
 from vlmrl.train.loss_agg import LossAgg, token_weights
 from vlmrl.train.rollout_correction import Correction, correction_weights
-from vlmrl.train.settings import (TrainerSettings, deepspeed_config, hf_deepspeed_config,  # noqa: F401 - re-exported
-                                  load_deepspeed_config, merge_deepspeed_config)
+from vlmrl.train.settings import (  # noqa: F401 - re-exported
+    TrainerSettings,
+    deepspeed_config,
+    hf_deepspeed_config,
+    load_deepspeed_config,
+    merge_deepspeed_config,
+)
 from vlmrl.train.sft_loss import sft_loss
 from vlmrl.types import Sample
 
