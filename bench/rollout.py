@@ -78,7 +78,8 @@ def build(model, processor, episodes: int, turns: int, max_new: int) -> Setup:
     """The runner (transformers engine, Geometry3K env, `turns` turns) for `episodes` episodes; one warm-up run
     records the requests, grouped by turn."""
     builder = get_builder("qwen2_5_vl", processor)
-    engine = make_engine(SimpleNamespace(engine="transformers"), lambda: contextlib.nullcontext(model), processor, builder)
+    engine = make_engine(SimpleNamespace(engine="transformers"), lambda: contextlib.nullcontext(model), processor,
+                         builder)
     recorder = Recorder(engine)
     env_cfg = EnvConfig(max_turns=turns)
     tasks = load_env_tasks(env_cfg, DataConfig(split="test", limit=max(1, episodes // GROUP)))

@@ -20,7 +20,8 @@ ENV_CFG = {"_target_": "vlmrl.envs.geometry3k.Geometry3KEnv", "max_turns": 3,
 
 def _row() -> GeometryRow:
     img = Image.new("RGB", (32, 24), (255, 255, 255))
-    return GeometryRow("2401", "Find the area of the figure.", ["30", "60", "120", "240"], "B", "60", img, "/d/2401.png")
+    return GeometryRow("2401", "Find the area of the figure.", ["30", "60", "120", "240"], "B", "60", img,
+                       "/d/2401.png")
 
 
 def test_build_task_prompt():

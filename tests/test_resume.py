@@ -36,7 +36,8 @@ TIMING = {"step_s", "rollout_s", "rollout_tokens_per_s", "time_s"}
 def _args(out: Path, *extra: str) -> list[str]:
     return ["train", "recipe=geometry3k_tiny", f"data.path={GEOMETRY3K}", "data.limit=4", f"trainer.steps={STEPS}",
             "trainer.batch_size=1", "algorithm.group_size=2", "rollout.max_new_tokens=12", "env.max_turns=1",
-            "env._target_=resume_envs.ScoredEnv", "trainer.save_every=1", f"logging.output_dir={out}", "logging.progress=false", *extra]
+            "env._target_=resume_envs.ScoredEnv", "trainer.save_every=1", f"logging.output_dir={out}",
+            "logging.progress=false", *extra]
 
 
 def _start(out: Path, *extra: str) -> subprocess.Popen:
@@ -95,7 +96,8 @@ def _rows(run: Path) -> list[int]:
 
 def test_run_files_drop_lines_after_the_checkpoint_and_a_torn_tail(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    path.write_text('{"step": 1, "x": 1}\n{"step": 2, "x": 2}\n{"x": 3, "step": 2}\n{"step": 3, "x": 4}\n{"step": 3, "x')
+    path.write_text('{"step": 1, "x": 1}\n{"step": 2, "x": 2}\n{"x": 3, "step": 2}\n{"step": 3, "x": 4}\n'
+                    '{"step": 3, "x')
     assert truncate_after(path, 2) == 2
     assert path.read_text() == '{"step": 1, "x": 1}\n{"step": 2, "x": 2}\n{"x": 3, "step": 2}\n'
     path.write_text('{"step": 1}\n{"step": 1, "torn')
@@ -235,7 +237,8 @@ def test_nan_rewards_skip_updates_and_a_bad_streak_stops_the_run(tmp_path, monke
     resume_envs.GROUPS.update(count=-1, last_task=None)
     out = tmp_path / "run"
     cfg = _cfg(out, "data.limit=4", "trainer.steps=4", "trainer.batch_size=1", "algorithm.group_size=2",
-               "rollout.max_new_tokens=4", "env.max_turns=1", "env._target_=resume_envs.ScoredEnv", "trainer.save_every=1",
+               "rollout.max_new_tokens=4", "env.max_turns=1", "env._target_=resume_envs.ScoredEnv",
+               "trainer.save_every=1",
                "trainer.max_bad_steps=2", "logging.progress=false")
     with pytest.raises(TooManyBadSteps, match="2 consecutive steps"):
         train(cfg)

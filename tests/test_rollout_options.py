@@ -164,7 +164,8 @@ def test_dynamic_sampling_resume_continues_from_the_recorded_data_position(tmp_p
     args = [f"data.path={GEOMETRY3K}", "data.limit=6", "trainer.batch_size=2", "algorithm.group_size=2",
             "rollout.max_new_tokens=4", "env.max_turns=1", "algorithm.dynamic_sampling=true",
             "algorithm.max_sampling_rounds=2", "trainer.align_every=0", "logging.progress=false"]
-    cfg = lambda out, steps: load("geometry3k_tiny", [*args, f"logging.output_dir={out}", f"trainer.steps={steps}"])
+    def cfg(out, steps):
+        return load("geometry3k_tiny", [*args, f"logging.output_dir={out}", f"trainer.steps={steps}"])
     train(cfg(tmp_path / "full", 3))
     train(cfg(tmp_path / "resumed", 2))
     state = checkpoint.read_state(tmp_path / "resumed" / "checkpoints" / "step_2")

@@ -103,7 +103,8 @@ def test_two_concurrent_train_runs_then_a_torn_middle_line_and_resume(tmp_path, 
     the broken bytes naming file and line, and continues with steps 4, 5 once each (the old code kept [1, 4, 5])."""
     out = tmp_path / "run"
     args = ["train", "recipe=geometry3k_tiny", f"data.path={GEOMETRY3K}", "data.limit=4", "trainer.batch_size=1",
-            "algorithm.group_size=2", "rollout.max_new_tokens=8", "env.max_turns=1", "env._target_=resume_envs.ScoredEnv",
+            "algorithm.group_size=2", "rollout.max_new_tokens=8", "env.max_turns=1",
+            "env._target_=resume_envs.ScoredEnv",
             "trainer.save_every=1", "trainer.keep_last=0", f"logging.output_dir={out}", "logging.progress=false"]
     first = subprocess.Popen([sys.executable, str(SCRIPT), *args, "trainer.steps=3"], cwd=ROOT, env=_env(),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -268,8 +268,8 @@ def test_stop_without_close_token(family, stop, processors, small_images):
 
 def test_family_tokenizers(processors):
     gemma = processors("gemma3").tokenizer
-    assert gemma.convert_tokens_to_ids(["<bos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>",
-                                        "<image_soft_token>"]) == [2, 105, 106, 255999, 256000, 262144]
+    names = ["<bos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+    assert gemma.convert_tokens_to_ids(names) == [2, 105, 106, 255999, 256000, 262144]
     llama = processors("idefics3").tokenizer
     assert llama.convert_tokens_to_ids(["<|begin_of_text|>", "<fake_token_around_image>", "<image>",
                                         "<end_of_utterance>"]) == [128000, 128256, 128257, 128258]

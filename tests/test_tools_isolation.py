@@ -110,7 +110,8 @@ def test_file_escapes_fail(rt, outside):
         rt, call("threads_read_and_write", secret=secret, target=target),
         call("threads_read_and_write", secret=secret, target=str(image.parent / "new.txt")),
         call("fork_exec_id"), call("ctypes_open", path="/etc/passwd"),
-        call("sqlite_read", path=str(outside / "db.sqlite")), call("stat", path=secret), call("stat", path="/etc/shadow"),
+        call("sqlite_read", path=str(outside / "db.sqlite")), call("stat", path=secret),
+        call("stat", path="/etc/shadow"),
         call("read_file", path=str(GEOMETRY3K / "test.jsonl")), call("read_file", path=str(GEOMETRY3K / "train.jsonl")),
         call("stat", path=str(image)))
     joined = "\n".join(texts)
@@ -206,7 +207,8 @@ def test_worker_that_cannot_start_is_a_counted_failure(monkeypatch):
     rt = ToolRuntime(P, ToolLimits(timeout_s=2.0), sandbox=Sandbox(isolation="rlimits"))
     monkeypatch.setattr(subprocess, "Popen", no_process)
     texts, errors, stats = run(rt, call("calculate", expression="1+1"))
-    assert errors == ["crash"] and "could not start a tool worker process" in texts[0] and stats.failures == {"crash": 1}
+    assert errors == ["crash"] and stats.failures == {"crash": 1}
+    assert "could not start a tool worker process" in texts[0]
     monkeypatch.undo()
     assert run(rt, call("calculate", expression="1+1"))[0] == ["2"]  # the next call gets a worker
     rt.executor.close()

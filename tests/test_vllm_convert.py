@@ -1,5 +1,6 @@
 """Conversions to and from vLLM's inputs and outputs (`vlmrl.rollout.vllm_engine`), with fake vLLM objects: runs
-without vllm installed. The real engine is tested by `make test-vllm` (tests/real_vllm/; not tests/vllm, which would shadow the vllm package on sys.path)."""
+without vllm installed. The real engine is tested by `make test-vllm` (tests/real_vllm/; not tests/vllm, which
+would shadow the vllm package on sys.path)."""
 
 from __future__ import annotations
 

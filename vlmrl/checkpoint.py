@@ -2,7 +2,8 @@
 
     <run>/checkpoints/
       step_4/                 a complete checkpoint (renamed into place only once fully written)
-        step<k>/ latest ...   DeepSpeed checkpoint (model, optimizer, scheduler, ZeRO partitions; `trainer.save_checkpoint`)
+        step<k>/ latest ...   DeepSpeed checkpoint (model, optimizer, scheduler, ZeRO partitions;
+                              `trainer.save_checkpoint`)
         hf/                   HF weights + processor (`from_pretrained`-able; `vlmrl generate model.name_or_path=...`)
         rng/rank_<r>.pt       python / numpy / torch (+ CUDA) RNG states of each rank
         config.yaml           the resolved config the checkpoint was trained with

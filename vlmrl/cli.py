@@ -203,7 +203,8 @@ def evaluate(
 
 @app.command("check-template")
 def check_template(
-    model: str = typer.Argument(..., help="a family name (e.g. qwen2_5_vl), a local model/processor folder or a hub id"),
+    model: str = typer.Argument(
+        ..., help="a family name (e.g. qwen2_5_vl), a local model/processor folder or a hub id"),
     family: Optional[str] = typer.Option(None, "--family", help="the builder family, if MODEL's config does not say"),
     as_json: bool = typer.Option(False, "--json", help="print the report as JSON"),
 ) -> None:

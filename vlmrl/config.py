@@ -96,7 +96,8 @@ class ToolsConfig:
     max_workers: int = 4  # at most this many at once when parallel
     max_call_chars: int = 8192  # a longer call is not parsed (too_long)
     parser: str = "auto"  # tool-call format; auto: the model family's (hermes for Qwen-VL)
-    describe: str = "auto"  # list the tools in the system prompt: auto (when the chat template ignores `tools`)|always|never
+    # list the tools in the system prompt: auto (when the chat template ignores `tools`) | always | never
+    describe: str = "auto"
     functions: list[str] = field(default_factory=list)  # extra function tools by import path, "pkg.module:function"
     environment: Optional[str] = None  # per-episode tool object class by import path (trl environment_factory)
     data_dir: Optional[str] = None  # the only folder tools may read (None: the dataset's images/, never its answers)

@@ -13,7 +13,8 @@ def rollout_metrics(trajs: list[Trajectory]) -> dict[str, float]:
     """reward mean/std, accuracy (any turn correct), format rate (share of graded turns with a boxed answer), turns
     and generated tokens per episode, images per episode, second_turn_accuracy (share of correct second graded turns
     among the episodes that reached one: retries after feedback; only when some did), parse failures and end
-    reasons (shares of episodes), and the tool metrics of `tool_metrics`. Tool turns are not graded: format/parse rates count graded turns only."""
+    reasons (shares of episodes), and the tool metrics of `tool_metrics`. Tool turns are not graded: format/parse
+    rates count graded turns only."""
     if not trajs:
         return {}
     rewards = [t.reward for t in trajs]

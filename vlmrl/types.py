@@ -61,7 +61,8 @@ class Message:
 
     def to_hf(self) -> dict:
         """The message in the HF chat-template format: `{"role", "content": [{"type": "text"|"image", ...}]}`."""
-        parts = [{"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"} for p in self.content]
+        parts = [{"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"}
+                 for p in self.content]
         return {"role": self.role.value, "content": parts}
 
     def to_json(self, image_ref: "Callable[[ImagePart], str] | None" = None) -> dict:

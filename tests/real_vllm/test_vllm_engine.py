@@ -86,8 +86,9 @@ class SumEnv(Environment):
 
 
 def tiny_qwen2(tied: bool, seed: int = 0):
-    """A tiny random Qwen2 (real vocabulary) whose `<|im_end|>` has ~10% probability per token at temperature 0.8 (so some samples stop
-    on EOS and some on length): every embedding gets a constant first coordinate, the EOS row of the LM head reads it."""
+    """A tiny random Qwen2 (real vocabulary) whose `<|im_end|>` has ~10% probability per token at temperature 0.8
+    (so some samples stop on EOS and some on length): every embedding gets a constant first coordinate, the EOS row
+    of the LM head reads it."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = Qwen2Config(vocab_size=151936, hidden_size=128, intermediate_size=256, num_hidden_layers=2,

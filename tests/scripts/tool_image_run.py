@@ -37,7 +37,8 @@ class Scripted(Engine):
     def generate(self, prompts, n, params):
         out = []
         for _ in prompts:
-            ids = [self.tok.encode(t := self.replies.popleft(), add_special_tokens=False) + [self.eos] for _ in range(n)]
+            ids = [self.tok.encode(t := self.replies.popleft(), add_special_tokens=False) + [self.eos]
+                   for _ in range(n)]
             out.append([Generation(i, [0.0] * len(i), StopReason.EOS, t) for i in ids])
         return out
 

@@ -1,8 +1,9 @@
 """Plug-ins by import path: the environment class named by `env._target_` (and its own typed config), reward
 functions (`env.rewards[i].fn`) and tools (`tools.functions`, `tools.environment`).
 
-Import paths are `package.module:Name` or `package.module.Name` (Hydra's `_target_` form). Every path is resolved when the config is loaded (`vlmrl.config.load`), so a typo is a
-one-line `ConfigError` naming the key within seconds, before any model is loaded.
+Import paths are `package.module:Name` or `package.module.Name` (Hydra's `_target_` form). Every path is resolved
+when the config is loaded (`vlmrl.config.load`), so a typo is a one-line `ConfigError` naming the key within
+seconds, before any model is loaded.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ PLOTS: dict[str, tuple[str, str, list[tuple[str, str]]]] = {
     "reward": ("Reward", "episode reward", [
         ("reward_mean", "reward (mean)"), ("eval/reward_mean", "eval reward (mean)")]),
     "accuracy": ("Accuracy", "share of episodes", [
-        ("accuracy", "accuracy"), ("first_turn_accuracy", "first-turn accuracy"), ("second_turn_accuracy", "second-turn accuracy"), (r"re:^pass@\d+$", "{key}"),
+        ("accuracy", "accuracy"), ("first_turn_accuracy", "first-turn accuracy"),
+        ("second_turn_accuracy", "second-turn accuracy"), (r"re:^pass@\d+$", "{key}"),
         ("format_rate", "format rate"), ("eval/accuracy", "eval accuracy"), (r"re:^eval/pass@\d+$", "{key}")]),
     "turns": ("Turns per episode", "assistant turns", [
         ("turns_per_episode", "turns / episode"), ("eval/turns_per_episode", "eval turns / episode"),

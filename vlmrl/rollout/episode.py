@@ -126,7 +126,8 @@ class EpisodeRunner:
     @property
     def tools(self) -> ToolRuntime:
         if self._tools is None:
-            self._tools = ToolRuntime(get_parser(self.builder.family), tokenizer=getattr(self.builder, "tokenizer", None))
+            tokenizer = getattr(self.builder, "tokenizer", None)
+            self._tools = ToolRuntime(get_parser(self.builder.family), tokenizer=tokenizer)
         return self._tools
 
     def run(self, tasks: list[Task], group_size: int, seed: int | None = None) -> list[Trajectory]:

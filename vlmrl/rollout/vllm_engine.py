@@ -7,7 +7,8 @@ Two modes (`rollout.vllm_mode`):
 - `colocate`: a `vllm.LLM` in the trainer process (one per rank; vLLM's in-process engine core,
   `VLLM_ENABLE_V1_MULTIPROCESSING=0`, which this module sets unless the environment says otherwise). It is built
   from the policy's config, processor and current weights (written once to a temporary folder; not
-  `load_format="dummy"`, which also randomises buffers no checkpoint holds), then the trainer's weights are pushed into it:
+  `load_format="dummy"`, which also randomises buffers no checkpoint holds), then the trainer's weights are pushed
+  into it:
   at start and after every update (`sync_weights`), inside `policy()` (so ZeRO-3 gathers the full parameters; the
   block is collective, every rank calls `sync_weights`) with
   `llm.collective_rpc("reload_weights", kwargs={"weights_iterator": [(name, tensor), ...]})` (vLLM 0.32's in-place
@@ -107,7 +108,8 @@ __all__ = [  # the engine, and the names that moved to vllm_settings/vllm_conver
 ]  # fmt: skip
 
 METRIC = "vllm_sync_max_abs_dlogprob"
-_PROBE_TEXT = "<|im_start|>user\nWhat is the sum of the interior angles of a triangle?<|im_end|>\n<|im_start|>assistant\n"
+_PROBE_TEXT = ("<|im_start|>user\nWhat is the sum of the interior angles of a triangle?<|im_end|>\n"
+               "<|im_start|>assistant\n")
 
 
 def _vllm_dtype(module: torch.nn.Module) -> str:

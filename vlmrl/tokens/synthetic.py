@@ -57,12 +57,12 @@ _ROLES = {"glm4v": (None, "<|endoftext|>", "<|endoftext|>"), "glm4v_moe": (None,
 
 SOURCES: dict[str, str] = {
     "glm4v": "151329-151342: GLM-4's special tokens (THUDM glm-4-9b-chat tokenizer_config.json / "
-             "tokenization_chatglm.py); 151343 <|image|>, 151344 <|video|>: transformers Glm4vConfig defaults (image_token_id, "
-             "video_token_id, from GLM-4.1V-9B-Thinking's config). GLM-4.1V's other added tokens (<think>, <answer>, "
-             "box tokens) are not known offline: plain text here.",
+             "tokenization_chatglm.py); 151343 <|image|>, 151344 <|video|>: transformers Glm4vConfig defaults "
+             "(image_token_id, video_token_id, from GLM-4.1V-9B-Thinking's config). GLM-4.1V's other added tokens "
+             "(<think>, <answer>, box tokens) are not known offline: plain text here.",
     "glm4v_moe": "151329-151364 in the order of the GLM-4.5 / GLM-4.6V tokenizer (a public GLM-OCR "
-                 "tokenizer_config.json extra_special_tokens list); 151339/151340/151363/151364 agree with transformers Glm4vMoeConfig "
-                 "defaults (image_start/end_token_id, image_token_id, video_token_id).",
+                 "tokenizer_config.json extra_special_tokens list); 151339/151340/151363/151364 agree with "
+                 "transformers Glm4vMoeConfig defaults (image_start/end_token_id, image_token_id, video_token_id).",
     "kimi_vl": "163584-163605: the Moonshot (Kimi K2 / Moonlight) tiktoken special-token table as published in public "
                "code (163602 is named <|media_begin|> there; Kimi-VL's template calls it <|media_start|>); 163605 = "
                "media_placeholder_token_id of Kimi-VL's config; other ids up to 163839: <|reserved_token_N|>.",

@@ -9,7 +9,8 @@ line that starts one (`vlmrl.tools.worker`), chosen once per process and logged 
   read-only binds of the shared libraries (/usr/lib, /usr/lib64), the Python installation and venv, the folders of
   `sys.path` (so tool modules import) and `read_dir`; `hide` (the dataset's folder, which holds the answers) is
   covered by an empty tmpfs even where it lies inside a bound folder, then `read_dir` is bound again on top.
-  /tmp is a private tmpfs of TMP_MB (where bwrap supports `--size`); there is no /etc, no /usr/bin (no programs to run) and no /home.
+  /tmp is a private tmpfs of TMP_MB (where bwrap supports `--size`); there is no /etc, no /usr/bin (no programs to
+  run) and no /home.
 - **rlimits** (fallback, or `tools.isolation: rlimits`): a separate process with the worker's rlimits only. It
   does NOT restrict the filesystem (tool code can read anything the trainer's user can, including the dataset's
   answers, and write where that user can), the network, or starting programs; it only keeps crashes, hangs,

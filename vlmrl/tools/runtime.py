@@ -54,7 +54,8 @@ class ToolLimits:
     @staticmethod
     def from_cfg(cfg: Any) -> "ToolLimits":
         d = ToolLimits()
-        return ToolLimits(float(_get(cfg, "timeout_s", d.timeout_s)), int(_get(cfg, "max_tool_calls", d.max_tool_calls)),
+        return ToolLimits(float(_get(cfg, "timeout_s", d.timeout_s)),
+                          int(_get(cfg, "max_tool_calls", d.max_tool_calls)),
                           int(_get(cfg, "max_tool_response_tokens", d.max_tool_response_tokens)),
                           bool(_get(cfg, "parallel", d.parallel)), int(_get(cfg, "max_workers", d.max_workers)),
                           int(_get(cfg, "max_call_chars", d.max_call_chars)))

@@ -1,5 +1,6 @@
 """The trainer's resolved settings (`TrainerSettings`) and its DeepSpeed config: ours (`deepspeed_config`), merged
-under a user's JSON (`trainer.deepspeed_config`, `merge_deepspeed_config`), and the `HfDeepSpeedConfig` for zero.Init."""
+under a user's JSON (`trainer.deepspeed_config`, `merge_deepspeed_config`), and the `HfDeepSpeedConfig` for
+zero.Init."""
 
 from __future__ import annotations
 

@@ -22,7 +22,8 @@ from vlmrl.types import Trajectory
 
 
 def reward_to_go(rewards: Sequence[float], gamma: float) -> list[float]:
-    """[len(rewards)] G[t] = sum_{k >= t} gamma**(k - t) * rewards[k] (computed backwards: G[t] = r[t] + gamma G[t+1])."""
+    """[len(rewards)] G[t] = sum_{k >= t} gamma**(k - t) * rewards[k] (computed backwards:
+    G[t] = r[t] + gamma G[t+1])."""
     out, acc = [0.0] * len(rewards), 0.0
     for t in range(len(rewards) - 1, -1, -1):
         acc = float(rewards[t]) + gamma * acc

@@ -60,7 +60,8 @@ def format_prompt(problem: str, choices: Sequence[str]) -> str:
 
 def build_task(row: GeometryRow) -> Task:
     """A `Task` for one row: one user message [diagram, text]; meta holds what `step` needs to grade answers."""
-    message = Message(Role.USER, [ImagePart(row.image, row.image_ref), TextPart(format_prompt(row.problem, row.choices))])
+    prompt = TextPart(format_prompt(row.problem, row.choices))
+    message = Message(Role.USER, [ImagePart(row.image, row.image_ref), prompt])
     meta = {
         "choices": list(row.choices),
         "answer_letter": row.answer,
