@@ -118,8 +118,9 @@ class EpisodeRunner:
     ):
         self.builder, self.engine, self.env_factory = builder, engine, env_factory
         self.limits, self.sampling, self._tools, self.batch_wait_s = limits, sampling, tools, batch_wait_s
-        self.handlers = {State.GENERATE: self._on_generate, State.REPLY: self._on_reply, State.TOOL: self._on_tool,
-                         State.ENV_STEP: self._on_env_step, State.OBSERVE: self._on_observe}
+        # handler method names, looked up on `self` at call time (a copy of the runner runs its own state)
+        self.handlers = {State.GENERATE: "_on_generate", State.REPLY: "_on_reply", State.TOOL: "_on_tool",
+                         State.ENV_STEP: "_on_env_step", State.OBSERVE: "_on_observe"}
         self.batcher: EngineBatcher | None = None  # the current run's (its batch_sizes stay readable afterwards)
         self._seed = 0
 
@@ -165,7 +166,7 @@ class EpisodeRunner:
         """One episode, state by state, until DONE."""
         try:
             while ep.state is not State.DONE:
-                await self.handlers[ep.state](ep)
+                await getattr(self, self.handlers[ep.state])(ep)
         finally:
             self.batcher.finish()  # type: ignore[union-attr]
 
