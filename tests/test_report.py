@@ -8,6 +8,7 @@ import html
 import io
 import json
 import re
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -257,6 +258,8 @@ def test_sinks_off_by_default_and_missing_packages_skipped(tmp_path, monkeypatch
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("wandb", "tensorboard")
                         else real(name, *a))
+    for name in ("wandb", "tensorboard"):  # imported by an earlier test (or a fake): not installed for this one
+        monkeypatch.delitem(sys.modules, name, raising=False)
     assert not make_loggers(cfg)
     assert "wandb is not installed" in caplog.text and "tensorboard is not installed" in caplog.text
     assert not make_loggers(cfg, enabled=False)

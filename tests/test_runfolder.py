@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 
 from vlmrl import checkpoint, runlock
 from vlmrl.config import load
+from vlmrl.rollout.engine import Engine
 from vlmrl.runfiles import RunFiles, RunFolderError
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is deprecated.*:FutureWarning")
@@ -242,7 +243,7 @@ def test_disk_full_during_a_checkpoint_is_one_line_and_leaves_no_partial_folder(
 # ------------------------------------------------------------------------------------------------------- generate
 
 
-class LetterEngine:
+class LetterEngine(Engine):
     """Sample j answers `\\boxed{<"ABCD"[j % 4]>}`; `fail_at`: the generate call that raises `Crash` (a kill)."""
 
     def __init__(self, tokenizer, fail_at: int | None):

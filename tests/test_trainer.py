@@ -130,9 +130,9 @@ def test_micro_batches_accumulate_exactly_and_reach_the_vision_tower(fresh_model
         param = dict(trainer.module.named_parameters())[name]
         ds_grad, ref_grad = safe_get_full_grad(param), dict(reference.named_parameters())[name].grad
         assert ds_grad.abs().max() > 0, name  # image-conditioned samples reach the vision tower
-        # fp32 sums in another order (4 micro-batches vs one batch): ~1e-5 of the gradient's scale on the tied
+        # fp32 sums in another order (4 micro-batches vs one batch): up to ~2e-5 of the gradient's scale on the tied
         # embedding's near-zero entries; a lost or doubled micro-batch is off by O(1) of that scale
-        torch.testing.assert_close(ds_grad, ref_grad, rtol=1e-4, atol=1e-5 * float(ref_grad.abs().max()), msg=name)
+        torch.testing.assert_close(ds_grad, ref_grad, rtol=1e-4, atol=1e-4 * float(ref_grad.abs().max()), msg=name)
 
 
 def test_zero2_step_moves_loss_and_updates_language_and_vision(fresh_model):

@@ -80,10 +80,12 @@ class EngineBatcher:
                 try:
                     results = await loop.run_in_executor(self._engine_thread, self.engine.generate_batch,
                                                          [req for _, req, _, _ in batch])
-                except Exception as err:  # noqa: BLE001 - handed to every waiting episode
+                except BaseException as err:  # handed to every waiting episode (else they would wait forever)
                     for _, _, _, future in batch:
                         if not future.done():
                             future.set_exception(err)
+                    if not isinstance(err, Exception):  # KeyboardInterrupt, SystemExit...: stop serving
+                        return
                     continue
                 for (_, _, _, future), gens in zip(batch, results):
                     if not future.done():
