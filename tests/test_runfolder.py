@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 from conftest import GEOMETRY3K
+from test_generate import LetterEngine as LetterAnswers
 from typer.testing import CliRunner
 
 from vlmrl import checkpoint, runlock
 from vlmrl.config import load
-from vlmrl.rollout.engine import Engine
 from vlmrl.runfiles import RunFiles, RunFolderError
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is deprecated.*:FutureWarning")
@@ -243,28 +243,19 @@ def test_disk_full_during_a_checkpoint_is_one_line_and_leaves_no_partial_folder(
 # ------------------------------------------------------------------------------------------------------- generate
 
 
-class LetterEngine(Engine):
-    """Sample j answers `\\boxed{<"ABCD"[j % 4]>}`; `fail_at`: the generate call that raises `Crash` (a kill)."""
+class LetterEngine(LetterAnswers):
+    """test_generate's engine (sample j answers `\\boxed{<"ABCD"[j % 4]>}`); `fail_at`: the generate call that
+    raises `Crash` (a kill)."""
 
     def __init__(self, tokenizer, fail_at: int | None):
-        self.tok, self.calls, self.fail_at = tokenizer, 0, fail_at
-        self.im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        super().__init__(tokenizer)
+        self.fail_at = fail_at
 
     def generate(self, prompts, n, params):
-        from vlmrl.types import Generation, StopReason
-
-        self.calls += 1
-        if self.calls == self.fail_at:
+        if self.calls + 1 == self.fail_at:
+            self.calls += 1
             raise Crash()
-        out = []
-        for _ in prompts:
-            gens = []
-            for j in range(n):
-                text = f"The answer is \\boxed{{{'ABCD'[j % 4]}}}."
-                ids = self.tok.encode(text, add_special_tokens=False) + [self.im_end]
-                gens.append(Generation(ids, [-0.25] * len(ids), StopReason.EOS, text))
-            out.append(gens)
-        return out
+        return super().generate(prompts, n, params)
 
 
 class Crash(BaseException):
