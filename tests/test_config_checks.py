@@ -32,6 +32,14 @@ ROOT = Path(__file__).resolve().parents[1]
     ("trainer.deepspeed_config=/no/such.json", "trainer.deepspeed_config"),
     ("algorithm.kl_coef=-0.1", "algorithm.kl_coef"),
     ("data.limit=0", "data.limit"),
+    ("rollout.vllm.mode=remote", "rollout.vllm.mode"),
+    ("rollout.vllm.mode=server", "rollout.vllm.url"),
+    ("rollout.vllm.gpu_memory_utilization=1.5", "rollout.vllm.gpu_memory_utilization"),
+    ("rollout.vllm.kv_cache_gb=0", "rollout.vllm.kv_cache_gb"),
+    ("rollout.vllm.logprobs_mode=raw_logits", "rollout.vllm.logprobs_mode"),
+    ("rollout.vllm.sync_check_tokens=0", "rollout.vllm.sync_check_tokens"),
+    ("rollout.vllm.timeout_s=0", "rollout.vllm.timeout_s"),
+    ("rollout.vllm.limit_mm_per_prompt=-1", "rollout.vllm.limit_mm_per_prompt"),
 ])
 def test_bad_value_is_a_one_line_config_error(override, needle):
     with pytest.raises(ConfigError) as info:
@@ -50,6 +58,45 @@ def test_new_knobs_are_overridable_with_their_defaults():
     default = load("geometry3k_tiny")
     assert default.model.lora.r == 0 and default.trainer.lr_scheduler == "constant"
     assert default.model.attn_implementation is None and not default.model.freeze_projector
+
+
+@pytest.mark.parametrize("override, moved", [
+    ("rollout.vllm_mode=server", "rollout.vllm_mode moved to rollout.vllm.mode"),
+    ("+rollout.vllm_kv_cache_gb=0.5", "rollout.vllm_kv_cache_gb moved to rollout.vllm.kv_cache_gb"),
+    ("rollout.gpu_memory_utilization=0.4",
+     "rollout.gpu_memory_utilization moved to rollout.vllm.gpu_memory_utilization"),
+])
+def test_flat_vllm_key_is_an_error_naming_the_nested_key(override, moved):
+    with pytest.raises(ConfigError) as info:
+        load("geometry3k_tiny", ["rollout=vllm", override])
+    assert str(info.value) == moved
+
+
+def test_flat_vllm_key_in_a_recipe_or_run_config_names_the_nested_key(tmp_path):
+    from vlmrl.config import from_yaml
+
+    recipe = tmp_path / "old.yaml"
+    recipe.write_text("# @package _global_\nrollout:\n  vllm_sync_check_seqs: 0\n")
+    with pytest.raises(ConfigError, match=r"^rollout.vllm_sync_check_seqs moved to rollout.vllm.sync_check_seqs$"):
+        load(str(recipe))
+    run_config = tmp_path / "config.yaml"
+    run_config.write_text("rollout:\n  engine: vllm\n  vllm_seed: 3\n")
+    with pytest.raises(ConfigError, match=r"^rollout.vllm_seed moved to rollout.vllm.seed$"):
+        from_yaml(run_config)
+
+
+def test_nested_vllm_keys_and_their_defaults():
+    from vlmrl.config import VLLMConfig
+
+    cfg = load("geometry3k_tiny", ["rollout=vllm", "rollout.vllm.mode=server", "rollout.vllm.url=http://h:1",
+                                   "rollout.vllm.sync_check_seqs=0", "rollout.vllm.limit_mm_per_prompt=2"])
+    v = cfg.rollout.vllm
+    assert isinstance(v, VLLMConfig)
+    assert (v.mode, v.url, v.sync_check_seqs, v.limit_mm_per_prompt) == ("server", "http://h:1", 0, 2)
+    # conf/rollout/vllm.yaml restates the dataclass defaults; the GPU recipe sets its own share and image limit
+    assert load("geometry3k_tiny", ["rollout=vllm"]).rollout.vllm == VLLMConfig()
+    gpu = load("geometry3k").rollout
+    assert (gpu.engine, gpu.vllm.gpu_memory_utilization, gpu.vllm.limit_mm_per_prompt) == ("vllm", 0.3, 1)
 
 
 def test_batch_size_below_world_size_is_refused(monkeypatch):

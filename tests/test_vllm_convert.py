@@ -11,7 +11,6 @@ import torch
 
 from vlmrl.rollout.engine import SamplingParams
 from vlmrl.rollout.vllm_engine import (
-    VLLMSettings,
     choose_logprobs_mode,
     collapse_image_placeholders,
     completion_body,
@@ -190,19 +189,37 @@ def test_prompt_logprobs_layout_and_delta():
 
 
 # --- settings, factory, weights --------------------------------------------------------------------------------
-def test_settings_from_config_and_errors():
-    from vlmrl.config import ConfigError, load
+def test_nested_vllm_config_reaches_the_engine_as_it_is(monkeypatch):
+    """`make_engine` hands `rollout.vllm` (the typed node from the config, not a copy) and the rollout's context
+    length, temperature and top_p to `VLLMEngine` (a recording stand-in: runs without vllm)."""
+    import importlib.util
+    import sys
+    import types
 
-    cfg = load(None, ["rollout=vllm", "rollout.temperature=1.0", "rollout.top_p=0.8", "rollout.max_context_tokens=999"])
-    s = VLLMSettings.from_rollout(cfg.rollout)
-    assert (s.mode, s.max_model_len, s.top_p, s.sync_check_seqs) == ("colocate", 999, 0.8, 2)
-    assert choose_logprobs_mode(s.temperature, s.top_p) == "raw_logprobs"
-    with pytest.raises(ValueError, match="vllm_url"):
-        VLLMSettings.from_rollout({"vllm_mode": "server"})
-    with pytest.raises(ValueError, match="vllm_logprobs_mode"):
-        VLLMSettings.from_rollout({"vllm_logprobs_mode": "raw_logits"})
-    with pytest.raises(ConfigError, match="vllm_mode"):
-        load(None, ["rollout=vllm", "rollout.vllm_mode=remote"])
+    from vlmrl.config import load
+    from vlmrl.rollout import make_engine
+
+    seen = {}
+
+    class RecordingEngine:
+        def __init__(self, policy, processor, eos_ids, image_token_id, config, **kwargs):
+            seen.update(config=config, eos_ids=eos_ids, image_token_id=image_token_id, **kwargs)
+
+    fake = types.ModuleType("vlmrl.rollout.vllm_engine")
+    fake.VLLMEngine = RecordingEngine
+    monkeypatch.setitem(sys.modules, "vlmrl.rollout.vllm_engine", fake)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "vllm" else real_find_spec(name, *a))
+    cfg = load(None, ["rollout=vllm", "rollout.temperature=0.7", "rollout.top_p=0.9", "rollout.max_context_tokens=999",
+                      "rollout.vllm.kv_cache_gb=0.5", "rollout.vllm.sync_check_seqs=3", "rollout.vllm.seed=7"])
+    processor = SimpleNamespace(tokenizer=object(), image_processor=SimpleNamespace(merge_size=2))
+    builder = SimpleNamespace(stop_token_ids={EOS, 151643}, image_token_id=IMG)
+    make_engine(cfg.rollout, None, processor, builder)
+    assert seen["config"] is cfg.rollout.vllm
+    assert (seen["config"].kv_cache_gb, seen["config"].sync_check_seqs, seen["config"].seed) == (0.5, 3, 7)
+    assert (seen["max_model_len"], seen["temperature"], seen["top_p"], seen["merge_size"]) == (999, 0.7, 0.9, 2)
+    assert seen["eos_ids"] == [151643, EOS] and seen["image_token_id"] == IMG
 
 
 def test_make_engine_without_vllm_is_a_clear_error():

@@ -108,28 +108,43 @@ class ToolsConfig:
 
 
 @dataclass
+class VLLMConfig:
+    """`rollout.vllm`: the vLLM engine's own knobs (`rollout.engine=vllm`; conf/rollout/vllm.yaml, vlmrl/rollout/
+    vllm_engine.py). The engine also reads rollout.max_context_tokens (vLLM's max_model_len), temperature and top_p."""
+
+    mode: str = "colocate"  # colocate (vllm.LLM in the trainer process) | server (vLLM's own HTTP server at `url`)
+    url: Optional[str] = None  # server mode: e.g. http://127.0.0.1:8000
+    served_model: Optional[str] = None  # server mode: model name (None: the server's first)
+    sync_dir: Optional[str] = None  # server mode: folder (readable by the server) for synced weights
+    gpu_memory_utilization: float = 0.3  # colocate: GPU memory share for vLLM (weights + KV cache), in (0, 1]
+    kv_cache_gb: Optional[float] = None  # colocate: KV cache size in GiB (None: from gpu_memory_utilization; CPU 1)
+    tensor_parallel_size: int = 1
+    limit_mm_per_prompt: Optional[int] = None  # colocate: images per prompt vLLM plans memory for (None: vLLM's)
+    logprobs_mode: str = "auto"  # auto | processed_logprobs | raw_logprobs
+    sync_check_seqs: int = 2  # sequences compared with the trainer after each weight sync (0: off)
+    sync_check_tokens: int = 256  # text probes are cut to this many tokens
+    sync_warn_dlogprob: float = 0.1  # warn when the metric vllm_sync_max_abs_dlogprob exceeds it
+    timeout_s: float = 600.0  # server mode: seconds per HTTP request
+    seed: int = 0  # vLLM's engine seed (colocated, several ranks: seed + rank)
+
+
+# the flat `rollout.vllm_*` keys of earlier versions -> their place in `rollout.vllm` (a config error names it)
+MOVED_VLLM_KEYS = {f"rollout.vllm_{k}": f"rollout.vllm.{k}" for k in (
+    "mode", "url", "served_model", "sync_dir", "kv_cache_gb", "tensor_parallel_size", "logprobs_mode",
+    "sync_check_seqs", "sync_check_tokens", "sync_warn_dlogprob", "timeout_s", "seed")}
+MOVED_VLLM_KEYS["rollout.gpu_memory_utilization"] = "rollout.vllm.gpu_memory_utilization"
+
+
+@dataclass
 class RolloutConfig:
     engine: str = "transformers"
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 64
     stop: list[str] = field(default_factory=list)
-    max_context_tokens: int = 4096
+    max_context_tokens: int = 4096  # also vLLM's max_model_len
     batch_wait_s: float = 0.05  # an idle engine waits this long for episodes in env steps / tool calls
-    # rollout.engine=vllm (see conf/rollout/vllm.yaml and vlmrl/rollout/vllm_engine.py)
-    vllm_mode: str = "colocate"  # colocate (LLM in the trainer process) | server (OpenAI-compatible server)
-    vllm_url: Optional[str] = None  # server mode: e.g. http://127.0.0.1:8000
-    vllm_served_model: Optional[str] = None  # server mode: model name (default: the server's first)
-    vllm_sync_dir: Optional[str] = None  # server mode: folder (readable by the server) for synced weights
-    gpu_memory_utilization: float = 0.3  # colocate: GPU memory share for vLLM (weights + KV cache)
-    vllm_kv_cache_gb: Optional[float] = None  # colocate: KV cache size (default: from gpu_memory_utilization; CPU 1)
-    vllm_tensor_parallel_size: int = 1
-    vllm_logprobs_mode: str = "auto"  # auto | processed_logprobs | raw_logprobs
-    vllm_sync_check_seqs: int = 2  # sequences compared with the trainer after each weight sync (0: off)
-    vllm_sync_check_tokens: int = 256
-    vllm_sync_warn_dlogprob: float = 0.1  # warn when vllm_sync_max_abs_dlogprob exceeds it
-    vllm_timeout_s: float = 600.0
-    vllm_seed: int = 0
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)  # rollout.engine=vllm
 
 
 @dataclass
@@ -272,6 +287,9 @@ def _one_line(exc: BaseException) -> str:
         msg = msg.rstrip(".") + ": no such key"
     elif key and key not in msg:
         msg = f"{key}: {msg}"
+    for c in chain:  # a flat `rollout.vllm_*` key of earlier versions, from an override or a YAML file
+        if _moved(str(c)) != str(c):
+            return _moved(str(c))
     return re.sub(r"\s+", " ", msg)
 
 
@@ -337,6 +355,10 @@ def _typed(raw) -> Config:
 
     # as plain data: merged as a `_ComposeSchema` node, `raw` would turn the schema's `env` back into an open mapping
     raw = OmegaConf.create(OmegaConf.to_container(raw, resolve=False)) if raw is not None else None
+    rollout_raw = raw.get("rollout") if raw is not None else None
+    for key in rollout_raw or {}:  # a run folder's config.yaml from before `rollout.vllm`
+        if f"rollout.{key}" in MOVED_VLLM_KEYS:
+            raise ConfigError(_moved(f"rollout.{key}"))
     schema = OmegaConf.structured(Config)
     env_raw = raw.get("env") if raw is not None else None
     if env_raw is not None:
@@ -359,7 +381,6 @@ def _validate(cfg: Config, training: bool = True) -> None:
         (cfg.trainer.zero_stage in (0, 1, 2, 3), "trainer.zero_stage must be 0, 1, 2 or 3"),
         (cfg.rollout.temperature > 0, "rollout.temperature must be > 0"),
         (cfg.rollout.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1"),
-        (cfg.rollout.vllm_mode in ("colocate", "server"), "rollout.vllm_mode must be colocate or server"),
         (cfg.rollout.batch_wait_s >= 0, "rollout.batch_wait_s must be >= 0"),
         (cfg.tools.timeout_s > 0, "tools.timeout_s must be > 0"),
         (cfg.tools.max_tool_calls >= 0, "tools.max_tool_calls must be >= 0"),
@@ -427,15 +448,6 @@ def _range_checks(cfg: Config) -> list[tuple[bool, str]]:
         (_fin(r.temperature), "rollout.temperature must be finite"),
         (0.0 < r.top_p <= 1.0, "rollout.top_p must be in (0, 1]"),
         (r.max_context_tokens >= 1, "rollout.max_context_tokens must be >= 1"),
-        (0.0 < r.gpu_memory_utilization <= 1.0, "rollout.gpu_memory_utilization must be in (0, 1]"),
-        (r.vllm_kv_cache_gb is None or r.vllm_kv_cache_gb > 0, "rollout.vllm_kv_cache_gb must be > 0"),
-        (r.vllm_tensor_parallel_size >= 1, "rollout.vllm_tensor_parallel_size must be >= 1"),
-        (r.vllm_logprobs_mode in ("auto", "processed_logprobs", "raw_logprobs"),
-         "rollout.vllm_logprobs_mode must be auto, processed_logprobs or raw_logprobs"),
-        (r.vllm_sync_check_seqs >= 0 and r.vllm_sync_check_tokens >= 1,
-         "rollout.vllm_sync_check_seqs must be >= 0 and vllm_sync_check_tokens >= 1"),
-        (r.vllm_sync_warn_dlogprob >= 0, "rollout.vllm_sync_warn_dlogprob must be >= 0"),
-        (r.vllm_timeout_s > 0, "rollout.vllm_timeout_s must be > 0"),
         (0.0 <= a.clip_eps_low < 1.0 and a.clip_eps_high >= 0, "algorithm.clip_eps_low must be in [0, 1) and "
          "clip_eps_high >= 0"),
         (a.kl_coef >= 0 and _fin(a.kl_coef), "algorithm.kl_coef must be >= 0"),
@@ -453,7 +465,47 @@ def _range_checks(cfg: Config) -> list[tuple[bool, str]]:
         (0.0 <= tr.warmup_ratio < 1.0, "trainer.warmup_ratio must be in [0, 1)"),
         (tr.deepspeed_config is None or Path(tr.deepspeed_config).is_file(),
          f"trainer.deepspeed_config={tr.deepspeed_config}: no such file"),
+        *_vllm_checks(r.vllm),
     ]
+
+
+_LOGPROBS_MODES = ("auto", "processed_logprobs", "raw_logprobs")
+
+
+def _vllm_checks(v: VLLMConfig) -> list[tuple[bool, str]]:
+    """The checks of `rollout.vllm` (the only place they are made; `check_vllm_config` raises on the first)."""
+    return [
+        (v.mode in ("colocate", "server"), f"rollout.vllm.mode={v.mode!r} must be colocate or server"),
+        (v.mode != "server" or bool(v.url), "rollout.vllm.mode=server needs rollout.vllm.url (e.g. "
+         "http://127.0.0.1:8000)"),
+        (0.0 < v.gpu_memory_utilization <= 1.0, "rollout.vllm.gpu_memory_utilization must be in (0, 1]"),
+        (v.kv_cache_gb is None or (v.kv_cache_gb > 0 and _fin(v.kv_cache_gb)),
+         "rollout.vllm.kv_cache_gb must be > 0 (or null)"),
+        (v.tensor_parallel_size >= 1, "rollout.vllm.tensor_parallel_size must be >= 1"),
+        (v.limit_mm_per_prompt is None or v.limit_mm_per_prompt >= 0,
+         "rollout.vllm.limit_mm_per_prompt must be >= 0 (or null)"),
+        (v.logprobs_mode in _LOGPROBS_MODES, f"rollout.vllm.logprobs_mode={v.logprobs_mode!r} must be one of "
+         f"{', '.join(_LOGPROBS_MODES)}"),
+        (v.sync_check_seqs >= 0, "rollout.vllm.sync_check_seqs must be >= 0"),
+        (v.sync_check_tokens >= 1, "rollout.vllm.sync_check_tokens must be >= 1"),
+        (v.sync_warn_dlogprob >= 0, "rollout.vllm.sync_warn_dlogprob must be >= 0"),
+        (v.timeout_s > 0 and _fin(v.timeout_s), "rollout.vllm.timeout_s must be > 0 and finite"),
+    ]
+
+
+def check_vllm_config(v: VLLMConfig) -> None:
+    """Raise ConfigError naming the field for the first failing check of `rollout.vllm` (`_vllm_checks`)."""
+    for ok, msg in _vllm_checks(v):
+        if not ok:
+            raise ConfigError(msg)
+
+
+def _moved(msg: str) -> str:
+    """A message about a flat `rollout.vllm_*` key (earlier versions) says where that key lives now."""
+    for old, new in MOVED_VLLM_KEYS.items():
+        if re.search(re.escape(old) + r"\b", msg):
+            return f"{old} moved to {new}"
+    return msg
 
 
 def to_yaml(cfg: Config) -> str:

@@ -24,7 +24,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -33,14 +32,14 @@ import torch
 pytest.importorskip("vllm")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-from vlmrl.config import ExportStyle  # noqa: E402
+from vlmrl.config import ExportStyle, RolloutConfig, VLLMConfig  # noqa: E402
 from vlmrl.envs.base import Environment, StepResult  # noqa: E402
 from vlmrl.export import to_samples  # noqa: E402
 from vlmrl.models import chat_template, qwen_tokenizer  # noqa: E402
 from vlmrl.rollout import make_engine  # noqa: E402
 from vlmrl.rollout.engine import SamplingParams  # noqa: E402
 from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner  # noqa: E402
-from vlmrl.rollout.vllm_engine import METRIC, VLLMEngine, VLLMSettings  # noqa: E402
+from vlmrl.rollout.vllm_engine import METRIC, VLLMEngine  # noqa: E402
 from vlmrl.tokens.qwen_vl import QwenVLBuilder  # noqa: E402
 from vlmrl.train.logprobs import sequence_logprobs  # noqa: E402
 from vlmrl.types import EnginePrompt, Message, ParseStatus, Role, StopReason, Task  # noqa: E402
@@ -104,10 +103,10 @@ def tiny_qwen2(tied: bool, seed: int = 0):
     return model.train()
 
 
-def rollout_cfg(**extra):
-    base = {"engine": "vllm", "temperature": TEMPERATURE, "top_p": 1.0, "max_new_tokens": 10, "stop": [],
-            "max_context_tokens": 512, "vllm_kv_cache_gb": 0.25, "vllm_sync_check_seqs": 2}
-    return SimpleNamespace(**{**base, **extra})
+def rollout_cfg(**vllm) -> RolloutConfig:
+    """`rollout=vllm` for the tiny text models: `rollout.vllm` gets a 0.25 GiB KV cache and `vllm`'s fields."""
+    return RolloutConfig(engine="vllm", temperature=TEMPERATURE, top_p=1.0, max_new_tokens=10, max_context_tokens=512,
+                         vllm=VLLMConfig(**{"kv_cache_gb": 0.25, "sync_check_seqs": 2, **vllm}))
 
 
 def make_tasks(n: int) -> list[Task]:
@@ -278,7 +277,7 @@ def served_model(tmp_path_factory, processor):
 def test_server_mode_generate_and_sync(served_model, processor, builder):
     url, model, directory = served_model
     policy = lambda: contextlib.nullcontext(model)  # noqa: E731
-    cfg = rollout_cfg(vllm_mode="server", vllm_url=url, vllm_sync_dir=str(directory / "sync"))
+    cfg = rollout_cfg(mode="server", url=url, sync_dir=str(directory / "sync"))
     engine = make_engine(cfg, policy, processor, builder)
     assert engine.served_model == "policy"
     assert engine.last_sync_metrics[METRIC] < TOL
@@ -303,9 +302,17 @@ def test_server_mode_generate_and_sync(served_model, processor, builder):
         engine.generate([EnginePrompt([1, 2], [object()], None)], 1, SamplingParams(4))
 
 
-def test_settings_from_conf_group():
+def test_conf_group_config_reaches_the_engine(processor, builder):
+    """`rollout=vllm` from conf/: the typed `rollout.vllm` node is the engine's config as it is."""
     from vlmrl.config import load
 
-    settings = VLLMSettings.from_rollout(load(None, ["rollout=vllm"]).rollout)
-    assert settings.mode == "colocate" and settings.logprobs_mode == "auto" and settings.max_model_len == 4096
-    assert Path(__file__).parents[2].joinpath("conf", "rollout", "vllm.yaml").is_file()
+    cfg = load(None, ["rollout=vllm", "rollout.max_context_tokens=512", "rollout.vllm.kv_cache_gb=0.25",
+                      "rollout.vllm.sync_check_seqs=1"])
+    model = tiny_qwen2(tied=False).eval()
+    engine = make_engine(cfg.rollout, lambda: contextlib.nullcontext(model), processor, builder)
+    try:
+        assert engine.config is cfg.rollout.vllm and engine.max_model_len == 512
+        assert engine.llm.llm_engine.vllm_config.model_config.max_model_len == 512
+        assert engine.logprobs_mode == "processed_logprobs" and engine._recent.maxlen == 1
+    finally:
+        _free(engine)

@@ -30,7 +30,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from PIL import Image  # noqa: E402 - after the importorskip: this module only runs in the vLLM venv
 
-from vlmrl.config import ExportStyle  # noqa: E402
+from vlmrl.config import ExportStyle, RolloutConfig, VLLMConfig  # noqa: E402
 from vlmrl.envs.base import Environment, StepResult  # noqa: E402
 from vlmrl.export import to_samples  # noqa: E402
 from vlmrl.models import load_processor  # noqa: E402
@@ -92,10 +92,10 @@ class FeedbackImageEnv(Environment):
         return StepResult(0.0, False, more, ParseStatus.NO_ANSWER, False, False)
 
 
-def rollout_cfg(**extra):
-    base = {"engine": "vllm", "temperature": TEMPERATURE, "top_p": 1.0, "max_new_tokens": 8, "stop": [],
-            "max_context_tokens": 1024, "vllm_kv_cache_gb": 0.25, "vllm_sync_check_seqs": 2}
-    return SimpleNamespace(**{**base, **extra})
+def rollout_cfg(**vllm) -> RolloutConfig:
+    """`rollout=vllm` for the tiny Qwen2.5-VL: `rollout.vllm` gets a 0.25 GiB KV cache and `vllm`'s fields."""
+    return RolloutConfig(engine="vllm", temperature=TEMPERATURE, top_p=1.0, max_new_tokens=8, max_context_tokens=1024,
+                         vllm=VLLMConfig(**{"kv_cache_gb": 0.25, "sync_check_seqs": 2, **vllm}))
 
 
 def worst_delta(model, samples) -> float:
@@ -189,7 +189,7 @@ def test_train_two_steps_with_vllm_and_images(tmp_path):
     cmd = [sys.executable, "-m", "vlmrl.cli", "train", "recipe=geometry3k_tiny", "rollout=vllm",
            f"model.name_or_path={model_dir}", "data.limit=2", "trainer.steps=2", "trainer.batch_size=1",
            "algorithm.group_size=2", "rollout.max_new_tokens=8", "rollout.max_context_tokens=1024",
-           "rollout.vllm_kv_cache_gb=0.25", "trainer.align_every=0", f"logging.output_dir={out}"]
+           "rollout.vllm.kv_cache_gb=0.25", "trainer.align_every=0", f"logging.output_dir={out}"]
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from vlmrl.config import RolloutConfig
 from vlmrl.rollout.engine import Engine, SamplingParams
 
 
-def make_engine(rollout_cfg, policy, processor, builder) -> Engine:
+def make_engine(rollout_cfg: RolloutConfig, policy, processor, builder) -> Engine:
     """The engine named by `rollout.engine`: `transformers` (in process, shares the trainer's module) or `vllm`
-    (`rollout.vllm_mode`: colocate | server; its `sync_weights()` must follow every update and returns metrics).
+    (`rollout.vllm.mode`: colocate | server; its `sync_weights()` must follow every update and returns metrics).
 
     Raises ValueError naming `rollout.engine` for an unknown or unavailable engine.
     """
@@ -24,13 +25,14 @@ def make_engine(rollout_cfg, policy, processor, builder) -> Engine:
         if importlib.util.find_spec("vllm") is None:  # only vllm_engine imports vllm
             raise ValueError("rollout.engine=vllm needs vLLM: pip install 'vlmrl[vllm]' (CUDA), or the CPU build "
                              "as in `make test-vllm`")
-        from vlmrl.rollout.vllm_engine import VLLMEngine, VLLMSettings
+        from vlmrl.rollout.vllm_engine import VLLMEngine
 
         tok = processor.tokenizer
         eos = sorted(builder.stop_token_ids)
         merge = getattr(getattr(processor, "image_processor", None), "merge_size", None)
-        return VLLMEngine(policy, processor, eos, builder.image_token_id, VLLMSettings.from_rollout(rollout_cfg),
-                          merge_size=merge if isinstance(merge, int) else None)
+        return VLLMEngine(policy, processor, eos, builder.image_token_id, rollout_cfg.vllm,
+                          max_model_len=rollout_cfg.max_context_tokens, temperature=rollout_cfg.temperature,
+                          top_p=rollout_cfg.top_p, merge_size=merge if isinstance(merge, int) else None)
     raise ValueError(f"rollout.engine={rollout_cfg.engine!r} is not available (choose: transformers, vllm)")
 
 

