@@ -13,9 +13,10 @@ from vlmrl.rollout.engine import SamplingParams
 from vlmrl.rollout.vllm_engine import (
     choose_logprobs_mode,
     collapse_image_placeholders,
-    completion_body,
-    generation_from_choice,
+    generate_body,
+    generation_from_generate_choice,
     generation_from_vllm,
+    image_data_url,
     logprobs_exact,
     max_abs_delta,
     prompt_logprobs_list,
@@ -97,17 +98,42 @@ def test_collapse_then_vllm_expansion_recovers_the_builder_ids(request, small_im
     assert expanded == prompt.token_ids
 
 
-def test_sampling_kwargs_and_completion_body():
+def test_sampling_kwargs_and_generate_body():
     params = SamplingParams(max_new_tokens=7, temperature=0.7, top_p=0.9, stop=["</answer>"], seed=3)
     kw = sampling_kwargs(params, 4, [EOS, EOT], seed=3)
     assert kw["n"] == 4 and kw["temperature"] == 0.7 and kw["top_p"] == 0.9 and kw["max_tokens"] == 7
     assert kw["logprobs"] == 0 and kw["top_k"] == 0 and kw["min_p"] == 0.0 and kw["repetition_penalty"] == 1.0
     assert kw["stop"] == ["</answer>"] and kw["stop_token_ids"] == [EOS, EOT] and kw["seed"] == 3
     assert sampling_kwargs(SamplingParams(), 1, [EOS], None)["stop"] is None
-    body = completion_body([1, 2], params, 4, [EOS], None, "policy")
-    assert body["prompt"] == [1, 2] and body["model"] == "policy" and "seed" not in body
-    assert body["return_tokens_as_token_ids"] and body["return_token_ids"] and body["logprobs"] == 0
-    assert body["top_k"] == 0 and body["repetition_penalty"] == 1.0  # never the model's generation_config
+    body = generate_body(EnginePrompt([1, 2], [], None), sampling_kwargs(SamplingParams(), 4, [EOS], None), "policy",
+                         IMG, 2)
+    assert body["token_ids"] == [1, 2] and body["model"] == "policy" and "content_parts" not in body
+    sp = body["sampling_params"]
+    assert "seed" not in sp and "stop" not in sp and sp["logprobs"] == 0 and sp["n"] == 4
+    assert sp["top_k"] == 0 and sp["repetition_penalty"] == 1.0  # never the model's generation_config
+    assert body["return_token_ids"] and body["output_mode"] == "tokens"
+
+
+def test_generate_body_collapses_placeholders_and_sends_lossless_pngs():
+    from PIL import Image
+
+    ids = [5, 151652] + [IMG] * 4 + [151653, 6, 151652] + [IMG] * 2 + [151653, 7]
+    a = Image.new("RGB", (5, 3), (200, 10, 30))
+    a.putpixel((1, 2), (1, 2, 3))
+    b = Image.new("RGB", (2, 2), (0, 255, 0))
+    prompt = EnginePrompt(ids, [a, b], _vision([[1, 4, 4], [1, 2, 4]]))
+    body = generate_body(prompt, {"max_tokens": 1}, "policy", IMG, 2)
+    assert body["token_ids"] == [5, 151652, IMG, 151653, 6, 151652, IMG, 151653, 7]
+    urls = [part["url"] for part in body["content_parts"]]
+    assert [part["type"] for part in body["content_parts"]] == ["image_url", "image_url"]
+    import base64
+    import io
+
+    for url, image in zip(urls, [a, b]):  # decoded independently: the same pixels, in prompt order
+        assert url.startswith("data:image/png;base64,")
+        back = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1])))
+        assert back.size == image.size and list(back.convert("RGB").getdata()) == list(image.getdata())
+    assert image_data_url(a) == urls[0]
 
 
 def test_logprobs_mode_matches_our_convention():
@@ -161,19 +187,20 @@ def test_generation_from_vllm_rejects_inconsistent_outputs():
         generation_from_vllm(bad, [EOS], decode)
 
 
-def test_generation_from_server_choice():
-    choice = {"index": 0, "text": "x", "finish_reason": "stop", "stop_reason": None, "token_ids": [7, EOS],
-              "logprobs": {"tokens": ["token_id:7", f"token_id:{EOS}"], "token_logprobs": [-1.5, -0.25],
-                           "top_logprobs": [{"token_id:7": -1.5}, {f"token_id:{EOS}": -0.25}]}}
-    gen = generation_from_choice(choice, [EOS], decode)
+def test_generation_from_generate_choice():
+    """A `choices[i]` of vLLM's `/inference/v1/generate` (`output_mode="tokens"`, `logprobs=0`)."""
+    choice = {"index": 0, "finish_reason": "stop", "stop_reason": None, "token_ids": [7, EOS],
+              "logprobs": {"content": [{"token_id": 7, "logprob": -1.5, "rank": 2, "top_logprobs": []},
+                                       {"token_id": EOS, "logprob": -0.25, "rank": 1, "top_logprobs": []}]}}
+    gen = generation_from_generate_choice(choice, [EOS], decode)
     assert gen.token_ids == [7, EOS] and gen.logprobs == [-1.5, -0.25] and gen.stop_reason is StopReason.EOS
-    no_ids = {**choice, "token_ids": None}
-    assert generation_from_choice(no_ids, [EOS], decode).token_ids == [7, EOS]
-    with pytest.raises(RuntimeError, match="return_tokens_as_token_ids"):
-        generation_from_choice({**choice, "logprobs": {"tokens": ["hi", "<|im_end|>"], "token_logprobs": [0, 0]}},
-                               [EOS], decode)
+    length = {**choice, "finish_reason": "length", "token_ids": [7], "logprobs": {"content": [
+        {"token_id": 7, "logprob": -1.5}]}}
+    assert generation_from_generate_choice(length, [EOS], decode).stop_reason is StopReason.LENGTH
+    with pytest.raises(RuntimeError, match="no logprobs"):
+        generation_from_generate_choice({**choice, "logprobs": None}, [EOS], decode)
     with pytest.raises(RuntimeError, match="differ"):
-        generation_from_choice({**choice, "token_ids": [8, EOS]}, [EOS], decode)
+        generation_from_generate_choice({**choice, "token_ids": [8, EOS]}, [EOS], decode)
 
 
 def test_prompt_logprobs_layout_and_delta():

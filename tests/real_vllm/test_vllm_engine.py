@@ -8,9 +8,9 @@ tokenizer, fp32:
   recomputation, one update, one weight sync (gathered under ZeRO-3), the next rollouts match the updated trainer;
 - a tied-embedding model: a reload without the tied `lm_head.weight` leaves vLLM's LM head stale, the check catches it
   (`vllm_sync_max_abs_dlogprob` O(1)) and a full sync clears it;
-- server mode: `python -m vllm.entrypoints.openai.api_server` in a subprocess, token-id completions, a weight sync
-  through `/collective_rpc reload_weights` from a written checkpoint.
-Images through vLLM: tests/real_vllm/test_vllm_multimodal.py.
+- server mode: vLLM's own server in a subprocess (tests/real_vllm/served.py), token-in/token-out through
+  `/inference/v1/generate`, a weight sync through `/collective_rpc reload_weights` from a written checkpoint.
+Images through vLLM (colocated and server): tests/real_vllm/test_vllm_multimodal.py.
 """
 
 from __future__ import annotations
@@ -18,12 +18,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from types import SimpleNamespace
 
 import pytest
@@ -31,6 +26,8 @@ import torch
 
 pytest.importorskip("vllm")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+from served import vllm_server  # noqa: E402 - tests/real_vllm/served.py
 
 from vlmrl.config import ExportStyle, RolloutConfig, VLLMConfig  # noqa: E402
 from vlmrl.envs.base import Environment, StepResult  # noqa: E402
@@ -228,50 +225,15 @@ def test_tied_embeddings_stale_head_is_detected(processor, builder):
         _free(engine)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def served_model(tmp_path_factory, processor):
-    """(url, model, process) of a vLLM OpenAI server in a subprocess serving a tiny untied Qwen2."""
+    """(url, model, folder) of vLLM's server in a subprocess serving a tiny untied Qwen2."""
     model = tiny_qwen2(tied=False, seed=1).eval()
     directory = tmp_path_factory.mktemp("served")
     model.save_pretrained(directory)
     processor.save_pretrained(directory)
-    port = _free_port()
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    log_path = directory / "server.log"
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(directory),
-           "--served-model-name", "policy", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-           "--enforce-eager", "--max-model-len", "512", "--kv-cache-memory-bytes", str(256 << 20),
-           "--generation-config", "vllm", "--logprobs-mode", "processed_logprobs"]
-    with open(log_path, "w") as log_file:
-        proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    t0 = time.perf_counter()
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vLLM server exited ({proc.returncode}):\n{log_path.read_text()[-3000:]}")
-            if time.perf_counter() - t0 > 300:
-                pytest.fail(f"vLLM server did not start in 300 s:\n{log_path.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2):
-                    break
-            except OSError:
-                time.sleep(1)
-        print(f"\nvLLM server up in {time.perf_counter() - t0:.1f} s")
+    with vllm_server(directory, max_model_len=512) as url:
         yield url, model, directory
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def test_server_mode_generate_and_sync(served_model, processor, builder):
@@ -298,8 +260,6 @@ def test_server_mode_generate_and_sync(served_model, processor, builder):
     assert metrics[METRIC] < TOL and (directory / "sync" / "model.safetensors").is_file()
     trajs = runner.run(make_tasks(2), group_size=4)
     assert recompute(model, trajs) < TOL
-    with pytest.raises(NotImplementedError, match="text-only"):
-        engine.generate([EnginePrompt([1, 2], [object()], None)], 1, SamplingParams(4))
 
 
 def test_conf_group_config_reaches_the_engine(processor, builder):

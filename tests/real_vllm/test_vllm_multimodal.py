@@ -9,6 +9,10 @@ diagrams, fp32. The reference is always the trainer's own forward (`sequence_log
   0.7: vLLM re-expands the collapsed placeholders to our ids exactly and its logprobs equal the trainer's;
 - every weight (vision tower included) changed, synced, checked on an image sequence, and the parity again;
 - a tool response carrying an image, rendered by the builder and sampled from by vLLM;
+- server mode with images: vLLM's own server (`--enable-scale-out`, tests/real_vllm/served.py) samples the same
+  episodes token-in/token-out through `/inference/v1/generate` (placeholders collapsed, images as PNG data URLs),
+  its logprobs equal the trainer's; every weight changed, reloaded from a checkpoint, prefix and encoder caches
+  reset, checked on the image sequences, and the parity again;
 - `vlmrl train rollout=vllm` for 2 steps with images, end to end (DeepSpeed ZeRO-2 trainer + colocated vLLM).
 """
 
@@ -29,6 +33,7 @@ pytest.importorskip("vllm")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from PIL import Image  # noqa: E402 - after the importorskip: this module only runs in the vLLM venv
+from served import vllm_server  # noqa: E402 - tests/real_vllm/served.py
 
 from vlmrl.config import ExportStyle, RolloutConfig, VLLMConfig  # noqa: E402
 from vlmrl.envs.base import Environment, StepResult  # noqa: E402
@@ -142,10 +147,7 @@ def test_colocated_images_match_the_trainer(setup):
 
 
 def test_weight_sync_with_images_then_parity_again(setup):
-    with torch.no_grad():
-        gen = torch.Generator().manual_seed(1)
-        for p in setup.model.parameters():  # every weight, vision tower included
-            p.add_(torch.randn(p.shape, generator=gen) * 0.02)
+    perturb(setup.model, seed=1)
     run_episodes(setup)  # the last sequences (with images) become the sync check's probes
     stale = setup.engine.check_weights()
     assert stale > 1e-3, "vLLM still has the old weights: the check must see the difference"
@@ -177,6 +179,40 @@ def test_tool_image_response_is_sampled_through_vllm(setup):
             lp = sequence_logprobs(setup.model, sample, TEMPERATURE)[-len(gen.token_ids):]
         worst = max(worst, float((lp - torch.tensor(gen.logprobs)).abs().max()))
     assert worst < TOL
+
+
+def perturb(model, seed: int) -> None:
+    """Every weight (vision tower included) moved by N(0, 0.02²) noise."""
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(seed)
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.02)
+
+
+def test_server_mode_with_images_matches_the_trainer(tmp_path_factory, setup):
+    """Server mode, images included: the same two-turn episodes (two diagrams in the prompt, one in the feedback)
+    through vLLM's server; its rollout logprobs vs the trainer's recomputation; then a weight sync (vision tower
+    included) and the parity again. The check before the sync must see the old weights on the image sequences."""
+    model = tiny_qwen25_vl_head32(seed=2)
+    directory = tmp_path_factory.mktemp("served_vl")
+    model.save_pretrained(directory)
+    setup.processor.save_pretrained(directory)  # the server's processor: ours (same min/max pixels)
+    with vllm_server(directory, max_model_len=1024) as url:
+        cfg = rollout_cfg(mode="server", url=url, sync_dir=str(directory / "sync"))
+        engine = make_engine(cfg, lambda: contextlib.nullcontext(model), setup.processor, setup.builder)
+        assert engine.served_model == "policy" and engine.last_sync_metrics[METRIC] < TOL
+        s = SimpleNamespace(builder=setup.builder, engine=engine)
+        trajs = run_episodes(s)
+        assert all(len(t.turns) == 2 and len(t.tokens.images) == 3 for t in trajs)
+        before = worst_delta(model, to_samples(trajs, ExportStyle.concat, setup.builder.image_token_id))
+        perturb(model, seed=3)
+        stale = engine.check_weights()  # probes: the last image sequences, scored by the server's old weights
+        metrics = engine.sync_weights()
+        trajs = run_episodes(s)
+        after = worst_delta(model, to_samples(trajs, ExportStyle.concat, setup.builder.image_token_id))
+        print(f"\nserver mode with images: rollout vs trainer max |d| {before:.2e}; stale check {stale:.3g}; "
+              f"after sync {metrics}; parity after sync {after:.2e}")
+        assert before < TOL and stale > 1e-3 and metrics[METRIC] < TOL and after < TOL
 
 
 @pytest.mark.slow

@@ -94,15 +94,29 @@ def sampling_kwargs(params: SamplingParams, n: int, stop_token_ids: Sequence[int
     }  # fmt: skip
 
 
-def completion_body(ids: Sequence[int], params: SamplingParams, n: int, stop_token_ids: Sequence[int],
-                    seed: int | None, model: str) -> dict:
-    """The JSON body of a vLLM `/v1/completions` request for token-id prompt `ids` (server mode)."""
-    body = sampling_kwargs(params, n, stop_token_ids, seed)
-    body["stop"] = list(params.stop)
-    body.update(model=model, prompt=list(ids), return_tokens_as_token_ids=True, return_token_ids=True,
-                skip_special_tokens=False)
-    if seed is None:
-        del body["seed"]
+def image_data_url(image: Any) -> str:
+    """A PIL image as a lossless `data:image/png;base64,...` URL (what vLLM's server fetches for `image_url`)."""
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def generate_body(prompt: EnginePrompt, sampling: dict, model: str, image_token_id: int | None,
+                  merge_size: int | None) -> dict:
+    """The JSON body of a POST `/inference/v1/generate` (vLLM's token-in/token-out route, `--enable-scale-out`):
+    `token_ids` with each image's placeholder run collapsed to one token (the server expands it, as in
+    `to_vllm_prompt`), the images as PNG data URLs in `content_parts` (in prompt order), `sampling` (the
+    `vllm.SamplingParams` fields, e.g. `sampling_kwargs(...)`), and `return_token_ids` so the response carries the
+    server's expanded prompt ids. Raises ValueError as `to_vllm_prompt`."""
+    converted = to_vllm_prompt(prompt, image_token_id, merge_size)
+    sampling = {k: v for k, v in sampling.items() if v is not None}  # seed None: the server's own
+    body: dict[str, Any] = {"model": model, "token_ids": converted["prompt_token_ids"], "sampling_params": sampling,
+                            "return_token_ids": True, "output_mode": "tokens"}
+    if prompt.images:
+        body["content_parts"] = [{"type": "image_url", "url": image_data_url(im)} for im in prompt.images]
     return body
 
 
@@ -144,24 +158,19 @@ def generation_from_vllm(output: Any, eos_ids: Sequence[int], decode: Callable[[
     return _finish(ids, sampled_logprobs(ids, output.logprobs), reason, eos_ids, decode)
 
 
-def _id_of(token: str) -> int:
-    if not token.startswith("token_id:"):
-        raise RuntimeError(f"server returned token {token!r}: the request must set return_tokens_as_token_ids")
-    return int(token.split(":", 1)[1])
-
-
-def generation_from_choice(choice: dict, eos_ids: Sequence[int], decode: Callable[[list[int]], str]) -> Generation:
-    """One `choices[i]` of a vLLM `/v1/completions` response (logprobs + token ids requested) -> Generation."""
-    lp = choice.get("logprobs") or {}
-    tokens = [_id_of(t) for t in lp.get("tokens") or []]
-    ids = [int(t) for t in choice["token_ids"]] if choice.get("token_ids") is not None else tokens
-    if tokens != ids:
-        raise RuntimeError(f"server logprob tokens {tokens[:8]}... differ from its token_ids {ids[:8]}...")
-    logprobs = [float(x) for x in lp.get("token_logprobs") or []]
-    if len(logprobs) != len(ids):
-        raise RuntimeError(f"server returned {len(logprobs)} logprobs for {len(ids)} tokens")
+def generation_from_generate_choice(choice: dict, eos_ids: Sequence[int],
+                                    decode: Callable[[list[int]], str]) -> Generation:
+    """One `choices[i]` of a `/inference/v1/generate` response (`output_mode="tokens"`, `logprobs=0`) ->
+    Generation. Raises RuntimeError when the logprobs do not pair one to one with the token ids."""
+    ids = [int(t) for t in choice.get("token_ids") or []]
+    content = (choice.get("logprobs") or {}).get("content")
+    if content is None:
+        raise RuntimeError("vLLM server returned no logprobs (the request must set sampling_params.logprobs=0)")
+    if [int(c["token_id"]) for c in content] != ids:
+        raise RuntimeError(f"server logprob tokens {[c['token_id'] for c in content][:8]}... differ from its "
+                           f"token_ids {ids[:8]}...")
     reason = to_stop_reason(choice.get("finish_reason"), choice.get("stop_reason"))
-    return _finish(ids, logprobs, reason, eos_ids, decode)
+    return _finish(ids, [float(c["logprob"]) for c in content], reason, eos_ids, decode)
 
 
 def prompt_logprobs_list(ids: Sequence[int], prompt_logprobs: Sequence[Any]) -> list[float]:

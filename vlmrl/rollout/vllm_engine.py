@@ -15,18 +15,13 @@ Settings: the typed `rollout.vllm` node (`vlmrl.config.VLLMConfig`), passed as i
   `llm.collective_rpc("reload_weights", kwargs={"weights_iterator": [(name, tensor), ...]})` (vLLM 0.32's in-place
   reload of checkpoint-format weights: the HF `state_dict()` names) followed by `llm.reset_prefix_cache()` (cached
   KV blocks were computed with the old weights).
-- `server`: an OpenAI-compatible vLLM server at `rollout.vllm.url` (`python -m vllm.entrypoints.openai.api_server
-  --model DIR --generation-config vllm --logprobs-mode processed_logprobs`, with `VLLM_SERVER_DEV_MODE=1` for the
-  reload endpoint). Generation: POST `/v1/completions` with `prompt` = the token ids, `logprobs: 0`,
-  `return_tokens_as_token_ids` and `return_token_ids` (the ids come back verbatim, never re-tokenized text). Weight
-  sync: rank 0 writes the gathered full state dict as `model.safetensors` (+ config) into `rollout.vllm.sync_dir`
-  (a folder the server can read), then POST `/collective_rpc` `{"method": "reload_weights", "kwargs":
-  {"weights_path": DIR}}` and POST `/reset_prefix_cache`. What vLLM 0.32 offers here: no dedicated "reload from a
-  checkpoint" route; `/collective_rpc`, `/reset_prefix_cache`, `/sleep`, `/wake_up` exist only with
-  `VLLM_SERVER_DEV_MODE=1`, which also adds the RL routes `/pause`, `/resume`, `/init_weight_transfer_engine`,
-  `/start_weight_update`, `/update_weights`, `/finish_weight_update` (NCCL/IPC weight transfer for GPU fleets; not used
-  here). Server mode takes text prompts only: the completions route has no images for token-id prompts (vLLM 0.32's
-  token-in route for images is `/inference/v1/generate` with `content_parts`/`features`, not wired here).
+- `server`: vLLM's own server at `rollout.vllm.url` (`python -m vllm.entrypoints.openai.api_server --model DIR
+  --enable-scale-out --generation-config vllm --logprobs-mode processed_logprobs`, with `VLLM_SERVER_DEV_MODE=1`),
+  images included, token-in/token-out through its POST `/inference/v1/generate` route; weights reloaded from a
+  checkpoint the trainer writes (`/collective_rpc reload_weights`), then `/reset_prefix_cache` and
+  `/reset_encoder_cache`. Routes and bodies: `vlmrl.rollout.vllm_server`. vLLM 0.32 has no dedicated "reload from a
+  checkpoint" route; with `VLLM_SERVER_DEV_MODE=1` it also has the RL routes `/pause`, `/resume`,
+  `/init_weight_transfer_engine`, `/update_weights` (NCCL/IPC weight transfer for GPU fleets; not used here).
 
 Stale weights: on the CPU build, reloading a tied-embedding model from weights without an `lm_head.weight` entry
 (`named_parameters()`, or a `save_pretrained` folder, which drops tied tensors) leaves the LM head's prepacked copy
@@ -35,7 +30,7 @@ stale. Both modes therefore push the full `state_dict()` (tied entries included)
 returned as `vllm_sync_max_abs_dlogprob` (fp32: ~1e-6; bf16: ~1e-2; a stale head: O(1)), with a warning above
 `rollout.vllm.sync_warn_dlogprob`. Prompt logprobs are log_softmax(logits) at temperature 1 in every logprobs mode.
 
-Images (colocate): vLLM 0.32 expands every image placeholder it finds in a token prompt (`PromptReplacement` of the
+Images (both modes): vLLM 0.32 expands every image placeholder it finds in a token prompt (`PromptReplacement` of the
 single `<|image_pad|>` by grid.prod() // merge**2 copies) and has no "already expanded" check, so our ids, which hold
 the expanded runs, would be expanded again (the prime-rl #1739 bug) without an error. `to_vllm_prompt` collapses each
 image's run back to one placeholder and passes the PIL images as `multi_modal_data`; vLLM re-expands them with its
@@ -78,13 +73,13 @@ from vlmrl.config import VLLMConfig, check_vllm_config
 from vlmrl.rollout.engine import Engine, GenerateRequest, SamplingParams
 from vlmrl.rollout.vllm_convert import (
     _finish,
-    _id_of,
     _logprob_value,
     choose_logprobs_mode,
     collapse_image_placeholders,
-    completion_body,
-    generation_from_choice,
+    generate_body,
+    generation_from_generate_choice,
     generation_from_vllm,
+    image_data_url,
     image_token_counts,
     logprobs_exact,
     max_abs_delta,
@@ -102,10 +97,11 @@ log = logging.getLogger("vlmrl.rollout.vllm")
 
 __all__ = [  # the engine, and the names that moved to vllm_convert/vllm_weights (re-exported)
     "METRIC", "VLLMEngine", "choose_logprobs_mode", "collapse_image_placeholders",
-    "completion_body", "full_state_items", "generation_from_choice", "generation_from_vllm", "image_token_counts",
+    "generate_body", "full_state_items", "generation_from_generate_choice", "generation_from_vllm",
+    "image_data_url", "image_token_counts",
     "logprobs_exact", "max_abs_delta", "prompt_logprobs_list", "sampled_logprobs", "sampling_kwargs",
     "to_stop_reason", "to_vllm_prompt", "write_weights",
-    "_finish", "_id_of", "_logprob_value", "_world",
+    "_finish", "_logprob_value", "_world",
 ]  # fmt: skip
 
 METRIC = "vllm_sync_max_abs_dlogprob"
@@ -162,7 +158,7 @@ class VLLMEngine(Engine):
         if config.mode == "colocate":
             self._start_colocated()
         else:
-            self.server = VLLMServer(config)
+            self.server = VLLMServer(config, image_token_id, merge_size)
             self.served_model = self.server.served_model
         self.sync_weights()
 
@@ -189,8 +185,7 @@ class VLLMEngine(Engine):
             assert server is not None
 
             def one(req: GenerateRequest) -> list[Generation]:
-                return server.generate([req.prompt], req.n, req.params, [req.params.seed], self.eos_ids,
-                                       self._decode)[0]
+                return server.generate(req.prompt, req.n, req.params, self.eos_ids, self._decode)
 
             with ThreadPoolExecutor(max_workers=max(1, min(32, len(requests)))) as pool:  # the server batches them
                 out = list(pool.map(one, requests))
@@ -338,8 +333,6 @@ class VLLMEngine(Engine):
             return []
         probes = [p if p.images else EnginePrompt(p.token_ids[: self.config.sync_check_tokens], [], None)
                   for p in list(self._recent)[-self.config.sync_check_seqs:]]
-        if self.config.mode == "server":
-            probes = [p for p in probes if not p.images]
         return probes or [EnginePrompt(self.tokenizer.encode(_PROBE_TEXT, add_special_tokens=False), [], None)]
 
     def _trainer_logprobs(self, module: torch.nn.Module, prompt: EnginePrompt) -> list[float]:
