@@ -13,6 +13,8 @@ diagrams, fp32. The reference is always the trainer's own forward (`sequence_log
   episodes token-in/token-out through `/inference/v1/generate` (placeholders collapsed, images as PNG data URLs),
   its logprobs equal the trainer's; every weight changed, reloaded from a checkpoint, prefix and encoder caches
   reset, checked on the image sequences, and the parity again;
+- T = 0.7, top_p = 0.9 with an image: vLLM's logprobs vs the trainer's tempered logits renormalised over the same
+  nucleus (issue 12);
 - `vlmrl train rollout=vllm` for 2 steps with images, end to end (DeepSpeed ZeRO-2 trainer + colocated vLLM).
 """
 
@@ -44,7 +46,7 @@ from vlmrl.rollout.engine import SamplingParams  # noqa: E402
 from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner  # noqa: E402
 from vlmrl.rollout.vllm_engine import METRIC  # noqa: E402
 from vlmrl.tokens.qwen_vl import QwenVLBuilder  # noqa: E402
-from vlmrl.train.logprobs import sequence_logprobs  # noqa: E402
+from vlmrl.train.logprobs import collate, sequence_logprobs  # noqa: E402
 from vlmrl.types import (  # noqa: E402
     EnginePrompt,
     Generation,
@@ -213,6 +215,58 @@ def test_server_mode_with_images_matches_the_trainer(tmp_path_factory, setup):
         print(f"\nserver mode with images: rollout vs trainer max |d| {before:.2e}; stale check {stale:.3g}; "
               f"after sync {metrics}; parity after sync {after:.2e}")
         assert before < TOL and stale > 1e-3 and metrics[METRIC] < TOL and after < TOL
+
+
+def nucleus_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float, top_p: float):
+    """Reference for top-p sampling, written from its definition: logits [N, V] (each row predicts ids[n]) ->
+    (log p_T(ids[n]) renormalised over the nucleus, log p_T(ids[n]) of the full distribution, nucleus mass), each
+    [N] fp64. p_T = softmax(logits / T); the nucleus drops the least likely tokens while the probability they hold
+    together stays <= 1 - top_p (vLLM's rule: ascending sort, cumulative sum), the most likely token always stays."""
+    probs = torch.softmax(logits.double() / temperature, dim=-1)
+    ascending, order = probs.sort(dim=-1)
+    dropped_sorted = ascending.cumsum(-1) <= 1.0 - top_p
+    dropped_sorted[:, -1] = False
+    dropped = torch.zeros_like(dropped_sorted).scatter(1, order, dropped_sorted)
+    mass = probs.masked_fill(dropped, 0.0).sum(-1)
+    chosen = probs.gather(1, ids[:, None])[:, 0]
+    assert not dropped.gather(1, ids[:, None]).any(), "vLLM sampled a token outside the nucleus"
+    return chosen.log() - mass.log(), chosen.log(), mass
+
+
+def test_vllm_logprobs_at_temperature_0_7_top_p_0_9_with_images(setup):
+    """Issue 12 through vLLM (mirrors tests/test_engine_temperature.py, the HF engine's version): at T = 0.7 and
+    top_p = 0.9 with an image, vLLM's rollout logprobs (`processed_logprobs`) equal the trainer's logits / T
+    renormalised over the same nucleus: log p_T(x) - log(nucleus mass), max |d| <= 1e-4 in fp32. The plain tempered
+    recomputation (`sequence_logprobs` at T, what the trainer's loss uses) differs from them by exactly
+    -log(nucleus mass) > 0 per token; that gap is what TIS/MIS (`algorithm.rollout_correction`) correct. Temperature
+    1 would give other numbers again (the test can tell the temperatures apart)."""
+    temperature, top_p = 0.7, 0.9
+    b = setup.builder
+    seq = b.start([Message(Role.USER, [ImagePart(diagram("2401"), "2401.png"), TextPart("Find x.")])])
+    (gens,) = setup.engine.generate([seq.prompt()], n=3, params=SamplingParams(12, temperature, top_p=top_p, seed=7))
+    worst = worst_plain = worst_gap = worst_t1 = 0.0
+    for gen in gens:
+        ids = torch.tensor(seq.ids + list(gen.token_ids))
+        sample = Sample(input_ids=ids, loss_mask=torch.ones_like(ids), old_logprobs=torch.zeros(len(ids)),
+                        advantage=0.0, vision=seq.vision, mm_token_type_ids=(ids == b.image_token_id).long())
+        batch = collate([sample], family="qwen2_5_vl")
+        inputs = {k: v for k, v in batch.items() if k not in ("loss_mask", "old_logprobs")}
+        n = len(gen.token_ids)
+        with torch.no_grad():
+            logits = setup.model(**inputs, use_cache=False).logits[0, -n - 1:-1]  # [n, V]: predict the samples
+            plain = sequence_logprobs(setup.model, sample, temperature)[-n:]
+            at_one = sequence_logprobs(setup.model, sample, 1.0)[-n:]
+        ref, tempered, mass = nucleus_logprobs(logits, ids[-n:], temperature, top_p)
+        vllm = torch.tensor(gen.logprobs, dtype=torch.float64)
+        worst = max(worst, float((vllm - ref).abs().max()))
+        worst_plain = max(worst_plain, float((plain.double() - tempered).abs().max()))
+        worst_gap = max(worst_gap, float(((vllm - plain.double()) - (-mass.log())).abs().max()))
+        worst_t1 = max(worst_t1, float((vllm - at_one.double()).abs().max()))
+        assert float((-mass.log()).min()) > 1e-3  # the nucleus really cuts: the two conventions differ
+    print(f"\nT=0.7 top_p=0.9 with an image: vLLM vs nucleus reference max |d| {worst:.2e}; plain tempered "
+          f"recomputation vs vLLM - (-log mass) {worst_gap:.2e}; vs T=1 {worst_t1:.3g}")
+    assert worst <= TOL and worst_plain <= TOL and worst_gap <= TOL
+    assert worst_t1 > 1e-2
 
 
 @pytest.mark.slow
