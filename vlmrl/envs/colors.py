@@ -4,10 +4,12 @@ The learning demo of vlmrl (`recipes/colors_sft_tiny.yaml` then `recipes/colors_
 learns the answer *format* from demonstrations whose answers ignore the image (`make_demos`), so its accuracy is
 chance (1 / len(COLORS)); GRPO then has to learn to read the image.
 
-Turn 0 shows one 56x56 square (four image tokens for Qwen2.5-VL) and asks its colour. r_t = 0.9 * correct +
-0.1 * boxed. A wrong answer with turns left gets the user message FEEDBACK and the model tries again (same image);
-the episode reward is max_t r_t * turn_discount^t (`vlmrl.rewards.episode_reward`). Tasks are generated: task i's
-colour is drawn with `random.Random(data.shuffle_seed + i)`, `data.limit` tasks (64 if unset).
+Turn 0 shows one 112x112 square (16 image tokens for Qwen2.5-VL) in one of four colours that sit at the corners of a
+regular tetrahedron in RGB (red, green, blue, white: after the processor's normalisation every pair is far apart) and
+asks its colour. r_t = 0.9 * correct + 0.1 * boxed. A wrong answer with turns left gets the user message FEEDBACK
+and the model tries again (same image); the episode reward is max_t r_t * turn_discount^t
+(`vlmrl.rewards.episode_reward`). Tasks are generated (`make_tasks`): `data.limit` tasks (64 if unset), the colours
+balanced.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from vlmrl.envs.base import Environment, StepResult
 from vlmrl.rewards import extract_boxed
 from vlmrl.types import ImagePart, Message, ParseStatus, Role, Task, TextPart
 
-COLORS = {"red": (220, 40, 40), "green": (40, 170, 70), "blue": (40, 80, 220), "yellow": (235, 205, 40)}
-SIZE = 56
+COLORS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255), "white": (255, 255, 255)}
+SIZE = 112
 QUESTION = "What color is the square? Answer with one word in \\boxed{}."
 FEEDBACK = "Wrong, try again."
 
@@ -43,11 +45,12 @@ def build_task(seed: int, color: str) -> Task:
 
 
 def make_tasks(env_cfg: Any, data_cfg: Any) -> list[Task]:
-    """`data.limit` (default 64) tasks, task i's colour drawn uniformly with random.Random(data.shuffle_seed + i)."""
+    """`data.limit` (default 64) tasks with balanced colours: task i (seed data.shuffle_seed + i) shows
+    sorted(COLORS)[i % len(COLORS)], so every colour is equally frequent (the training loop shuffles the order)."""
     n = int(cfg_value(data_cfg, "limit") or 64)
     base = int(cfg_value(data_cfg, "shuffle_seed") or 0)
     names = sorted(COLORS)
-    return [build_task(base + i, random.Random(base + i).choice(names)) for i in range(n)]
+    return [build_task(base + i, names[i % len(names)]) for i in range(n)]
 
 
 def answer(color: str) -> str:
