@@ -93,6 +93,15 @@ class StopReason(str, Enum):
     CONTEXT = "context"  # the episode's token budget would be exceeded: the episode ended at a turn boundary
 
 
+class EndReason(str, Enum):
+    """Why an episode ended (`Trajectory.end_reason` holds its value)."""
+
+    ENV_DONE = "env_done"  # the environment ended the episode (e.g. a correct answer)
+    MAX_TURNS = "max_turns"
+    CONTEXT = "context"  # the next turn would not fit in rollout.max_context_tokens: ended at a turn boundary
+    TOOL_RESPONSE_TOO_LONG = "tool_response_too_long"  # an image tool response over max_tool_response_tokens
+
+
 class ParseStatus(str, Enum):
     OK = "ok"
     NO_ANSWER = "no_answer"  # no \\boxed{...} found
@@ -324,7 +333,7 @@ class Trajectory:
     turns: list[Turn]
     reward: float = 0.0
     advantage: float = 0.0
-    end_reason: StopReason | str = ""
+    end_reason: str = ""  # an EndReason value ("" for trajectories not sampled by the episode loop, e.g. SFT demos)
     tool_stats: ToolStats = field(default_factory=ToolStats)
     turn_advantages: list[float] = field(default_factory=list)  # per turn (algorithm.advantage=turn), else empty
 

@@ -36,6 +36,7 @@ from vlmrl.tools.parsers import get_parser
 from vlmrl.tools.runtime import ToolRuntime
 from vlmrl.tools.spec import Tool, as_tool, check_unique
 from vlmrl.types import (
+    EndReason,
     Generation,
     Message,
     ParseStatus,
@@ -60,13 +61,6 @@ class State(str, Enum):
     ENV_STEP = "env_step"
     OBSERVE = "observe"
     DONE = "done"
-
-
-class EndReason(str, Enum):
-    ENV_DONE = "env_done"  # the environment ended the episode (e.g. a correct answer)
-    MAX_TURNS = "max_turns"
-    CONTEXT = "context"  # the next turn would not fit in rollout.max_context_tokens: ended at a turn boundary
-    TOOL_RESPONSE_TOO_LONG = "tool_response_too_long"  # an image tool response over max_tool_response_tokens
 
 
 @dataclass
