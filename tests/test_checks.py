@@ -290,17 +290,20 @@ def test_logprob_deltas_are_trainer_minus_rollout(tiny_run):
 
 
 def test_verify_run_scores_each_step_with_the_weights_that_sampled_it(tiny_run, tmp_path):
-    """Step s was sampled by checkpoints/step_{s-1}/hf: missing -> logprobs skipped; other weights -> KL fails."""
+    """A record of step s from a run without `policy_version` (the synchronous loop) was sampled by
+    checkpoints/step_{s-1}/hf: missing -> logprobs skipped; other weights -> KL fails. (Records with `policy_version`
+    v use step_v: tests/test_off_policy.py.)"""
     import copy
 
     run_dir, _, _, model = tiny_run
 
     def to_step_2(rec):
         rec["step"] = 2
+        del rec["policy_version"]
 
     run2 = _copy_run(run_dir, tmp_path / "steps", to_step_2)
     result = verify_run(run2)
-    assert result.ok and result.trajectories[0].logprob_note.startswith("skipped: no weights for step 2")
+    assert result.ok and result.trajectories[0].logprob_note.startswith("skipped: no weights for policy version 1")
     assert result.trajectories[1].mismatch_kl < 1e-6  # step 1: the config's model
     other = copy.deepcopy(model)
     with torch.no_grad():

@@ -177,6 +177,9 @@ class AlgorithmConfig:
     # episode: one GRPO advantage per trajectory; turn: each turn's discounted reward-to-go (vlmrl/train/
     # turn_advantages.py; needs export.style=individual)
     advantage: str = "episode"
+    # one-step off-policy (async) rollouts (vlmrl/train/async_rollout.py): 0 = synchronous; 1 = step k+1's batch is
+    # sampled by the pre-update weights while step k updates (staleness <= 1 optimizer step)
+    off_policy_steps: int = 0
 
 
 @dataclass
@@ -451,6 +454,10 @@ def _range_checks(cfg: Config) -> list[tuple[bool, str]]:
         (0.0 <= a.clip_eps_low < 1.0 and a.clip_eps_high >= 0, "algorithm.clip_eps_low must be in [0, 1) and "
          "clip_eps_high >= 0"),
         (a.kl_coef >= 0 and _fin(a.kl_coef), "algorithm.kl_coef must be >= 0"),
+        (a.off_policy_steps in (0, 1), "algorithm.off_policy_steps must be 0 (synchronous) or 1 (one-step "
+         "off-policy)"),
+        (not (a.off_policy_steps and a.dynamic_sampling and world > 1), "algorithm.off_policy_steps=1 with "
+         "algorithm.dynamic_sampling needs one rank (its sampling rounds are collective)"),
         (tr.steps >= 1, "trainer.steps must be >= 1"),
         (tr.batch_size >= world, f"trainer.batch_size ({tr.batch_size}) must be >= the number of ranks (WORLD_SIZE="
          f"{world}): every rank needs a prompt"),

@@ -98,7 +98,8 @@ def to_samples(trajs: list[Trajectory], style: ExportStyle, image_token_id: int,
 
 def trajectory_record(traj: Trajectory, step: int, image_ref: Callable[[ImagePart], str] | None = None) -> dict:
     """One `trajectories.jsonl` line: messages (images by reference), token ids, loss mask, rollout logprobs,
-    per-turn rewards and statuses, the final (turn-discounted) reward, the advantage and stop reasons; per turn the
+    per-turn rewards and statuses, the final (turn-discounted) reward, the advantage, the sampling weights' version
+    (the step they are the end of) and stop reasons; per turn the
     tool calls and their failure kinds ("" = ok), and the episode's tool counters."""
     seq = traj.tokens
     return {
@@ -120,6 +121,7 @@ def trajectory_record(traj: Trajectory, step: int, image_ref: Callable[[ImagePar
         "end_reason": traj.end_reason,
         "reward": traj.reward,
         "advantage": traj.advantage,
+        "policy_version": traj.policy_version,
         **({"turn_advantages": traj.turn_advantages} if traj.turn_advantages else {}),
         "tool_calls": [[c.to_json() for c in t.tool_calls] for t in traj.turns],
         "tool_errors": [list(t.tool_errors) for t in traj.turns],

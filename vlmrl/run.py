@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -46,6 +47,7 @@ from vlmrl.rollout.episode import EpisodeRunner
 from vlmrl.runfiles import ImageStore, RunFiles, RunFolderError
 from vlmrl.tokens.base import PrefixMode, TokenBuilder
 from vlmrl.train import loss_agg, overlong, rollout_correction
+from vlmrl.train.async_rollout import BehaviourWeights, Prefetcher, staleness, staleness_metrics
 from vlmrl.train.dynamic_sampling import SampledBatch, sample_until_full
 from vlmrl.train.trainer import GRPOTrainer
 from vlmrl.train.turn_advantages import assign_turn_advantages
@@ -101,15 +103,17 @@ def assign_step_advantages(cfg: Config, trajs: list[Trajectory]) -> None:
     assign_turn_advantages(trajs, alg.turn_discount, alg.scale_by_std, pens)
 
 
-def sample_step(job: "Job", step: int) -> SampledBatch:
-    """The step's rollouts from the data position `job.position`: one round of trainer.batch_size prompts, or DAPO
-    dynamic sampling rounds (vlmrl.train.dynamic_sampling); the soft overlong penalty is added to the rewards."""
+def sample_step(job: "Job", step: int, position: int) -> SampledBatch:
+    """The step's rollouts from the data position `position`: one round of trainer.batch_size prompts, or DAPO
+    dynamic sampling rounds (vlmrl.train.dynamic_sampling); the soft overlong penalty is added to the rewards. Each
+    trajectory records the version of the weights that sampled it (`job.sampler_version`)."""
     cfg, trainer, alg, size = job.cfg, job.trainer, job.cfg.algorithm, job.cfg.trainer.batch_size
+    t0, version = time.perf_counter(), job.sampler_version
 
     def one_round(start: int) -> tuple[list[Task], list[Trajectory]]:
         batch = prompts_at(job.tasks, start, size, trainer.rank, trainer.world_size)
         # request seeds derive from (seed, step, rank[, round], task, sample, turn): the same whatever the batching
-        rnd = (start - job.position) // size
+        rnd = (start - position) // size
         seed = derive_seed(cfg.seed, step, trainer.rank, *((rnd,) if rnd else ()))
         trajs = job.runner.run(batch, alg.group_size, seed=seed)
         if alg.overlong_buffer:
@@ -117,10 +121,36 @@ def sample_step(job: "Job", step: int) -> SampledBatch:
         return batch, trajs
 
     if not alg.dynamic_sampling:
-        batch, trajs = one_round(job.position)
-        return SampledBatch(trajs, trajs, batch, prompts=size)
-    gather = lambda n: [int(x) for x in trainer.gather(n)]  # noqa: E731
-    return sample_until_full(one_round, job.position, size, alg.max_sampling_rounds, gather, trainer.rank)
+        batch, trajs = one_round(position)
+        sampled = SampledBatch(trajs, trajs, batch, prompts=size)
+    else:
+        gather = lambda n: [int(x) for x in trainer.gather(n)]  # noqa: E731
+        sampled = sample_until_full(one_round, position, size, alg.max_sampling_rounds, gather, trainer.rank)
+    for traj in sampled.generated:
+        traj.policy_version = version
+    return dataclasses.replace(sampled, policy_version=version, rollout_s=time.perf_counter() - t0)
+
+
+def next_batch(job: "Job", step: int) -> SampledBatch:
+    """Step `step`'s rollouts: the batch prefetched during the last update (algorithm.off_policy_steps=1), else
+    sampled now (a stop signal meanwhile abandons the step: StepAbandoned)."""
+    if job.prefetch is not None and job.prefetch.pending:
+        return job.prefetch.take()
+    with job.stop.abandonable(job.trainer.world_size == 1):  # a stop signal here drops the step: nothing changed yet
+        return sample_step(job, step, job.position)
+
+
+def publish_weights(job: "Job", step: int, changed: bool = True) -> dict:
+    """After step `step`: the sampler gets the trainer's weights if they `changed` (async transformers engine: its
+    own copy; vLLM: its `sync_weights`, whose metrics are returned); the sampler's weights are then those of the end
+    of step `step` (`checkpoints/step_<step>/hf`), its `sampler_version`."""
+    sync = {}
+    if changed:
+        if job.behaviour is not None:
+            job.behaviour.publish(job.trainer.policy)
+        sync = job.runner.engine.sync_weights()
+    job.sampler_version = step
+    return sync
 
 
 def option_metrics(cfg: Config, sampled: SampledBatch) -> dict[str, float]:
@@ -136,7 +166,8 @@ def trainer_algorithm(cfg: Config) -> AlgorithmConfig:
     constant `loss_agg_norm=0` resolved to the response budget (vlmrl.train.rollout_correction / loss_agg)."""
     alg = cfg.algorithm
     return dataclasses.replace(
-        alg, rollout_correction=rollout_correction.resolve(alg.rollout_correction, cfg.rollout.engine).value,
+        alg, rollout_correction=rollout_correction.resolve(alg.rollout_correction, cfg.rollout.engine,
+                                                                 alg.off_policy_steps).value,
         loss_agg_norm=loss_agg.constant_length(alg.loss_agg_norm, cfg.rollout.max_new_tokens, cfg.env.max_turns))
 
 
@@ -156,6 +187,11 @@ class Job:
     eval_tasks: list[Task] | None = None  # the eval split, loaded at the first trainer.eval_every (vlmrl.generate)
     position: int = 0  # data position: prompts consumed by all ranks so far (the next step starts there)
     records: list[dict] = field(default_factory=list)  # the last step's trajectory records (all ranks; rank 0)
+    # async rollouts (algorithm.off_policy_steps=1, vlmrl.train.async_rollout): the next step's batch sampled during
+    # the update; the transformers engine's own copy of the weights; the step whose end the sampler's weights are
+    prefetch: Prefetcher | None = None
+    behaviour: BehaviourWeights | None = None
+    sampler_version: int = 0
 
 
 def build_job(cfg: Config, plan: ResumePlan | None = None) -> Job:
@@ -170,10 +206,14 @@ def build_job(cfg: Config, plan: ResumePlan | None = None) -> Job:
     files = RunFiles(cfg.logging.output_dir, cfg.logging.overwrite, keep_until, needed) if main_rank else None
     model, processor = load_policy(cfg.model)
     model = prepare_policy(model, cfg.model)  # model.lora / freeze_vision_tower / freeze_projector
+    off_policy = cfg.algorithm.off_policy_steps > 0
+    behaviour = BehaviourWeights(model) if off_policy and cfg.rollout.engine == "transformers" else None
     trainer = GRPOTrainer(model, cfg.trainer, trainer_algorithm(cfg), cfg.rollout.temperature, family=cfg.model.family)
     if files and not needed:
         files.check_space(checkpoint.estimate_bytes(trainer.module))
-    runner, builder = build_runner(cfg, trainer.policy, processor)
+    if behaviour is not None:
+        behaviour.publish(trainer.policy)  # the trainer's device and dtype
+    runner, builder = build_runner(cfg, behaviour or trainer.policy, processor)
     style = export_style(cfg.export.style, builder)
     if plan is not None and plan.style_fallback and style is not ExportStyle.individual:
         raise RunFolderError(f"{cfg.logging.output_dir} holds a run with another config ({STYLE_FALLBACK}); rerun "
@@ -188,7 +228,8 @@ def build_job(cfg: Config, plan: ResumePlan | None = None) -> Job:
         files.write_config(to_yaml(cfg))
         if plan is not None:
             record_resume(files.dir, plan)
-    job = Job(cfg, trainer, runner, builder, tasks, style, files, processor)
+    job = Job(cfg, trainer, runner, builder, tasks, style, files, processor, behaviour=behaviour,
+              prefetch=Prefetcher() if off_policy else None)
     job.guard.max_in_row = cfg.trainer.max_bad_steps
     return job
 
@@ -197,9 +238,9 @@ def run_step(job: Job, step: int) -> dict:
     """One GRPO step: rollouts, advantages, export, update. Returns the step's metrics row (all ranks merged)."""
     cfg, trainer = job.cfg, job.trainer
     t0 = time.perf_counter()
-    with job.stop.abandonable(trainer.world_size == 1):  # a stop signal here drops the step: nothing changed yet
-        sampled = sample_step(job, step)
-    t_rollout, trajs = time.perf_counter() - t0, sampled.kept
+    sampled = next_batch(job, step)
+    t_wait, trajs = time.perf_counter() - t0, sampled.kept
+    stale = staleness([sampled.policy_version], step - 1, cfg.algorithm.off_policy_steps)  # StaleSampleError
     assign_step_advantages(cfg, trajs)
     samples = to_samples(trajs, job.style, job.builder.image_token_id, mask_truncated=cfg.algorithm.overlong_filter)
     if sampled.fill_only:  # dynamic sampling left this rank nothing to learn from: run the step with no loss token
@@ -208,13 +249,18 @@ def run_step(job: Job, step: int) -> dict:
     if cfg.trainer.align_every and step % cfg.trainer.align_every == 0:  # before the update: the sampling policy
         align = sampled_alignment(trainer, job.builder, trajs, cfg.trainer.align_samples, seed=step).as_dict()
     bad = [e for part in trainer.gather(nonfinite_episodes(sampled.generated)) for e in part]  # NaN/inf reward/adv.
+    if job.prefetch is not None and step < cfg.trainer.steps:  # step + 1 is sampled during this update
+        job.prefetch.start(lambda: sample_step(job, step + 1, job.position + sampled.prompts))
     stats = None if bad else trainer.train_step(samples)
     job.position += sampled.prompts  # the next step's prompts follow the ones this step consumed
-    sync = job.runner.engine.sync_weights() if stats is not None else {}  # vLLM: push weights + stale-head check
+    if job.prefetch is not None:
+        job.prefetch.wait()  # the sampler's weights change only between its batches
+    sync = publish_weights(job, step, changed=stats is not None)  # vLLM: push weights + stale-head check
     skipped = job.guard.check(step, bad, stats, [t.id for t in sampled.tasks])
     gen_tokens = sum(len(t.generation.token_ids) for traj in sampled.generated for t in traj.turns)
     rollout = {**rollout_metrics(sampled.generated), **option_metrics(cfg, sampled), "samples": float(len(samples)),
-               "rollout_tokens_per_s": gen_tokens / max(t_rollout, 1e-9), "rollout_s": t_rollout}
+               "rollout_tokens_per_s": gen_tokens / max(sampled.rollout_s, 1e-9), "rollout_s": sampled.rollout_s,
+               **({"rollout_wait_s": t_wait, **staleness_metrics(stale)} if job.prefetch is not None else {})}
     rollout = merge_rollout_rows(trainer.gather(rollout))  # StepStats are already global; rollouts are per rank
     dynamic = sampled.metrics() if cfg.algorithm.dynamic_sampling else {}
     row = {"step": step, **rollout, **dynamic, **(stats.as_dict() if stats else {}), **sync, **align,
@@ -276,6 +322,9 @@ def resume(job: Job, plan: ResumePlan) -> int:
     state = checkpoint.load(job.trainer, plan.checkpoint)
     job.guard.load(state)
     job.saved_step = plan.step
+    # the engine was built with the initial weights (vLLM synced at start); async: the killed run's prefetched batch
+    # is sampled again, by the checkpoint's weights
+    publish_weights(job, plan.step)
     job.position = int(state.get("data", {}).get("prompts_done", plan.step * job.cfg.trainer.batch_size))
     num_tasks = state.get("data", {}).get("num_tasks")
     if num_tasks is not None and num_tasks != len(job.tasks):
@@ -313,6 +362,16 @@ def train(cfg: Config, console: Console | None = None) -> Path:
             runlock.release(cfg.logging.output_dir)
 
 
+@contextlib.contextmanager
+def _closing(prefetch: Prefetcher | None):
+    """Never leave a sampler thread running: wait for a pending prefetch when the loop ends or raises."""
+    try:
+        yield
+    finally:
+        if prefetch is not None:
+            prefetch.close()
+
+
 def _train(cfg: Config, console: Console) -> Path:
     plan = plan_resume(cfg, to_yaml(cfg))  # refuses a changed config / a non-empty folder before loading anything
     steps = cfg.trainer.steps
@@ -323,7 +382,8 @@ def _train(cfg: Config, console: Console) -> Path:
     job = build_job(cfg, plan)
     done = resume(job, plan)
     show = job.files is not None and cfg.logging.progress
-    with job.stop, make_loggers(cfg, enabled=job.files is not None, resume=not plan.fresh) as loggers, \
+    with job.stop, _closing(job.prefetch), \
+            make_loggers(cfg, enabled=job.files is not None, resume=not plan.fresh) as loggers, \
             StepProgress(console, steps, done, enabled=show) as progress:  # a plain line per step off a terminal
         for step in range(done + 1, steps + 1):
             rng = checkpoint.rng_state()

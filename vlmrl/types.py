@@ -336,6 +336,7 @@ class Trajectory:
     end_reason: str = ""  # an EndReason value ("" for trajectories not sampled by the episode loop, e.g. SFT demos)
     tool_stats: ToolStats = field(default_factory=ToolStats)
     turn_advantages: list[float] = field(default_factory=list)  # per turn (algorithm.advantage=turn), else empty
+    policy_version: int = 0  # it was sampled by the weights of the end of this step (vlmrl.train.async_rollout)
 
     @property
     def correct(self) -> bool:

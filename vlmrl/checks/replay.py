@@ -45,6 +45,7 @@ class Recorded:
     vision: VisionInputs | None = None  # what the trainer got (in-memory trajectories only)
     stand_in_images: int = 0  # images whose ref was not a file (same-size stand-ins)
     generations: list[list[int]] | None = None  # each turn's sampled ids as the engine returned them (in memory)
+    policy_version: int | None = None  # sampled by checkpoints/step_<v>/hf (None: a run from before it was recorded)
 
     @staticmethod
     def from_trajectory(traj: Trajectory, index: int = 0, step: int = 0) -> "Recorded":
@@ -83,7 +84,16 @@ class Recorded:
         return Recorded(messages, list(rec["input_ids"]), list(rec["loss_mask"]), [float(x) for x in rec["logprobs"]],
                         [tuple(s) for s in rec["turn_spans"]], boundary,
                         list(rec.get("stop_reasons") or []), grids or None, int(rec.get("step", 0)),
-                        str(rec.get("task_id", "")), index, None, stand_ins)
+                        str(rec.get("task_id", "")), index, None, stand_ins,
+                        policy_version=_int_or_none(rec.get("policy_version")))
+
+
+def _int_or_none(value) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"field 'policy_version' is not a non-negative integer: {value!r}")
+    return value
 
 
 def _check_fields(rec: dict) -> None:

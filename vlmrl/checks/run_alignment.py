@@ -75,27 +75,29 @@ def _read_records(path: Path, limit: int | None) -> Iterable[tuple[int, dict | N
 
 
 class _Policies:
-    """The weights that sampled each step: checkpoints/step_{s-1}/hf, the config's model for s = 1, or one given
-    checkpoint for all steps. Loaded lazily, one at a time (CPU memory)."""
+    """The weights that sampled each record: checkpoints/step_{v}/hf for its `policy_version` v (older runs: v = its
+    step - 1, the synchronous loop), the config's model for v = 0, or one given checkpoint for all records. Loaded
+    lazily, one at a time (CPU memory)."""
 
     def __init__(self, run_dir: Path, cfg, checkpoint: str | None):
         self.run_dir, self.cfg, self.checkpoint = run_dir, cfg, checkpoint
         self._key: str | None = None
         self._model = None
 
-    def source(self, step: int) -> tuple[str | None, str]:
+    def source(self, version: int) -> tuple[str | None, str]:
+        """(weights key, description) for records sampled by the weights of the end of step `version`."""
         if self.checkpoint:
             return self.checkpoint, f"given checkpoint {self.checkpoint}"
-        if step <= 1:
+        if version <= 0:
             return "config", f"config model {self.cfg.model.name_or_path}"
-        hf = self.run_dir / "checkpoints" / f"step_{step - 1}" / "hf"
+        hf = self.run_dir / "checkpoints" / f"step_{version}" / "hf"
         if hf.is_dir():
             return str(hf), str(hf)
-        return None, (f"no weights for step {step}: it was sampled by checkpoints/step_{step - 1}/hf, which was not "
-                      "saved (trainer.save_every=1 keeps every step checkable)")
+        return None, (f"no weights for policy version {version}: it was sampled by checkpoints/step_{version}/hf, "
+                      "which was not saved (trainer.save_every=1 keeps every step checkable)")
 
-    def get(self, step: int):
-        key, _ = self.source(step)
+    def get(self, version: int):
+        key, _ = self.source(version)
         if key is None:
             return None
         if key != self._key:
@@ -159,7 +161,8 @@ def _score(res: TrajectoryAlignment, rec: Recorded, seq, builder, policies: _Pol
            total: LogprobStats, sources: dict[str, int]) -> None:
     """Rescore `rec`'s sampled tokens with the weights that sampled them into `res` (and `total`; `sources` counts
     the weights used), or note in `res.logprob_note` why they are skipped."""
-    key, why = policies.source(rec.step)
+    version = rec.policy_version if rec.policy_version is not None else rec.step - 1
+    key, why = policies.source(version)
     if seq is None:
         res.logprob_note = "skipped: re-render failed"
     elif rec.stand_in_images:
@@ -167,7 +170,7 @@ def _score(res: TrajectoryAlignment, rec: Recorded, seq, builder, policies: _Pol
     elif key is None:
         res.logprob_note = f"skipped: {why}"
     else:
-        model = policies.get(rec.step)
+        model = policies.get(version)
         d = logprob_deltas(model, rec, _vision_of(builder, seq), builder.image_token_id, temperature)
         one = LogprobStats()
         one.add(d)

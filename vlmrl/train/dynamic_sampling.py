@@ -42,7 +42,8 @@ class SampledBatch:
     """The rollouts of one step. kept: the trajectories to train on (this rank); generated: every trajectory this
     rank sampled (metrics, trajectories.jsonl); tasks: the prompts this rank ran; prompts: prompts consumed by all
     ranks; rounds: rollout rounds; groups_kept / groups_dropped: over all ranks and rounds (dropped = equal rewards,
-    or cut beyond batch_size); fill_only: `kept` is filler for this rank (train it with loss mask 0)."""
+    or cut beyond batch_size); fill_only: `kept` is filler for this rank (train it with loss mask 0); policy_version:
+    the step whose end's weights sampled it; rollout_s: its sampling time (seconds)."""
 
     kept: list[Trajectory]
     generated: list[Trajectory]
@@ -52,6 +53,8 @@ class SampledBatch:
     groups_kept: int = 0
     groups_dropped: int = 0
     fill_only: bool = False
+    policy_version: int = 0
+    rollout_s: float = 0.0
 
     def metrics(self) -> dict[str, float]:
         """dynamic_rounds, dynamic_groups_kept, dynamic_groups_dropped (all ranks) for the step's metrics row."""

@@ -12,7 +12,8 @@ weights as PPO's old logprobs, and reweights each token by the trainer/rollout r
           the band does not depend on the length); a sequence with g[b] outside [mis_low, mis_high] gets loss
           weight 0 (it stays in the step's normaliser, like a token of weight 0)
 
-`algorithm.rollout_correction`: auto (tis with the vLLM engine, off otherwise) | off | tis | mis | tis+mis.
+`algorithm.rollout_correction`: auto (tis with the vLLM engine or off-policy rollouts, off otherwise) | off | tis |
+mis | tis+mis.
 The trainer's logprobs under the behaviour weights: a step makes one optimizer update after all its micro-batches, so
 each micro-batch's forward runs with the pre-update weights, and `trainer = logprobs.detach()` of that forward is
 exactly the "old" logprobs of a separate no-grad pass (no dropout in the supported models), at no extra cost.
@@ -34,11 +35,12 @@ class Correction(str, Enum):
     tis_mis = "tis+mis"
 
 
-def resolve(mode: Correction | str, engine: str) -> Correction:
-    """`auto` -> tis for the vLLM engine (`rollout.engine=vllm`), off otherwise; other modes unchanged."""
+def resolve(mode: Correction | str, engine: str, off_policy_steps: int = 0) -> Correction:
+    """`auto` -> tis for the vLLM engine (`rollout.engine=vllm`) or off-policy rollouts (`algorithm.off_policy_steps`
+    > 0: the behaviour policy is an older version of the weights), off otherwise; other modes unchanged."""
     mode = Correction(mode)
     if mode is Correction.auto:
-        return Correction.tis if engine == "vllm" else Correction.off
+        return Correction.tis if engine == "vllm" or off_policy_steps > 0 else Correction.off
     return mode
 
 
