@@ -1,4 +1,4 @@
-"""Rollout throughput with the transformers engine against the engine alone (issue 10).
+"""Rollout throughput against the engine alone, with the transformers engine or vLLM (issue 10).
 
     (r) vlmrl's rollout: `EpisodeRunner.run` (episodes as coroutines, every pending request in one engine call,
         Geometry3K environment steps, token building, everything), wall time
@@ -13,8 +13,14 @@ tiny random model never answers right, so every episode runs all turns), tiny Qw
 real processor). Each figure is the median of `--repeats` interleaved repetitions (the order rotates), after a
 warm-up run that also records the requests.
 
+`--engine vllm` (the vLLM venv of `make test-vllm`; colocated, `VLLM_ENABLE_V1_MULTIPROCESSING=0` on CPU): the
+tiny Qwen2.5-VL widened to head size 32 (tests/real_vllm/tiny_head32.py: vLLM's CPU attention needs it), its weights
+synced from the in-process model as in training. vLLM's batched forward is not bit-identical to its one-request
+forward, so (s) may sample other tokens than (r) and (f): its token count is reported, and tokens/s compared.
+
     python bench/rollout.py                          # 16 and 64 episodes, 2 turns, 24 new tokens, 3 repeats
     python bench/rollout.py --episodes 8 --turns 3 --json
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv-vllm/bin/python bench/rollout.py --engine vllm
 """
 
 from __future__ import annotations
@@ -22,8 +28,10 @@ from __future__ import annotations
 import contextlib
 import json
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -31,7 +39,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from vlmrl.config import DataConfig, EnvConfig
+from vlmrl.config import DataConfig, EnvConfig, RolloutConfig, VLLMConfig
 from vlmrl.envs import load_env_tasks, make_env_factory
 from vlmrl.models import load_policy
 from vlmrl.rollout import make_engine
@@ -72,14 +80,36 @@ class Setup:
     by_turn: list[list[GenerateRequest]] = field(default_factory=list)
     tokens: int = 0
     ids: list[list[int]] = field(default_factory=list)
+    batch_invariant: bool = True  # the transformers engine: the same tokens whatever the batch (checked)
+    replay_tokens: dict[bool, int] = field(default_factory=dict)  # tokens of the last (f) [True] / (s) [False] run
 
 
-def build(model, processor, episodes: int, turns: int, max_new: int) -> Setup:
-    """The runner (transformers engine, Geometry3K env, `turns` turns) for `episodes` episodes; one warm-up run
-    records the requests, grouped by turn."""
+def make_bench_engine(name: str, model, processor, builder) -> Engine:
+    """The transformers engine over `model`, or colocated vLLM with `model`'s weights (fp32, eager, 0.5 GiB KV)."""
+    policy = lambda: contextlib.nullcontext(model)  # noqa: E731
+    if name == "transformers":
+        return make_engine(SimpleNamespace(engine="transformers"), policy, processor, builder)
+    cfg = RolloutConfig(engine="vllm", max_context_tokens=4096, vllm=VLLMConfig(kv_cache_gb=0.5))
+    return make_engine(cfg, policy, processor, builder)
+
+
+def load_bench_model(engine: str):
+    """(model, processor): the tiny Qwen2.5-VL (fp32, random weights); head size 32 for vLLM."""
+    model, processor = load_policy({"name_or_path": "tiny:qwen2_5_vl", "family": "qwen2_5_vl", "dtype": "float32",
+                                    "seed": 0})
+    if engine == "vllm":
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "real_vllm"))
+        from tiny_head32 import tiny_qwen25_vl_head32
+
+        model = tiny_qwen25_vl_head32()
+    return model.eval(), processor
+
+
+def build(engine_name: str, model, processor, episodes: int, turns: int, max_new: int, engine=None) -> Setup:
+    """The runner (the engine, Geometry3K env, `turns` turns) for `episodes` episodes; one warm-up run records the
+    requests, grouped by turn. `engine`: reuse one (vLLM starts once)."""
     builder = get_builder("qwen2_5_vl", processor)
-    engine = make_engine(SimpleNamespace(engine="transformers"), lambda: contextlib.nullcontext(model), processor,
-                         builder)
+    engine = engine or make_bench_engine(engine_name, model, processor, builder)
     recorder = Recorder(engine)
     env_cfg = EnvConfig(max_turns=turns)
     tasks = load_env_tasks(env_cfg, DataConfig(split="test", limit=max(1, episodes // GROUP)))
@@ -104,7 +134,7 @@ def time_rollout(s: Setup) -> float:
     t0 = time.perf_counter()
     trajs = s.runner.run(s.tasks, GROUP, seed=0)
     seconds = time.perf_counter() - t0
-    if [t.tokens.ids for t in trajs] != s.ids:
+    if [t.tokens.ids for t in trajs] != s.ids and s.batch_invariant:
         raise RuntimeError("the rollout is not reproducible: a seed gave other tokens")
     return seconds
 
@@ -121,14 +151,18 @@ def time_replay(s: Setup, batched: bool) -> float:
                 gens = s.engine.generate_batch(call)
                 seconds += time.perf_counter() - t0
                 tokens += sum(len(g.token_ids) for per_request in gens for g in per_request)
-    if tokens != s.tokens:
+    if tokens != s.tokens and s.batch_invariant:
         raise RuntimeError(f"replay sampled {tokens} tokens, the rollout {s.tokens}: sampling is not batch-invariant")
+    s.replay_tokens[batched] = tokens
     return seconds
 
 
-def measure(model, processor, episodes: int, turns: int, max_new: int, repeats: int) -> dict:
-    """Medians of `repeats` interleaved repetitions of (r), (f), (s) at one size."""
-    s = build(model, processor, episodes, turns, max_new)
+def measure(engine_name: str, model, processor, episodes: int, turns: int, max_new: int, repeats: int,
+            engine=None) -> dict:
+    """Medians of `repeats` interleaved repetitions of (r), (f), (s) at one size; tokens/s of each over its own
+    sampled tokens."""
+    s = build(engine_name, model, processor, episodes, turns, max_new, engine)
+    s.batch_invariant = engine_name == "transformers"
     methods = {"r": lambda: time_rollout(s), "f": lambda: time_replay(s, True), "s": lambda: time_replay(s, False)}
     times: dict[str, list[float]] = {k: [] for k in methods}
     order = list(methods)
@@ -136,9 +170,11 @@ def measure(model, processor, episodes: int, turns: int, max_new: int, repeats: 
         for k in order[rep % 3:] + order[:rep % 3]:  # rotate, so load changes hit all three alike
             times[k].append(methods[k]())
     med = {k: statistics.median(v) for k, v in times.items()}
-    return {"episodes": len(s.ids), "turns": turns, "tokens": s.tokens,
-            **{f"{k}_tok_s": s.tokens / med[k] for k in methods}, **{f"{k}_wall_s": med[k] for k in methods},
-            "r/f": med["f"] / med["r"], "r/s": med["s"] / med["r"],
+    toks = {"r": s.tokens, "f": s.replay_tokens.get(True, s.tokens), "s": s.replay_tokens.get(False, s.tokens)}
+    rate = {k: toks[k] / med[k] for k in methods}
+    return {"engine": engine_name, "episodes": len(s.ids), "turns": turns, "tokens": s.tokens,
+            "s_tokens": toks["s"], **{f"{k}_tok_s": rate[k] for k in methods},
+            **{f"{k}_wall_s": med[k] for k in methods}, "r/f": rate["r"] / rate["f"], "r/s": rate["r"] / rate["s"],
             "batches": s.runner.batcher.batch_sizes if s.runner.batcher else []}
 
 
@@ -154,6 +190,7 @@ def table(rows: list[dict], title: str) -> Table:
 
 
 def main(episodes: list[int] = typer.Option([16, 64], "--episodes", help="episodes per rollout (4 per problem)"),
+         engine: str = typer.Option("transformers", help="transformers | vllm"),
          turns: int = typer.Option(2, help="turns per episode"),
          max_new_tokens: int = typer.Option(24, help="new tokens per turn"),
          repeats: int = typer.Option(3, help="interleaved repetitions (median reported)"),
@@ -161,14 +198,14 @@ def main(episodes: list[int] = typer.Option([16, 64], "--episodes", help="episod
          as_json: bool = typer.Option(False, "--json", help="print JSON rows instead of a table")) -> None:
     if threads:
         torch.set_num_threads(threads)
-    model, processor = load_policy({"name_or_path": "tiny:qwen2_5_vl", "family": "qwen2_5_vl", "dtype": "float32",
-                                    "seed": 0})
-    model.eval()
-    rows = [measure(model, processor, n, turns, max_new_tokens, repeats) for n in episodes]
+    model, processor = load_bench_model(engine)
+    shared = None if engine == "transformers" else \
+        make_bench_engine(engine, model, processor, get_builder("qwen2_5_vl", processor))
+    rows = [measure(engine, model, processor, n, turns, max_new_tokens, repeats, shared) for n in episodes]
     if as_json:
         print(json.dumps(rows, indent=2))
         return
-    title = (f"Rollout tokens/s, transformers engine, tiny Qwen2.5-VL, Geometry3K x group {GROUP}, {turns} turns x "
+    title = (f"Rollout tokens/s, {engine} engine, tiny Qwen2.5-VL, Geometry3K x group {GROUP}, {turns} turns x "
              f"{max_new_tokens} new tokens, median of {repeats}")
     Console(width=170).print(table(rows, title))
     big = rows[-1]

@@ -31,7 +31,7 @@ def _render(table) -> str:
 def test_rollout_bench_small(qwen25_policy):
     bench = _load("rollout")
     model, processor = qwen25_policy
-    row = bench.measure(model, processor, episodes=4, turns=2, max_new=3, repeats=1)
+    row = bench.measure("transformers", model, processor, episodes=4, turns=2, max_new=3, repeats=1)
     assert row["episodes"] == 4 and row["turns"] == 2 and 4 < row["tokens"] <= 4 * 2 * 3
     assert row["batches"] == [1, 4]  # the group's shared turn-0 request, then its four episodes in one call
     for k in ("r", "f", "s"):

@@ -33,6 +33,8 @@ ASYNC = ("algorithm.off_policy_steps=1", "trainer.lr=1e-3", "trainer.keep_last=2
 
 
 def test_staleness_is_checked_against_the_bound():
+    """Staleness = the update's starting version - the sample's version, bounded by off_policy_steps (AReaL, Fu et
+    al. 2025, "max staleness" eta; prime-rl `async_level`); the numbers are derived by hand."""
     # trained in step 5 (update from version 4): samples of versions 4, 3 -> staleness 0, 1
     assert staleness([4, 3, 3], current=4, bound=1) == [0, 1, 1]
     assert staleness_metrics([0, 1, 1]) == {"off_policy/staleness_mean": pytest.approx(2 / 3),

@@ -515,6 +515,16 @@ def _moved(msg: str) -> str:
     return msg
 
 
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested config dict as {"a.b.c": leaf} (dotted keys; lists are leaves)."""
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
 def to_yaml(cfg: Config) -> str:
     """The resolved config as YAML (written to the run folder as `config.yaml`)."""
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))

@@ -19,7 +19,7 @@ The code lives in `vlmrl.modeling` (one job per module); this module re-exports 
 
 from __future__ import annotations
 
-from vlmrl.modeling.cache import _RECIPE_VERSION, _atomic_write, cache_dir
+from vlmrl.modeling.cache import _RECIPE_VERSION, cache_dir
 from vlmrl.modeling.families import _ASSETS, _QW, FAMILIES, FamilySpec, _check_family, chat_template
 from vlmrl.modeling.inputs import (
     _INPUT_STYLES,
@@ -75,7 +75,7 @@ __all__ = [
     "qwen_tokenizer_json", "tiny_model", "tiny_processor_dir",
     # private names kept importable (tests and callers use some of them)
     "_ADDED", "_ADDED_QWEN3_5", "_ASSETS", "_DTYPES", "_IDEFICS3_ADDED", "_INPUT_STYLES", "_QW", "_QWEN3_5_REGEX",
-    "_QWEN_LIKE", "_QWEN_REGEX", "_QWEN_VOCABS", "_RECIPE_VERSION", "_SMOLVLM_ADDED", "_atomic_write", "_bpe_split",
+    "_QWEN_LIKE", "_QWEN_REGEX", "_QWEN_VOCABS", "_RECIPE_VERSION", "_SMOLVLM_ADDED", "_bpe_split",
     "_build_tokenizer_json", "_bytes_to_unicode", "_cfg", "_check_family", "_check_path", "_fix_pixels",
     "_mistral_v1_tokenizer_json", "_tiny_family", "_tokenizer_source", "_vocab_and_merges", "_with_added_tokens",
 ]  # fmt: skip

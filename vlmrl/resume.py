@@ -75,15 +75,6 @@ class ResumePlan:
     style_fallback: bool = False  # config.yaml says individual where this command says concat (STYLE_FALLBACK)
 
 
-def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, dict):
-        out: dict[str, Any] = {}
-        for k, v in tree.items():
-            out.update(_flat(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: tree}
-
-
 def _as_tree(yaml_text: str) -> dict:
     """A config YAML as a plain dict, completed with the schema's defaults for keys it predates."""
     from vlmrl.config import Config
@@ -97,7 +88,9 @@ def _as_tree(yaml_text: str) -> dict:
 
 def config_changes(old_yaml: str, new_yaml: str) -> list[str]:
     """`key: old -> new` for every config key that differs, except those in RESUME_IGNORED."""
-    old, new = _flat(_as_tree(old_yaml)), _flat(_as_tree(new_yaml))
+    from vlmrl.config import flatten
+
+    old, new = flatten(_as_tree(old_yaml)), flatten(_as_tree(new_yaml))
     keys = sorted(k for k in set(old) | set(new) if not any(k == p or k.startswith(p) for p in RESUME_IGNORED))
     return [f"{k}: {old.get(k, '<unset>')!r} -> {new.get(k, '<unset>')!r}" for k in keys if old.get(k) != new.get(k)]
 

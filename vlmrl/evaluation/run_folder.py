@@ -15,7 +15,6 @@ import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from omegaconf import OmegaConf
 
@@ -31,19 +30,12 @@ IDENTITY_PREFIXES = ("model.", "data.", "env.", "rollout.", "tools.", "algorithm
 IDENTITY_IGNORED = ("data.limit", "data.eval_limit", "data.strict_rows")
 
 
-def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, dict):
-        out = {}
-        for k, v in tree.items():
-            out.update(_flat(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: tree}
-
-
 def identity_diff(old_yaml: str, new_yaml: str) -> list[str]:
     """Config keys (dotted) that make two generate runs sample differently."""
-    old = _flat(OmegaConf.to_container(OmegaConf.create(old_yaml)))
-    new = _flat(OmegaConf.to_container(OmegaConf.create(new_yaml)))
+    from vlmrl.config import flatten
+
+    old = flatten(OmegaConf.to_container(OmegaConf.create(old_yaml)))
+    new = flatten(OmegaConf.to_container(OmegaConf.create(new_yaml)))
     keys = sorted(k for k in set(old) | set(new) if k.startswith(IDENTITY_PREFIXES) and k not in IDENTITY_IGNORED)
     return [k for k in keys if old.get(k) != new.get(k)]
 

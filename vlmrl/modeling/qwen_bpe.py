@@ -12,7 +12,8 @@ import hashlib
 from importlib import resources
 from pathlib import Path
 
-from vlmrl.modeling.cache import _RECIPE_VERSION, _atomic_write, cache_dir
+from vlmrl.jsonl import write_atomic
+from vlmrl.modeling.cache import _RECIPE_VERSION, cache_dir
 
 # Added tokens from id 151643, in order; `False` marks the non-special ones (Qwen's tokenizer.json).
 _ADDED = [(t, True) for t in (
@@ -120,7 +121,7 @@ def qwen_tokenizer_json(vocab: str = "qwen", num_added: int = 26) -> Path:
     out = cache_dir() / "tokenizers" / f"{vocab}-{num_added}-{key}" / "tokenizer.json"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
-        _atomic_write(out, _build_tokenizer_json(src, num_added, regex, added))
+        write_atomic(out, _build_tokenizer_json(src, num_added, regex, added))
     return out
 
 

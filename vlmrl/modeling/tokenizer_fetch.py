@@ -19,7 +19,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from vlmrl.modeling.cache import _RECIPE_VERSION, _atomic_write, cache_dir
+from vlmrl.jsonl import write_atomic
+from vlmrl.modeling.cache import _RECIPE_VERSION, cache_dir
 from vlmrl.modeling.families import FAMILIES, _check_family
 from vlmrl.modeling.qwen_bpe import _QWEN_VOCABS, qwen_tokenizer_json
 
@@ -127,7 +128,7 @@ def family_tokenizer_json(family: str) -> Path:
     out = cache_dir() / "tokenizers" / f"{spec.vocab}-{key}" / "tokenizer.json"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
-        _atomic_write(out, build())
+        write_atomic(out, build())
     return out
 
 

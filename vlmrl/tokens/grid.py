@@ -30,5 +30,5 @@ def expand_grid_placeholders(text: str, images: list, processor: Any) -> tuple[s
     out = processor.image_processor(images=images, return_tensors="pt")
     vision = VisionInputs(out["pixel_values"], out["image_grid_thw"])
     merge = int(processor.image_processor.merge_size) ** 2
-    counts = (vision.image_grid_thw.prod(-1) // merge).tolist()
-    return pieces[0] + "".join(token * int(n) + rest for n, rest in zip(counts, pieces[1:])), vision
+    counts = [t * h * w // merge for t, h, w in vision.image_grid_thw.tolist()]  # ints: no torch op per turn
+    return pieces[0] + "".join(token * n + rest for n, rest in zip(counts, pieces[1:])), vision
