@@ -32,8 +32,10 @@ fixtures: setup
 train-tiny: setup
 	$(BIN)/vlmrl train recipe=geometry3k_tiny logging.overwrite=true
 
+# two workers, one test file each at a time (module fixtures built once per file): most tests wait on subprocess
+# start-up and Python, so the 2 cores are busier than with one worker
 test: fixtures
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests
 
 test-fast:
 	$(BIN)/python -m pytest -q tests -m "not slow"

@@ -30,7 +30,7 @@ STEPS, FIRST, LAST, RISE = 96, 16, 16, 0.4
 def _cli(*args: str) -> None:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
     res = subprocess.run([sys.executable, "-m", "vlmrl.cli", *args], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=900)
+                         text=True, timeout=1800)
     assert res.returncode == 0, f"vlmrl {' '.join(args)} failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
 
 

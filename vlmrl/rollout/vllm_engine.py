@@ -285,6 +285,10 @@ class VLLMEngine(Engine):
             kwargs["limit_mm_per_prompt"] = {"image": s.limit_mm_per_prompt}
         if not torch.cuda.is_available():
             kwargs["enforce_eager"] = True  # the CPU build's graph compilation is slow and not needed for tests
+            # a partly prefilled prompt's sampled token is discarded and its seeded generator rewound with
+            # `set_offset`, which CPU generators lack ("CPU Generator does not use offset", vLLM 0.32
+            # gpu_model_runner): on CPU, prefill whole prompts only
+            kwargs["enable_chunked_prefill"] = False
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
