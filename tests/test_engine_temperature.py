@@ -16,9 +16,10 @@ import torch
 from vlmrl import config
 from vlmrl.rollout.engine import SamplingParams
 from vlmrl.rollout.hf import TransformersEngine
+from vlmrl.run import trainer_algorithm
 from vlmrl.tokens import get_builder
 from vlmrl.train.logprobs import batch_logprobs, collate
-from vlmrl.train.trainer import GRPOTrainer
+from vlmrl.train.trainer import GRPOTrainer, TrainerSettings
 from vlmrl.types import ImagePart, Message, Role, Sample, TextPart
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is deprecated.*:FutureWarning")
@@ -27,8 +28,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*is deprecated.*:FutureWarning"
 def test_engine_logprobs_match_trainer_at_temperature_0_7_top_p_0_9(qwen25_policy, geometry_images):
     model, processor = qwen25_policy
     cfg = config.load("geometry3k_tiny", ["rollout.temperature=0.7", "rollout.top_p=0.9", "trainer.zero_stage=0"])
-    trainer = GRPOTrainer(copy.deepcopy(model).train(), cfg.trainer, cfg.algorithm, cfg.rollout.temperature,
-                          family=cfg.model.family)  # as vlmrl.run.build_job
+    settings = TrainerSettings.from_config(cfg.trainer, trainer_algorithm(cfg), cfg.rollout.temperature)
+    trainer = GRPOTrainer(copy.deepcopy(model).train(), settings, family=cfg.model.family)  # as vlmrl.run.build_job
     assert trainer.cfg.temperature == 0.7
     builder = get_builder("qwen2_5_vl", processor)
     tok = processor.tokenizer

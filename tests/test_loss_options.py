@@ -130,7 +130,8 @@ def test_one_micro_batch_equals_two_through_the_trainer(qwen25_model, options):
     grads, locals_ = [], []
     for mbs in (4, 2):
         trainer = GRPOTrainer(copy.deepcopy(qwen25_model).train(),
-                              TrainerSettings(zero_stage=0, lr=1e-3, micro_batch_size=mbs, **options))
+                              TrainerSettings(zero_stage=0, lr=1e-3, micro_batch_size=mbs, clip_eps_high=0.2,
+                                              **options))
         local, _, _ = trainer.accumulate_gradients(samples)
         params = dict(trainer.module.named_parameters())
         names = ("model.language_model.layers.0.self_attn.q_proj.weight", "model.visual.patch_embed.proj.weight")

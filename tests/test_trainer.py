@@ -103,7 +103,7 @@ def test_batched_logprobs_keep_each_samples_images(qwen25_model):
 def _trainer(model, **kw):
     from vlmrl.train.trainer import GRPOTrainer, TrainerSettings
 
-    return GRPOTrainer(model, TrainerSettings(**{"lr": 1e-3, "max_grad_norm": 0.0, **kw}))
+    return GRPOTrainer(model, TrainerSettings(**{"lr": 1e-3, "max_grad_norm": 0.0, "clip_eps_high": 0.2, **kw}))
 
 
 def test_micro_batches_accumulate_exactly_and_reach_the_vision_tower(fresh_model):

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*is deprecated.*:FutureWarning"
 def _trainer(model, **kw):
     from vlmrl.train.trainer import GRPOTrainer, TrainerSettings
 
-    return GRPOTrainer(model, TrainerSettings(**{"lr": 1e-3, "max_grad_norm": 0.0, **kw}))
+    return GRPOTrainer(model, TrainerSettings(**{"lr": 1e-3, "max_grad_norm": 0.0, "clip_eps_high": 0.2, **kw}))
 
 
 def _text_model(seed: int = 0):

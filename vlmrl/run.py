@@ -49,7 +49,7 @@ from vlmrl.tokens.base import PrefixMode, TokenBuilder
 from vlmrl.train import loss_agg, overlong, rollout_correction
 from vlmrl.train.async_rollout import BehaviourWeights, Prefetcher, staleness, staleness_metrics
 from vlmrl.train.dynamic_sampling import SampledBatch, sample_until_full
-from vlmrl.train.trainer import GRPOTrainer
+from vlmrl.train.trainer import GRPOTrainer, TrainerSettings
 from vlmrl.train.turn_advantages import assign_turn_advantages
 from vlmrl.types import Task, Trajectory
 from vlmrl.wiring import build_runner
@@ -208,7 +208,8 @@ def build_job(cfg: Config, plan: ResumePlan | None = None) -> Job:
     model = prepare_policy(model, cfg.model)  # model.lora / freeze_vision_tower / freeze_projector
     off_policy = cfg.algorithm.off_policy_steps > 0
     behaviour = BehaviourWeights(model) if off_policy and cfg.rollout.engine == "transformers" else None
-    trainer = GRPOTrainer(model, cfg.trainer, trainer_algorithm(cfg), cfg.rollout.temperature, family=cfg.model.family)
+    settings = TrainerSettings.from_config(cfg.trainer, trainer_algorithm(cfg), cfg.rollout.temperature)
+    trainer = GRPOTrainer(model, settings, family=cfg.model.family)
     if files and not needed:
         files.check_space(checkpoint.estimate_bytes(trainer.module))
     if behaviour is not None:

@@ -17,6 +17,7 @@ otherwise a JSONL file, one conversation per line: {"messages": [{"role": "user"
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import random
@@ -37,7 +38,7 @@ from vlmrl.run import export_style, seed_everything
 from vlmrl.runfiles import RunFiles
 from vlmrl.tokens import get_builder
 from vlmrl.tokens.base import TokenBuilder
-from vlmrl.train.trainer import GRPOTrainer
+from vlmrl.train.trainer import GRPOTrainer, TrainerSettings
 from vlmrl.types import Generation, ImagePart, Message, Role, StopReason, TextPart, Trajectory
 
 log = logging.getLogger("vlmrl.sft")
@@ -103,7 +104,9 @@ def sft(cfg: Config) -> Path:
     Returns the `hf` folder."""
     seed_everything(cfg.seed)
     model, processor = load_policy(cfg.model)
-    trainer = GRPOTrainer(model, cfg.trainer, cfg.algorithm, 1.0, family=cfg.model.family, objective="sft")
+    no_rollouts = dataclasses.replace(cfg.algorithm, rollout_correction="off")  # demonstrations: no behaviour policy
+    settings = TrainerSettings.from_config(cfg.trainer, no_rollouts, 1.0)
+    trainer = GRPOTrainer(model, settings, family=cfg.model.family, objective="sft")
     files = RunFiles(cfg.logging.output_dir, cfg.logging.overwrite) if trainer.is_main else None
     if files:
         files.write_config(to_yaml(cfg))

@@ -138,10 +138,10 @@ def _free(engine):
 
 
 def test_colocated_episode_loop_zero3_sync(processor, builder):
-    from vlmrl.train.trainer import GRPOTrainer
+    from vlmrl.train.trainer import GRPOTrainer, TrainerSettings
 
-    trainer = GRPOTrainer(tiny_qwen2(tied=False), {"zero_stage": 3, "lr": 3e-3, "max_grad_norm": 0.0},
-                          temperature=TEMPERATURE)
+    trainer = GRPOTrainer(tiny_qwen2(tied=False), TrainerSettings(zero_stage=3, lr=3e-3, max_grad_norm=0.0,
+                                                                  temperature=TEMPERATURE))
     t0 = time.perf_counter()
     engine = make_engine(rollout_cfg(), trainer.policy, processor, builder)
     print(f"\nvLLM colocated engine up in {time.perf_counter() - t0:.1f} s; first sync {engine.last_sync_metrics}")

@@ -72,7 +72,7 @@ def run_stage(stage: int, options: dict) -> None:
     everything = with_old_logprobs(model, everything, noise=0.3)
     expected = reference_grads(copy.deepcopy(model), everything, options)
     trainer = GRPOTrainer(model, TrainerSettings(zero_stage=stage, micro_batch_size=1, lr=1e-3, max_grad_norm=0.0,
-                                                 **options))
+                                                 clip_eps_high=0.2, **options))
     mine = everything[:3] if trainer.rank == 0 else everything[3:]
     trainer.engine.train()
     _, num_tokens, num_samples = trainer.accumulate_gradients(mine)

@@ -9,56 +9,64 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from vlmrl.config import AlgorithmConfig, RolloutConfig, TrainerConfig
+
 
 @dataclass
 class TrainerSettings:
-    """The trainer's resolved settings (merged from the run's trainer/algorithm configs by `from_any`)."""
+    """The trainer's settings: the `trainer` and `algorithm` config fields it reads, plus the rollout temperature.
 
-    zero_stage: int = 2
-    lr: float = 1e-6
-    weight_decay: float = 0.0
+    Built from the run's typed config by `from_config`; tests build it directly. Every default that a config field
+    also has is that field's default (`vlmrl.config.TrainerConfig` / `AlgorithmConfig`: one place); `betas` and
+    `dtype` are the trainer's own. `rollout_correction` holds a resolved mode ("off" | "tis" | "mis" | "tis+mis"):
+    `vlmrl.run.trainer_algorithm` resolves the config's `auto` from the engine."""
+
+    zero_stage: int = TrainerConfig.zero_stage
+    lr: float = TrainerConfig.lr
+    weight_decay: float = TrainerConfig.weight_decay
     betas: tuple[float, float] = (0.9, 0.999)
-    max_grad_norm: float = 1.0
-    micro_batch_size: int = 1
-    clip_eps_low: float = 0.2
-    clip_eps_high: float = 0.2  # 0.28 = DAPO clip-higher
-    kl_coef: float = 0.0
-    temperature: float = 1.0
-    seed: int = 0
-    rollout_correction: str = "off"  # vlmrl.train.rollout_correction (vlmrl.run resolves `auto` from the engine)
-    tis_cap: float = 2.0
-    mis_low: float = 0.5
-    mis_high: float = 2.0
-    loss_agg: str = "token-mean"  # vlmrl.train.loss_agg
-    loss_agg_norm: int = 0
+    max_grad_norm: float = TrainerConfig.max_grad_norm
+    micro_batch_size: int = TrainerConfig.micro_batch_size
+    clip_eps_low: float = AlgorithmConfig.clip_eps_low
+    clip_eps_high: float = AlgorithmConfig.clip_eps_high
+    kl_coef: float = AlgorithmConfig.kl_coef
+    temperature: float = RolloutConfig.temperature
+    seed: int = TrainerConfig.seed
+    rollout_correction: str = "off"  # vlmrl.train.rollout_correction (resolved: no `auto` here)
+    tis_cap: float = AlgorithmConfig.tis_cap
+    mis_low: float = AlgorithmConfig.mis_low
+    mis_high: float = AlgorithmConfig.mis_high
+    loss_agg: str = AlgorithmConfig.loss_agg  # vlmrl.train.loss_agg
+    loss_agg_norm: int = AlgorithmConfig.loss_agg_norm
     dtype: str = "auto"  # "fp32" | "bf16" | "auto" (= the model's parameter dtype)
-    steps: int = 1  # optimizer steps of the run (the LR schedule's num_training_steps)
-    lr_scheduler: str = "constant"  # a `transformers.get_scheduler` name
-    warmup_steps: int = 0  # 0: ceil(warmup_ratio * steps)
-    warmup_ratio: float = 0.0
-    gradient_checkpointing: bool = False
-    deepspeed_config: str | None = None  # path of a user DeepSpeed JSON merged under ours (`merge_deepspeed_config`)
+    steps: int = TrainerConfig.steps  # optimizer steps of the run (the LR schedule's num_training_steps)
+    lr_scheduler: str = TrainerConfig.lr_scheduler  # a `transformers.get_scheduler` name
+    warmup_steps: int = TrainerConfig.warmup_steps  # 0: ceil(warmup_ratio * steps)
+    warmup_ratio: float = TrainerConfig.warmup_ratio
+    gradient_checkpointing: bool = TrainerConfig.gradient_checkpointing
+    deepspeed_config: str | None = TrainerConfig.deepspeed_config  # a user JSON merged under ours
 
     @property
     def num_warmup_steps(self) -> int:
         """warmup_steps if set, else ceil(warmup_ratio * steps) (transformers' `TrainingArguments` rule)."""
         return self.warmup_steps if self.warmup_steps > 0 else math.ceil(self.warmup_ratio * self.steps)
 
-    @staticmethod
-    def from_any(*cfgs: Any, temperature: float | None = None) -> "TrainerSettings":
-        """Merge the known fields of attribute-style configs or dicts, later ones winning (unknown fields ignored).
+    @classmethod
+    def from_config(cls, trainer: TrainerConfig, algorithm: AlgorithmConfig, temperature: float) -> "TrainerSettings":
+        """The settings of a run: each field from `algorithm` if it has one, else from `trainer`; `temperature` is
+        `rollout.temperature`. Pass `algorithm` with `rollout_correction` resolved (`vlmrl.run.trainer_algorithm`).
 
-        E.g. `from_any(cfg.trainer, cfg.algorithm, temperature=cfg.rollout.temperature)`.
-        """
-        values: dict[str, Any] = {}
-        for cfg in cfgs:
-            get = cfg.get if isinstance(cfg, dict) else lambda k, c=cfg: getattr(c, k, None)
-            values.update({f.name: get(f.name) for f in fields(TrainerSettings) if get(f.name) is not None})
-        if temperature is not None:
-            values["temperature"] = temperature
-        if "betas" in values:
-            values["betas"] = tuple(values["betas"])
-        return TrainerSettings(**values)
+        Raises ValueError if `algorithm.rollout_correction` is still "auto"."""
+        if algorithm.rollout_correction == "auto":
+            raise ValueError("algorithm.rollout_correction=auto must be resolved from the engine first "
+                             "(vlmrl.run.trainer_algorithm)")
+        values: dict[str, Any] = {"temperature": temperature}
+        for f in fields(cls):
+            for source in (algorithm, trainer):
+                if f.name != "temperature" and hasattr(source, f.name):
+                    values[f.name] = getattr(source, f.name)
+                    break
+        return cls(**values)
 
 
 def deepspeed_config(cfg: TrainerSettings, micro_batch_size: int | None = None) -> dict[str, Any]:
@@ -133,11 +141,11 @@ def load_deepspeed_config(cfg: TrainerSettings) -> dict[str, Any]:
     return merge_deepspeed_config(ours, user, f"trainer.deepspeed_config={path}")
 
 
-def hf_deepspeed_config(cfg: Any):
+def hf_deepspeed_config(cfg: TrainerSettings):
     """An `HfDeepSpeedConfig` to keep alive while building a model for ZeRO-3 zero.Init (sharded construction).
 
     Only for models too big for one rank; keep the returned object referenced until training ends.
     """
     from transformers.integrations import HfDeepSpeedConfig
 
-    return HfDeepSpeedConfig(deepspeed_config(TrainerSettings.from_any(cfg)))
+    return HfDeepSpeedConfig(deepspeed_config(cfg))

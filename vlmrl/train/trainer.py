@@ -1,12 +1,13 @@
 """GRPOTrainer: one optimizer step of the GRPO loss over a list of `Sample`s, with DeepSpeed ZeRO-0/1/2/3.
 
-    trainer = GRPOTrainer(model, cfg.trainer, cfg.algorithm, cfg.rollout.temperature)
+    settings = TrainerSettings.from_config(cfg.trainer, trainer_algorithm(cfg), cfg.rollout.temperature)
+    trainer = GRPOTrainer(model, settings)               # vlmrl.run.trainer_algorithm resolves rollout_correction
     with trainer.policy() as policy: ...generate...      # every rank, same number of times under ZeRO-3
     stats = trainer.train_step(samples)                  # this rank's samples; stats are global (all ranks)
     trainer.save_checkpoint(dir); trainer.load_checkpoint(dir)
 
-Settings read (from dataclasses, OmegaConf nodes or dicts, merged by `TrainerSettings.from_any`, later configs
-winning; missing ones take the defaults of `TrainerSettings`): zero_stage (0|1|2|3, default 2), lr, weight_decay,
+Settings (`TrainerSettings`, built from the run's `trainer` and `algorithm` config nodes by `from_config`):
+zero_stage (0|1|2|3, default 2), lr, weight_decay,
 betas, max_grad_norm (0 = no clipping), micro_batch_size (samples per forward), clip_eps_low, clip_eps_high,
 kl_coef (0 = no reference model), temperature (the sampling temperature: logprobs are of logits / temperature),
 seed (torch is seeded with seed + rank), rollout_correction (off|tis|mis|tis+mis; auto = off here: `vlmrl.run`
@@ -121,19 +122,16 @@ class GRPOTrainer:
     def __init__(
         self,
         model: torch.nn.Module,
-        cfg: Any = None,
-        algorithm: Any = None,
-        temperature: float | None = None,
+        cfg: TrainerSettings | None = None,
         ref_model: torch.nn.Module | None = None,
         family: str | None = None,
         objective: str = "grpo",
     ):
-        """model: the HF policy (trainable params = those with requires_grad); cfg/algorithm: configs whose fields
-        merge into `TrainerSettings` (algorithm wins: clip_eps_low/high, kl_coef); temperature: the rollout sampling
-        temperature; ref_model: the KL reference (default: a deepcopy of `model` now, when kl_coef > 0); family: the
-        model family (`model.family`), whose image inputs `collate` builds (None: read from the model's config);
-        objective: "grpo" (the GRPO loss) or "sft" (cross-entropy on the loss-mask tokens, `vlmrl.train.sft_loss`;
-        advantages and old logprobs are ignored). ValueError for another objective.
+        """model: the HF policy (trainable params = those with requires_grad); cfg: the settings (None: the
+        defaults of `TrainerSettings`); ref_model: the KL reference (default: a deepcopy of `model` now, when
+        kl_coef > 0); family: the model family (`model.family`), whose image inputs `collate` builds (None: read
+        from the model's config); objective: "grpo" (the GRPO loss) or "sft" (cross-entropy on the loss-mask
+        tokens, `vlmrl.train.sft_loss`; advantages and old logprobs are ignored). ValueError for another objective.
         """
         import deepspeed
 
@@ -142,7 +140,7 @@ class GRPOTrainer:
             raise ValueError(f"unknown trainer objective {objective!r}; expected grpo or sft")
         self.objective = objective
 
-        self.cfg = TrainerSettings.from_any(*(c for c in (cfg, algorithm) if c is not None), temperature=temperature)
+        self.cfg = cfg if cfg is not None else TrainerSettings()
         if LossAgg(self.cfg.loss_agg) is LossAgg.seq_mean_token_sum_norm and self.cfg.loss_agg_norm <= 0:
             raise ValueError("loss_agg=seq-mean-token-sum-norm needs loss_agg_norm > 0 (the Dr. GRPO constant)")
         if self.cfg.dtype == "auto":
