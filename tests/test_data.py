@@ -11,15 +11,26 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from vlmrl.data import BadRowError, load_tasks, to_rgb
+from vlmrl import data
+from vlmrl.config import DataConfig
+from vlmrl.data import BadRowError, to_rgb
 from vlmrl.envs.geometry3k import GeometryRow, geometry_row
 
 GEOMETRY3K = Path(__file__).resolve().parents[1] / "vlmrl" / "assets" / "data" / "geometry3k"  # in-repo sample
 
 
-def load_rows(data_cfg):
-    """Geometry3K rows of `data_cfg`."""
-    return load_tasks(data_cfg, geometry_row)
+def data_config(fields: dict) -> DataConfig:
+    """The typed data config of `fields`; unset: no path, split train, file order (no shuffle)."""
+    return DataConfig(**{"path": "", "split": "train", "shuffle_seed": None, **fields})
+
+
+def load_tasks(fields: dict, build_task):
+    return data.load_tasks(data_config(fields), build_task)
+
+
+def load_rows(fields: dict):
+    """Geometry3K rows of the data config `fields`."""
+    return load_tasks(fields, geometry_row)
 
 
 def _png_bytes(color=(255, 0, 0), size=(8, 6), mode="RGB") -> bytes:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from vlmrl.config import ConfigError
+from vlmrl.config import ConfigError, DataConfig
 from vlmrl.envs import load_env_tasks, make_env_factory
 from vlmrl.envs.geometry3k import Geometry3KConfig, Geometry3KEnv, GeometryRow, build_task
 from vlmrl.types import ImagePart, Message, ParseStatus, Role, Task, TextPart
@@ -108,7 +108,7 @@ def test_task_without_meta_uses_task_answer():
 
 
 def test_load_env_tasks_on_real_data():
-    tasks = load_env_tasks(ENV_CFG, {"path": str(GEOMETRY3K), "split": "test", "limit": 4})
+    tasks = load_env_tasks(ENV_CFG, DataConfig(path=str(GEOMETRY3K), split="test", limit=4, shuffle_seed=None))
     assert [t.id for t in tasks] == ["2401", "2402", "2403", "2404"]
     t = tasks[1]
     assert "Circle O has a radius of 13 inches." in t.messages[0].text_content and t.answer == "A"

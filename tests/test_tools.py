@@ -484,12 +484,13 @@ class Counter:
 
 
 def test_environment_object_and_function_tools(tmp_path):
-    from vlmrl.envs.color_square import ColorSquareEnv, make_tasks
+    from vlmrl.config import DataConfig
+    from vlmrl.envs.color_square import ColorSquareConfig, ColorSquareEnv, make_tasks
 
     factory = ToolEnvFactory(ColorSquareEnv, ["test_tools:add"], "test_tools:Counter")
     env = factory()
     assert isinstance(env, ToolEnvironment)
-    (task,) = make_tasks({"name": "color_square"}, {"limit": 1})
+    (task,) = make_tasks(ColorSquareConfig(), DataConfig(limit=1))
     first = env.reset(task)
     assert first[-1].content[-1] == TextPart("The counter is 0.")
     names = [t.name for t in env.tools()]

@@ -178,12 +178,13 @@ def test_rlimit_fallback_still_contains_crashes_hangs_and_memory():
 
 
 def test_environment_object_lives_in_its_worker_and_its_crash_is_counted():
-    from vlmrl.envs.color_square import ColorSquareEnv, make_tasks
+    from vlmrl.config import DataConfig
+    from vlmrl.envs.color_square import ColorSquareConfig, ColorSquareEnv, make_tasks
     from vlmrl.tools.objects import ToolEnvFactory
 
     factory = ToolEnvFactory(ColorSquareEnv, [], "tools_hostile:Exploder", Sandbox(isolation="bwrap"), 3.0)
     env = factory()
-    (task,) = make_tasks({"name": "color_square"}, {"limit": 1})
+    (task,) = make_tasks(ColorSquareConfig(), DataConfig(limit=1))
     assert env.reset(task)[-1].content[-1].text == "ready"
     assert env.step("\\boxed{blue}", 0, False).reward == 1.0  # the object's reward, computed in the worker
     rt = ToolRuntime(P, ToolLimits(timeout_s=3.0))

@@ -68,7 +68,7 @@ class DataConfig:
     split: str = "test"
     limit: Optional[int] = None
     strict_rows: bool = False
-    shuffle_seed: int = 0
+    shuffle_seed: Optional[int] = 0  # None: file order
     eval_split: Optional[str] = None  # split for `vlmrl generate` and trainer.eval_every (None: `split`)
     eval_limit: Optional[int] = None  # problems of the eval split (None: `limit`)
     layout: str = "auto"  # auto | trl | verl | easyr1 | geometry3k | columns (vlmrl.data.schema)

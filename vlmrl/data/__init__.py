@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
+from vlmrl.config import DataConfig
 from vlmrl.data.images import to_rgb
 from vlmrl.data.layouts import LAYOUTS, normalise
 from vlmrl.data.readers import open_sources
@@ -26,91 +26,61 @@ from vlmrl.types import Task
 
 log = logging.getLogger("vlmrl.data")
 
-__all__ = ["BadRowError", "DataOptions", "Row", "cfg_value", "load_rows", "load_tasks", "to_rgb"]
+__all__ = ["BadRowError", "Row", "check_data", "load_rows", "load_tasks", "to_rgb"]
 
 
-def cfg_value(cfg: Any, key: str, default: Any = None) -> Any:
-    """`cfg.key` for dataclasses/objects, `cfg[key]` for mappings (dict, OmegaConf DictConfig); else `default`."""
-    if cfg is None:
-        return default
-    if isinstance(cfg, Mapping):
-        return cfg.get(key, default)
-    return getattr(cfg, key, default)
+def check_data(data: DataConfig) -> None:
+    """The data config's own checks (run before any row is read).
 
-
-@dataclass(frozen=True)
-class DataOptions:
-    """The data config fields this package reads."""
-
-    path: str
-    split: str = "train"
-    limit: int | None = None
-    strict_rows: bool = False
-    shuffle_seed: int | None = None
-    layout: str = "auto"
-    columns: dict[str, str] = field(default_factory=dict)
-
-    @staticmethod
-    def from_cfg(data_cfg: Any) -> "DataOptions":
-        path = cfg_value(data_cfg, "path")
-        if not path:
-            raise ValueError("data.path is not set: give a JSONL/parquet file, a data folder or a HF dataset id")
-        limit, seed = cfg_value(data_cfg, "limit"), cfg_value(data_cfg, "shuffle_seed")
-        layout = str(cfg_value(data_cfg, "layout", "auto") or "auto")
-        if layout not in LAYOUTS:
-            raise ValueError(f"data.layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
-        columns = {str(k): str(v) for k, v in dict(cfg_value(data_cfg, "columns") or {}).items()}
-        if layout == "columns" and not columns:
-            raise ValueError("data.layout=columns needs data.columns, e.g. {prompt: question, answer: gt}")
-        return DataOptions(
-            path=str(path),
-            split=str(cfg_value(data_cfg, "split", "train") or "train"),
-            limit=None if limit is None else int(limit),
-            strict_rows=bool(cfg_value(data_cfg, "strict_rows", False)),
-            shuffle_seed=None if seed is None else int(seed),
-            layout=layout,
-            columns=columns,
-        )
+    Raises ValueError naming the field: an empty `data.path`, an unknown `data.layout`, `layout=columns` without
+    `data.columns`."""
+    if not data.path:
+        raise ValueError("data.path is not set: give a JSONL/parquet file, a data folder or a HF dataset id")
+    if data.layout not in LAYOUTS:
+        raise ValueError(f"data.layout must be one of {', '.join(LAYOUTS)}, got {data.layout!r}")
+    if data.layout == "columns" and not data.columns:
+        raise ValueError("data.layout=columns needs data.columns, e.g. {prompt: question, answer: gt}")
 
 
 def _identity(row: Row) -> Row:
     return row
 
 
-def load_tasks(data_cfg: Any, build_task: Callable[[Row], Any]) -> list:
-    """The rows of `data_cfg`, each turned into a task by `build_task` (the environment's prompt), in order:
-    shuffled by `shuffle_seed`, then the first `limit` good ones (rows past it are never decoded).
+def load_tasks(data: DataConfig, build_task: Callable[[Row], Any]) -> list:
+    """The rows of `data` (`path`, `split`), each turned into a task by `build_task` (the environment's prompt), in
+    order: shuffled by `shuffle_seed` (None: file order), then the first `limit` good ones (rows past it are never
+    decoded).
 
     Raises BadRowError for a bad row when `strict_rows` (else it is logged and skipped), ValueError when no row
-    is usable, FileNotFoundError for a missing path.
+    is usable or a field is wrong (`check_data`), FileNotFoundError for a missing path.
     """
-    opts = DataOptions.from_cfg(data_cfg)
-    raws = [(src, raw) for src in open_sources(opts.path, opts.split) for raw in src.records]
-    if opts.shuffle_seed is not None:
-        random.Random(opts.shuffle_seed).shuffle(raws)
+    check_data(data)
+    raws = [(src, raw) for src in open_sources(data.path, data.split) for raw in src.records]
+    if data.shuffle_seed is not None:
+        random.Random(data.shuffle_seed).shuffle(raws)
     out: list = []
     first_seen: dict[str, str] = {}
     for src, raw in raws:
-        if opts.limit is not None and len(out) >= opts.limit:
+        if data.limit is not None and len(out) >= data.limit:
             break
         try:
-            row = normalise(raw, src, opts.layout, opts.columns)
+            row = normalise(raw, src, data.layout, data.columns)
             if row.id in first_seen:
                 raise BadRowError(f"{row.where}: duplicate id {row.id!r} (first at {first_seen[row.id]})")
             out.append(build_task(row))
             first_seen[row.id] = f"{src.name} ({raw.position})"
         except BadRowError as err:
-            if opts.strict_rows:
+            if data.strict_rows:
                 raise
             log.warning("skipping bad row: %s", err)
     if not out:
-        raise ValueError(f"no usable rows in {opts.path} (split {opts.split!r})")
+        raise ValueError(f"no usable rows in {data.path} (split {data.split!r})")
     return out
 
 
-def load_rows(data_cfg: Any) -> list[Row]:
+def load_rows(data: DataConfig) -> list[Row]:
     """`load_tasks` without an environment: the validated `Row`s themselves."""
-    return load_tasks(data_cfg, _identity)
+    return load_tasks(data, _identity)
 
 
 def task_of(row: Row) -> Task:

@@ -16,6 +16,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+from vlmrl.config import DataConfig
 from vlmrl.data import load_tasks
 from vlmrl.envs.base import Environment, StepResult
 from vlmrl.envs.plugins import env_class, env_config
@@ -33,7 +34,7 @@ def make_env_factory(env_cfg: Any) -> Callable[[], Environment]:
     return instantiate({"_target_": cfg._target_, "_partial_": True}, cfg)
 
 
-def load_env_tasks(env_cfg: Any, data_cfg: Any) -> list[Task]:
+def load_env_tasks(env_cfg: Any, data_cfg: DataConfig) -> list[Task]:
     """The environment's generated tasks (`make_tasks`), else the rows of `data_cfg` (`vlmrl.data.load_tasks`)
     turned into tasks by its `build_task`."""
     cfg = env_config(env_cfg)

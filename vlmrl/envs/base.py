@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from vlmrl.config import EnvConfig
+from vlmrl.config import DataConfig, EnvConfig
 from vlmrl.data import Row, task_of
 from vlmrl.types import Message, ParseStatus, Role, Task
 
@@ -52,7 +52,7 @@ class Environment(ABC):
         return task_of(row)
 
     @classmethod
-    def make_tasks(cls, cfg: Any, data_cfg: Any) -> list[Task] | None:
+    def make_tasks(cls, cfg: Any, data_cfg: DataConfig) -> list[Task] | None:
         """The environment's own generated tasks, or None to read `data.path` (the default)."""
         return None
 

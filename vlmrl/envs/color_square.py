@@ -14,8 +14,7 @@ from typing import Any
 
 from PIL import Image
 
-from vlmrl.config import EnvConfig
-from vlmrl.data import cfg_value
+from vlmrl.config import DataConfig, EnvConfig
 from vlmrl.envs.base import Environment, StepResult
 from vlmrl.rewards import extract_boxed
 from vlmrl.types import ImagePart, Message, ParseStatus, Role, Task, TextPart
@@ -44,10 +43,10 @@ def build_task(row: ColorRow) -> Task:
                 meta={"colors": list(row.colors), "seed": row.seed})
 
 
-def make_tasks(cfg: Any, data_cfg: Any) -> list[Task]:
+def make_tasks(cfg: Any, data_cfg: DataConfig) -> list[Task]:
     """`data.limit` (default 16) tasks with seeded colour pairs."""
-    n = int(cfg_value(data_cfg, "limit") or 16)
-    base = int(cfg_value(data_cfg, "shuffle_seed") or 0)
+    n = data_cfg.limit or 16
+    base = data_cfg.shuffle_seed or 0
     names = sorted(COLORS)
     rows = []
     for i in range(n):
@@ -67,7 +66,7 @@ class ColorSquareEnv(Environment):
     config_class = ColorSquareConfig
 
     @classmethod
-    def make_tasks(cls, cfg: ColorSquareConfig, data_cfg: Any) -> list[Task]:
+    def make_tasks(cls, cfg: ColorSquareConfig, data_cfg: DataConfig) -> list[Task]:
         return make_tasks(cfg, data_cfg)
 
     def __init__(self, cfg: ColorSquareConfig | None = None) -> None:

@@ -20,8 +20,7 @@ from typing import Any
 
 from PIL import Image
 
-from vlmrl.config import EnvConfig
-from vlmrl.data import cfg_value
+from vlmrl.config import DataConfig, EnvConfig
 from vlmrl.envs.base import Environment, StepResult
 from vlmrl.rewards import extract_boxed
 from vlmrl.types import ImagePart, Message, ParseStatus, Role, Task, TextPart
@@ -44,11 +43,11 @@ def build_task(seed: int, color: str) -> Task:
                 meta={"seed": seed})
 
 
-def make_tasks(env_cfg: Any, data_cfg: Any) -> list[Task]:
+def make_tasks(env_cfg: Any, data_cfg: DataConfig) -> list[Task]:
     """`data.limit` (default 64) tasks with balanced colours: task i (seed data.shuffle_seed + i) shows
     sorted(COLORS)[i % len(COLORS)], so every colour is equally frequent (the training loop shuffles the order)."""
-    n = int(cfg_value(data_cfg, "limit") or 64)
-    base = int(cfg_value(data_cfg, "shuffle_seed") or 0)
+    n = data_cfg.limit or 64
+    base = data_cfg.shuffle_seed or 0
     names = sorted(COLORS)
     return [build_task(base + i, names[i % len(names)]) for i in range(n)]
 
@@ -91,7 +90,7 @@ class ColorsEnv(Environment):
     config_class = ColorsConfig
 
     @classmethod
-    def make_tasks(cls, cfg: ColorsConfig, data_cfg: Any) -> list[Task]:
+    def make_tasks(cls, cfg: ColorsConfig, data_cfg: DataConfig) -> list[Task]:
         return make_tasks(cfg, data_cfg)
 
     @classmethod

@@ -17,7 +17,6 @@ from __future__ import annotations
 import itertools
 import os
 from dataclasses import dataclass
-from typing import Any
 
 os.environ.setdefault("SDL_VIDEODRIVER", "dummy")  # pygame renders off-screen; no display or audio needed
 os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
@@ -26,8 +25,10 @@ import gymnasium as gym  # noqa: E402
 from gymnasium.envs.toy_text.frozen_lake import generate_random_map  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from vlmrl.config import EnvConfig  # noqa: E402
-from vlmrl.data import cfg_value  # noqa: E402
+from vlmrl.config import (
+    DataConfig,
+    EnvConfig,  # noqa: E402
+)
 from vlmrl.envs.base import Environment, StepResult  # noqa: E402
 from vlmrl.rewards import extract_boxed  # noqa: E402
 from vlmrl.types import ImagePart, Message, ParseStatus, Role, Task, TextPart  # noqa: E402
@@ -91,10 +92,10 @@ def build_task(row: FrozenLakeRow) -> Task:
                 meta={"seed": row.seed, "desc": list(row.desc)})
 
 
-def make_tasks(cfg: FrozenLakeConfig, data_cfg: Any) -> list[Task]:
+def make_tasks(cfg: FrozenLakeConfig, data_cfg: DataConfig) -> list[Task]:
     """`data.limit` (default 64) generated maps, seeds from `data.shuffle_seed`."""
-    n = int(cfg_value(data_cfg, "limit") or 64)
-    base = int(cfg_value(data_cfg, "shuffle_seed") or 0)
+    n = data_cfg.limit or 64
+    base = data_cfg.shuffle_seed or 0
     rows = [FrozenLakeRow(base + i, tuple(generate_random_map(cfg.map_size, cfg.frozen_prob, seed=base + i)))
             for i in range(n)]
     return [build_task(r) for r in rows]
@@ -117,7 +118,7 @@ class FrozenLakeEnv(Environment):
     _episodes = itertools.count(1)
 
     @classmethod
-    def make_tasks(cls, cfg: FrozenLakeConfig, data_cfg: Any) -> list[Task]:
+    def make_tasks(cls, cfg: FrozenLakeConfig, data_cfg: DataConfig) -> list[Task]:
         return make_tasks(cfg, data_cfg)
 
     def __init__(self, cfg: FrozenLakeConfig | None = None, seed: int | None = None) -> None:

@@ -9,6 +9,7 @@ seconds, before any model is loaded.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from dataclasses import asdict, is_dataclass
 from typing import Any
 
@@ -42,9 +43,9 @@ def env_class(target: str) -> type:
 
 
 def _target_of(env_cfg: Any) -> str:
-    from vlmrl.data import cfg_value
-
-    return str(cfg_value(env_cfg, "_target_") or EnvConfig._target_)
+    """`env._target_` of a raw node (dict, DictConfig) or a dataclass; the default environment's if unset."""
+    target = env_cfg.get("_target_") if isinstance(env_cfg, Mapping) else getattr(env_cfg, "_target_", None)
+    return str(target or EnvConfig._target_)
 
 
 def env_schema(env_raw: Any) -> DictConfig:
