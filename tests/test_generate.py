@@ -242,7 +242,7 @@ def test_generate_with_the_tiny_model(tmp_path):
 
 def test_eval_during_training_with_a_stand_in_trainer(tmp_path, letter_engine):
     """The hook run by `run_step` every trainer.eval_every steps: one policy() block, eval/* keys, eval records."""
-    from vlmrl.models import load_policy
+    from vlmrl.modeling.loading import load_policy
     from vlmrl.runfiles import RunFiles
 
     cfg = _cfg(tmp_path, "data.eval_split=test", "data.eval_limit=2")

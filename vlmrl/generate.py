@@ -79,7 +79,7 @@ def _generate(cfg: Config, console: Any) -> GenerateResult:
 
     from vlmrl.envs import load_env_tasks
     from vlmrl.logging_backends import make_loggers
-    from vlmrl.models import load_policy
+    from vlmrl.modeling.loading import load_policy
     from vlmrl.progress import StepProgress
 
     console = console or Console()

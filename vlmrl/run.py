@@ -27,7 +27,7 @@ from vlmrl.generate import eval_during_training
 from vlmrl.logging_backends import make_loggers
 from vlmrl.metrics import rollout_metrics
 from vlmrl.modeling.adapters import prepare_policy
-from vlmrl.models import load_policy
+from vlmrl.modeling.loading import load_policy
 from vlmrl.progress import StepProgress, train_line
 from vlmrl.resume import (
     STYLE_FALLBACK,
