@@ -18,7 +18,7 @@ from vlmrl import config as config_mod
 from vlmrl.evaluation.during_training import eval_during_training
 from vlmrl.evaluation.generate import generate
 from vlmrl.evaluation.metrics import eval_metrics, pass_at_k, pass_ks
-from vlmrl.evaluation.rollouts import build_runner
+from vlmrl.evaluation.rollouts import build_eval_runner
 from vlmrl.evaluation.run_folder import identity_diff
 from vlmrl.report.run_data import EVAL_TRAJECTORIES
 from vlmrl.rollout.engine import Engine
@@ -252,7 +252,7 @@ def test_eval_during_training_with_a_stand_in_trainer(tmp_path, letter_engine):
 
     cfg = _cfg(tmp_path, "data.eval_split=test", "data.eval_limit=2")
     model, processor = load_policy(cfg.model)
-    runner, builder = build_runner(cfg, model, processor)
+    runner, builder = build_eval_runner(cfg, model, processor)
     entered = []
 
     @contextlib.contextmanager

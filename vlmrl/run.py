@@ -44,6 +44,7 @@ from vlmrl.resume import (
 from vlmrl.rewards import group_advantages
 from vlmrl.rollout.engine import derive_seed
 from vlmrl.rollout.episode import EpisodeRunner
+from vlmrl.rollout.runner import build_runner
 from vlmrl.runfiles import ImageStore, RunFiles, RunFolderError
 from vlmrl.tokens.base import PrefixMode, TokenBuilder
 from vlmrl.train import loss_agg, overlong, rollout_correction
@@ -52,7 +53,6 @@ from vlmrl.train.dynamic_sampling import SampledBatch, sample_until_full
 from vlmrl.train.trainer import GRPOTrainer
 from vlmrl.train.turn_advantages import assign_turn_advantages
 from vlmrl.types import Task, Trajectory
-from vlmrl.wiring import build_runner
 
 log = logging.getLogger("vlmrl.run")
 

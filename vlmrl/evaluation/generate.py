@@ -24,7 +24,7 @@ from typing import Any
 
 from vlmrl.config import Config, to_yaml
 from vlmrl.evaluation.metrics import _summary
-from vlmrl.evaluation.rollouts import build_runner, eval_data_cfg, rollout_records
+from vlmrl.evaluation.rollouts import build_eval_runner, eval_data_cfg, rollout_records
 from vlmrl.evaluation.run_folder import GenerateFiles
 
 log = logging.getLogger("vlmrl.generate")
@@ -89,7 +89,7 @@ def _generate(cfg: Config, console: Any) -> GenerateResult:
     if todo:
         model, processor = load_policy(cfg.model)
         model.eval()
-        runner, _ = build_runner(cfg, model, processor)
+        runner, _ = build_eval_runner(cfg, model, processor)
     loggers = make_loggers(cfg, enabled=True, prefix="generate", resume=bool(plan.done))
     try:  # a rich bar on a terminal, else one plain line per chunk
         with StepProgress(console, len(tasks), len(tasks) - len(todo), enabled=cfg.logging.progress,
