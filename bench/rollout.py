@@ -41,7 +41,7 @@ from rich.table import Table
 
 from vlmrl.config import DataConfig, EnvConfig, RolloutConfig, VLLMConfig
 from vlmrl.envs import load_env_tasks, make_env_factory
-from vlmrl.models import load_policy
+from vlmrl.modeling.loading import load_policy
 from vlmrl.rollout import make_engine
 from vlmrl.rollout.engine import Engine, GenerateRequest, SamplingParams
 from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner

@@ -30,7 +30,7 @@ from PIL import Image, ImageDraw
 from rich.console import Console
 from rich.table import Table
 
-from vlmrl.models import load_processor
+from vlmrl.modeling.loading import load_processor
 from vlmrl.tokens import get_builder
 from vlmrl.tokens.qwen_vl import _SYNTHETIC_PREFIX
 from vlmrl.types import Generation, ImagePart, Message, Role, StopReason, TextPart

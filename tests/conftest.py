@@ -28,28 +28,28 @@ def tiny_model_cfg():
 @pytest.fixture(scope="session")
 def qwen_tok():
     """Qwen's real tokenizer with all 26 added tokens (Qwen3 / Qwen3-VL)."""
-    from vlmrl.models import qwen_tokenizer
+    from vlmrl.modeling.qwen_bpe import qwen_tokenizer
 
     return qwen_tokenizer(num_added=26)
 
 
 @pytest.fixture(scope="session")
 def qwen2_processor():
-    from vlmrl.models import load_processor
+    from vlmrl.modeling.loading import load_processor
 
     return load_processor("qwen2_vl", "tiny:qwen2_vl")
 
 
 @pytest.fixture(scope="session")
 def qwen25_processor():
-    from vlmrl.models import load_processor
+    from vlmrl.modeling.loading import load_processor
 
     return load_processor("qwen2_5_vl", "tiny:qwen2_5_vl")
 
 
 @pytest.fixture(scope="session")
 def qwen3vl_processor():
-    from vlmrl.models import load_processor
+    from vlmrl.modeling.loading import load_processor
 
     return load_processor("qwen3_vl", "tiny:qwen3_vl")
 
@@ -63,7 +63,7 @@ def qwen_processors(qwen2_processor, qwen25_processor, qwen3vl_processor):
 @pytest.fixture(scope="session")
 def qwen25_policy():
     """(model, processor) of a tiny Qwen2.5-VL (real architecture, random weights, fp32, seed 0), in eval mode."""
-    from vlmrl.models import load_policy
+    from vlmrl.modeling.loading import load_policy
 
     model, processor = load_policy(_tiny_cfg("qwen2_5_vl"))
     return model.eval(), processor

@@ -60,7 +60,7 @@ def test_check_template_cli_qwen25():
 @pytest.fixture(scope="module")
 def thinking_template_dir(tmp_path_factory) -> Path:
     """A Qwen2.5-VL processor folder whose chat template is trl's Qwen3.5 thinking template (strips <think>)."""
-    from vlmrl.models import tiny_processor_dir
+    from vlmrl.modeling.loading import tiny_processor_dir
 
     out = tmp_path_factory.mktemp("qwen25_with_thinking_template")
     for f in tiny_processor_dir("qwen2_5_vl").iterdir():

@@ -157,8 +157,7 @@ def _garbage_model_folder(root: Path) -> Path:
 
 
 def test_garbage_model_folder_is_one_line(tmp_path):
-    from vlmrl.modeling.loading import ModelLoadError
-    from vlmrl.models import load_policy
+    from vlmrl.modeling.loading import ModelLoadError, load_policy
 
     folder = _garbage_model_folder(tmp_path)
     t0 = time.perf_counter()
@@ -173,8 +172,8 @@ def test_garbage_model_folder_is_one_line(tmp_path):
 def test_offline_hub_failure_is_one_line_saying_what_to_do(monkeypatch):
     from huggingface_hub import constants
 
+    from vlmrl.modeling.loading import load_processor
     from vlmrl.modeling.sources import ModelLoadError, check_model_source
-    from vlmrl.models import load_processor
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     t0 = time.perf_counter()

@@ -22,7 +22,7 @@ from conftest import make_image
 
 from vlmrl.config import ExportStyle
 from vlmrl.export import to_samples
-from vlmrl.models import load_processor, tiny_model
+from vlmrl.modeling.loading import load_processor, tiny_model
 from vlmrl.rollout import make_engine
 from vlmrl.rollout.engine import SamplingParams
 from vlmrl.tokens import get_builder

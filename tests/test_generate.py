@@ -15,7 +15,12 @@ import pytest
 from conftest import GEOMETRY3K
 
 from vlmrl import config as config_mod
-from vlmrl import generate as gen
+from vlmrl.evaluation.during_training import eval_during_training
+from vlmrl.evaluation.generate import generate
+from vlmrl.evaluation.metrics import eval_metrics, pass_at_k, pass_ks
+from vlmrl.evaluation.rollouts import build_eval_runner
+from vlmrl.evaluation.run_folder import identity_diff
+from vlmrl.report.run_data import EVAL_TRAJECTORIES
 from vlmrl.rollout.engine import Engine
 from vlmrl.runfiles import RunFolderError
 from vlmrl.types import Generation, StopReason
@@ -34,7 +39,7 @@ from vlmrl.types import Generation, StopReason
     (200, 13, 10, 1 - Fraction(math.comb(187, 10), math.comb(200, 10))),
 ])
 def test_pass_at_k_exact(n, c, k, expected):
-    assert gen.pass_at_k(n, c, k) == pytest.approx(float(expected), abs=1e-12)
+    assert pass_at_k(n, c, k) == pytest.approx(float(expected), abs=1e-12)
 
 
 def test_pass_at_k_matches_combinatorial_definition_and_pass1_is_c_over_n():
@@ -42,22 +47,22 @@ def test_pass_at_k_matches_combinatorial_definition_and_pass1_is_c_over_n():
         for c in range(n + 1):
             for k in range(1, n + 1):
                 exact = 1 - Fraction(math.comb(n - c, k), math.comb(n, k))
-                assert gen.pass_at_k(n, c, k) == pytest.approx(float(exact), abs=1e-12)
-            assert gen.pass_at_k(n, c, 1) == pytest.approx(c / n)
+                assert pass_at_k(n, c, k) == pytest.approx(float(exact), abs=1e-12)
+            assert pass_at_k(n, c, 1) == pytest.approx(c / n)
 
 
 @pytest.mark.parametrize("n, c, k", [(4, 5, 1), (4, 1, 0), (4, 1, 5), (0, 0, 1)])
 def test_pass_at_k_rejects_bad_arguments(n, c, k):
     with pytest.raises(ValueError):
-        gen.pass_at_k(n, c, k)
+        pass_at_k(n, c, k)
 
 
 def test_pass_ks():
-    assert gen.pass_ks(1) == [1]
-    assert gen.pass_ks(4) == [1, 2, 3, 4]
-    assert gen.pass_ks(8) == list(range(1, 9))
-    assert gen.pass_ks(12) == [1, 2, 4, 8, 12]
-    assert gen.pass_ks(16) == [1, 2, 4, 8, 16]
+    assert pass_ks(1) == [1]
+    assert pass_ks(4) == [1, 2, 3, 4]
+    assert pass_ks(8) == list(range(1, 9))
+    assert pass_ks(12) == [1, 2, 4, 8, 12]
+    assert pass_ks(16) == [1, 2, 4, 8, 16]
 
 
 # ------------------------------------------------------------------------------------------------ eval metrics
@@ -93,7 +98,7 @@ def test_eval_metrics_exact():
             record("b", [True], sample=0), record("b", [True], sample=1),
             record("b", [False, False], sample=2, formatted=[False, False]),
             record("b", [False, False], sample=3)]
-    m = gen.eval_metrics(recs)
+    m = eval_metrics(recs)
     assert m["problems"] == 2 and m["episodes"] == 8
     assert m["accuracy"] == pytest.approx(3 / 8)
     assert m["first_turn_accuracy"] == pytest.approx(2 / 8)
@@ -118,7 +123,7 @@ def test_eval_metrics_tools_and_ungraded_tool_turns():
                "abandoned": 0, "tool_turns": 0}
     recs = [record("a", [False, True], formatted=[False, True], tool_calls=[[call, call], []], tool_stats=stats_a),
             record("a", [False], formatted=[False], tool_calls=[[]], tool_stats=stats_b)]
-    m = gen.eval_metrics(recs)
+    m = eval_metrics(recs)
     assert m["format_rate"] == pytest.approx(1 / 2)  # graded turns only: the tool turn is not graded
     assert m["first_turn_accuracy"] == pytest.approx(1 / 2)  # first graded turn of episode 0 is correct
     assert m["tool_calls_per_episode"] == 1.0 and m["tool_use_rate"] == 0.5
@@ -132,8 +137,8 @@ def test_identity_diff_ignores_limit_and_logging():
     b = config_mod.to_yaml(config_mod.load("geometry3k_eval_tiny", ["data.limit=20", "logging.output_dir=/x",
                                                                    "trainer.batch_size=5"]))
     c = config_mod.to_yaml(config_mod.load("geometry3k_eval_tiny", ["rollout.temperature=0.5"]))
-    assert gen.identity_diff(a, b) == []
-    assert gen.identity_diff(a, c) == ["rollout.temperature"]
+    assert identity_diff(a, b) == []
+    assert identity_diff(a, c) == ["rollout.temperature"]
 
 
 # ------------------------------------------------------------------------------------------------ generate runs
@@ -183,7 +188,7 @@ def _lines(path: Path) -> list[dict]:
 
 
 def test_generate_exact_metrics_and_resume(tmp_path, letter_engine):
-    res = gen.generate(_cfg(tmp_path))
+    res = generate(_cfg(tmp_path))
     out = tmp_path / "gen"
     m = res.metrics
     assert res.new_problems == 2 and res.skipped_problems == 0
@@ -199,14 +204,14 @@ def test_generate_exact_metrics_and_resume(tmp_path, letter_engine):
     assert [r["step"] for r in rows] == [1] and rows[-1]["pass@4"] == 1.0
 
     # the same command again: nothing to do, no model call
-    again = gen.generate(_cfg(tmp_path))
+    again = generate(_cfg(tmp_path))
     assert again.new_problems == 0 and again.skipped_problems == 2 and again.metrics["pass@2"] == 0.5
     assert len(_lines(out / "trajectories.jsonl")) == 8
 
     # a crash mid-write: a problem with 3 of its 4 lines plus a torn tail -> that problem runs again
     lines = (out / "trajectories.jsonl").read_text().splitlines(keepends=True)
     (out / "trajectories.jsonl").write_text("".join(lines[:7]) + '{"step": 1, "task_id": "tor')
-    resumed = gen.generate(_cfg(tmp_path, "data.limit=3"))  # and one more problem
+    resumed = generate(_cfg(tmp_path, "data.limit=3"))  # and one more problem
     assert resumed.skipped_problems == 1 and resumed.new_problems == 2
     trajs = _lines(out / "trajectories.jsonl")
     assert len(trajs) == 12 and len({t["task_id"] for t in trajs}) == 3
@@ -215,20 +220,20 @@ def test_generate_exact_metrics_and_resume(tmp_path, letter_engine):
 
 
 def test_generate_refuses_other_settings_and_training_folders(tmp_path, letter_engine):
-    gen.generate(_cfg(tmp_path, "data.limit=1"))
+    generate(_cfg(tmp_path, "data.limit=1"))
     with pytest.raises(RunFolderError, match="rollout.temperature"):
-        gen.generate(_cfg(tmp_path, "data.limit=1", "rollout.temperature=0.7"))
-    fresh = gen.generate(_cfg(tmp_path, "data.limit=1", "rollout.temperature=0.7", "logging.overwrite=true"))
+        generate(_cfg(tmp_path, "data.limit=1", "rollout.temperature=0.7"))
+    fresh = generate(_cfg(tmp_path, "data.limit=1", "rollout.temperature=0.7", "logging.overwrite=true"))
     assert fresh.new_problems == 1
     train_dir = tmp_path / "trained"
     (train_dir / "checkpoints").mkdir(parents=True)
     with pytest.raises(RunFolderError, match="training run"):
-        gen.generate(_cfg(tmp_path, f"logging.output_dir={train_dir}"))
+        generate(_cfg(tmp_path, f"logging.output_dir={train_dir}"))
 
 
 def test_generate_with_the_tiny_model(tmp_path):
     """The real path: tiny Qwen2.5-VL through `contextlib.nullcontext(model)` and the transformers engine."""
-    res = gen.generate(_cfg(tmp_path, "data.limit=1", "algorithm.group_size=2", "rollout.max_new_tokens=3"))
+    res = generate(_cfg(tmp_path, "data.limit=1", "algorithm.group_size=2", "rollout.max_new_tokens=3"))
     assert res.metrics["episodes"] == 2 and res.metrics["pass@2"] in (0.0, 1.0) and res.metrics["tokens_per_s"] > 0
     recs = _lines(tmp_path / "gen" / "trajectories.jsonl")
     for r in recs:
@@ -242,12 +247,12 @@ def test_generate_with_the_tiny_model(tmp_path):
 
 def test_eval_during_training_with_a_stand_in_trainer(tmp_path, letter_engine):
     """The hook run by `run_step` every trainer.eval_every steps: one policy() block, eval/* keys, eval records."""
-    from vlmrl.models import load_policy
+    from vlmrl.modeling.loading import load_policy
     from vlmrl.runfiles import RunFiles
 
     cfg = _cfg(tmp_path, "data.eval_split=test", "data.eval_limit=2")
     model, processor = load_policy(cfg.model)
-    runner, builder = gen.build_runner(cfg, model, processor)
+    runner, builder = build_eval_runner(cfg, model, processor)
     entered = []
 
     @contextlib.contextmanager
@@ -260,11 +265,11 @@ def test_eval_during_training_with_a_stand_in_trainer(tmp_path, letter_engine):
     job = SimpleNamespace(cfg=cfg, trainer=trainer, runner=runner, builder=builder, processor=processor, files=files,
                           eval_tasks=None)
     for step in (2, 4, 2):  # the last one: a resumed run redoing step 2 replaces the later eval lines
-        row = gen.eval_during_training(job, step)
+        row = eval_during_training(job, step)
     assert len(entered) == 3 and len(job.eval_tasks) == 2
     assert row["eval/accuracy"] == 0.25 and row["eval/pass@4"] == 1.0 and row["eval/episodes"] == 8
     assert all(k.startswith("eval/") for k in row)
-    recs = _lines(tmp_path / "train" / gen.EVAL_TRAJECTORIES)
+    recs = _lines(tmp_path / "train" / EVAL_TRAJECTORIES)
     assert len(recs) == 8 and {r["step"] for r in recs} == {2}
 
 
@@ -296,7 +301,7 @@ def test_train_eval_every_tensorboard_then_generate_and_evaluate_cli(tmp_path):
     rows = _lines(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
     assert all("eval/accuracy" in r and "eval/pass@2" in r and r["eval/episodes"] == 2 for r in rows)
-    assert {r["step"] for r in _lines(run / gen.EVAL_TRAJECTORIES)} == {1, 2}
+    assert {r["step"] for r in _lines(run / EVAL_TRAJECTORIES)} == {1, 2}
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
 
     out = tmp_path / "gen"

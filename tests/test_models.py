@@ -8,15 +8,10 @@ import time
 import pytest
 import torch
 
-from vlmrl.models import (
-    FAMILIES,
-    load_policy,
-    load_processor,
-    mm_token_type_ids,
-    policy_inputs,
-    qwen_tokenizer,
-    qwen_tokenizer_json,
-)
+from vlmrl.modeling.families import FAMILIES
+from vlmrl.modeling.inputs import mm_token_type_ids, policy_inputs
+from vlmrl.modeling.loading import load_policy, load_processor
+from vlmrl.modeling.qwen_bpe import qwen_tokenizer, qwen_tokenizer_json
 from vlmrl.tokens import get_builder
 from vlmrl.types import Generation, ImagePart, Message, Role, StopReason, TextPart
 

@@ -13,8 +13,8 @@ from rich.console import Console
 from test_generate import _lines, letter_engine  # noqa: F401 - the fixture is used by name
 from typer.testing import CliRunner
 
-from vlmrl import generate as gen
 from vlmrl.cli import app
+from vlmrl.evaluation.generate import generate
 from vlmrl.progress import StepProgress, train_line
 
 ROW = {"step": 2, "reward_mean": 0.625, "accuracy": 0.5, "turns_per_episode": 1.75, "loss": -0.0123, "step_s": 4.25}
@@ -118,7 +118,7 @@ def test_generate_accepts_one_sample_per_problem(tmp_path, letter_engine):  # no
         "rollout.max_new_tokens=4", "trainer.batch_size=2", f"logging.output_dir={tmp_path / 'gen'}"],
         training=False)
     out = io.StringIO()
-    res = gen.generate(cfg, Console(file=out, force_terminal=False))
+    res = generate(cfg, Console(file=out, force_terminal=False))
     recs = _lines(tmp_path / "gen" / "trajectories.jsonl")
     assert res.metrics["episodes"] == 4 and len(recs) == 4 and {r["sample"] for r in recs} == {0}
     correct = sum(any(r["correct"]) for r in recs)  # every sample answers A

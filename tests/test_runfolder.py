@@ -65,7 +65,7 @@ def _hold(folder: Path) -> subprocess.Popen:
 
 
 def test_a_held_folder_refuses_train_and_generate_and_a_killed_holder_does_not_block(tmp_path):
-    from vlmrl.generate import generate
+    from vlmrl.evaluation.generate import generate
     from vlmrl.run import train
     from vlmrl.runlock import RunLocked
 
@@ -291,7 +291,7 @@ def _rows(path: Path) -> list[dict]:
 
 
 def test_generate_rerun_runs_duplicate_ids_and_rewrites_stale_metrics(tmp_path, duplicate_ids):
-    from vlmrl.generate import generate
+    from vlmrl.evaluation.generate import generate
 
     want = tmp_path / "uninterrupted"
     generate(_gen_cfg(want))

@@ -115,8 +115,7 @@ def test_sft_checkpoint_loads_in_train_and_generate(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     losses = [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 2 and losses[1] < losses[0]
-    from vlmrl.modeling.loading import tiny_model
-    from vlmrl.models import load_policy
+    from vlmrl.modeling.loading import load_policy, tiny_model
 
     model, _ = load_policy({"name_or_path": str(out / "hf"), "family": "qwen2_5_vl"})
     init = tiny_model("qwen2_5_vl", 0)

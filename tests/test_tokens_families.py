@@ -1,6 +1,6 @@
 """Continuous tokens of Qwen3.5/3.6, Gemma3, Idefics3, SmolVLM and LLaVA-NeXT against each family's real processor.
 
-Real fixtures: tokenizers rebuilt/fetched offline (see `vlmrl.models`), trl's original chat templates, the published
+Real fixtures: tokenizers rebuilt/fetched offline (see `vlmrl.modeling`), trl's original chat templates, the published
 processor values. SmolVLM is format-only (Llama 3's vocabulary stands in for SmolLM2's).
 
 Per family x scenario: every generation prompt and the final conversation equal the processor's full render token
@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from vlmrl.config import ExportStyle
-from vlmrl.models import FAMILIES, load_processor, model_inputs, tiny_model
+from vlmrl.modeling.families import FAMILIES
+from vlmrl.modeling.inputs import model_inputs
+from vlmrl.modeling.loading import load_processor, tiny_model
 from vlmrl.run import export_style
 from vlmrl.tokens import get_builder
 from vlmrl.tokens.base import PrefixMode

@@ -221,7 +221,7 @@ ARGS = {"x0": 1, "label": "a b", "box": [1, 2], "f": 2.5, "flag": True}
 
 @pytest.mark.parametrize("family,fmt", [("qwen3_vl", "hermes"), ("qwen3_5_nothink", "qwen3_xml")])
 def test_format_call_is_what_the_chat_template_renders(family, fmt, qwen3vl_processor):
-    from vlmrl.models import load_processor
+    from vlmrl.modeling.loading import load_processor
 
     processor = qwen3vl_processor if family == "qwen3_vl" else load_processor(family, f"tiny:{family}")
     parser = get_parser(family)

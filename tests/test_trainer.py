@@ -53,7 +53,7 @@ def with_old_logprobs(model, samples: list[Sample], noise: float, seed: int = 0)
 
 @pytest.fixture()
 def fresh_model(qwen25_model):
-    """A trainable copy of the session's tiny Qwen2.5-VL (vlmrl.models.load_policy, seed 0, fp32)."""
+    """A trainable copy of the session's tiny Qwen2.5-VL (vlmrl.modeling.loading.load_policy, seed 0, fp32)."""
     return copy.deepcopy(qwen25_model).train()
 
 

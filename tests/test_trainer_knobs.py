@@ -118,7 +118,7 @@ def test_gradient_checkpointing_recomputes_and_gives_the_same_gradients(qwen25_m
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_attn_implementation_reaches_the_loaded_model(tiny_model_cfg, attn):
     from vlmrl.config import load
-    from vlmrl.models import load_policy
+    from vlmrl.modeling.loading import load_policy
 
     cfg = load("geometry3k_tiny", [f"model.attn_implementation={attn}"])
     assert cfg.model.attn_implementation == attn

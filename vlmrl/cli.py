@@ -163,7 +163,7 @@ def generate(overrides: Optional[list[str]] = OVERRIDES) -> None:
     cfg = _load_or_exit(overrides, training=False)  # group_size=1: a plain pass@1 eval
     _check_model_or_exit(cfg)
     _setup_logging()
-    from vlmrl.generate import generate as run_generate
+    from vlmrl.evaluation.generate import generate as run_generate
     from vlmrl.runfiles import RunFolderError
 
     try:

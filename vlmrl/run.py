@@ -22,12 +22,12 @@ from vlmrl import checkpoint, runlock
 from vlmrl.checks.alignment import sampled_alignment
 from vlmrl.config import AlgorithmConfig, Config, ExportStyle, to_yaml
 from vlmrl.envs import load_env_tasks
+from vlmrl.evaluation.during_training import eval_during_training
 from vlmrl.export import to_samples, trajectory_record
-from vlmrl.generate import eval_during_training
 from vlmrl.logging_backends import make_loggers
 from vlmrl.metrics import rollout_metrics
 from vlmrl.modeling.adapters import prepare_policy
-from vlmrl.models import load_policy
+from vlmrl.modeling.loading import load_policy
 from vlmrl.progress import StepProgress, train_line
 from vlmrl.resume import (
     STYLE_FALLBACK,
@@ -44,6 +44,7 @@ from vlmrl.resume import (
 from vlmrl.rewards import group_advantages
 from vlmrl.rollout.engine import derive_seed
 from vlmrl.rollout.episode import EpisodeRunner
+from vlmrl.rollout.runner import build_runner
 from vlmrl.runfiles import ImageStore, RunFiles, RunFolderError
 from vlmrl.tokens.base import PrefixMode, TokenBuilder
 from vlmrl.train import loss_agg, overlong, rollout_correction
@@ -52,7 +53,6 @@ from vlmrl.train.dynamic_sampling import SampledBatch, sample_until_full
 from vlmrl.train.trainer import GRPOTrainer, TrainerSettings
 from vlmrl.train.turn_advantages import assign_turn_advantages
 from vlmrl.types import Task, Trajectory
-from vlmrl.wiring import build_runner
 
 log = logging.getLogger("vlmrl.run")
 
@@ -184,7 +184,7 @@ class Job:
     stop: StopSignals = field(default_factory=StopSignals)  # Ctrl-C / SIGTERM (vlmrl.resume)
     guard: BadStepGuard = field(default_factory=BadStepGuard)  # updates skipped for non-finite numbers
     saved_step: int = -1  # step of the newest checkpoint of this run
-    eval_tasks: list[Task] | None = None  # the eval split, loaded at the first trainer.eval_every (vlmrl.generate)
+    eval_tasks: list[Task] | None = None  # the eval split, loaded at the first trainer.eval_every (vlmrl.evaluation)
     position: int = 0  # data position: prompts consumed by all ranks so far (the next step starts there)
     records: list[dict] = field(default_factory=list)  # the last step's trajectory records (all ranks; rank 0)
     # async rollouts (algorithm.off_policy_steps=1, vlmrl.train.async_rollout): the next step's batch sampled during

@@ -33,7 +33,7 @@ from vlmrl.data import to_rgb
 from vlmrl.envs import env_config
 from vlmrl.envs.plugins import env_class
 from vlmrl.export import to_samples
-from vlmrl.models import load_policy
+from vlmrl.modeling.loading import load_policy
 from vlmrl.run import export_style, seed_everything
 from vlmrl.runfiles import RunFiles
 from vlmrl.tokens import get_builder

@@ -32,7 +32,8 @@ from served import vllm_server  # noqa: E402 - tests/real_vllm/served.py
 from vlmrl.config import ExportStyle, RolloutConfig, VLLMConfig  # noqa: E402
 from vlmrl.envs.base import Environment, StepResult  # noqa: E402
 from vlmrl.export import to_samples  # noqa: E402
-from vlmrl.models import chat_template, qwen_tokenizer  # noqa: E402
+from vlmrl.modeling.families import chat_template  # noqa: E402
+from vlmrl.modeling.qwen_bpe import qwen_tokenizer  # noqa: E402
 from vlmrl.rollout import make_engine  # noqa: E402
 from vlmrl.rollout.engine import SamplingParams  # noqa: E402
 from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner  # noqa: E402

@@ -41,7 +41,7 @@ from tiny_head32 import tiny_qwen25_vl_head32  # noqa: E402 - tests/real_vllm/ti
 from vlmrl.config import ExportStyle, RolloutConfig, VLLMConfig  # noqa: E402
 from vlmrl.envs.base import Environment, StepResult  # noqa: E402
 from vlmrl.export import to_samples  # noqa: E402
-from vlmrl.models import load_processor  # noqa: E402
+from vlmrl.modeling.loading import load_processor  # noqa: E402
 from vlmrl.rollout import make_engine  # noqa: E402
 from vlmrl.rollout.engine import SamplingParams  # noqa: E402
 from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner  # noqa: E402

@@ -21,7 +21,7 @@ import torch
 from vlmrl.config import ExportStyle, load, to_yaml
 from vlmrl.envs import load_env_tasks, make_env_factory
 from vlmrl.export import to_samples, trajectory_record
-from vlmrl.models import load_policy
+from vlmrl.modeling.loading import load_policy
 from vlmrl.rollout.engine import Engine, SamplingParams
 from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner
 from vlmrl.tokens import get_builder

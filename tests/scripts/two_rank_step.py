@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for the sample helpers
 from test_trainer import image_sample, with_old_logprobs  # noqa: E402
 
-from vlmrl.models import load_policy  # noqa: E402
+from vlmrl.modeling.loading import load_policy  # noqa: E402
 from vlmrl.train.grpo import grpo_loss  # noqa: E402
 from vlmrl.train.logprobs import batch_logprobs, collate  # noqa: E402
 from vlmrl.train.loss_agg import token_weights  # noqa: E402

@@ -3,7 +3,7 @@ prefix-preserving?) and `vlmrl verify-alignment` (continuous tokens vs the proce
 recorded tokens and logprobs vs a re-render and the trainer's logprobs).
 
 Works for every family with a registered token builder (`vlmrl.tokens.builder_families()`): a family's processor is
-loaded with a registered loader (`register_processor_loader`), else `vlmrl.models.load_processor(family,
+loaded with a registered loader (`register_processor_loader`), else `vlmrl.modeling.loading.load_processor(family,
 "tiny:<family>")` for the families with real fixtures (real tokenizer/template/image-processor values, no weights),
 else `vlmrl.tokens.synthetic.offline_processor(family)` (format-only stand-in tokenizers at the real special ids).
 
@@ -32,13 +32,13 @@ def register_processor_loader(family: str, loader: Callable[[], Any]) -> None:
 
 def family_source(family: str) -> str:
     """Where the checks get `family`'s processor: "registered loader", "tiny:<family>" (real tokenizer/template
-    fixtures, `vlmrl.models.FAMILIES`) or "offline:<family> (format-only)" (`vlmrl.tokens.synthetic` stand-ins: real
-    special-token ids, not the real text vocabulary)."""
-    from vlmrl import models
+    fixtures, `vlmrl.modeling.families.FAMILIES`) or "offline:<family> (format-only)" (`vlmrl.tokens.synthetic`
+    stand-ins: real special-token ids, not the real text vocabulary)."""
+    from vlmrl.modeling.families import FAMILIES
 
     if family in _PROCESSOR_LOADERS:
         return "registered loader"
-    if family in getattr(models, "FAMILIES", {}):
+    if family in FAMILIES:
         return f"tiny:{family}"
     return f"offline:{family} (format-only)"
 
@@ -47,10 +47,11 @@ def load_family_processor(family: str) -> Any:
     """The processor the checks use for a family name (see `family_source`)."""
     if family in _PROCESSOR_LOADERS:
         return _PROCESSOR_LOADERS[family]()
-    from vlmrl import models
+    from vlmrl.modeling.families import FAMILIES
+    from vlmrl.modeling.loading import load_processor
 
-    if family in getattr(models, "FAMILIES", {}):
-        return models.load_processor(family, f"tiny:{family}")
+    if family in FAMILIES:
+        return load_processor(family, f"tiny:{family}")
     try:
         from vlmrl.tokens.synthetic import offline_processor
     except ImportError as exc:
@@ -66,11 +67,12 @@ def families() -> list[str]:
 
 
 def family_of_model_type(model_type: str) -> str | None:
-    """The builder family of an HF `model_type` (first match in `vlmrl.models.FAMILIES`, then the name itself)."""
-    from vlmrl import models
+    """The builder family of an HF `model_type` (first match in `vlmrl.modeling.families.FAMILIES`, then the name
+    itself)."""
+    from vlmrl.modeling.families import FAMILIES
 
     known = families()
-    for fam, spec in getattr(models, "FAMILIES", {}).items():
+    for fam, spec in FAMILIES.items():
         if model_type in tuple(getattr(spec, "model_types", ()) or ()) and fam in known:
             return fam
     return model_type if model_type in known else None
@@ -94,11 +96,12 @@ def _model_type_of_dir(path: Path) -> str | None:
 
 
 def _load_path_processor(family: str, path: str) -> Any:
-    """A local folder / hub id's processor: `load_processor` for families models.py knows, else AutoProcessor."""
-    from vlmrl import models
+    """A local folder / hub id's processor: `load_processor` for the families of `FAMILIES`, else AutoProcessor."""
+    from vlmrl.modeling.families import FAMILIES
+    from vlmrl.modeling.loading import load_processor
 
-    if family in getattr(models, "FAMILIES", {}):
-        return models.load_processor(family, path)
+    if family in FAMILIES:
+        return load_processor(family, path)
     from transformers import AutoProcessor
 
     return AutoProcessor.from_pretrained(path)

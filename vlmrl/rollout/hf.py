@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 import torch
 from transformers import GenerationConfig, LogitsProcessorList
 
-from vlmrl.models import family_of_model, model_inputs
+from vlmrl.modeling.inputs import family_of_model, model_inputs
 from vlmrl.rollout.engine import Engine, GenerateRequest, SamplingParams, derive_seed
 from vlmrl.rollout.sampling import RowSampler
 from vlmrl.types import EnginePrompt, Generation, StopReason, VisionInputs
@@ -38,8 +38,9 @@ class TransformersEngine(Engine):
     gathers the parameters inside it; `session()` enters it once per rollout). eos_ids: ids that end a turn (e.g.
     Qwen's `<|im_end|>` and `<|endoftext|>`). pad_id: the left-padding id (None: eos_ids[0]). image_token_id: the
     placeholder id (mm_token_type_ids / token_type_ids). family: the model family, whose image inputs
-    `vlmrl.models.model_inputs` builds (None: read from the model's `config.model_type`; a model of no known family,
-    e.g. a text-only LM, gets the Qwen-VL inputs). suppress_ids: ids never sampled (default: the image placeholder).
+    `vlmrl.modeling.inputs.model_inputs` builds (None: read from the model's `config.model_type`; a model of no
+    known family, e.g. a text-only LM, gets the Qwen-VL inputs). suppress_ids: ids never sampled (default: the image
+    placeholder).
     """
 
     def __init__(
@@ -109,7 +110,7 @@ class TransformersEngine(Engine):
         return out  # type: ignore[return-value]
 
     def _batch_inputs(self, model: torch.nn.Module, rows: list[_Row]) -> dict:
-        """The family's generate kwargs for the left-padded rows (`vlmrl.models.model_inputs`): input_ids and
+        """The family's generate kwargs for the left-padded rows (`vlmrl.modeling.inputs.model_inputs`): input_ids and
         attention_mask [B, T] (0 on padding), the rows' images concatenated in row order; on the model's device,
         pixel values in the model's dtype."""
         width = max(len(r.prompt.token_ids) for r in rows)

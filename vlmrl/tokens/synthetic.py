@@ -4,8 +4,8 @@ GLM-4.1V / GLM-4.5V, Kimi-VL and DeepSeek-VL2 ship tokenizers we cannot get offl
 each family's special tokens at their REAL ids; the ordinary text vocabulary is a small byte-level BPE trained in
 memory on a fixed corpus (about 1,000 tokens, Qwen's pre-tokenizer regex), padded with unreachable filler entries so
 that the special tokens land where the real tokenizer puts them. So: special-token ids are real, text ids are not.
-MiMo-VL uses Qwen's real BPE (`vlmrl.models.qwen_tokenizer`, Qwen3's 26 added tokens) — its tokenizer is believed to
-be Qwen's, which is not verified offline, so its checks are format-only too.
+MiMo-VL uses Qwen's real BPE (`vlmrl.modeling.qwen_bpe.qwen_tokenizer`, Qwen3's 26 added tokens) — its tokenizer is
+believed to be Qwen's, which is not verified offline, so its checks are format-only too.
 
     tok = family_tokenizer("glm4v_moe")          # PreTrainedTokenizerFast, "<|user|>" -> 151336
     processor = offline_processor("kimi_vl")      # what a builder wraps; a real checkpoint's processor works the same
@@ -118,7 +118,7 @@ def family_tokenizer(family: str):
     about a second; memoised per process. Raises ValueError for another family.
     """
     if family == "mimo_vl":
-        from vlmrl.models import qwen_tokenizer
+        from vlmrl.modeling.qwen_bpe import qwen_tokenizer
 
         return qwen_tokenizer("qwen", 26)
     if family not in SPECIAL_TOKENS:

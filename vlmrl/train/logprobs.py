@@ -21,7 +21,7 @@ import inspect
 
 import torch
 
-from vlmrl.models import family_of_model, image_kwargs, input_style
+from vlmrl.modeling.inputs import family_of_model, image_kwargs, input_style
 from vlmrl.types import Sample, VisionInputs
 
 CHUNK_ROWS = 256
@@ -70,8 +70,8 @@ def collate(samples: list[Sample], pad_id: int = 0, family: str | None = None) -
     """Right-padded model inputs of a list of samples.
 
     Returns input_ids/attention_mask/loss_mask/old_logprobs [B, T_max] and the family's image inputs for every
-    sample's own images, concatenated in batch order (`vlmrl.models.image_kwargs`; image positions are the samples'
-    `mm_token_type_ids`). family None (or a Qwen-VL-like family): when any sample has images, pixel_values
+    sample's own images, concatenated in batch order (`vlmrl.modeling.inputs.image_kwargs`; image positions are the
+    samples' `mm_token_type_ids`). family None (or a Qwen-VL-like family): when any sample has images, pixel_values
     [sum patches, D], image_grid_thw [sum images, 3] and mm_token_type_ids [B, T_max] (0 text, 1 image; required by
     transformers 5 Qwen-VL for mRoPE positions); text-only batches get no mm_token_type_ids (plain LMs refuse it).
     Other families: Gemma3 token_type_ids + pixel_values [N, 3, H, W]; Idefics3/SmolVLM pixel_values

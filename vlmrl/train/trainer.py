@@ -45,7 +45,7 @@ from typing import Any, Iterator
 import torch
 
 from vlmrl.modeling.adapters import merged_state_dict, save_pretrained_merged
-from vlmrl.models import family_of_model
+from vlmrl.modeling.inputs import family_of_model
 from vlmrl.train import dist
 from vlmrl.train.dist import all_gather_object, is_main, world_size
 from vlmrl.train.grpo import LossStats, grpo_loss

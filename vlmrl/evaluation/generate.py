@@ -11,7 +11,8 @@ so the metrics rows equal those of an uninterrupted run (`vlmrl.evaluation.run_f
 data, env, rollout or sampling settings for an existing folder is an error (`logging.overwrite=true` starts afresh);
 raising `data.limit` / `data.eval_limit` extends the run.
 
-The same `eval_metrics` serve `trainer.eval_every` (`eval_during_training`, logged as `eval/*` metric keys).
+The same `eval_metrics` (`vlmrl.evaluation.metrics`) serve `trainer.eval_every` (`eval_during_training` in
+`vlmrl.evaluation.during_training`, logged as `eval/*` metric keys).
 """
 
 from __future__ import annotations
@@ -22,20 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from vlmrl.config import Config, to_yaml
-from vlmrl.evaluation.during_training import eval_during_training
-from vlmrl.evaluation.metrics import (
-    _summary,
-    episode_correct,
-    eval_metrics,
-    first_graded_correct,
-    generated_tokens,
-    pass_at_k,
-    pass_ks,
-    tool_metrics,
-)
-from vlmrl.evaluation.rollouts import build_runner, chunks, eval_data_cfg, full_record, rollout_records
-from vlmrl.evaluation.run_folder import IDENTITY_IGNORED, IDENTITY_PREFIXES, GenerateFiles, identity_diff
-from vlmrl.report.run_data import EVAL_TRAJECTORIES
+from vlmrl.evaluation.metrics import _summary
+from vlmrl.evaluation.rollouts import build_eval_runner, eval_data_cfg, rollout_records
+from vlmrl.evaluation.run_folder import GenerateFiles
 
 log = logging.getLogger("vlmrl.generate")
 
@@ -79,7 +69,7 @@ def _generate(cfg: Config, console: Any) -> GenerateResult:
 
     from vlmrl.envs import load_env_tasks
     from vlmrl.logging_backends import make_loggers
-    from vlmrl.models import load_policy
+    from vlmrl.modeling.loading import load_policy
     from vlmrl.progress import StepProgress
 
     console = console or Console()
@@ -99,7 +89,7 @@ def _generate(cfg: Config, console: Any) -> GenerateResult:
     if todo:
         model, processor = load_policy(cfg.model)
         model.eval()
-        runner, _ = build_runner(cfg, model, processor)
+        runner, _ = build_eval_runner(cfg, model, processor)
     loggers = make_loggers(cfg, enabled=True, prefix="generate", resume=bool(plan.done))
     try:  # a rich bar on a terminal, else one plain line per chunk
         with StepProgress(console, len(tasks), len(tasks) - len(todo), enabled=cfg.logging.progress,
@@ -121,8 +111,3 @@ def _generate(cfg: Config, console: Any) -> GenerateResult:
         loggers.close()
     return GenerateResult(files.dir, metrics, len(todo), len(plan.done))
 
-
-__all__ = ["EVAL_TRAJECTORIES", "GenerateFiles", "GenerateResult", "IDENTITY_IGNORED", "IDENTITY_PREFIXES",
-           "build_runner", "chunks", "episode_correct", "eval_data_cfg", "eval_during_training", "eval_metrics",
-           "first_graded_correct", "full_record", "generate", "generated_tokens", "identity_diff", "pass_at_k",
-           "pass_ks", "rollout_records", "tool_metrics"]

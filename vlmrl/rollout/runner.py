@@ -1,4 +1,5 @@
-"""Wiring shared by `vlmrl train` and `vlmrl generate`: config + policy + processor -> an `EpisodeRunner`."""
+"""The runner wiring shared by `vlmrl train` and `vlmrl generate`: config + policy + processor -> an `EpisodeRunner`
+(`build_runner`)."""
 
 from __future__ import annotations
 
