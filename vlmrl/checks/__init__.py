@@ -32,13 +32,13 @@ def register_processor_loader(family: str, loader: Callable[[], Any]) -> None:
 
 def family_source(family: str) -> str:
     """Where the checks get `family`'s processor: "registered loader", "tiny:<family>" (real tokenizer/template
-    fixtures, `vlmrl.modeling.families.FAMILIES`) or "offline:<family> (format-only)" (`vlmrl.tokens.synthetic`
+    fixtures, `Family.tiny` in `vlmrl.families`) or "offline:<family> (format-only)" (`vlmrl.tokens.synthetic`
     stand-ins: real special-token ids, not the real text vocabulary)."""
-    from vlmrl.modeling.families import FAMILIES
+    from vlmrl.families import get_family
 
     if family in _PROCESSOR_LOADERS:
         return "registered loader"
-    if family in FAMILIES:
+    if get_family(family).tiny is not None:
         return f"tiny:{family}"
     return f"offline:{family} (format-only)"
 
@@ -47,10 +47,10 @@ def load_family_processor(family: str) -> Any:
     """The processor the checks use for a family name (see `family_source`)."""
     if family in _PROCESSOR_LOADERS:
         return _PROCESSOR_LOADERS[family]()
-    from vlmrl.modeling.families import FAMILIES
+    from vlmrl.families import get_family
     from vlmrl.modeling.loading import load_processor
 
-    if family in FAMILIES:
+    if get_family(family).tiny is not None:
         return load_processor(family, f"tiny:{family}")
     try:
         from vlmrl.tokens.synthetic import offline_processor
@@ -67,15 +67,10 @@ def families() -> list[str]:
 
 
 def family_of_model_type(model_type: str) -> str | None:
-    """The builder family of an HF `model_type` (first match in `vlmrl.modeling.families.FAMILIES`, then the name
-    itself)."""
-    from vlmrl.modeling.families import FAMILIES
+    """The builder family of an HF `model_type` (`vlmrl.families.family_of_model_type`), None if none."""
+    from vlmrl.families import family_of_model_type as registry_lookup
 
-    known = families()
-    for fam, spec in FAMILIES.items():
-        if model_type in tuple(getattr(spec, "model_types", ()) or ()) and fam in known:
-            return fam
-    return model_type if model_type in known else None
+    return registry_lookup(model_type)
 
 
 def _model_type_of_dir(path: Path) -> str | None:
@@ -96,7 +91,7 @@ def _model_type_of_dir(path: Path) -> str | None:
 
 
 def _load_path_processor(family: str, path: str) -> Any:
-    """A local folder / hub id's processor: `load_processor` for the families of `FAMILIES`, else AutoProcessor."""
+    """A local folder or hub id's processor: `load_processor` for families with a tiny fixture, else AutoProcessor."""
     from vlmrl.modeling.families import FAMILIES
     from vlmrl.modeling.loading import load_processor
 

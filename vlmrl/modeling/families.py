@@ -1,10 +1,13 @@
-"""The model-family table (`FAMILIES`, one `FamilySpec` row each) and each family's original chat template."""
+"""The families with an offline tiny fixture (`FAMILIES`: a view of the `vlmrl.families` registry, one `FamilySpec`
+row each) and each family's original chat template."""
 
 from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
 from typing import NamedTuple
+
+from vlmrl.families import FAMILIES as _REGISTRY
 
 
 class FamilySpec(NamedTuple):
@@ -26,19 +29,10 @@ class FamilySpec(NamedTuple):
     image_token: str
 
 
-_QW = "<|image_pad|>"
-FAMILIES: dict[str, FamilySpec] = {
-    "qwen2_vl": FamilySpec(14, "qwen2_5_vl.jinja", "qwen", ("qwen2_vl",), "qwen2_vl", True, _QW),
-    "qwen2_5_vl": FamilySpec(22, "qwen2_5_vl.jinja", "qwen", ("qwen2_5_vl",), "qwen2_5_vl", True, _QW),
-    "qwen3_vl": FamilySpec(26, "qwen3_vl.jinja", "qwen", ("qwen3_vl",), "qwen3_vl", True, _QW),
-    "qwen3_5_think": FamilySpec(33, "qwen3_5_think.jinja", "qwen3_6", ("qwen3_5", "qwen3_5_moe"), "qwen3_5", True, _QW),
-    "qwen3_5_nothink": FamilySpec(33, "qwen3_5_nothink.jinja", "qwen3_6", ("qwen3_5", "qwen3_5_moe"), "qwen3_5", True,
-                                  _QW),
-    "qwen3_6": FamilySpec(33, "qwen3_6.jinja", "qwen3_6", ("qwen3_5", "qwen3_5_moe"), "qwen3_5", True, _QW),
-    "gemma3": FamilySpec(1, "gemma3.jinja", "gemma3", ("gemma3",), "gemma3", True, "<image_soft_token>"),
-    "idefics3": FamilySpec(3, "idefics3.jinja", "llama3", ("idefics3",), "idefics3", True, "<image>"),
-    "smolvlm": FamilySpec(40, "smolvlm.jinja", "llama3_smolvlm", ("smolvlm", "idefics3"), "smolvlm", False, "<image>"),
-    "llava_next": FamilySpec(2, "llava_next.jinja", "mistral_v1", ("llava_next",), "llava_next", True, "<image>"),
+FAMILIES: dict[str, FamilySpec] = {  # the registry's families with an offline tiny fixture (`vlmrl.families`)
+    f.name: FamilySpec(f.tiny.num_added, f.tiny.template, f.tiny.vocab, f.model_types, f.tiny.assets, f.tiny.real,
+                       f.image_token)
+    for f in _REGISTRY.values() if f.tiny is not None
 }
 _ASSETS = Path(__file__).parent.parent / "assets" / "tiny"
 

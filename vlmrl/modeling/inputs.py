@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from vlmrl.modeling.families import _QW, FAMILIES, _check_family
+from vlmrl.families import FAMILIES, family_of_model_type, get_family
 
 
 def mm_token_type_ids(ids: torch.Tensor, image_token_id: int, video_token_id: int | None = None) -> torch.Tensor:
@@ -39,40 +39,33 @@ def policy_inputs(ids: torch.Tensor | list[int], vision: Any, image_token_id: in
 
 
 def image_token_id(family: str, processor) -> int:
-    """The id of the family's expanded image placeholder token (one per image feature)."""
-    tok = FAMILIES[_check_family(family)].image_token
-    tid = processor.tokenizer.convert_tokens_to_ids(tok)
+    """The id of the family's expanded image placeholder token (one per image feature). Raises ValueError for an
+    unknown family, one whose `Family.image_token` is unset, or a tokenizer without that token."""
+    tok = get_family(family).image_token
+    tid = processor.tokenizer.convert_tokens_to_ids(tok) if tok else None
     if tid is None or tid == processor.tokenizer.unk_token_id:
         raise ValueError(f"{family}: the tokenizer has no {tok!r} token")
     return int(tid)
 
 
-# How each family's images reach `forward`/`generate` (see `image_kwargs`); families not listed here are Qwen-VL-like
-# (M-RoPE: mm_token_type_ids + flattened patches + image_grid_thw): Qwen2/2.5/3-VL, Qwen3.5/3.6, MiMo-VL, GLM-4.xV.
-_INPUT_STYLES = {"gemma3": "gemma3", "idefics3": "idefics3", "smolvlm": "idefics3", "llava_next": "llava_next"}
-_QWEN_LIKE = {"mimo_vl", "glm4v", "glm4v_moe"}
-
-
 def input_style(family: str) -> str:
-    """"qwen" | "gemma3" | "idefics3" | "llava_next": the layout of a family's model inputs. Raises ValueError for a
-    family whose model transformers does not run with these inputs (Kimi-VL, DeepSeek-VL2: remote code)."""
-    if family in _INPUT_STYLES:
-        return _INPUT_STYLES[family]
-    if family in _QWEN_LIKE or (family in FAMILIES and FAMILIES[family].image_token == _QW):
-        return "qwen"
-    raise ValueError(f"no model-inputs rule for model.family {family!r} (known: "
-                     f"{sorted(set(FAMILIES) | set(_INPUT_STYLES) | _QWEN_LIKE)})")
+    """"qwen" | "gemma3" | "idefics3" | "llava_next": the layout of a family's model inputs (`Family.input_style`).
+    Raises ValueError for an unknown family, or one whose model transformers does not run with these inputs
+    (Kimi-VL, DeepSeek-VL2: remote code)."""
+    style = get_family(family).input_style
+    if style is None:
+        raise ValueError(f"no model-inputs rule for model.family {family!r} (known: "
+                         f"{sorted(f.name for f in FAMILIES.values() if f.input_style is not None)})")
+    return style.value
 
 
 def family_of_model(model: Any) -> str | None:
     """The family whose inputs `model` (an HF model, or a DeepSpeed engine around one) takes, from its
-    `config.model_type`; None for a model of no known VLM family (e.g. a text-only LM)."""
+    `config.model_type` (`vlmrl.families.family_of_model_type`); None for a model of no known VLM family with an
+    input style (e.g. a text-only LM)."""
     config = getattr(getattr(model, "module", model), "config", None)
-    model_type = str(getattr(config, "model_type", ""))
-    for family, spec in FAMILIES.items():
-        if model_type in spec.model_types:
-            return family
-    return model_type if model_type in _INPUT_STYLES or model_type in _QWEN_LIKE else None
+    family = family_of_model_type(str(getattr(config, "model_type", "")))
+    return family if family is not None and FAMILIES[family].input_style is not None else None
 
 
 def image_kwargs(family: str, vision: Any, image_mask: torch.Tensor) -> dict:

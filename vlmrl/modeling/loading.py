@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 
+from vlmrl.families import InputStyle, get_family
 from vlmrl.modeling.cache import cache_dir
-from vlmrl.modeling.families import _ASSETS, _QW, FAMILIES, _check_family, chat_template
+from vlmrl.modeling.families import _ASSETS, FAMILIES, _check_family, chat_template
 from vlmrl.modeling.sources import ModelLoadError, _check_hub, _check_path, _check_weight_files, model_load_errors  # noqa: F401
 from vlmrl.modeling.tokenizer_fetch import family_tokenizer_json
 
@@ -72,7 +73,7 @@ def load_processor(family: str, path: str, min_pixels: int | None = None, max_pi
     from transformers import AutoProcessor
 
     _check_family(family)
-    if (min_pixels is not None or max_pixels is not None) and FAMILIES[family].image_token != _QW:
+    if (min_pixels is not None or max_pixels is not None) and get_family(family).input_style is not InputStyle.qwen:
         raise ValueError(f"model.min_pixels/max_pixels apply to the Qwen-VL families only; {family!r} expands every "
                          "image to a number of tokens fixed by its processor config")
     if min_pixels is not None and max_pixels is not None and int(min_pixels) > int(max_pixels):

@@ -22,6 +22,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from vlmrl.families import FAMILIES as REGISTRY
+
 TEMPLATES = Path(__file__).resolve().parents[1] / "assets" / "templates"
 _REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -185,6 +187,7 @@ def offline_processor(family: str) -> Any:
     raise ValueError(f"no offline processor for {family!r}")
 
 
-FAMILIES = ("glm4v", "glm4v_moe", "kimi_vl", "mimo_vl", "deepseek_vl2")
+# the registry's format-only families (no offline tiny fixture): glm4v, glm4v_moe, kimi_vl, mimo_vl, deepseek_vl2
+FAMILIES = tuple(f.name for f in REGISTRY.values() if f.tiny is None)
 
 __all__ = ["FAMILIES", "SOURCES", "SPECIAL_TOKENS", "family_tokenizer", "offline_processor", "template"]

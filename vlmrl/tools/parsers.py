@@ -16,11 +16,13 @@ converts each value to the parameter's annotated type. Another family adds its f
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 
+from vlmrl.families import FAMILIES, get_family, register_family
 from vlmrl.types import ToolCall, ToolCallStatus
 
 RAW_CHARS = 400  # a call's raw text is kept up to this length (for run files and error messages)
@@ -217,16 +219,14 @@ class Glm45Parser(TaggedParser):
 
 _PARSERS: dict[str, Callable[..., ToolCallParser]] = {"hermes": HermesParser, "qwen3_xml": Qwen3XmlParser,
                                                       "glm45": Glm45Parser}
-_FAMILIES: dict[str, str] = {"qwen2_vl": "hermes", "qwen2_5_vl": "hermes", "qwen3_vl": "hermes", "mimo_vl": "hermes",
-                             "qwen3_5_think": "qwen3_xml", "qwen3_5_nothink": "qwen3_xml", "qwen3_6": "qwen3_xml",
-                             "glm4v_moe": "glm45"}
 
 
 def register_parser(name: str, factory: Callable[..., ToolCallParser], families: Iterable[str] = ()) -> None:
-    """Register a parser format `name` (factory called with `max_call_chars=`) used by model `families`."""
+    """Register a parser format `name` (factory called with `max_call_chars=`) used by model `families` (their
+    `Family.tool_parser` in `vlmrl.families` becomes `name`). Raises ValueError for an unknown family."""
     _PARSERS[name] = factory
     for family in families:
-        _FAMILIES[family] = name
+        register_family(dataclasses.replace(get_family(family), tool_parser=name))
 
 
 def parser_names() -> list[str]:
@@ -235,8 +235,9 @@ def parser_names() -> list[str]:
 
 def get_parser(name: str, max_call_chars: int = 8192) -> ToolCallParser:
     """The parser of format `name` or of model family `name`. ValueError listing the known ones otherwise."""
-    fmt = name if name in _PARSERS else _FAMILIES.get(name)
+    fmt = name if name in _PARSERS else (FAMILIES[name].tool_parser if name in FAMILIES else None)
     if fmt is None:
+        with_parser = sorted(f.name for f in FAMILIES.values() if f.tool_parser)
         raise ValueError(f"no tool-call parser for {name!r}; formats: {parser_names()}, "
-                         f"families: {sorted(_FAMILIES)} (set tools.parser or register_parser)")
+                         f"families: {with_parser} (set tools.parser or register_parser)")
     return _PARSERS[fmt](max_call_chars=max_call_chars)

@@ -1,0 +1,57 @@
+"""The family registry (`vlmrl.families`): each `Family` agrees with independent sources (the tiny fixture's own HF
+config, the builder class, the parser formats), and lookups name what is wrong."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from vlmrl.families import FAMILIES, Family, InputStyle, family_of_model_type, get_family, register_family
+from vlmrl.tokens.base import TokenBuilder
+from vlmrl.tools.parsers import get_parser, parser_names
+
+TINY = Path(__file__).resolve().parents[1] / "vlmrl" / "assets" / "tiny"
+
+
+@pytest.mark.parametrize("name", [n for n, f in FAMILIES.items() if f.tiny is not None])
+def test_tiny_fixture_config_is_a_model_type_of_its_family(name):
+    family = FAMILIES[name]
+    model_type = json.loads((TINY / family.tiny.assets / "config.json").read_text())["model_type"]
+    assert model_type in family.model_types
+    claimed = FAMILIES[family_of_model_type(model_type)]  # may be an earlier family sharing the architecture
+    assert claimed.tiny.assets == family.tiny.assets and claimed.input_style is family.input_style
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_builder_and_parser_resolve(name):
+    family = FAMILIES[name]
+    cls = family.builder_class()
+    assert issubclass(cls, TokenBuilder) and name in cls.families
+    if family.tool_parser is not None:
+        assert family.tool_parser in parser_names() and get_parser(name) is not None
+
+
+def test_lookups_name_what_is_wrong():
+    with pytest.raises(ValueError, match="unknown model.family 'nope'.*qwen2_5_vl"):
+        get_family("nope")
+    assert family_of_model_type("qwen3_5") == "qwen3_5_think"  # the first family listing it
+    assert family_of_model_type("idefics3") == "idefics3"  # not smolvlm, which lists it second
+    assert family_of_model_type("llama") is None
+    with pytest.raises(ValueError, match="no tool-call parser for 'gemma3'"):
+        get_parser("gemma3")
+
+
+def test_register_family_reaches_every_consumer():
+    from vlmrl.modeling.inputs import input_style
+    from vlmrl.tokens import builder_families
+
+    mine = Family("my_vl", "vlmrl.tokens.qwen_vl:QwenVLBuilder", "<|image_pad|>", ("my_vl",), InputStyle.qwen,
+                  "hermes")
+    register_family(mine)
+    try:
+        assert "my_vl" in builder_families() and input_style("my_vl") == "qwen"
+        assert family_of_model_type("my_vl") == "my_vl" and type(get_parser("my_vl")).__name__ == "HermesParser"
+    finally:
+        del FAMILIES["my_vl"]
