@@ -17,9 +17,9 @@ from vlmrl.export import count_images, to_samples, trajectory_record
 from vlmrl.metrics import rollout_metrics
 from vlmrl.rollout.engine import Engine, SamplingParams
 from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner
+from vlmrl.rollout.tool_setup import tool_setup
 from vlmrl.tokens import get_builder
 from vlmrl.tools import HermesParser, ImageBounds
-from vlmrl.tools.setup import tool_setup
 from vlmrl.types import Generation, Role, StopReason
 
 P = HermesParser()

@@ -15,6 +15,7 @@ import pytest
 import tools_hostile
 from PIL import Image
 
+from vlmrl.envs.tool_env import ToolEnvFactory, ToolEnvironment
 from vlmrl.tools import (
     DataDir,
     FileAccessError,
@@ -30,7 +31,6 @@ from vlmrl.tools import (
     tools_from_object,
 )
 from vlmrl.tools.isolation import Sandbox
-from vlmrl.tools.objects import ToolEnvFactory, ToolEnvironment
 from vlmrl.tools.results import TextBudget, convert_result, sanitize
 from vlmrl.types import ImagePart, Role, TextPart, ToolCallStatus, ToolFailure, ToolStats
 

@@ -19,9 +19,9 @@ from conftest import GEOMETRY3K
 
 from vlmrl.config import ConfigError, load
 from vlmrl.metrics import tool_metrics
+from vlmrl.rollout.tool_setup import tools_data_dir, tools_sandbox
 from vlmrl.tools import HermesParser, Tool, ToolLimits, ToolRuntime, calculate
 from vlmrl.tools.isolation import Sandbox, bwrap_argv, isolation_mode
-from vlmrl.tools.setup import tools_data_dir, tools_sandbox
 from vlmrl.types import ToolStats, Trajectory
 
 P = HermesParser()
@@ -180,7 +180,7 @@ def test_rlimit_fallback_still_contains_crashes_hangs_and_memory():
 def test_environment_object_lives_in_its_worker_and_its_crash_is_counted():
     from vlmrl.config import DataConfig
     from vlmrl.envs.color_square import ColorSquareConfig, ColorSquareEnv, make_tasks
-    from vlmrl.tools.objects import ToolEnvFactory
+    from vlmrl.envs.tool_env import ToolEnvFactory
 
     factory = ToolEnvFactory(ColorSquareEnv, [], "tools_hostile:Exploder", Sandbox(isolation="bwrap"), 3.0)
     env = factory()

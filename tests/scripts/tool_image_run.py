@@ -24,8 +24,8 @@ from vlmrl.export import to_samples, trajectory_record
 from vlmrl.modeling.loading import load_policy
 from vlmrl.rollout.engine import Engine, SamplingParams
 from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner
+from vlmrl.rollout.tool_setup import tool_setup
 from vlmrl.tokens import get_builder
-from vlmrl.tools.setup import tool_setup
 from vlmrl.train.logprobs import sequence_logprobs
 from vlmrl.types import Generation, ImagePart, Message, StopReason
 

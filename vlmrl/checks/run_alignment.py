@@ -130,7 +130,7 @@ def _run_builder(cfg, processor):
     tools = None
     try:
         from vlmrl.envs import make_env_factory
-        from vlmrl.tools.setup import tool_setup
+        from vlmrl.rollout.tool_setup import tool_setup
 
         tools = tool_setup(cfg, processor, make_env_factory(cfg.env)).schemas or None
     except ImportError:

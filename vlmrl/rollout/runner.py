@@ -13,9 +13,9 @@ from vlmrl.config import Config
 from vlmrl.envs import make_env_factory
 from vlmrl.rollout.engine import SamplingParams
 from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner
+from vlmrl.rollout.tool_setup import tool_setup
 from vlmrl.tokens import get_builder
 from vlmrl.tokens.base import TokenBuilder
-from vlmrl.tools.setup import tool_setup
 
 
 def build_runner(

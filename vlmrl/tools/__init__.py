@@ -5,7 +5,9 @@
 - `ToolRuntime`: checks, runs and answers one turn's calls, with the per-episode limits and failure counters
   (runtime.py, execute.py, results.py); tool code runs only in confined worker processes, never in the trainer
   (worker.py, process.py, isolation.py); `DataDir`: path checks for file-reading tools (files.py);
-- `calculate`: a safe arithmetic tool (builtin.py); `ToolEnvironment`: config-chosen tools on any env (objects.py).
+- `calculate`: a safe arithmetic tool (builtin.py); `RemoteObject`: a per-episode environment object in its worker
+  (objects.py; `vlmrl.envs.tool_env.ToolEnvironment` adds config-chosen tools to any env, `vlmrl.rollout.tool_setup`
+  wires them into a run). Nothing here imports `vlmrl.envs`.
 """
 
 from vlmrl.tools.builtin import calculate

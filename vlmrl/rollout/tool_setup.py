@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from vlmrl.envs.base import Environment
+from vlmrl.envs.tool_env import with_configured_tools
 from vlmrl.tools.isolation import Sandbox, isolation_mode
-from vlmrl.tools.objects import with_configured_tools
 from vlmrl.tools.runtime import ToolRuntime
 from vlmrl.tools.spec import as_tool, check_unique
 
