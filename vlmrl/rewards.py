@@ -1,17 +1,15 @@
-"""Answer checking, the turn discount and GRPO group advantages (pure functions, no torch).
+"""Reward helpers for environments and reward functions, and the turn discount (pure functions, no torch).
 
 - `extract_boxed` / `math_equal`: read the last `\\boxed{...}` of a reply; compare answers with math-verify.
-  (Geometry3K's multiple-choice grading lives with its environment: `vlmrl.envs.geometry3k.grading`.)
+  (Geometry3K's multiple-choice grading lives with its environment: `vlmrl.envs.geometry3k.grading`; GRPO's group
+  advantages with the trainer's maths: `vlmrl.train.advantages`.)
 - `episode_reward`: max over turns of r_t * gamma**t (AReaL #931).
-- `group_advantages`: GRPO (Shao et al. 2024) group-normalised advantages.
 """
 
 from __future__ import annotations
 
-import math
 import re
 import threading
-from collections import defaultdict
 from collections.abc import Sequence
 
 MAX_ANSWER_CHARS = 256  # longer boxed contents are not handed to math-verify (UNPARSABLE)
@@ -143,41 +141,3 @@ def episode_reward(turn_rewards: Sequence[float], gamma: float) -> float:
     if len(turn_rewards) == 0:
         return 0.0
     return max(float(r) * gamma**t for t, r in enumerate(turn_rewards))
-
-
-def group_advantages(
-    rewards: Sequence[float], group_ids: Sequence[int], eps: float = 1e-6, scale_by_std: bool = True
-) -> list[float]:
-    """GRPO advantages (Shao et al. 2024): (r - mean_group) / (std_group + eps), in input order.
-
-    std is the *sample* (unbiased, n-1) standard deviation, as verl (`torch.std` in
-    `compute_grpo_outcome_advantage`) and trl (`nanstd`, Bessel-corrected) use. A group whose rewards are all equal
-    (including a group of one) gets 0 for every member. `scale_by_std=False` gives r - mean (Dr. GRPO).
-    """
-    if len(rewards) != len(group_ids):
-        raise ValueError(f"{len(rewards)} rewards but {len(group_ids)} group ids")
-    members: dict[int, list[int]] = defaultdict(list)
-    for i, g in enumerate(group_ids):
-        members[g].append(i)
-    out = [0.0] * len(rewards)
-    for idx in members.values():
-        vals = [float(rewards[i]) for i in idx]
-        if max(vals) - min(vals) <= 1e-12:
-            continue  # identical rewards: no learning signal, exactly 0
-        mean = sum(vals) / len(vals)
-        std = math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1))
-        for i, v in zip(idx, vals):
-            out[i] = (v - mean) / (std + eps) if scale_by_std else v - mean
-    return out
-
-
-_MOVED = ("AnswerScore", "choice_letter", "score_choice_answer", "geometry_reward")
-
-
-def __getattr__(name: str):
-    """Geometry3K's grading moved to `vlmrl.envs.geometry3k.grading`; the old names still import from here."""
-    if name in _MOVED:
-        from vlmrl.envs.geometry3k import grading
-
-        return getattr(grading, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

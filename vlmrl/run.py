@@ -41,13 +41,13 @@ from vlmrl.resume import (
     plan_resume,
     record_resume,
 )
-from vlmrl.rewards import group_advantages
 from vlmrl.rollout.engine import derive_seed
 from vlmrl.rollout.episode import EpisodeRunner
 from vlmrl.rollout.runner import build_runner
 from vlmrl.runfiles import ImageStore, RunFiles, RunFolderError
 from vlmrl.tokens.base import PrefixMode, TokenBuilder
 from vlmrl.train import loss_agg, overlong, rollout_correction
+from vlmrl.train.advantages import group_advantages
 from vlmrl.train.async_rollout import BehaviourWeights, Prefetcher, staleness, staleness_metrics
 from vlmrl.train.dynamic_sampling import SampledBatch, sample_until_full
 from vlmrl.train.trainer import GRPOTrainer, TrainerSettings

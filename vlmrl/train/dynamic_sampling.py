@@ -26,7 +26,7 @@ from vlmrl.types import Task, Trajectory
 
 def split_groups(trajs: list[Trajectory]) -> tuple[list[list[Trajectory]], list[list[Trajectory]]]:
     """(groups with unequal rewards, groups whose rewards are all equal), each a list of groups in first-seen
-    order. Equal means max - min <= 1e-12, as `vlmrl.rewards.group_advantages` (whose advantages are then 0)."""
+    order. Equal means max - min <= 1e-12, as `vlmrl.train.advantages.group_advantages` (advantages then 0)."""
     groups: dict[int, list[Trajectory]] = defaultdict(list)
     for t in trajs:
         groups[t.group].append(t)

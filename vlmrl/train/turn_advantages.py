@@ -7,7 +7,7 @@ the turn discount gamma (`algorithm.turn_discount`):
     r~[i, k] = (r[i, k] - mean(R)) / (std(R) + eps)     R = the rewards of every turn of every episode of the group
     A[i, t]  = sum_{k >= t} gamma**(k - t) * r~[i, k]
 
-std is the sample (n - 1) std as in `vlmrl.rewards.group_advantages` (a group whose turn rewards are all equal gets
+std is the sample (n - 1) std as in `train.advantages.group_advantages` (a group whose turn rewards are all equal gets
 0); `algorithm.scale_by_std=false` gives r - mean (Dr. GRPO). r[i, k] is the turn's environment reward (0 for a tool
 turn, which is a step like any other here, and counts in the discount) plus its overlong penalty, if any. With one
 turn per episode this is exactly `group_advantages`.
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from vlmrl.rewards import group_advantages
+from vlmrl.train.advantages import group_advantages
 from vlmrl.types import Trajectory
 
 
