@@ -22,7 +22,7 @@ from vlmrl.metrics import tool_metrics
 from vlmrl.rollout.tool_setup import tools_data_dir, tools_sandbox
 from vlmrl.tools import HermesParser, Tool, ToolLimits, ToolRuntime, calculate
 from vlmrl.tools.isolation import Sandbox, bwrap_argv, isolation_mode
-from vlmrl.types import ToolStats, Trajectory
+from vlmrl.types import ToolStats
 
 P = HermesParser()
 SECRET = "TOP-SECRET-8d1f"
@@ -162,7 +162,7 @@ def test_crashes_hangs_and_blowups_are_counted_failures(rt):
     assert "did not finish within 3 s and was stopped" in texts[3] and "never_str did not finish" in texts[4]
     assert "memory" in texts[5] and texts[6:] == ["thread left running", "2"]
     assert stats.failures == {"crash": 2, "timeout": 2, "memory": 1} and stats.ok == 3
-    metrics = tool_metrics([Trajectory("t", 0, [], None, [], 0.0, tool_stats=stats)])
+    metrics = tool_metrics([stats])  # one episode with these calls
     assert metrics["tool_fail_crash"] == 2 / 8 and metrics["tool_fail_memory"] == 1 / 8
     assert_trainer_fine(rt)  # the worker that left a thread running was not kept
 

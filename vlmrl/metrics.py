@@ -6,7 +6,7 @@ import math
 import statistics
 from collections import Counter
 
-from vlmrl.types import ParseStatus, ToolFailure, Trajectory
+from vlmrl.types import ParseStatus, ToolFailure, ToolStats, Trajectory
 
 
 def rollout_metrics(trajs: list[Trajectory]) -> dict[str, float]:
@@ -43,18 +43,21 @@ def rollout_metrics(trajs: list[Trajectory]) -> dict[str, float]:
         out[f"end_{reason}"] = n / len(trajs)
     for reason, n in Counter(t.generation.stop_reason.value for t in turns).items():
         out[f"stop_{reason}"] = n / max(len(turns), 1)
-    out.update(tool_metrics(trajs))
+    out.update(tool_metrics([t.tool_stats for t in trajs]))
     return out
 
 
-def tool_metrics(trajs: list[Trajectory]) -> dict[str, float]:
+def tool_metrics(stats: list[ToolStats], episodes: int | None = None) -> dict[str, float]:
     """Tool calls and tool turns per episode, share of episodes calling a tool, failure rate (failed / calls) and
     per kind `tool_fail_<kind>` (share of calls; only in steps with calls), latency of executed calls (mean, max,
-    seconds), images returned by tools per episode, truncated/dropped responses and abandoned calls per episode."""
-    if not trajs:
+    seconds), images returned by tools per episode, truncated/dropped responses and abandoned calls per episode.
+
+    stats: one `ToolStats` per episode (a trajectory's, or a record's `ToolStats.from_json`); episodes: the episode
+    count the per-episode values divide by (default len(stats)). Empty for no episodes."""
+    n = len(stats) if episodes is None else episodes
+    if not n:
         return {}
-    stats = [t.tool_stats for t in trajs]
-    n, calls = len(trajs), sum(s.calls for s in stats)
+    calls = sum(s.calls for s in stats)
     latency = [x for s in stats for x in s.latency_s]
     failures: Counter[str] = Counter()
     for s in stats:

@@ -186,6 +186,14 @@ class ToolStats:
     def failed(self) -> int:
         return sum(self.failures.values())
 
+    @classmethod
+    def from_json(cls, d: dict) -> "ToolStats":
+        """The inverse of `to_json` (a trajectory record's `tool_stats`); missing keys take the defaults."""
+        return cls(int(d.get("calls", 0)), int(d.get("ok", 0)),
+                   {str(k): int(v) for k, v in (d.get("failures") or {}).items()},
+                   [float(x) for x in d.get("latency_s", [])], int(d.get("images", 0)), int(d.get("truncated", 0)),
+                   int(d.get("dropped", 0)), int(d.get("abandoned", 0)), int(d.get("tool_turns", 0)))
+
     def to_json(self) -> dict:
         return {"calls": self.calls, "ok": self.ok, "failures": dict(self.failures),
                 "latency_s": [round(x, 6) for x in self.latency_s], "images": self.images,

@@ -7,6 +7,9 @@ import math
 import statistics
 from collections import Counter, defaultdict
 
+from vlmrl.metrics import tool_metrics
+from vlmrl.types import ToolStats
+
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k of one problem with `c` correct among `n` samples (Chen et al. 2021, eq. 1):
@@ -59,7 +62,8 @@ def eval_metrics(records: list[dict]) -> dict[str, float]:
     accuracy (an episode is correct if any turn is), first_turn_accuracy (first graded turn), pass@k (unbiased,
     k <= the smallest sample count of a problem), reward mean/std, format_rate and parse_fail_rate (shares of graded
     turns: tool turns are not graded), turns_per_episode, response_length (sampled tokens per episode),
-    sequence_length, end_*/stop_* shares, and the tool statistics of `tool_metrics` when an episode called a tool.
+    sequence_length, end_*/stop_* shares, and the tool statistics of `vlmrl.metrics.tool_metrics` when an episode
+    called a tool.
     """
     if not records:
         return {}
@@ -91,39 +95,10 @@ def eval_metrics(records: list[dict]) -> dict[str, float]:
         out[f"end_{reason}"] = n / len(records)
     for reason, n in sorted(Counter(stops).items()):
         out[f"stop_{reason}"] = n / len(stops)
-    out.update(tool_metrics(records))
+    stats = [ToolStats.from_json(r["tool_stats"]) for r in records if isinstance(r.get("tool_stats"), dict)]
+    if any(s.calls for s in stats):
+        out.update(tool_metrics(stats, episodes=len(records)))
     return out
-
-
-def tool_metrics(records: list[dict]) -> dict[str, float]:
-    """The tool statistics of `vlmrl.metrics.tool_metrics`, from the records' `tool_stats` (ToolStats.to_json());
-    empty when no episode called a tool. tool_failure_rate and tool_fail_<kind> are shares of calls."""
-    stats = [r["tool_stats"] for r in records if isinstance(r.get("tool_stats"), dict)]
-    if not any(int(s.get("calls", 0)) for s in stats):
-        return {}
-    n = len(records)
-    calls = sum(int(s.get("calls", 0)) for s in stats)
-    failures: Counter = Counter()
-    for s in stats:
-        failures.update({k: int(v) for k, v in (s.get("failures") or {}).items()})
-    latency = [float(x) for s in stats for x in s.get("latency_s", [])]
-    out = {
-        "tool_calls_per_episode": calls / n,
-        "tool_turns_per_episode": sum(int(s.get("tool_turns", 0)) for s in stats) / n,
-        "tool_use_rate": sum(int(s.get("calls", 0)) > 0 for s in stats) / n,
-        "tool_failure_rate": sum(failures.values()) / calls if calls else 0.0,
-        "tool_latency_mean_s": statistics.fmean(latency) if latency else 0.0,
-        "tool_latency_max_s": max(latency, default=0.0),
-        "tool_images_per_episode": sum(int(s.get("images", 0)) for s in stats) / n,
-        "tool_truncated_per_episode": sum(int(s.get("truncated", 0)) for s in stats) / n,
-        "tool_dropped_per_episode": sum(int(s.get("dropped", 0)) for s in stats) / n,
-        "tool_abandoned_per_episode": sum(int(s.get("abandoned", 0)) for s in stats) / n,
-    }
-    if calls:
-        for kind, count in sorted(failures.items()):
-            out[f"tool_fail_{kind}"] = count / calls
-    return out
-
 
 
 def _summary(records: list[dict], new: list[dict], seconds: float) -> dict[str, float]:
