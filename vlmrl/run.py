@@ -14,9 +14,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 from rich.console import Console
+from transformers import set_seed
 
 from vlmrl import checkpoint, runlock
 from vlmrl.checks.alignment import sampled_alignment
@@ -55,12 +55,6 @@ from vlmrl.train.turn_advantages import assign_turn_advantages
 from vlmrl.types import Task, Trajectory
 
 log = logging.getLogger("vlmrl.run")
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def export_style(requested: ExportStyle, builder: TokenBuilder) -> ExportStyle:
@@ -199,7 +193,7 @@ def build_job(cfg: Config, plan: ResumePlan | None = None) -> Job:
 
     plan (`vlmrl.resume.plan_resume`): continue the folder's run files after `plan.step` instead of starting them.
     """
-    seed_everything(cfg.seed)
+    set_seed(cfg.seed)  # python, numpy and torch RNGs (transformers.set_seed)
     main_rank = int(os.environ.get("RANK", "0")) == 0  # known before torch.distributed starts
     keep_until = None if plan is None or plan.fresh else plan.step
     needed = checkpoint.checkpoint_bytes(plan.checkpoint) if plan is not None and plan.checkpoint else 0
@@ -224,7 +218,8 @@ def build_job(cfg: Config, plan: ResumePlan | None = None) -> Job:
     tasks = load_env_tasks(cfg.env, cfg.data)
     if not tasks:
         raise ValueError(f"no usable rows in {cfg.data.path} (split {cfg.data.split})")
-    random.Random(cfg.data.shuffle_seed).shuffle(tasks)
+    if cfg.data.shuffle_seed is not None:  # null: the data's own order
+        random.Random(cfg.data.shuffle_seed).shuffle(tasks)
     if files:  # only now: a start that failed above leaves no config.yaml to block the corrected rerun
         files.write_config(to_yaml(cfg))
         if plan is not None:

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from PIL import Image
+from transformers import set_seed
 
 from vlmrl import checkpoint
 from vlmrl.config import Config, to_yaml
@@ -34,7 +35,7 @@ from vlmrl.envs import env_config
 from vlmrl.envs.plugins import env_class
 from vlmrl.export import to_samples
 from vlmrl.modeling.loading import load_policy
-from vlmrl.run import export_style, seed_everything
+from vlmrl.run import export_style
 from vlmrl.runfiles import RunFiles
 from vlmrl.tokens import get_builder
 from vlmrl.tokens.base import TokenBuilder
@@ -102,7 +103,7 @@ def sft(cfg: Config) -> Path:
     """Run `cfg.trainer.steps` SFT steps of `cfg.trainer.batch_size` demonstrations each (cycling over the shuffled
     demos); write config.yaml, metrics.jsonl (loss per step), the final checkpoint and `<output_dir>/hf`.
     Returns the `hf` folder."""
-    seed_everything(cfg.seed)
+    set_seed(cfg.seed)
     model, processor = load_policy(cfg.model)
     no_rollouts = dataclasses.replace(cfg.algorithm, rollout_correction="off")  # demonstrations: no behaviour policy
     settings = TrainerSettings.from_config(cfg.trainer, no_rollouts, 1.0)

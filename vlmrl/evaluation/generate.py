@@ -38,17 +38,6 @@ class GenerateResult:
     skipped_problems: int
 
 
-def _seed(seed: int) -> None:
-    import random
-
-    import numpy as np
-    import torch
-
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
 def generate(cfg: Config, console: Any = None) -> GenerateResult:
     """Run `algorithm.group_size` episodes per problem of the eval split (`data.eval_split`, else `data.split`) in
     chunks of `trainer.batch_size` problems; append their records and a cumulative metrics row per chunk.
@@ -66,6 +55,7 @@ def generate(cfg: Config, console: Any = None) -> GenerateResult:
 
 def _generate(cfg: Config, console: Any) -> GenerateResult:
     from rich.console import Console
+    from transformers import set_seed
 
     from vlmrl.envs import load_env_tasks
     from vlmrl.logging_backends import make_loggers
@@ -97,7 +87,7 @@ def _generate(cfg: Config, console: Any) -> GenerateResult:
             for step, missing in plan.steps:
                 recs, dt = [], 0.0
                 if missing:
-                    _seed(cfg.seed + step - 1)  # per chunk: a redone chunk samples as it did uninterrupted
+                    set_seed(cfg.seed + step - 1)  # per chunk: a redone chunk samples as it did uninterrupted
                     recs, dt = rollout_records(runner, [tasks[p] for p in missing], samples, step, rows=missing)
                     files.append(files.trajectories, recs)
                 records += recs
