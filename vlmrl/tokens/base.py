@@ -3,7 +3,13 @@
 A builder turns messages into token ids incrementally (token-in/token-out): the prompt is rendered once with the
 processor's chat template, the engine's generated ids are appended verbatim, and later non-assistant messages are
 rendered on their own and appended with loss mask 0. Family quirks at turn boundaries are data on the subclass
-(`after_assistant`, `stop_is_role_opener`), and every token inserted there is recorded as a `BoundaryEdit`.
+(`close_turn_token`, `after_assistant_ids`) or, where the template's rule is not data (GLM: the stop token is the next
+role's opener), an override of the boundary hooks (`_close_turn`, `_check_turn_closed`); every token inserted or kept
+there is recorded as a `BoundaryEdit`.
+
+`TokenBuilder` holds what every builder shares (the family check, token-id lookup, the `add_generation` skeleton,
+the closed-turn check of `render_messages`); `vlmrl.tokens.template_builder.TemplateBuilder` is the one base for the
+families rendered by a chat template, DeepSeek-VL2 (a Python format, no template) subclasses `TokenBuilder` directly.
 
 Control-token guard (every family, here only): text from datasets and environments cannot forge control tokens. In
 the text of user and tool messages given to `start` and `render_messages` (the first prompt and every incremental
@@ -24,6 +30,7 @@ import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from vlmrl.tokens.grid import grid_features
 from vlmrl.types import BoundaryEdit, Generation, Message, Role, TextPart, TokenSeq, VisionInputs
@@ -87,11 +94,21 @@ def _guarded(method):
 class TokenBuilder(ABC):
     """Subclasses' `start` and `render_messages` are wrapped (`__init_subclass__`) to guard user and tool text
     against control-token forgery (module docstring); `control_strings` adds family role markers that are plain
-    text in the tokenizer (e.g. LLaVA's `[INST]`)."""
+    text in the tokenizer (e.g. LLaVA's `[INST]`).
+
+    Subclasses set the boundary data below and call `TokenBuilder.__init__`; `add_generation` is shared (its
+    family-specific part is the `_close_turn` hook)."""
 
     family: str = ""
+    families: tuple[str, ...] = ()  # the families this class builds (`family` is the default)
     prefix_mode: PrefixMode = PrefixMode.EXTENDS
     control_strings: tuple[str, ...] = ()
+    # --- boundary data ---
+    close_turn_token: str = ""  # ends an assistant turn: `eos_token_id`; generation stops on it and keeps it
+    stop_tokens: tuple[str, ...] = ()  # more tokens generation stops on (`stop_token_ids`)
+    image_token: str = ""  # the image placeholder (`image_token_id`)
+    after_assistant_ids: tuple[int, ...] = ()  # what the template writes after `close_turn_token`
+    after_assistant_inserted: bool = True  # False: that text travels with the next rendered piece (LLaVA)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -127,18 +144,56 @@ class TokenBuilder(ABC):
             out.append(m)
         return out
 
-    @property
-    @abstractmethod
-    def image_token_id(self) -> int: ...
+    # --- construction and token ids ------------------------------------------------------------------------------
+    def __init__(self, processor: Any, family: str | None = None):
+        """processor: the family's processor (its `tokenizer` attribute is used); family: one of `families` (None:
+        the class's default `family`).
+
+        Raises ValueError for a family this class does not build, or when `close_turn_token` / `image_token` is not a
+        single token of the tokenizer.
+        """
+        if family is not None:
+            if family not in self.families:
+                raise ValueError(f"{type(self).__name__} supports families {self.families}; got {family!r}")
+            self.family = family
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self._eos_id = self._token_id(self.close_turn_token)
+        self._image_id = self._token_id(self.image_token)
+        self._stop_ids = self._lookup_stop_ids()
+
+    def _token_id(self, token: str) -> int:
+        """The id of `token`, which the tokenizer must encode as exactly that one id (ValueError otherwise)."""
+        tid = self.tokenizer.convert_tokens_to_ids(token)
+        if not isinstance(tid, int) or tid == self.tokenizer.unk_token_id or \
+                self.tokenizer.encode(token, add_special_tokens=False) != [tid]:
+            raise ValueError(f"{self.family}: the tokenizer has no single token {token!r}")
+        return int(tid)
+
+    def _lookup_stop_ids(self) -> tuple[int, ...]:
+        """`eos_token_id`, then the ids of `stop_tokens` (tokens the tokenizer lacks are left out; no repeats)."""
+        ids = [self.eos_token_id]
+        for token in self.stop_tokens:
+            tid = self.tokenizer.convert_tokens_to_ids(token)
+            if isinstance(tid, int) and tid >= 0 and tid != self.tokenizer.unk_token_id and tid not in ids:
+                ids.append(tid)
+        return tuple(ids)
 
     @property
-    @abstractmethod
-    def eos_token_id(self) -> int: ...
+    def image_token_id(self) -> int:
+        """The id of `image_token`, the image placeholder."""
+        return self._image_id
+
+    @property
+    def eos_token_id(self) -> int:
+        """The id of `close_turn_token`, the token that ends an assistant turn."""
+        return self._eos_id
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
-        """Ids that end an assistant turn when sampled (the engine stops on any of them)."""
-        return (self.eos_token_id,)
+        """Ids that end an assistant turn when sampled (the engine stops on any of them): `eos_token_id` and the
+        family's other `stop_tokens`."""
+        return self._stop_ids
 
     @property
     def placeholder_token_ids(self) -> tuple[int, ...]:
@@ -156,21 +211,85 @@ class TokenBuilder(ABC):
             raise NotImplementedError(f"{self.family}: no image feature rule")
         return grid_features(vision, merge)
 
+    def vision(self, seq: TokenSeq) -> VisionInputs | None:
+        """All images of `seq`, concatenated in the family's layout (what `modeling.model_inputs` takes)."""
+        return seq.vision
+
+    # --- the interface -------------------------------------------------------------------------------------------
     @abstractmethod
     def start(self, messages: list[Message]) -> TokenSeq:
-        """Render the first messages with the generation prompt; process their images once."""
+        """Render the first messages with the generation prompt; process their images once.
 
-    @abstractmethod
+        Raises ValueError for messages the family cannot render as a first prompt. The control-token guard (module
+        docstring) never raises: it rewrites the text of user and tool messages.
+        """
+
     def add_generation(self, seq: TokenSeq, gen: Generation) -> None:
-        """Append generated ids verbatim (mask 1, their logprobs) and close the turn (EOS if stopped on a string)."""
+        """Append `gen.token_ids` verbatim (mask 1, their logprobs) as an assistant turn (`seq.turn_spans`), then close
+        the turn as the template does (`_close_turn`; by default the end-of-turn token when the ids lack it, after a
+        stop string or the length limit, then `after_assistant_ids`: mask 0, each recorded in `seq.boundary`).
+
+        Raises ValueError when `gen` does not have one logprob per id.
+        """
+        if len(gen.logprobs) != len(gen.token_ids):
+            raise ValueError(f"generation has {len(gen.token_ids)} ids but {len(gen.logprobs)} logprobs")
+        start = len(seq.ids)
+        seq.append(list(gen.token_ids), mask=1, logprobs=[float(x) for x in gen.logprobs])
+        seq.turn_spans.append((start, len(seq.ids)))
+        self._close_turn(seq, gen)
 
     @abstractmethod
     def render_messages(self, seq: TokenSeq, messages: list[Message]) -> Piece:
-        """Render non-assistant messages that follow an assistant turn, plus the next generation prompt."""
+        """Render non-assistant messages that follow an assistant turn, plus the next generation prompt.
+
+        Raises ValueError for no messages, an assistant message, or a `seq` whose last assistant turn is not closed
+        (`add_generation` first). The control-token guard never raises.
+        """
 
     @abstractmethod
     def render_full(self, messages: list[Message], add_generation_prompt: bool = False) -> Rendered:
-        """The processor's own full render of a whole conversation (the reference for parity checks)."""
+        """The processor's own full render of a whole conversation (the reference for parity checks).
+
+        Raises what the family's processor or chat template raises for a conversation it refuses (ValueError,
+        `jinja2.TemplateError`); no guard: control strings in the text are rendered as the processor does.
+        """
+
+    # --- turn boundaries (hooks) ---------------------------------------------------------------------------------
+    def _close_turn(self, seq: TokenSeq, gen: Generation) -> None:
+        """After the sampled ids: `close_turn_token` if they do not end with it, then the inserted
+        `after_assistant_ids` (mask 0, recorded)."""
+        if not gen.token_ids or gen.token_ids[-1] != self.eos_token_id:
+            self._insert(seq, self.eos_token_id, f"close_turn_after_{gen.stop_reason.value}")
+        if self.after_assistant_inserted:
+            for tid in self.after_assistant_ids:
+                self._insert(seq, tid, "template_after_assistant")
+
+    @staticmethod
+    def _insert(seq: TokenSeq, token_id: int, reason: str) -> None:
+        """Append one token the model did not sample (mask 0) and record it as a `BoundaryEdit`."""
+        seq.boundary.append(BoundaryEdit(len(seq.ids), token_id, reason))
+        seq.append([token_id], mask=0)
+
+    def _closed_ids(self) -> list[int]:
+        """The ids a closed assistant turn ends with (`_close_turn`'s)."""
+        return [self.eos_token_id, *(self.after_assistant_ids if self.after_assistant_inserted else ())]
+
+    def _check_turn_closed(self, seq: TokenSeq) -> None:
+        """Raises ValueError unless `seq` ends with a closed assistant turn."""
+        closed = self._closed_ids()
+        if seq.ids[-len(closed):] != closed:
+            raise ValueError("render_messages() must follow a closed assistant turn (call add_generation first)")
+
+    def _check_new_messages(self, seq: TokenSeq, messages: list[Message]) -> None:
+        """`render_messages`' preconditions: some messages, none of them an assistant's, after a closed turn.
+
+        Raises ValueError otherwise.
+        """
+        if not messages:
+            raise ValueError("render_messages() needs at least one message")
+        if any(m.role == Role.ASSISTANT for m in messages):
+            raise ValueError("render_messages() takes non-assistant messages; append generations with add_generation")
+        self._check_turn_closed(seq)
 
     def extend(self, seq: TokenSeq, piece: Piece) -> None:
         """Append a rendered piece with loss mask 0 and logprob 0."""

@@ -45,7 +45,7 @@ import torch
 from PIL import Image, ImageOps
 
 from vlmrl.tokens.base import Piece, PrefixMode, Rendered, TokenBuilder
-from vlmrl.types import BoundaryEdit, Generation, ImagePart, Message, Role, TokenSeq, VisionInputs
+from vlmrl.types import ImagePart, Message, Role, TokenSeq, VisionInputs
 
 log = logging.getLogger(__name__)
 
@@ -167,36 +167,19 @@ class DeepseekVL2Builder(TokenBuilder):
     user_sep = "\n\n"  # after a user message's text (the conversation template's sep)
     close_turn_token = "<｜end▁of▁sentence｜>"  # appended after every reply; generation stops on it
     after_assistant_ids: tuple[int, ...] = ()  # nothing follows it: the next user turn starts right away
-    stop_is_role_opener = False
     image_token = "<image>"
     image_text = "<image>\n"  # how an image part is written into a message's text
     max_cropped_images = 2
 
     def __init__(self, processor: Any, family: str | None = None, cropping: bool | None = None,
                  tools: list[dict] | None = None):
-        if family is not None:
-            if family not in self.families:
-                raise ValueError(f"DeepseekVL2Builder supports families {self.families}; got {family!r}")
-            self.family = family
-        self.processor = processor
-        self.tokenizer = processor.tokenizer
+        """Raises ValueError for a family not in `families`, a tokenizer without `<image>` / the EOS as single
+        tokens, or an EOS that is not the processor's `eos_id`."""
+        super().__init__(processor, family)
         self.cropping = cropping
-        self._eos = self.tokenizer.convert_tokens_to_ids(self.close_turn_token)
-        if self._eos != processor.eos_id:
+        if self.eos_token_id != processor.eos_id:
             raise ValueError(f"deepseek_vl2: {self.close_turn_token!r} is not the tokenizer's EOS")
         self._warned = False
-
-    @property
-    def image_token_id(self) -> int:
-        return int(self.processor.image_token_id)
-
-    @property
-    def eos_token_id(self) -> int:
-        return int(self._eos)
-
-    @property
-    def stop_token_ids(self) -> tuple[int, ...]:
-        return (self.eos_token_id,)
 
     def image_features(self, vision: VisionInputs | None) -> int:
         """`<image>` tokens for `vision` (grid rows (1, nh, nw)): h·(w+1) + 1 + (nh·h)·(nw·w+1) per image."""
@@ -205,10 +188,6 @@ class DeepseekVL2Builder(TokenBuilder):
         p = self.processor
         q = math.ceil((p.image_size // p.patch_size) / p.downsample_ratio)
         return int(sum(q * (q + 1) + 1 + (nh * q) * (nw * q + 1) for _, nh, nw in vision.image_grid_thw.tolist()))
-
-
-    def vision(self, seq: TokenSeq) -> VisionInputs | None:
-        return seq.vision
 
     # --- format --------------------------------------------------------------------------------------------------
     def _text(self, m: Message) -> str:
@@ -252,7 +231,12 @@ class DeepseekVL2Builder(TokenBuilder):
 
     # --- TokenBuilder --------------------------------------------------------------------------------------------
     def start(self, messages: list[Message]) -> TokenSeq:
-        """BOS + the first messages (system text, user turn ending `<|Assistant|>:`); images processed once."""
+        """BOS + the first messages (system text, user turn ending `<|Assistant|>:`); images processed once.
+
+        Raises ValueError when the messages do not end with a user (or tool) message, a system message is not first,
+        an assistant message holds images, or `<image>` tags do not match the images. The control-token guard never
+        raises.
+        """
         turns = self._turns(messages)
         if not turns or turns[-1][0] != "user":
             raise ValueError("start() needs messages ending with a user (or tool) message")
@@ -267,34 +251,20 @@ class DeepseekVL2Builder(TokenBuilder):
             else:
                 n += len(images)
                 ids, vision = self._user(text, images, self._crop(n))
-                seq.append(ids, mask=0)
-                seq.images.extend(images)
-                if vision is not None:
-                    seq.vision_parts.append(vision)
+                self.extend(seq, Piece(ids=ids, images=list(images), vision=vision))
         return seq
 
-    def add_generation(self, seq: TokenSeq, gen: Generation) -> None:
-        """Append `gen.token_ids` verbatim (mask 1, their logprobs); if they do not end with the EOS (stop string /
-        length) the EOS is inserted (mask 0, recorded). Nothing else follows a reply."""
-        if len(gen.logprobs) != len(gen.token_ids):
-            raise ValueError(f"generation has {len(gen.token_ids)} ids but {len(gen.logprobs)} logprobs")
-        start = len(seq.ids)
-        seq.append(list(gen.token_ids), mask=1, logprobs=[float(x) for x in gen.logprobs])
-        seq.turn_spans.append((start, len(seq.ids)))
-        if not gen.token_ids or gen.token_ids[-1] != self.eos_token_id:
-            reason = f"close_turn_after_{gen.stop_reason.value}"
-            seq.boundary.append(BoundaryEdit(len(seq.ids), self.eos_token_id, reason))
-            seq.append([self.eos_token_id], mask=0)
-
     def render_messages(self, seq: TokenSeq, messages: list[Message]) -> Piece:
-        """The new non-assistant messages as one user turn (ending `<|Assistant|>:`); only their images processed."""
-        if not messages:
-            raise ValueError("render_messages() needs at least one message")
-        if any(m.role in (Role.ASSISTANT, Role.SYSTEM) for m in messages):
+        """The new non-assistant messages as one user turn (ending `<|Assistant|>:`); only their images processed.
+
+        Raises ValueError for no messages, an assistant or system message, a `seq` whose last turn is not closed
+        (`add_generation` first), or `<image>` tags that do not match the images. The control-token guard never
+        raises.
+        """
+        if any(m.role == Role.SYSTEM for m in messages):
             raise ValueError("render_messages() takes user/tool messages (no assistant or system message); append "
                              "generations with add_generation")
-        if not seq.ids or seq.ids[-1] != self.eos_token_id:
-            raise ValueError("render_messages() must follow a closed assistant turn (call add_generation first)")
+        self._check_new_messages(seq, messages)
         [(_, text, images)] = self._turns(messages)
         total = len(seq.images) + len(images)
         if images and self.cropping is None and total > self.max_cropped_images and not self._warned:
@@ -308,7 +278,11 @@ class DeepseekVL2Builder(TokenBuilder):
     def render_full(self, messages: list[Message], add_generation_prompt: bool = False) -> Rendered:
         """The whole conversation as DeepSeek-VL2's processor formats it (`format_messages_v2`): BOS, then each turn;
         cropping = the fixed `cropping`, else the processor's rule on the conversation's image count. A conversation
-        ending with a user turn already ends with the generation prompt `<|Assistant|>:`."""
+        ending with a user turn already ends with the generation prompt `<|Assistant|>:`.
+
+        Raises ValueError for a system message that is not first, an assistant message with images, or `<image>`
+        tags that do not match the images.
+        """
         del add_generation_prompt  # every user turn ends with the assistant opener
         turns = self._turns(messages)
         cropping = self._crop(sum(len(t[2]) for t in turns))

@@ -25,7 +25,6 @@ class Gemma3Builder(TemplateBuilder):
     close_turn_token = "<end_of_turn>"
     after_assistant_text = "\n"
     after_assistant_inserted = True
-    stop_is_role_opener = False
     image_token = "<image_soft_token>"
 
     def _vision(self, out: Any, n_images: int) -> VisionInputs | None:

@@ -27,7 +27,6 @@ class Idefics3Builder(TemplateBuilder):
     close_turn_token = "<end_of_utterance>"
     after_assistant_text = "\n"
     after_assistant_inserted = True
-    stop_is_role_opener = False
     image_token = "<image>"
 
     def _processor_kwargs(self) -> dict:

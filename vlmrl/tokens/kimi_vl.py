@@ -135,23 +135,12 @@ class KimiVLBuilder(TemplateBuilder):
     close_turn_token = "<|im_end|>"
     after_assistant_text = ""
     after_assistant_inserted = True
-    stop_is_role_opener = False
     image_token = "<|media_pad|>"
-    stop_tokens = ("<|im_end|>", "[EOS]")
+    stop_tokens = ("[EOS]",)  # generation also stops on `[EOS]` (`<|im_end|>` ends a turn)
 
-    @property
-    def stop_token_ids(self) -> tuple[int, ...]:
-        """Tokens generation must stop on: `<|im_end|>` (end of turn) and `[EOS]`."""
-        ids = [self.tokenizer.convert_tokens_to_ids(t) for t in self.stop_tokens]
-        return tuple(i for i in ids if i is not None and i != self.tokenizer.unk_token_id)
-
-    def _process(self, text: str, images: list, add_special_tokens: bool | None) -> tuple[list[int], Any]:
-        """The processor's call with a flat image list (Kimi-VL's remote-code processor takes no nested batch)."""
-        kwargs = dict(self._processor_kwargs())
-        if add_special_tokens is not None:
-            kwargs["add_special_tokens"] = add_special_tokens
-        out = self.processor(text=[text], images=list(images) or None, return_tensors="pt", **kwargs)
-        return [int(t) for t in out["input_ids"][0]], out
+    def _batch_images(self, images: list) -> list | None:
+        """A flat image list (Kimi-VL's remote-code processor takes no nested batch)."""
+        return list(images) or None
 
     def _vision(self, out: Any, n_images: int) -> VisionInputs | None:
         if not n_images:

@@ -47,7 +47,6 @@ class LlavaNextBuilder(TemplateBuilder):
     close_turn_token = "</s>"
     after_assistant_text = " "
     after_assistant_inserted = False
-    stop_is_role_opener = False
     image_token = "<image>"
     control_strings = ("[INST]", "[/INST]", "<<SYS>>", "<</SYS>>")  # plain text in Mistral's v1 vocabulary
 

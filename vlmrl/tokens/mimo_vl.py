@@ -20,7 +20,6 @@ from typing import Any
 
 from vlmrl.tokens.base import PrefixMode
 from vlmrl.tokens.qwen_vl import QwenVLBuilder
-from vlmrl.types import TokenSeq, VisionInputs
 
 
 def load_processor(path: str, **kwargs: Any):
@@ -33,13 +32,4 @@ def load_processor(path: str, **kwargs: Any):
 class MiMoVLBuilder(QwenVLBuilder):
     family = "mimo_vl"
     families: tuple[str, ...] = ("mimo_vl",)
-    prefix_mode = PrefixMode.EXTENDS
-
-    @property
-    def stop_token_ids(self) -> tuple[int, ...]:
-        """Tokens generation must stop on: `<|im_end|>` and `<|endoftext|>`."""
-        other = self.tokenizer.convert_tokens_to_ids("<|endoftext|>")
-        return (self.eos_token_id,) + ((int(other),) if other is not None else ())
-
-    def vision(self, seq: TokenSeq) -> VisionInputs | None:
-        return seq.vision
+    prefix_mode = PrefixMode.EXTENDS  # Qwen's boundary data and fast paths; stops on `<|im_end|>`, `<|endoftext|>`

@@ -17,9 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from vlmrl.tokens.base import PrefixMode, TokenBuilder
+from vlmrl.tokens.base import PrefixMode
 from vlmrl.tokens.template_builder import TemplateBuilder
-from vlmrl.types import VisionInputs
 
 
 class Qwen35Builder(TemplateBuilder):
@@ -29,14 +28,18 @@ class Qwen35Builder(TemplateBuilder):
     close_turn_token = "<|im_end|>"
     after_assistant_text = "\n"
     after_assistant_inserted = True
-    stop_is_role_opener = False
     image_token = "<|image_pad|>"
     think_open, think_close = "<think>", "</think>"
 
     def __init__(self, processor: Any, family: str | None = None, tools: list[dict] | None = None,
                  enable_thinking: bool | None = None, preserve_thinking: bool = False):
         """enable_thinking: override the template's default (None keeps it); preserve_thinking (qwen3_6 only):
-        render every earlier `<think>` block, which makes the template prefix-preserving."""
+        render every earlier `<think>` block, which makes the template prefix-preserving.
+
+        Raises ValueError for preserve_thinking with another family, and as `TemplateBuilder.__init__` (a family not
+        in `families`, a close / image token that is not one token, a `\\n` after `<|im_end|>` that is not its own
+        token).
+        """
         kwargs: dict = {}
         if enable_thinking is not None:
             kwargs["enable_thinking"] = bool(enable_thinking)
@@ -46,9 +49,3 @@ class Qwen35Builder(TemplateBuilder):
             kwargs["preserve_thinking"] = True
         super().__init__(processor, family, tools, **kwargs)
         self.prefix_mode = PrefixMode.EXTENDS if preserve_thinking else PrefixMode.REWRITES_HISTORY
-
-    def _vision(self, out: Any, n_images: int) -> VisionInputs | None:
-        return VisionInputs(out["pixel_values"], out["image_grid_thw"]) if n_images else None
-
-    def image_features(self, vision: VisionInputs | None) -> int:
-        return TokenBuilder.image_features(self, vision)  # the grid rule (TemplateBuilder's default raises)

@@ -1,7 +1,7 @@
-"""A continuous-token builder driven by a family's chat template, with the family's boundary rules as class data.
+"""The one continuous-token builder base for families rendered by a chat template; family rules are class data and
+hook overrides.
 
-Subclasses (one per family, one file each) set the data and, where the family's processor returns its images in
-its own layout, `_vision`/`image_features`:
+Class data (on `TokenBuilder`, set per family):
 
 - `close_turn_token`: the token that ends an assistant turn in the template; generation stops on it and keeps it;
 - `after_assistant_text`: what the template writes right after `close_turn_token` (e.g. "\\n");
@@ -11,10 +11,18 @@ its own layout, `_vision`/`image_features`:
   a conversation that ends after an assistant turn lacks only that trailing text;
 - `prefix_mode`: `REWRITES_HISTORY` for templates that re-render earlier turns differently (stripped <think>).
 
-New non-assistant messages are rendered behind a fixed synthetic conversation whose last assistant message is a
-marker; the text after that assistant turn's `close_turn_token` is the new messages' render plus the generation
-prompt. It is tokenized with the close token in front (so the tokenizer splits it exactly where it does in a full
-render) and only the new images are processed, once.
+Hooks (override only these):
+
+- rendering: `_hf_messages` (messages -> template dicts), `_template` (the chat template's text; Qwen-VL: its compiled
+  Jinja fast path), `_process` (text + images -> ids and `VisionInputs`; Qwen-VL: its fast encoder, GLM: the grid
+  expansion), `_batch_images`, `_processor_kwargs`, `_vision` (the processor's image layout);
+- turn boundaries: `_close_turn` / `_check_turn_closed` (`TokenBuilder`), `_tail_start` (where the new messages' text
+  starts in the synthetic render) and `_join` (the piece's ids after what the sequence already holds).
+
+New non-assistant messages are rendered behind a fixed synthetic conversation (`synthetic_prefix`) whose last
+assistant message is a marker; the text after that assistant turn is the new messages' render plus the generation
+prompt. By default it is taken from the turn's `close_turn_token` on (so the tokenizer splits it exactly where it does
+in a full render) and the close token's ids are dropped again; only the new images are processed, once.
 """
 
 from __future__ import annotations
@@ -22,92 +30,78 @@ from __future__ import annotations
 from typing import Any
 
 from vlmrl.tokens.base import Piece, PrefixMode, Rendered, TokenBuilder
-from vlmrl.types import BoundaryEdit, Generation, Message, Role, TokenSeq, VisionInputs
+from vlmrl.types import Message, Role, TokenSeq, VisionInputs
 
 MARKER = "VLMRL-SYNTHETIC-ASSISTANT-END"
 
 
 class TemplateBuilder(TokenBuilder):
+    """A builder around a processor with a chat template: one subclass per family sets the boundary data and
+    overrides hooks only (module docstring)."""
+
     family: str = ""
     families: tuple[str, ...] = ()
     prefix_mode: PrefixMode = PrefixMode.EXTENDS
-    close_turn_token: str = ""
     after_assistant_text: str = ""
-    after_assistant_inserted: bool = True
-    stop_is_role_opener: bool = False
-    image_token: str = ""
     # the synthetic conversation the new messages are rendered behind (ends with the marker assistant turn)
-    synthetic_prefix: tuple[dict, ...] = (
-        {"role": "user", "content": [{"type": "text", "text": "U"}]},
-        {"role": "assistant", "content": [{"type": "text", "text": MARKER}]},
-    )
+    synthetic_prefix: tuple[Message, ...] = (Message.text(Role.USER, "U"), Message.text(Role.ASSISTANT, MARKER))
 
     def __init__(self, processor: Any, family: str | None = None, tools: list[dict] | None = None,
                  **template_kwargs: Any):
         """tools: JSON schemas passed to the chat template in every render (templates without tool support ignore
-        them); template_kwargs: extra chat-template variables (e.g. `enable_thinking`), fixed for the builder."""
-        if family is not None:
-            if family not in self.families:
-                raise ValueError(f"{type(self).__name__} supports families {self.families}; got {family!r}")
-            self.family = family
-        self.processor = processor
-        self.tokenizer = processor.tokenizer
+        them); template_kwargs: extra chat-template variables (e.g. `enable_thinking`), fixed for the builder.
+
+        Raises ValueError for a family this class does not build, a `close_turn_token` / `image_token` that is not
+        one token, or an `after_assistant_text` that is inserted but is not its own token(s) after the close token.
+        """
+        super().__init__(processor, family)
         self.tools = tools or None
         self.template_kwargs = dict(template_kwargs)
-        self._close_id = self._token_id(self.close_turn_token)
-        self._image_id = self._token_id(self.image_token)
-        self.after_assistant_ids: tuple[int, ...] = tuple(
+        self.after_assistant_ids = tuple(
             self.tokenizer.encode(self.close_turn_token + self.after_assistant_text, add_special_tokens=False)[1:])
         if self.after_assistant_inserted and self.tokenizer.decode(list(self.after_assistant_ids)) != \
                 self.after_assistant_text:
             raise ValueError(f"{self.family}: {self.after_assistant_text!r} is not its own token(s) after "
                              f"{self.close_turn_token!r}")
+        # added tokens the tokenizer always cuts the text at before its model runs (no whitespace stripped on their
+        # left, matched anywhere, unnormalised): text split in front of one tokenizes as the whole text does
+        added = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
+        self._split_tokens = tuple(t.content for t in added.values()
+                                   if not t.lstrip and not t.single_word and not t.normalized)
 
-    def _token_id(self, token: str) -> int:
-        tid = self.tokenizer.convert_tokens_to_ids(token)
-        if tid is None or tid == self.tokenizer.unk_token_id or \
-                self.tokenizer.encode(token, add_special_tokens=False) != [tid]:
-            raise ValueError(f"{self.family}: the tokenizer has no single token {token!r}")
-        return int(tid)
+    # --- rendering hooks -------------------------------------------------------------------------------------------
+    def _hf_messages(self, messages: list[Message] | tuple[Message, ...]) -> list[dict]:
+        """The messages as the chat template takes them."""
+        return [m.to_hf() for m in messages]
 
-    @property
-    def image_token_id(self) -> int:
-        return self._image_id
+    def _template(self, hf_messages: list[dict], add_generation_prompt: bool) -> str:
+        """The chat template's text for `hf_messages` (`processor.apply_chat_template(..., tokenize=False)`)."""
+        text = self.processor.apply_chat_template(hf_messages, tools=self.tools, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt, **self.template_kwargs)
+        return text[0] if isinstance(text, list) else text
 
-    @property
-    def eos_token_id(self) -> int:
-        return self._close_id
+    def _processor_kwargs(self) -> dict:
+        return {}
 
-    # --- family hooks ----------------------------------------------------------------------------------------------
+    def _batch_images(self, images: list) -> list | None:
+        """`images` as the processor's `images=` argument for one text."""
+        return [images] if images else None
+
+    def _process(self, text: str, images: list,
+                 add_special_tokens: bool | None) -> tuple[list[int], VisionInputs | None]:
+        """Ids of `text` with its image placeholders expanded, and `images` processed once (`VisionInputs` or None):
+        the processor's call (`add_special_tokens` None: the processor's default)."""
+        kwargs = dict(self._processor_kwargs())
+        if add_special_tokens is not None:
+            kwargs["add_special_tokens"] = add_special_tokens
+        out = self.processor(text=[text], images=self._batch_images(images), return_tensors="pt", **kwargs)
+        return out["input_ids"][0].tolist(), self._vision(out, len(images))
+
     def _vision(self, out: Any, n_images: int) -> VisionInputs | None:
         """The processor output's images as `VisionInputs` (rows of pixel_values per image = prod(grid row))."""
         if not n_images:
             return None
         return VisionInputs(out["pixel_values"], out["image_grid_thw"])
-
-    def image_features(self, vision: VisionInputs | None) -> int:
-        """How many image features (= placeholder tokens) the model computes for `vision`."""
-        raise NotImplementedError
-
-    def vision(self, seq: TokenSeq) -> VisionInputs | None:
-        """All images of `seq`, concatenated in the family's layout (what `models.model_inputs` takes)."""
-        return seq.vision
-
-    def _processor_kwargs(self) -> dict:
-        return {}
-
-    # --- rendering helpers -----------------------------------------------------------------------------------------
-    def _template(self, hf_messages: list[dict], add_generation_prompt: bool) -> str:
-        text = self.processor.apply_chat_template(hf_messages, tools=self.tools, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt, **self.template_kwargs)
-        return text[0] if isinstance(text, list) else text
-
-    def _process(self, text: str, images: list, add_special_tokens: bool | None) -> tuple[list[int], Any]:
-        kwargs = dict(self._processor_kwargs())
-        if add_special_tokens is not None:
-            kwargs["add_special_tokens"] = add_special_tokens
-        out = self.processor(text=[text], images=[images] if images else None, return_tensors="pt", **kwargs)
-        return out["input_ids"][0].tolist(), out
 
     def _starts_with_bos(self, text: str) -> bool:
         bos = self.tokenizer.bos_token
@@ -117,88 +111,95 @@ class TemplateBuilder(TokenBuilder):
     def _images(messages: list[Message]) -> list:
         return [img for m in messages for img in m.images]
 
-    # --- TokenBuilder ----------------------------------------------------------------------------------------------
-    def start(self, messages: list[Message]) -> TokenSeq:
-        """Render the first messages with the generation prompt exactly like `processor.apply_chat_template(...,
-        tokenize=True)` (no second BOS when the template writes one); images processed once. All mask 0."""
-        if not messages:
-            raise ValueError("start() needs at least one message")
-        images = self._images(messages)
-        text = self._template([m.to_hf() for m in messages], True)
-        ids, out = self._process(text, images, False if self._starts_with_bos(text) else None)
-        seq = TokenSeq()
-        seq.append(ids, mask=0)
-        seq.images.extend(images)
-        vision = self._vision(out, len(images))
-        if vision is not None:
-            seq.vision_parts.append(vision)
-        return seq
+    # --- boundary hooks --------------------------------------------------------------------------------------------
+    def _tail_start(self, text: str, marker_end: int) -> int:
+        """Where the new messages' text starts in the synthetic render `text` (the marker ends at `marker_end`): at
+        the synthetic turn's `close_turn_token`, which must be followed by `after_assistant_text`.
 
-    def add_generation(self, seq: TokenSeq, gen: Generation) -> None:
-        """Append `gen.token_ids` verbatim (mask 1, their logprobs); then, like the template, `close_turn_token`
-        (only if the ids do not end with it: stop string / length) and the inserted `after_assistant_ids`, mask 0,
-        each recorded in `seq.boundary`."""
-        if len(gen.logprobs) != len(gen.token_ids):
-            raise ValueError(f"generation has {len(gen.token_ids)} ids but {len(gen.logprobs)} logprobs")
-        start = len(seq.ids)
-        seq.append(list(gen.token_ids), mask=1, logprobs=[float(x) for x in gen.logprobs])
-        seq.turn_spans.append((start, len(seq.ids)))
-        if not gen.token_ids or gen.token_ids[-1] != self.eos_token_id:
-            self._insert(seq, self.eos_token_id, f"close_turn_after_{gen.stop_reason.value}")
-        if self.after_assistant_inserted:
-            for tid in self.after_assistant_ids:
-                self._insert(seq, tid, "template_after_assistant")
-
-    @staticmethod
-    def _insert(seq: TokenSeq, token_id: int, reason: str) -> None:
-        seq.boundary.append(BoundaryEdit(len(seq.ids), token_id, reason))
-        seq.append([token_id], mask=0)
-
-    def _closed(self) -> list[int]:
-        return [self.eos_token_id, *(self.after_assistant_ids if self.after_assistant_inserted else ())]
-
-    def render_messages(self, seq: TokenSeq, messages: list[Message]) -> Piece:
-        """Render new non-assistant messages (+ the generation prompt) as the text after a synthetic assistant turn.
-
-        Only the new messages' images are processed. Append the result with `TokenBuilder.extend`. Raises ValueError
-        for an assistant message, an open assistant turn, or a template whose render cannot be split there.
+        Raises ValueError when the template's render does not have them there.
         """
-        if not messages:
-            raise ValueError("render_messages() needs at least one message")
-        if any(m.role == Role.ASSISTANT for m in messages):
-            raise ValueError("render_messages() takes non-assistant messages; append generations with add_generation")
-        closed = self._closed()
-        if seq.ids[-len(closed):] != closed:
-            raise ValueError("render_messages() must follow a closed assistant turn (call add_generation first)")
-        full_text = self._template(list(self.synthetic_prefix) + [m.to_hf() for m in messages], True)
-        at = full_text.find(MARKER)
-        cut = full_text.find(self.close_turn_token, at) if at >= 0 else -1
-        if cut < 0:
+        at = text.find(self.close_turn_token, marker_end)
+        if at < 0:
             raise ValueError(f"{self.family}: cannot find the synthetic assistant turn's end in the template's render")
-        cut += len(self.close_turn_token)
-        tail = full_text[cut:]
-        if not tail.startswith(self.after_assistant_text):
+        if not text.startswith(self.after_assistant_text, at + len(self.close_turn_token)):
             raise ValueError(f"{self.family}: the template does not write {self.after_assistant_text!r} after "
                              f"{self.close_turn_token!r}")
-        tok = self.tokenizer
-        anchored = self.close_turn_token + tail
-        if tok.encode(full_text[:cut], add_special_tokens=False) + tok.encode(anchored, add_special_tokens=False)[1:] \
-                != tok.encode(full_text, add_special_tokens=False):
-            raise ValueError(f"{self.family}: the new messages do not tokenize independently of the conversation")
-        images = self._images(messages)
-        ids, out = self._process(anchored, images, False)
-        skip = 1 + (len(self.after_assistant_ids) if self.after_assistant_inserted else 0)
-        if ids[:skip] != closed[:skip]:
-            raise ValueError(f"{self.family}: unexpected tokens at the start of the rendered messages: {ids[:skip]}")
-        return Piece(ids=ids[skip:], images=images, vision=self._vision(out, len(images)))
+        return at
 
-    def render_full(self, messages: list[Message], add_generation_prompt: bool = False) -> Rendered:
-        """The processor's own full render: `processor.apply_chat_template(..., tokenize=True)` with the images."""
-        images = self._images(messages)
+    def _join(self, seq: TokenSeq, ids: list[int]) -> list[int]:
+        """The piece's ids without the closed turn's ids it starts with (`seq` already ends with them).
+
+        Raises ValueError when the rendered text does not start with them.
+        """
+        closed = self._closed_ids()
+        if ids[:len(closed)] != closed:
+            raise ValueError(f"{self.family}: unexpected tokens at the start of the rendered messages: "
+                             f"{ids[:len(closed)]}")
+        return ids[len(closed):]
+
+    def _check_split(self, text: str, at: int) -> None:
+        """Raises ValueError when `text[:at]` and `text[at:]` do not tokenize apart as `text` does (checked by
+        tokenizing unless `text[at:]` starts with an added token the tokenizer always cuts at)."""
+        if text.startswith(self._split_tokens, at):
+            return
+        tok = self.tokenizer
+        if tok.encode(text[:at], add_special_tokens=False) + tok.encode(text[at:], add_special_tokens=False) != \
+                tok.encode(text, add_special_tokens=False):
+            raise ValueError(f"{self.family}: the new messages do not tokenize independently of the conversation")
+
+    def _render_hf(self, hf_messages: list[dict], images: list, add_generation_prompt: bool) -> Rendered:
+        """`processor.apply_chat_template(hf_messages, tokenize=True)` with `images` (the processor's own render)."""
         kwargs = dict(self._processor_kwargs())
         if images:
             kwargs["images"] = images
         out = self.processor.apply_chat_template(
-            [m.to_hf() for m in messages], tools=self.tools, tokenize=True, return_dict=True, return_tensors="pt",
+            hf_messages, tools=self.tools, tokenize=True, return_dict=True, return_tensors="pt",
             add_generation_prompt=add_generation_prompt, processor_kwargs=kwargs, **self.template_kwargs)
         return Rendered(ids=out["input_ids"][0].tolist(), vision=self._vision(out, len(images)))
+
+    # --- TokenBuilder ----------------------------------------------------------------------------------------------
+    def start(self, messages: list[Message]) -> TokenSeq:
+        """Render the first messages with the generation prompt exactly like `processor.apply_chat_template(...,
+        tokenize=True)` (no second BOS when the template writes one); images processed once. All mask 0.
+
+        Raises ValueError for no messages or placeholders that do not match the images; the chat template's own
+        error (`jinja2.TemplateError`) for a conversation it refuses. The control-token guard never raises.
+        """
+        if not messages:
+            raise ValueError("start() needs at least one message")
+        images = self._images(messages)
+        text = self._template(self._hf_messages(messages), True)
+        ids, vision = self._process(text, images, False if self._starts_with_bos(text) else None)
+        seq = TokenSeq()
+        self.extend(seq, Piece(ids=ids, images=images, vision=vision))
+        return seq
+
+    def render_messages(self, seq: TokenSeq, messages: list[Message]) -> Piece:
+        """Render new non-assistant messages (+ the generation prompt) as the text after a synthetic assistant turn.
+
+        Only the new messages' images are processed. Append the result with `TokenBuilder.extend`.
+
+        Raises ValueError for no messages, an assistant message, a `seq` whose last turn is not closed
+        (`add_generation` first), or a template whose render cannot be split after the synthetic turn; the chat
+        template's own error (`jinja2.TemplateError`) for messages it refuses (e.g. a tool message for a template
+        without a tool role). The control-token guard never raises.
+        """
+        self._check_new_messages(seq, messages)
+        text = self._template(self._hf_messages([*self.synthetic_prefix, *messages]), True)
+        at = text.find(MARKER)
+        if at < 0:
+            raise ValueError(f"{self.family}: cannot find the synthetic assistant turn in the template's render")
+        start = self._tail_start(text, at + len(MARKER))
+        self._check_split(text, start)
+        images = self._images(messages)
+        ids, vision = self._process(text[start:], images, False)
+        return Piece(ids=self._join(seq, ids), images=images, vision=vision)
+
+    def render_full(self, messages: list[Message], add_generation_prompt: bool = False) -> Rendered:
+        """The processor's own full render: `processor.apply_chat_template(..., tokenize=True)` with the images (none
+        of the fast paths of `start` / `render_messages`: this is the reference they are tested on).
+
+        Raises the processor's or the chat template's own errors (e.g. `jinja2.TemplateError`) for a conversation it
+        refuses.
+        """
+        return self._render_hf(self._hf_messages(messages), self._images(messages), add_generation_prompt)
