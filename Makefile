@@ -63,6 +63,7 @@ test-vllm: $(VLLM_VENV)/.installed
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_LOGGING_LEVEL=WARNING $(VLLM_BIN)/python -m pytest -q -s -p no:cacheprovider tests/real_vllm tests/test_vllm_convert.py
 
 lint: setup
+	$(BIN)/ruff format --check vlmrl tests bench examples
 	$(BIN)/ruff check vlmrl tests bench examples
 
 bench: setup

@@ -49,8 +49,20 @@ from vlmrl.tokens import get_builder
 from vlmrl.types import Trajectory
 
 GROUP = 4
-COLUMNS = ("episodes", "turns", "tokens", "(r) tok/s", "(f) tok/s", "(s) tok/s", "r/f", "r/s", "(r) wall s",
-           "(f) wall s", "(s) wall s", "batches (r)")
+COLUMNS = (
+    "episodes",
+    "turns",
+    "tokens",
+    "(r) tok/s",
+    "(f) tok/s",
+    "(s) tok/s",
+    "r/f",
+    "r/s",
+    "(r) wall s",
+    "(f) wall s",
+    "(s) wall s",
+    "batches (r)",
+)
 
 
 class Recorder(Engine):
@@ -95,8 +107,9 @@ def make_bench_engine(name: str, model, processor, builder) -> Engine:
 
 def load_bench_model(engine: str):
     """(model, processor): the tiny Qwen2.5-VL (fp32, random weights); head size 32 for vLLM."""
-    model, processor = load_policy({"name_or_path": "tiny:qwen2_5_vl", "family": "qwen2_5_vl", "dtype": "float32",
-                                    "seed": 0})
+    model, processor = load_policy(
+        {"name_or_path": "tiny:qwen2_5_vl", "family": "qwen2_5_vl", "dtype": "float32", "seed": 0}
+    )
     if engine == "vllm":
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "real_vllm"))
         from tiny_head32 import tiny_qwen25_vl_head32
@@ -113,8 +126,13 @@ def build(engine_name: str, model, processor, episodes: int, turns: int, max_new
     recorder = Recorder(engine)
     env_cfg = EnvConfig(max_turns=turns)
     tasks = load_env_tasks(env_cfg, DataConfig(split="test", limit=max(1, episodes // GROUP)))
-    runner = EpisodeRunner(builder, recorder, make_env_factory(env_cfg), EpisodeLimits(turns, 8192, 0.95),
-                           SamplingParams(max_new_tokens=max_new))
+    runner = EpisodeRunner(
+        builder,
+        recorder,
+        make_env_factory(env_cfg),
+        EpisodeLimits(turns, 8192, 0.95),
+        SamplingParams(max_new_tokens=max_new),
+    )
     trajs = runner.run(tasks, GROUP, seed=0)
     setup = Setup(engine, runner, tasks, tokens=_tokens(trajs), ids=[t.tokens.ids for t in trajs])
     turn_of = {tuple(t.tokens.ids[:start]): k for t in trajs for k, (start, _) in enumerate(t.tokens.turn_spans)}
@@ -157,8 +175,9 @@ def time_replay(s: Setup, batched: bool) -> float:
     return seconds
 
 
-def measure(engine_name: str, model, processor, episodes: int, turns: int, max_new: int, repeats: int,
-            engine=None) -> dict:
+def measure(
+    engine_name: str, model, processor, episodes: int, turns: int, max_new: int, repeats: int, engine=None
+) -> dict:
     """Medians of `repeats` interleaved repetitions of (r), (f), (s) at one size; tokens/s of each over its own
     sampled tokens."""
     s = build(engine_name, model, processor, episodes, turns, max_new, engine)
@@ -167,15 +186,23 @@ def measure(engine_name: str, model, processor, episodes: int, turns: int, max_n
     times: dict[str, list[float]] = {k: [] for k in methods}
     order = list(methods)
     for rep in range(repeats):
-        for k in order[rep % 3:] + order[:rep % 3]:  # rotate, so load changes hit all three alike
+        for k in order[rep % 3 :] + order[: rep % 3]:  # rotate, so load changes hit all three alike
             times[k].append(methods[k]())
     med = {k: statistics.median(v) for k, v in times.items()}
     toks = {"r": s.tokens, "f": s.replay_tokens.get(True, s.tokens), "s": s.replay_tokens.get(False, s.tokens)}
     rate = {k: toks[k] / med[k] for k in methods}
-    return {"engine": engine_name, "episodes": len(s.ids), "turns": turns, "tokens": s.tokens,
-            "s_tokens": toks["s"], **{f"{k}_tok_s": rate[k] for k in methods},
-            **{f"{k}_wall_s": med[k] for k in methods}, "r/f": rate["r"] / rate["f"], "r/s": rate["r"] / rate["s"],
-            "batches": s.runner.batcher.batch_sizes if s.runner.batcher else []}
+    return {
+        "engine": engine_name,
+        "episodes": len(s.ids),
+        "turns": turns,
+        "tokens": s.tokens,
+        "s_tokens": toks["s"],
+        **{f"{k}_tok_s": rate[k] for k in methods},
+        **{f"{k}_wall_s": med[k] for k in methods},
+        "r/f": rate["r"] / rate["f"],
+        "r/s": rate["r"] / rate["s"],
+        "batches": s.runner.batcher.batch_sizes if s.runner.batcher else [],
+    }
 
 
 def table(rows: list[dict], title: str) -> Table:
@@ -183,34 +210,50 @@ def table(rows: list[dict], title: str) -> Table:
     for col in COLUMNS:
         t.add_column(col, justify="right")
     for r in rows:
-        t.add_row(str(r["episodes"]), str(r["turns"]), str(r["tokens"]),
-                  *(f"{r[k]:.1f}" for k in ("r_tok_s", "f_tok_s", "s_tok_s")), f"{r['r/f']:.2f}", f"{r['r/s']:.2f}",
-                  *(f"{r[k]:.2f}" for k in ("r_wall_s", "f_wall_s", "s_wall_s")), ",".join(map(str, r["batches"])))
+        t.add_row(
+            str(r["episodes"]),
+            str(r["turns"]),
+            str(r["tokens"]),
+            *(f"{r[k]:.1f}" for k in ("r_tok_s", "f_tok_s", "s_tok_s")),
+            f"{r['r/f']:.2f}",
+            f"{r['r/s']:.2f}",
+            *(f"{r[k]:.2f}" for k in ("r_wall_s", "f_wall_s", "s_wall_s")),
+            ",".join(map(str, r["batches"])),
+        )
     return t
 
 
-def main(episodes: list[int] = typer.Option([16, 64], "--episodes", help="episodes per rollout (4 per problem)"),
-         engine: str = typer.Option("transformers", help="transformers | vllm"),
-         turns: int = typer.Option(2, help="turns per episode"),
-         max_new_tokens: int = typer.Option(24, help="new tokens per turn"),
-         repeats: int = typer.Option(3, help="interleaved repetitions (median reported)"),
-         threads: int = typer.Option(0, help="torch threads (0: torch's default)"),
-         as_json: bool = typer.Option(False, "--json", help="print JSON rows instead of a table")) -> None:
+def main(
+    episodes: list[int] = typer.Option([16, 64], "--episodes", help="episodes per rollout (4 per problem)"),
+    engine: str = typer.Option("transformers", help="transformers | vllm"),
+    turns: int = typer.Option(2, help="turns per episode"),
+    max_new_tokens: int = typer.Option(24, help="new tokens per turn"),
+    repeats: int = typer.Option(3, help="interleaved repetitions (median reported)"),
+    threads: int = typer.Option(0, help="torch threads (0: torch's default)"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON rows instead of a table"),
+) -> None:
     if threads:
         torch.set_num_threads(threads)
     model, processor = load_bench_model(engine)
-    shared = None if engine == "transformers" else \
-        make_bench_engine(engine, model, processor, get_builder("qwen2_5_vl", processor))
+    shared = (
+        None
+        if engine == "transformers"
+        else make_bench_engine(engine, model, processor, get_builder("qwen2_5_vl", processor))
+    )
     rows = [measure(engine, model, processor, n, turns, max_new_tokens, repeats, shared) for n in episodes]
     if as_json:
         print(json.dumps(rows, indent=2))
         return
-    title = (f"Rollout tokens/s, {engine} engine, tiny Qwen2.5-VL, Geometry3K x group {GROUP}, {turns} turns x "
-             f"{max_new_tokens} new tokens, median of {repeats}")
+    title = (
+        f"Rollout tokens/s, {engine} engine, tiny Qwen2.5-VL, Geometry3K x group {GROUP}, {turns} turns x "
+        f"{max_new_tokens} new tokens, median of {repeats}"
+    )
     Console(width=170).print(table(rows, title))
     big = rows[-1]
-    Console().print(f"targets: r/f >= 0.9 at every size: {'met' if all(r['r/f'] >= 0.9 for r in rows) else 'MISSED'}; "
-                    f"r/s >= 3 at {big['episodes']} episodes: {'met' if big['r/s'] >= 3 else 'MISSED'}")
+    Console().print(
+        f"targets: r/f >= 0.9 at every size: {'met' if all(r['r/f'] >= 0.9 for r in rows) else 'MISSED'}; "
+        f"r/s >= 3 at {big['episodes']} episodes: {'met' if big['r/s'] >= 3 else 'MISSED'}"
+    )
 
 
 if __name__ == "__main__":

@@ -35,8 +35,9 @@ from vlmrl.tokens import get_builder
 from vlmrl.tokens.qwen_vl import _SYNTHETIC_PREFIX
 from vlmrl.types import Generation, ImagePart, Message, Role, StopReason, TextPart
 
-REPLY = ("Let me look at the diagram again. The two angles are supplementary, so x + 2x = 180 and x = 60. "
-         "So the answer is")
+REPLY = (
+    "Let me look at the diagram again. The two angles are supplementary, so x + 2x = 180 and x = 60. So the answer is"
+)
 FEEDBACK = "That is not correct. Here is a closer look at the figure; try again and put the letter in \\boxed{}."
 QUESTION = "Find x. Choices: A 30, B 45, C 60, D 90. Put the letter in \\boxed{}."
 
@@ -58,8 +59,9 @@ class Episode:
         self.first = [Message(Role.USER, [ImagePart(make_image(0)), TextPart(QUESTION)])]
         self.reply_ids = tok.encode(REPLY, add_special_tokens=False)[:39] + [tok.convert_tokens_to_ids("<|im_end|>")]
         self.reply_text = tok.decode(self.reply_ids[:-1])
-        self.feedback = [Message(Role.USER, [TextPart(FEEDBACK), ImagePart(make_image(t + 1))])
-                         for t in range(turns - 1)]
+        self.feedback = [
+            Message(Role.USER, [TextPart(FEEDBACK), ImagePart(make_image(t + 1))]) for t in range(turns - 1)
+        ]
 
     def generation(self) -> Generation:
         return Generation(list(self.reply_ids), [-0.5] * len(self.reply_ids), StopReason.EOS, self.reply_text)
@@ -103,7 +105,7 @@ def _expand(text: str, token: str, counts: list[int]) -> str:
 def method_c(processor, ep: Episode) -> list[int]:
     """Re-render and re-tokenise the whole text each turn; only the new image through the image processor."""
     ip, tok, token = processor.image_processor, processor.tokenizer, processor.image_token
-    merge = ip.merge_size ** 2
+    merge = ip.merge_size**2
     conv = list(ep.first)
     counts: list[int] = []
     pixels = []
@@ -126,12 +128,12 @@ class Floor:
     def __init__(self, processor, ep: Episode):
         builder = get_builder("qwen2_5_vl", processor)
         grid = processor.image_processor(images=[make_image(0)], return_tensors="pt")["image_grid_thw"]
-        per_image = [int(grid.prod() // processor.image_processor.merge_size ** 2)]
+        per_image = [int(grid.prod() // processor.image_processor.merge_size**2)]
         token = processor.image_token
         self.first_text = _expand(builder._template([m.to_hf() for m in ep.first], True), token, per_image)
         prefix = builder._template(_SYNTHETIC_PREFIX, False)
         feedback = builder._template(_SYNTHETIC_PREFIX + [ep.feedback[0].to_hf()], True) if ep.feedback else prefix
-        self.feedback_text = _expand(feedback[len(prefix):], token, per_image)
+        self.feedback_text = _expand(feedback[len(prefix) :], token, per_image)
         self.close = list(builder.after_assistant_ids)
         self.encode = builder._encode  # the builder's encoder: same backend, no per-call wrapper cost
 
@@ -170,9 +172,14 @@ def run(turns: list[int], repeats: Optional[int] = None) -> list[dict]:
         ep = Episode(processor, n)
         floor = Floor(processor, ep)
         builder = get_builder("qwen2_5_vl", processor)
-        methods = {"a": lambda: method_a(builder, ep), "b": lambda: method_b(processor, ep),
-                   "c": lambda: method_c(processor, ep), "d": lambda: floor(processor, ep),
-                   "t": lambda: floor(processor, ep, images=False), "i": lambda: floor(processor, ep, text=False)}
+        methods = {
+            "a": lambda: method_a(builder, ep),
+            "b": lambda: method_b(processor, ep),
+            "c": lambda: method_c(processor, ep),
+            "d": lambda: floor(processor, ep),
+            "t": lambda: floor(processor, ep, images=False),
+            "i": lambda: floor(processor, ep, text=False),
+        }
         prompts = {k: f() for k, f in methods.items() if k in "abcd"}  # warm-up and parity check
         methods["t"](), methods["i"]()
         if len({tuple(p) for p in prompts.values()}) != 1:
@@ -184,31 +191,64 @@ def run(turns: list[int], repeats: Optional[int] = None) -> list[dict]:
             for k, f in methods.items():  # interleaved, so load changes hit all of them alike
                 if k in "adti" or r < slow_reps:
                     best[k] = min(best[k], cpu_time(f)[0])
-        rows.append({"turns": n, "prompt_tokens": len(prompts["a"]), **{f"{k}_s": v for k, v in best.items()},
-                     "a/d": best["a"] / best["d"], "b/d": best["b"] / best["d"], "c/d": best["c"] / best["d"],
-                     "b/a": best["b"] / best["a"], "c/a": best["c"] / best["a"],
-                     "(a-i)/t": (best["a"] - best["i"]) / best["t"],
-                     "a_ms_per_turn": 1e3 * best["a"] / n, "d_ms_per_turn": 1e3 * best["d"] / n})
+        rows.append(
+            {
+                "turns": n,
+                "prompt_tokens": len(prompts["a"]),
+                **{f"{k}_s": v for k, v in best.items()},
+                "a/d": best["a"] / best["d"],
+                "b/d": best["b"] / best["d"],
+                "c/d": best["c"] / best["d"],
+                "b/a": best["b"] / best["a"],
+                "c/a": best["c"] / best["a"],
+                "(a-i)/t": (best["a"] - best["i"]) / best["t"],
+                "a_ms_per_turn": 1e3 * best["a"] / n,
+                "d_ms_per_turn": 1e3 * best["d"] / n,
+            }
+        )
     return rows
 
 
 def table(rows: list[dict]) -> Table:
     t = Table(title="CPU time per episode (one 224x224 image + ~40 sampled tokens per turn, Qwen2.5-VL processor)")
-    for col in ("turns", "tokens", "(a) ours", "(b) re-render", "(c) re-tokenise", "(d) floor", "(t) text",
-                "(i) images", "a/d", "b/d", "c/d", "b/a", "c/a", "(a-i)/t", "(a) ms/turn"):
+    for col in (
+        "turns",
+        "tokens",
+        "(a) ours",
+        "(b) re-render",
+        "(c) re-tokenise",
+        "(d) floor",
+        "(t) text",
+        "(i) images",
+        "a/d",
+        "b/d",
+        "c/d",
+        "b/a",
+        "c/a",
+        "(a-i)/t",
+        "(a) ms/turn",
+    ):
         t.add_column(col, justify="right")
     for r in rows:
-        t.add_row(str(r["turns"]), str(r["prompt_tokens"]),
-                  *(f"{1e3 * r[k]:.1f} ms" for k in ("a_s", "b_s", "c_s", "d_s", "t_s", "i_s")),
-                  *(f"{r[k]:.2f}" for k in ("a/d", "b/d", "c/d", "b/a", "c/a", "(a-i)/t")), f"{r['a_ms_per_turn']:.3f}")
+        t.add_row(
+            str(r["turns"]),
+            str(r["prompt_tokens"]),
+            *(f"{1e3 * r[k]:.1f} ms" for k in ("a_s", "b_s", "c_s", "d_s", "t_s", "i_s")),
+            *(f"{r[k]:.2f}" for k in ("a/d", "b/d", "c/d", "b/a", "c/a", "(a-i)/t")),
+            f"{r['a_ms_per_turn']:.3f}",
+        )
     return t
 
 
-def main(turns: list[int] = typer.Option([8, 32, 128], "--turns", help="episode lengths"),
-         repeats: Optional[int] = typer.Option(None, help="timed repeats of (a) and (d) (default 15/9/7 by length; "
-                                                "(b) and (c) get a third of them beyond 8 turns)"),
-         threads: int = typer.Option(1, help="torch threads"),
-         as_json: bool = typer.Option(False, "--json", help="print JSON rows instead of a table")) -> None:
+def main(
+    turns: list[int] = typer.Option([8, 32, 128], "--turns", help="episode lengths"),
+    repeats: Optional[int] = typer.Option(
+        None,
+        help="timed repeats of (a) and (d) (default 15/9/7 by length; (b) and (c) get a third of them beyond 8 turns)",
+    ),
+    threads: int = typer.Option(1, help="torch threads"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON rows instead of a table"),
+) -> None:
     torch.set_num_threads(threads)
     rows = run(turns, repeats)
     if as_json:
@@ -217,8 +257,10 @@ def main(turns: list[int] = typer.Option([8, 32, 128], "--turns", help="episode 
         Console(width=160).print(table(rows))
         ok = all(r["a/d"] <= 1.10 for r in rows)
         text_ok = all(r["(a-i)/t"] <= 2.0 for r in rows)
-        Console().print(f"targets: a <= 1.10 d at every length: {'met' if ok else 'MISSED'}; "
-                        f"(a - i) <= 2 t: {'met' if text_ok else 'MISSED'}")
+        Console().print(
+            f"targets: a <= 1.10 d at every length: {'met' if ok else 'MISSED'}; "
+            f"(a - i) <= 2 t: {'met' if text_ok else 'MISSED'}"
+        )
 
 
 if __name__ == "__main__":

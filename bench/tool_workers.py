@@ -1,6 +1,6 @@
 """Overhead of tool worker processes (README "Tool isolation"): start-up, per call, per tools.environment episode.
 
-    python bench/tool_workers.py
+python bench/tool_workers.py
 """
 
 import statistics
@@ -55,8 +55,9 @@ for iso in ("bwrap", "rlimits"):
         w.kill()
     print(f"[{iso}] worker start-up (Popen -> ready), median of 5: {statistics.median(starts) * 1e3:.0f} ms")
     rt = ToolRuntime(P, ToolLimits(timeout_s=10), sandbox=Sandbox(isolation=iso))
-    ms = per_call(rt, {"calculate": Tool.from_function(calculate)},
-                  P.format_call("calculate", {"expression": "sqrt(3**2+4**2)"}))
+    ms = per_call(
+        rt, {"calculate": Tool.from_function(calculate)}, P.format_call("calculate", {"expression": "sqrt(3**2+4**2)"})
+    )
     print(f"[{iso}] calculate through the runtime (warm pooled worker): {ms:.2f} ms/call")
     ms = per_call(rt, geo_tools, P.format_call("crop", {"x0": 0, "y0": 0, "x1": 60, "y1": 60}))
     print(f"[{iso}] geometry3k crop (env + diagram sent each call, image back): {ms:.2f} ms/call")
@@ -69,6 +70,8 @@ for iso in ("bwrap", "rlimits"):
         tools = {t.name: t for t in e.tools()}
         rt.run(rt.parse(P.format_call("increment", {"k": 1})), tools, ToolStats())
         e.close()
-    print(f"[{iso}] tools.environment episode (worker start + new + reset + 1 call + close): "
-          f"{(time.perf_counter() - t0) / 5 * 1e3:.0f} ms")
+    print(
+        f"[{iso}] tools.environment episode (worker start + new + reset + 1 call + close): "
+        f"{(time.perf_counter() - t0) / 5 * 1e3:.0f} ms"
+    )
     rt.executor.close()

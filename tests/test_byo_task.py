@@ -14,13 +14,22 @@ import pytest
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
-FAST = ["trainer.steps=2", "trainer.batch_size=2", "algorithm.group_size=2", "rollout.max_new_tokens=8",
-        "trainer.align_every=0", "logging.progress=false"]
+FAST = [
+    "trainer.steps=2",
+    "trainer.batch_size=2",
+    "algorithm.group_size=2",
+    "rollout.max_new_tokens=8",
+    "trainer.align_every=0",
+    "logging.progress=false",
+]
 
 
 def _train(out: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
-        "PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "DS_ACCELERATOR": "cpu",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
     cmd = [sys.executable, "-m", "vlmrl.cli", "train", *args, f"logging.output_dir={out}"]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
@@ -59,8 +68,13 @@ def test_trl_style_jsonl_trains(tmp_path):
     rows = []
     for i, (name, color) in enumerate([("red", (230, 0, 0)), ("green", (0, 200, 0)), ("blue", (0, 0, 230))]):
         (tmp_path / "images" / f"{i}.png").write_bytes(_colour_png(color))
-        rows.append({"prompt": "<image>What colour is this square? Answer in \\boxed{}.",
-                     "image": f"images/{i}.png", "solution": name})
+        rows.append(
+            {
+                "prompt": "<image>What colour is this square? Answer in \\boxed{}.",
+                "image": f"images/{i}.png",
+                "solution": name,
+            }
+        )
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "run"
     proc = _train(out, "env=multi_turn", f"data.path={tmp_path / 'train.jsonl'}", "env.max_turns=2", *FAST)
@@ -72,15 +86,21 @@ def test_verl_style_parquet_trains(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pa.table({
-        "data_source": ["toy"] * 3,
-        "prompt": [[{"role": "user", "content": f"<image>or<image>: which is {c}? Answer 1 or 2 in \\boxed{{}}."}]
-                   for c in ("red", "blue", "red")],
-        "images": [[{"bytes": _colour_png(a), "path": None}, {"bytes": _colour_png(b), "path": None}]
-                   for a, b in [((230, 0, 0), (0, 0, 230)), ((230, 0, 0), (0, 0, 230)), ((0, 0, 230), (230, 0, 0))]],
-        "reward_model": [{"style": "rule", "ground_truth": g} for g in ("1", "2", "2")],
-        "extra_info": [{"index": i} for i in range(3)],
-    })
+    table = pa.table(
+        {
+            "data_source": ["toy"] * 3,
+            "prompt": [
+                [{"role": "user", "content": f"<image>or<image>: which is {c}? Answer 1 or 2 in \\boxed{{}}."}]
+                for c in ("red", "blue", "red")
+            ],
+            "images": [
+                [{"bytes": _colour_png(a), "path": None}, {"bytes": _colour_png(b), "path": None}]
+                for a, b in [((230, 0, 0), (0, 0, 230)), ((230, 0, 0), (0, 0, 230)), ((0, 0, 230), (230, 0, 0))]
+            ],
+            "reward_model": [{"style": "rule", "ground_truth": g} for g in ("1", "2", "2")],
+            "extra_info": [{"index": i} for i in range(3)],
+        }
+    )
     path = tmp_path / "train.parquet"
     pq.write_table(table, path)
     out = tmp_path / "run"

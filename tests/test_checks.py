@@ -33,8 +33,7 @@ runner = CliRunner()
 
 def test_scenarios_cover_the_issue():
     names = [s.name for s in scenarios()]
-    assert names == ["text_reply", "tool_call", "tool_image", "user_images", "system_prompt", "thinking",
-                     "three_turns"]
+    assert names == ["text_reply", "tool_call", "tool_image", "user_images", "system_prompt", "thinking", "three_turns"]
     for sc in scenarios():
         first, plan = turns(sc.messages)
         assert first and len(plan) >= 2 and sc.messages[-1].role == Role.ASSISTANT
@@ -66,7 +65,8 @@ def thinking_template_dir(tmp_path_factory) -> Path:
     for f in tiny_processor_dir("qwen2_5_vl").iterdir():
         shutil.copy(f, out / f.name)
     (out / "chat_template.jinja").write_text(
-        (resources.files("trl") / "chat_templates" / "qwen3_5_think.jinja").read_text())
+        (resources.files("trl") / "chat_templates" / "qwen3_5_think.jinja").read_text()
+    )
     return out
 
 
@@ -92,7 +92,8 @@ def test_check_template_detects_a_template_that_drops_part_of_every_reply(qwen25
 
     processor = copy.copy(qwen25_processor)
     processor.chat_template = qwen25_processor.chat_template.replace(
-        "{{ content['text'] }}", "{{ content['text'].split('</think>')[-1].lstrip() }}")
+        "{{ content['text'] }}", "{{ content['text'].split('</think>')[-1].lstrip() }}"
+    )
     assert processor.chat_template != qwen25_processor.chat_template
     report = check_prefix("qwen2_5_vl", processor)
     assert not report.prefix_preserving
@@ -161,13 +162,26 @@ def _write_run(out: Path, model, processor, builder=None):
     from vlmrl.rollout.engine import SamplingParams
     from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner
 
-    cfg = load("geometry3k_tiny", [f"logging.output_dir={out}", "data.limit=2", "env.max_turns=2",
-                                   "rollout.max_new_tokens=10", "algorithm.group_size=2"])
+    cfg = load(
+        "geometry3k_tiny",
+        [
+            f"logging.output_dir={out}",
+            "data.limit=2",
+            "env.max_turns=2",
+            "rollout.max_new_tokens=10",
+            "algorithm.group_size=2",
+        ],
+    )
     builder = builder or get_builder(cfg.model.family, processor)
     engine = make_engine(cfg.rollout, lambda: contextlib.nullcontext(model), processor, builder)
     tasks = load_env_tasks(cfg.env, cfg.data)[:1]
-    runner_ = EpisodeRunner(builder, engine, make_env_factory(cfg.env), EpisodeLimits(2, 4096, 0.95),
-                            SamplingParams(10, cfg.rollout.temperature, 1.0, [], seed=0))
+    runner_ = EpisodeRunner(
+        builder,
+        engine,
+        make_env_factory(cfg.env),
+        EpisodeLimits(2, 4096, 0.95),
+        SamplingParams(10, cfg.rollout.temperature, 1.0, [], seed=0),
+    )
     trajs = runner_.run(tasks, 2)
     (out / "config.yaml").write_text(to_yaml(cfg))
     lines = [json.dumps(trajectory_record(t, 1)) for t in trajs]
@@ -344,8 +358,9 @@ def test_verify_run_reads_images_saved_in_the_run_folder(tiny_run, tmp_path):
     assert result.trajectories[0].logprob_note.startswith("skipped: 1 image(s) not on disk")
 
 
-def test_verify_run_and_align_every_catch_a_builder_that_changes_every_feedback_message(qwen25_policy, tmp_path,
-                                                                                         monkeypatch):
+def test_verify_run_and_align_every_catch_a_builder_that_changes_every_feedback_message(
+    qwen25_policy, tmp_path, monkeypatch
+):
     """A builder bug in the incremental render of non-assistant messages (one token of every feedback message
     changed) is recorded by the run AND reproduced by a re-render with the same builder: only the processor's own
     full render of the recorded messages (the reference for prefix-preserving families) catches it."""

@@ -36,21 +36,49 @@ def test_bad_override_is_one_line_error(override, needle):
 
 
 def test_show_config_applies_every_knob():
-    args = ["show-config", "recipe=geometry3k_tiny", "model=qwen2_5_vl_tiny", "env=geometry3k", "env.max_turns=3",
-            "algorithm.turn_discount=0.9", "export.style=individual", "trainer.batch_size=3",
-            "algorithm.group_size=6", "trainer.steps=7", "trainer.lr=0.001", "logging.output_dir=/tmp/x"]
+    args = [
+        "show-config",
+        "recipe=geometry3k_tiny",
+        "model=qwen2_5_vl_tiny",
+        "env=geometry3k",
+        "env.max_turns=3",
+        "algorithm.turn_discount=0.9",
+        "export.style=individual",
+        "trainer.batch_size=3",
+        "algorithm.group_size=6",
+        "trainer.steps=7",
+        "trainer.lr=0.001",
+        "logging.output_dir=/tmp/x",
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
-    for text in ("max_turns: 3", "turn_discount: 0.9", "style: individual", "batch_size: 3", "group_size: 6",
-                 "steps: 7", "lr: 0.001", "output_dir: /tmp/x"):
+    for text in (
+        "max_turns: 3",
+        "turn_discount: 0.9",
+        "style: individual",
+        "batch_size: 3",
+        "group_size: 6",
+        "steps: 7",
+        "lr: 0.001",
+        "output_dir: /tmp/x",
+    ):
         assert text in result.output
 
 
 def _train(tmp_path: Path, *extra: str, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
     cmd = (launcher or [sys.executable, "-m", "vlmrl.cli"]) + [
-        "train", "recipe=geometry3k_tiny", f"data.path={GEOMETRY3K}", "data.limit=8", "trainer.steps=2",
-        "trainer.batch_size=2", "algorithm.group_size=2", "rollout.max_new_tokens=8",
-        f"logging.output_dir={tmp_path / 'run'}", "logging.progress=false", *extra]
+        "train",
+        "recipe=geometry3k_tiny",
+        f"data.path={GEOMETRY3K}",
+        "data.limit=8",
+        "trainer.steps=2",
+        "trainer.batch_size=2",
+        "algorithm.group_size=2",
+        "rollout.max_new_tokens=8",
+        f"logging.output_dir={tmp_path / 'run'}",
+        "logging.progress=false",
+        *extra,
+    ]
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
@@ -64,8 +92,19 @@ def test_train_writes_run_folder(tmp_path, style):
     assert "style: " + style in (run / "config.yaml").read_text()
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2]
-    for key in ("reward_mean", "reward_std", "accuracy", "format_rate", "turns_per_episode", "response_length",
-                "loss", "grad_norm", "kl", "clip_frac", "rollout_tokens_per_s"):
+    for key in (
+        "reward_mean",
+        "reward_std",
+        "accuracy",
+        "format_rate",
+        "turns_per_episode",
+        "response_length",
+        "loss",
+        "grad_norm",
+        "kl",
+        "clip_frac",
+        "rollout_tokens_per_s",
+    ):
         assert key in metrics[0]
     trajs = [json.loads(line) for line in (run / "trajectories.jsonl").read_text().splitlines()]
     assert len(trajs) == 2 * 2 * 2  # steps x prompts x group
@@ -83,8 +122,16 @@ def test_train_writes_run_folder(tmp_path, style):
 
 @pytest.mark.slow
 def test_train_two_ranks_torchrun(tmp_path):
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                "-m", "vlmrl.cli"]
+    launcher = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "vlmrl.cli",
+    ]
     proc = _train(tmp_path, "trainer.steps=1", launcher=launcher)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -16,31 +16,34 @@ from vlmrl.config import ConfigError, load
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("override, needle", [
-    ("rollout.engine=sglang", "rollout.engine"),
-    ("trainer.steps=0", "trainer.steps"),
-    ("rollout.max_context_tokens=-5", "rollout.max_context_tokens"),
-    ("trainer.lr=-1", "trainer.lr"),
-    ("rollout.top_p=0", "rollout.top_p"),
-    ("rollout.temperature=inf", "rollout.temperature"),
-    ("trainer.micro_batch_size=0", "trainer.micro_batch_size"),
-    ("trainer.warmup_ratio=1.5", "trainer.warmup_ratio"),
-    ("trainer.lr_scheduler=zigzag", "trainer.lr_scheduler"),
-    ("model.attn_implementation=magic", "model.attn_implementation"),
-    ("model.lora.r=-1", "model.lora.r"),
-    ("model.lora.nope=1", "model.lora.nope: no such key"),
-    ("trainer.deepspeed_config=/no/such.json", "trainer.deepspeed_config"),
-    ("algorithm.kl_coef=-0.1", "algorithm.kl_coef"),
-    ("data.limit=0", "data.limit"),
-    ("rollout.vllm.mode=remote", "rollout.vllm.mode"),
-    ("rollout.vllm.mode=server", "rollout.vllm.url"),
-    ("rollout.vllm.gpu_memory_utilization=1.5", "rollout.vllm.gpu_memory_utilization"),
-    ("rollout.vllm.kv_cache_gb=0", "rollout.vllm.kv_cache_gb"),
-    ("rollout.vllm.logprobs_mode=raw_logits", "rollout.vllm.logprobs_mode"),
-    ("rollout.vllm.sync_check_tokens=0", "rollout.vllm.sync_check_tokens"),
-    ("rollout.vllm.timeout_s=0", "rollout.vllm.timeout_s"),
-    ("rollout.vllm.limit_mm_per_prompt=-1", "rollout.vllm.limit_mm_per_prompt"),
-])
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("rollout.engine=sglang", "rollout.engine"),
+        ("trainer.steps=0", "trainer.steps"),
+        ("rollout.max_context_tokens=-5", "rollout.max_context_tokens"),
+        ("trainer.lr=-1", "trainer.lr"),
+        ("rollout.top_p=0", "rollout.top_p"),
+        ("rollout.temperature=inf", "rollout.temperature"),
+        ("trainer.micro_batch_size=0", "trainer.micro_batch_size"),
+        ("trainer.warmup_ratio=1.5", "trainer.warmup_ratio"),
+        ("trainer.lr_scheduler=zigzag", "trainer.lr_scheduler"),
+        ("model.attn_implementation=magic", "model.attn_implementation"),
+        ("model.lora.r=-1", "model.lora.r"),
+        ("model.lora.nope=1", "model.lora.nope: no such key"),
+        ("trainer.deepspeed_config=/no/such.json", "trainer.deepspeed_config"),
+        ("algorithm.kl_coef=-0.1", "algorithm.kl_coef"),
+        ("data.limit=0", "data.limit"),
+        ("rollout.vllm.mode=remote", "rollout.vllm.mode"),
+        ("rollout.vllm.mode=server", "rollout.vllm.url"),
+        ("rollout.vllm.gpu_memory_utilization=1.5", "rollout.vllm.gpu_memory_utilization"),
+        ("rollout.vllm.kv_cache_gb=0", "rollout.vllm.kv_cache_gb"),
+        ("rollout.vllm.logprobs_mode=raw_logits", "rollout.vllm.logprobs_mode"),
+        ("rollout.vllm.sync_check_tokens=0", "rollout.vllm.sync_check_tokens"),
+        ("rollout.vllm.timeout_s=0", "rollout.vllm.timeout_s"),
+        ("rollout.vllm.limit_mm_per_prompt=-1", "rollout.vllm.limit_mm_per_prompt"),
+    ],
+)
 def test_bad_value_is_a_one_line_config_error(override, needle):
     with pytest.raises(ConfigError) as info:
         load("geometry3k_tiny", [override])
@@ -49,9 +52,18 @@ def test_bad_value_is_a_one_line_config_error(override, needle):
 
 
 def test_new_knobs_are_overridable_with_their_defaults():
-    cfg = load("geometry3k_tiny", ["trainer.lr_scheduler=cosine", "trainer.warmup_steps=3", "model.lora.r=8",
-                                   "model.lora.target_modules=[q_proj,v_proj]", "model.freeze_vision_tower=true",
-                                   "trainer.gradient_checkpointing=true", "model.attn_implementation=sdpa"])
+    cfg = load(
+        "geometry3k_tiny",
+        [
+            "trainer.lr_scheduler=cosine",
+            "trainer.warmup_steps=3",
+            "model.lora.r=8",
+            "model.lora.target_modules=[q_proj,v_proj]",
+            "model.freeze_vision_tower=true",
+            "trainer.gradient_checkpointing=true",
+            "model.attn_implementation=sdpa",
+        ],
+    )
     assert (cfg.trainer.lr_scheduler, cfg.trainer.warmup_steps, cfg.model.lora.r) == ("cosine", 3, 8)
     assert cfg.model.lora.target_modules == ["q_proj", "v_proj"] and cfg.model.freeze_vision_tower
     assert cfg.trainer.gradient_checkpointing and cfg.model.attn_implementation == "sdpa"
@@ -60,12 +72,17 @@ def test_new_knobs_are_overridable_with_their_defaults():
     assert default.model.attn_implementation is None and not default.model.freeze_projector
 
 
-@pytest.mark.parametrize("override, moved", [
-    ("rollout.vllm_mode=server", "rollout.vllm_mode moved to rollout.vllm.mode"),
-    ("+rollout.vllm_kv_cache_gb=0.5", "rollout.vllm_kv_cache_gb moved to rollout.vllm.kv_cache_gb"),
-    ("rollout.gpu_memory_utilization=0.4",
-     "rollout.gpu_memory_utilization moved to rollout.vllm.gpu_memory_utilization"),
-])
+@pytest.mark.parametrize(
+    "override, moved",
+    [
+        ("rollout.vllm_mode=server", "rollout.vllm_mode moved to rollout.vllm.mode"),
+        ("+rollout.vllm_kv_cache_gb=0.5", "rollout.vllm_kv_cache_gb moved to rollout.vllm.kv_cache_gb"),
+        (
+            "rollout.gpu_memory_utilization=0.4",
+            "rollout.gpu_memory_utilization moved to rollout.vllm.gpu_memory_utilization",
+        ),
+    ],
+)
 def test_flat_vllm_key_is_an_error_naming_the_nested_key(override, moved):
     with pytest.raises(ConfigError) as info:
         load("geometry3k_tiny", ["rollout=vllm", override])
@@ -88,8 +105,16 @@ def test_flat_vllm_key_in_a_recipe_or_run_config_names_the_nested_key(tmp_path):
 def test_nested_vllm_keys_and_their_defaults():
     from vlmrl.config import VLLMConfig
 
-    cfg = load("geometry3k_tiny", ["rollout=vllm", "rollout.vllm.mode=server", "rollout.vllm.url=http://h:1",
-                                   "rollout.vllm.sync_check_seqs=0", "rollout.vllm.limit_mm_per_prompt=2"])
+    cfg = load(
+        "geometry3k_tiny",
+        [
+            "rollout=vllm",
+            "rollout.vllm.mode=server",
+            "rollout.vllm.url=http://h:1",
+            "rollout.vllm.sync_check_seqs=0",
+            "rollout.vllm.limit_mm_per_prompt=2",
+        ],
+    )
     v = cfg.rollout.vllm
     assert isinstance(v, VLLMConfig)
     assert (v.mode, v.url, v.sync_check_seqs, v.limit_mm_per_prompt) == ("server", "http://h:1", 0, 2)
@@ -128,9 +153,14 @@ def test_recipes_resolve_only_inside_recipes(tmp_path):
 
 def _cli(*args: str, env: dict | None = None, timeout: float = 300) -> tuple[subprocess.CompletedProcess, float]:
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "vlmrl.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "DS_ACCELERATOR": "cpu", "COLUMNS": "200", **(env or {})},
-                          timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "vlmrl.cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "DS_ACCELERATOR": "cpu", "COLUMNS": "200", **(env or {})},
+        timeout=timeout,
+    )
     return proc, time.perf_counter() - t0
 
 
@@ -196,8 +226,9 @@ def test_start_failing_after_the_folder_opened_leaves_nothing_that_blocks(tmp_pa
     from vlmrl.runfiles import RunFiles
 
     out = tmp_path / "run"
-    bad = load("geometry3k_tiny", [f"model.name_or_path={_garbage_model_folder(tmp_path)}",
-                                   f"logging.output_dir={out}"])
+    bad = load(
+        "geometry3k_tiny", [f"model.name_or_path={_garbage_model_folder(tmp_path)}", f"logging.output_dir={out}"]
+    )
     with pytest.raises(ModelLoadError, match="cannot load its weights"):
         train(bad)
     assert out.is_dir() and not (out / "config.yaml").exists()
@@ -216,9 +247,18 @@ def test_failed_start_does_not_block_the_corrected_rerun(tmp_path):
     from conftest import GEOMETRY3K
 
     folder = _garbage_model_folder(tmp_path)
-    base = ["train", "recipe=geometry3k_tiny", f"data.path={GEOMETRY3K}", "data.limit=4", "trainer.steps=1",
-            "trainer.batch_size=1", "algorithm.group_size=2", "rollout.max_new_tokens=4", "trainer.align_every=0",
-            f"logging.output_dir={tmp_path / 'run'}"]
+    base = [
+        "train",
+        "recipe=geometry3k_tiny",
+        f"data.path={GEOMETRY3K}",
+        "data.limit=4",
+        "trainer.steps=1",
+        "trainer.batch_size=1",
+        "algorithm.group_size=2",
+        "rollout.max_new_tokens=4",
+        "trainer.align_every=0",
+        f"logging.output_dir={tmp_path / 'run'}",
+    ]
     bad, seconds = _cli(*base, f"model.name_or_path={folder}")
     assert bad.returncode == 1 and "cannot load its weights" in bad.stderr and "Traceback" not in bad.stderr
     assert not (tmp_path / "run" / "config.yaml").exists()

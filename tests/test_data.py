@@ -136,8 +136,11 @@ def _hf_layout_table(tmp: Path) -> Path:
 
     table = pa.table(
         {
-            "images": [[{"bytes": _png_bytes((0, 255, 0)), "path": "a.png"}], [{"bytes": b"garbage", "path": None}],
-                       [{"bytes": _png_bytes((0, 0, 255), (5, 5), "P"), "path": None}]],
+            "images": [
+                [{"bytes": _png_bytes((0, 255, 0)), "path": "a.png"}],
+                [{"bytes": b"garbage", "path": None}],
+                [{"bytes": _png_bytes((0, 0, 255), (5, 5), "P"), "path": None}],
+            ],
             "problem": ["<image>Find x.", "<image>Find y.", "<image>Find the area."],
             "answer": ["60", "3", "12"],
             "id": [7, 8, 9],

@@ -50,15 +50,23 @@ def _layout(parts) -> list:
 
 def test_trl_text_prompt_places_images_at_markers(tmp_path):
     names = _images(tmp_path)
-    _jsonl(tmp_path / "train.jsonl", [
-        {"prompt": "Compare <image> with <image>. Which is red?", "images": names[:2], "solution": "first"},
-        {"prompt": "What colour?", "image": names[2], "answer": 3},  # no marker: the image goes first
-    ])
+    _jsonl(
+        tmp_path / "train.jsonl",
+        [
+            {"prompt": "Compare <image> with <image>. Which is red?", "images": names[:2], "solution": "first"},
+            {"prompt": "What colour?", "image": names[2], "answer": 3},  # no marker: the image goes first
+        ],
+    )
     a, b = load_rows({"path": str(tmp_path), "split": "train"})
     (msg,) = a.messages
     assert msg.role is Role.USER
-    assert _layout(msg.content) == [("txt", "Compare"), ("img", COLORS[0]), ("txt", "with"), ("img", COLORS[1]),
-                                    ("txt", ". Which is red?")]
+    assert _layout(msg.content) == [
+        ("txt", "Compare"),
+        ("img", COLORS[0]),
+        ("txt", "with"),
+        ("img", COLORS[1]),
+        ("txt", ". Which is red?"),
+    ]
     assert (a.id, a.answer, a.columns["solution"]) == ("0", "first", "first") and "images" not in a.columns
     assert [p.ref for p in a.images] == [str((tmp_path / n).resolve()) for n in names[:2]]
     assert _layout(b.messages[0].content) == [("img", COLORS[2]), ("txt", "What colour?")]
@@ -67,14 +75,27 @@ def test_trl_text_prompt_places_images_at_markers(tmp_path):
 
 def test_trl_conversation_with_image_parts_and_system(tmp_path):
     names = _images(tmp_path)
-    prompt = [{"role": "system", "content": "Be brief."},
-              {"role": "user", "content": [{"type": "text", "text": "Left:"}, {"type": "image"},
-                                           {"type": "text", "text": "Right:"}, {"type": "image"}]}]
+    prompt = [
+        {"role": "system", "content": "Be brief."},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Left:"},
+                {"type": "image"},
+                {"type": "text", "text": "Right:"},
+                {"type": "image"},
+            ],
+        },
+    ]
     _jsonl(tmp_path / "c.jsonl", [{"id": "q1", "prompt": prompt, "images": [names[2], names[0]], "solution": "x"}])
     (row,) = load_rows({"path": str(tmp_path / "c.jsonl"), "layout": "trl"})
     assert [m.role for m in row.messages] == [Role.SYSTEM, Role.USER]
-    assert _layout(row.messages[1].content) == [("txt", "Left:"), ("img", COLORS[2]), ("txt", "Right:"),
-                                                ("img", COLORS[0])]
+    assert _layout(row.messages[1].content) == [
+        ("txt", "Left:"),
+        ("img", COLORS[2]),
+        ("txt", "Right:"),
+        ("img", COLORS[0]),
+    ]
 
 
 def _verl_parquet(tmp: Path) -> Path:
@@ -88,15 +109,21 @@ def _verl_parquet(tmp: Path) -> Path:
         Image.new("RGB", (5, 5), color).save(buf, format="PNG")
         return buf.getvalue()
 
-    table = pa.table({
-        "data_source": ["toy", "toy"],
-        "prompt": [[{"role": "user", "content": "<image>Is this darker than <image>?"}],
-                   [{"role": "user", "content": "<image>And this?"}]],
-        "images": [[{"bytes": png(COLORS[1]), "path": None}, {"bytes": png(COLORS[2]), "path": None}],
-                   [{"bytes": png(COLORS[0]), "path": None}]],
-        "reward_model": [{"style": "rule", "ground_truth": "yes"}, {"style": "rule", "ground_truth": "no"}],
-        "extra_info": [{"index": 10}, {"index": 11}],
-    })
+    table = pa.table(
+        {
+            "data_source": ["toy", "toy"],
+            "prompt": [
+                [{"role": "user", "content": "<image>Is this darker than <image>?"}],
+                [{"role": "user", "content": "<image>And this?"}],
+            ],
+            "images": [
+                [{"bytes": png(COLORS[1]), "path": None}, {"bytes": png(COLORS[2]), "path": None}],
+                [{"bytes": png(COLORS[0]), "path": None}],
+            ],
+            "reward_model": [{"style": "rule", "ground_truth": "yes"}, {"style": "rule", "ground_truth": "no"}],
+            "extra_info": [{"index": 10}, {"index": 11}],
+        }
+    )
     path = tmp / "train.parquet"
     pq.write_table(table, path)
     return path
@@ -106,8 +133,12 @@ def test_verl_parquet(tmp_path):
     path = _verl_parquet(tmp_path)
     rows = load_rows({"path": str(path)})
     assert [(r.id, r.answer) for r in rows] == [("10", "yes"), ("11", "no")]
-    assert _layout(rows[0].messages[0].content) == [("img", COLORS[1]), ("txt", "Is this darker than"),
-                                                    ("img", COLORS[2]), ("txt", "?")]
+    assert _layout(rows[0].messages[0].content) == [
+        ("img", COLORS[1]),
+        ("txt", "Is this darker than"),
+        ("img", COLORS[2]),
+        ("txt", "?"),
+    ]
     assert rows[0].images[1].ref == f"{path}:10#1" and rows[0].columns["data_source"] == "toy"
 
 
@@ -129,15 +160,15 @@ def test_bad_rows_name_file_and_line(tmp_path, caplog):
     names = _images(tmp_path)
     good = {"prompt": "<image> ok", "images": names[:1], "solution": "1"}
     lines = [
-        {**good, "id": "a"},                                             # line 1: good
-        {**good, "id": "b", "prompt": 7},                                # line 2: wrong type
-        json.dumps({**good, "id": "c"}),                                 # line 3: bad byte (below)
-        {**good, "id": "a"},                                             # line 4: duplicate id
-        {**good, "id": "d", "prompt": "<image><image> two?"},            # line 5: 2 markers, 1 image
-        {**good, "id": "e", "images": "images/0.png"},                   # line 6: a string, not a list
-        {"id": "f", "text": "no layout"},                                # line 7: unknown columns
-        {**good, "id": "g", "solution": None},                           # line 8: no answer
-        {**good, "id": "h"},                                             # line 9: good
+        {**good, "id": "a"},  # line 1: good
+        {**good, "id": "b", "prompt": 7},  # line 2: wrong type
+        json.dumps({**good, "id": "c"}),  # line 3: bad byte (below)
+        {**good, "id": "a"},  # line 4: duplicate id
+        {**good, "id": "d", "prompt": "<image><image> two?"},  # line 5: 2 markers, 1 image
+        {**good, "id": "e", "images": "images/0.png"},  # line 6: a string, not a list
+        {"id": "f", "text": "no layout"},  # line 7: unknown columns
+        {**good, "id": "g", "solution": None},  # line 8: no answer
+        {**good, "id": "h"},  # line 9: good
     ]
     path = _jsonl(tmp_path / "train.jsonl", lines)
     raw = path.read_bytes().split(b"\n")
@@ -147,16 +178,25 @@ def test_bad_rows_name_file_and_line(tmp_path, caplog):
         rows = load_rows({"path": str(path)})
     assert [r.id for r in rows] == ["a", "h"]
     msgs = [r.getMessage() for r in caplog.records if r.name == "vlmrl.data"]
-    expected = [(2, "prompt"), (3, "not UTF-8 (byte 0xff"), (4, "duplicate id 'a' (first at"),
-                (5, "places more images than the row's 1"), (6, "images: Input should be a valid list"),
-                (7, "cannot tell the layout"), (8, "no answer")]
+    expected = [
+        (2, "prompt"),
+        (3, "not UTF-8 (byte 0xff"),
+        (4, "duplicate id 'a' (first at"),
+        (5, "places more images than the row's 1"),
+        (6, "images: Input should be a valid list"),
+        (7, "cannot tell the layout"),
+        (8, "no answer"),
+    ]
     assert len(msgs) == len(expected)
     for msg, (line, needle) in zip(msgs, expected):
         assert f"of {path} (line {line})" in msg and needle in msg, msg
     for line, needle in expected:
         with pytest.raises(BadRowError, match=rf"\(line {line}\)"):
-            load_rows({"path": str(path), "strict_rows": True, "limit": 2, "shuffle_seed": None}
-                      if line == 2 else _only(path, tmp_path, line))
+            load_rows(
+                {"path": str(path), "strict_rows": True, "limit": 2, "shuffle_seed": None}
+                if line == 2
+                else _only(path, tmp_path, line)
+            )
 
 
 def _only(path: Path, tmp: Path, line: int) -> dict:
@@ -176,12 +216,15 @@ def _geometry(tmp: Path, **fields) -> dict:
     return {"path": str(tmp), "split": "test"}
 
 
-@pytest.mark.parametrize("fields, needle", [
-    ({"choices": 7}, "choices: Input should be a valid list"),
-    ({"choices": "ABCDEFGHIJKLM"}, "choices: Input should be a valid list"),
-    ({"answer": "Z"}, "answer 'Z' is neither a choice letter (A-D) nor one of the 4 choices"),
-    ({"answer": "5"}, "answer '5' is neither"),
-])
+@pytest.mark.parametrize(
+    "fields, needle",
+    [
+        ({"choices": 7}, "choices: Input should be a valid list"),
+        ({"choices": "ABCDEFGHIJKLM"}, "choices: Input should be a valid list"),
+        ({"answer": "Z"}, "answer 'Z' is neither a choice letter (A-D) nor one of the 4 choices"),
+        ({"answer": "5"}, "answer '5' is neither"),
+    ],
+)
 def test_geometry3k_row_types(tmp_path, caplog, fields, needle):
     cfg = _geometry(tmp_path, **fields)
     with caplog.at_level(logging.WARNING, logger="vlmrl.data"):

@@ -25,15 +25,35 @@ def setup(qwen25_policy):
     builder = get_builder("qwen2_5_vl", processor)
     tok = processor.tokenizer
     eos = sorted(builder.stop_token_ids)
-    engine = TransformersEngine(lambda: contextlib.nullcontext(model), tok, eos, tok.pad_token_id,
-                                builder.image_token_id, suppress_ids=list(builder.placeholder_token_ids))
+    engine = TransformersEngine(
+        lambda: contextlib.nullcontext(model),
+        tok,
+        eos,
+        tok.pad_token_id,
+        builder.image_token_id,
+        suppress_ids=list(builder.placeholder_token_ids),
+    )
     convs = [
-        [Message(Role.USER, [ImagePart(make_image(56, 56, 1)), ImagePart(make_image(112, 84, 2)),
-                             TextPart("Compare.")])],
-        [Message(Role.SYSTEM, [TextPart("You are a careful geometry tutor. " * 6)]),
-         Message(Role.USER, [TextPart("First look at this:"), ImagePart(make_image(84, 56, 3)),
-                             TextPart("then this one:"), ImagePart(make_image(56, 112, 4)),
-                             TextPart("and finally:"), ImagePart(make_image(140, 84, 5)), TextPart("Find x.")])],
+        [
+            Message(
+                Role.USER, [ImagePart(make_image(56, 56, 1)), ImagePart(make_image(112, 84, 2)), TextPart("Compare.")]
+            )
+        ],
+        [
+            Message(Role.SYSTEM, [TextPart("You are a careful geometry tutor. " * 6)]),
+            Message(
+                Role.USER,
+                [
+                    TextPart("First look at this:"),
+                    ImagePart(make_image(84, 56, 3)),
+                    TextPart("then this one:"),
+                    ImagePart(make_image(56, 112, 4)),
+                    TextPart("and finally:"),
+                    ImagePart(make_image(140, 84, 5)),
+                    TextPart("Find x."),
+                ],
+            ),
+        ],
         [Message(Role.USER, [TextPart("What is 2 + 3? Answer in one word.")])],
         [Message(Role.USER, [ImagePart(make_image(112, 112, 6)), TextPart("Describe.")])],
     ]
@@ -58,8 +78,10 @@ def batched(setup):
 def _requests(prompts):
     """n, max_new_tokens, temperature, top_p and seed differ between requests."""
     specs = [(2, 7, 0.7, 1.0, 11), (1, 5, 1.3, 0.9, 12), (3, 6, 1.0, 1.0, 13), (1, 6, 0.7, 1.0, 14)]
-    return [GenerateRequest(p, n, SamplingParams(max_new_tokens=m, temperature=t, top_p=tp, seed=s))
-            for p, (n, m, t, tp, s) in zip(prompts, specs)]
+    return [
+        GenerateRequest(p, n, SamplingParams(max_new_tokens=m, temperature=t, top_p=tp, seed=s))
+        for p, (n, m, t, tp, s) in zip(prompts, specs)
+    ]
 
 
 def _ids(gens):
@@ -101,10 +123,16 @@ def test_logprobs_match_teacher_forced_forward(setup, batched):
     for req, per_request in zip(_requests(prompts), batched):
         for g in per_request:
             ids = torch.tensor(req.prompt.token_ids + g.token_ids)
-            sample = Sample(ids, torch.ones_like(ids), torch.zeros(len(ids)), 0.0, req.prompt.vision,
-                            (ids == engine.image_token_id).long())
+            sample = Sample(
+                ids,
+                torch.ones_like(ids),
+                torch.zeros(len(ids)),
+                0.0,
+                req.prompt.vision,
+                (ids == engine.image_token_id).long(),
+            )
             with torch.no_grad():
-                ref = sequence_logprobs(model, sample, temperature=req.params.temperature)[len(req.prompt.token_ids):]
+                ref = sequence_logprobs(model, sample, temperature=req.params.temperature)[len(req.prompt.token_ids) :]
             worst = max(worst, float((ref - torch.tensor(g.logprobs)).abs().max()))
     assert worst < TOL, worst
 
@@ -129,12 +157,23 @@ def test_episodes_reproducible_whatever_the_batching(setup, qwen25_policy):
     builder = get_builder("qwen2_5_vl", qwen25_policy[1])
     env_cfg = EnvConfig(max_turns=2)
     tasks = load_env_tasks(env_cfg, DataConfig(path=str(GEOMETRY3K), split="test", limit=2))
-    alone = OneByOne(engine.policy, engine.tokenizer, engine.eos_ids, engine.pad_id, engine.image_token_id,
-                     suppress_ids=engine.suppress_ids)
+    alone = OneByOne(
+        engine.policy,
+        engine.tokenizer,
+        engine.eos_ids,
+        engine.pad_id,
+        engine.image_token_id,
+        suppress_ids=engine.suppress_ids,
+    )
 
     def run(eng, seed):
-        runner = EpisodeRunner(builder, eng, make_env_factory(env_cfg), EpisodeLimits(2, 4096, 0.9),
-                               SamplingParams(max_new_tokens=6, temperature=0.9))
+        runner = EpisodeRunner(
+            builder,
+            eng,
+            make_env_factory(env_cfg),
+            EpisodeLimits(2, 4096, 0.9),
+            SamplingParams(max_new_tokens=6, temperature=0.9),
+        )
         trajs = runner.run(tasks, group_size=2, seed=seed)
         return trajs, runner.batcher.batch_sizes
 

@@ -19,8 +19,9 @@ def engine_and_prompt(qwen25_policy, geometry_images):
     builder = get_builder("qwen2_5_vl", processor)
     tok = processor.tokenizer
     eos = [builder.eos_token_id, tok.convert_tokens_to_ids("<|endoftext|>")]
-    engine = TransformersEngine(lambda: contextlib.nullcontext(model), tok, eos, tok.pad_token_id,
-                                builder.image_token_id)
+    engine = TransformersEngine(
+        lambda: contextlib.nullcontext(model), tok, eos, tok.pad_token_id, builder.image_token_id
+    )
     msg = Message(Role.USER, [ImagePart(geometry_images[0], "a.png"), TextPart("Find x.")])
     return engine, builder.start([msg]).prompt(), tok
 

@@ -43,8 +43,16 @@ def test_engine_logprobs_match_trainer_at_temperature_0_7_top_p_0_9(qwen25_polic
         s = seq.fork()
         builder.add_generation(s, gen)
         ids = torch.tensor(s.ids)
-        samples.append(Sample(ids, torch.tensor(s.loss_mask, dtype=torch.float32), torch.tensor(s.logprobs), 1.0,
-                              s.vision, (ids == builder.image_token_id).long()))
+        samples.append(
+            Sample(
+                ids,
+                torch.tensor(s.loss_mask, dtype=torch.float32),
+                torch.tensor(s.logprobs),
+                1.0,
+                s.vision,
+                (ids == builder.image_token_id).long(),
+            )
+        )
     batch = collate(samples, family="qwen2_5_vl")
     with torch.no_grad():
         recomputed = batch_logprobs(trainer.engine, batch, trainer.cfg.temperature, only_masked=True)

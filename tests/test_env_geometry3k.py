@@ -14,14 +14,18 @@ from vlmrl.envs.geometry3k import Geometry3KConfig, Geometry3KEnv, GeometryRow, 
 from vlmrl.types import ImagePart, Message, ParseStatus, Role, Task, TextPart
 
 GEOMETRY3K = Path(__file__).resolve().parents[1] / "vlmrl" / "assets" / "data" / "geometry3k"  # in-repo sample
-ENV_CFG = {"_target_": "vlmrl.envs.geometry3k.Geometry3KEnv", "max_turns": 3,
-           "system_prompt": "You are a careful geometer."}
+ENV_CFG = {
+    "_target_": "vlmrl.envs.geometry3k.Geometry3KEnv",
+    "max_turns": 3,
+    "system_prompt": "You are a careful geometer.",
+}
 
 
 def _row() -> GeometryRow:
     img = Image.new("RGB", (32, 24), (255, 255, 255))
-    return GeometryRow("2401", "Find the area of the figure.", ["30", "60", "120", "240"], "B", "60", img,
-                       "/d/2401.png")
+    return GeometryRow(
+        "2401", "Find the area of the figure.", ["30", "60", "120", "240"], "B", "60", img, "/d/2401.png"
+    )
 
 
 def test_build_task_prompt():

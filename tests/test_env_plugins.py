@@ -73,10 +73,16 @@ def from_yaml_text(text: str, tmp_path: Path) -> object:
 
 def test_weighted_reward_functions_get_dataset_columns():
     CALLS.clear()
-    cfg = MultiTurnConfig(max_turns=3, rewards=[RewardSpec(f"{__name__}:recording_reward", 0.25),
-                                                RewardSpec(f"{__name__}:half_reward", 1.5),
-                                                RewardSpec(f"{__name__}:not_applicable", 3.0)],
-                          success_threshold=1.0, feedback="Score {reward}; {turns_left} left.")
+    cfg = MultiTurnConfig(
+        max_turns=3,
+        rewards=[
+            RewardSpec(f"{__name__}:recording_reward", 0.25),
+            RewardSpec(f"{__name__}:half_reward", 1.5),
+            RewardSpec(f"{__name__}:not_applicable", 3.0),
+        ],
+        success_threshold=1.0,
+        feedback="Score {reward}; {turns_left} left.",
+    )
     env = make_env_factory(cfg)()
     env.reset(_task(solution="yes", choices=["yes", "no"]))
     first = env.step("no", 0, False)
@@ -105,13 +111,16 @@ def test_typed_config_round_trip(tmp_path):
     assert type(back.env) is FrozenLakeConfig and back.env.map_size == 5
 
 
-@pytest.mark.parametrize("override, needle", [
-    ("env._target_=nope.Env", "env._target_: cannot import 'nope.Env' (ModuleNotFoundError"),
-    ("env._target_=vlmrl.types:Role", "env._target_: 'vlmrl.types:Role' is not a vlmrl.envs.Environment subclass"),
-    ("+env.colour=red", "env.colour: no such key in Geometry3KConfig"),
-    ("tools.functions=[vlmrl.tools.builtin:nope]", "tools.functions[0]: cannot import 'vlmrl.tools.builtin:nope'"),
-    ("tools.environment=nopkg:Obj", "tools.environment: cannot import 'nopkg:Obj'"),
-])
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("env._target_=nope.Env", "env._target_: cannot import 'nope.Env' (ModuleNotFoundError"),
+        ("env._target_=vlmrl.types:Role", "env._target_: 'vlmrl.types:Role' is not a vlmrl.envs.Environment subclass"),
+        ("+env.colour=red", "env.colour: no such key in Geometry3KConfig"),
+        ("tools.functions=[vlmrl.tools.builtin:nope]", "tools.functions[0]: cannot import 'vlmrl.tools.builtin:nope'"),
+        ("tools.environment=nopkg:Obj", "tools.environment: cannot import 'nopkg:Obj'"),
+    ],
+)
 def test_bad_plugin_paths_are_config_errors(override, needle):
     with pytest.raises(ConfigError) as err:
         load("geometry3k_tiny", [override])
@@ -120,17 +129,31 @@ def test_bad_plugin_paths_are_config_errors(override, needle):
 
 def test_bad_reward_path_is_a_config_error():
     with pytest.raises(ConfigError, match=r"env.rewards\[1\].fn: cannot import 'nopkg.rewards:f'"):
-        load(None, ["env=multi_turn", "env.rewards=[{fn: 'vlmrl.envs.reward_funcs:boxed_format'}, "
-                                      "{fn: 'nopkg.rewards:f', weight: 2}]"])
+        load(
+            None,
+            [
+                "env=multi_turn",
+                "env.rewards=[{fn: 'vlmrl.envs.reward_funcs:boxed_format'}, {fn: 'nopkg.rewards:f', weight: 2}]",
+            ],
+        )
 
 
 def test_cli_bad_plugin_fails_in_seconds(tmp_path):
     key = "env.rewards[0].fn"
-    cmd = [sys.executable, "-m", "vlmrl.cli", "train", "recipe=geometry3k_tiny", "env=multi_turn",
-           "env.rewards=[{fn: 'nopkg:f'}]", f"logging.output_dir={tmp_path / 'run'}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vlmrl.cli",
+        "train",
+        "recipe=geometry3k_tiny",
+        "env=multi_turn",
+        "env.rewards=[{fn: 'nopkg:f'}]",
+        f"logging.output_dir={tmp_path / 'run'}",
+    ]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    proc = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "DS_ACCELERATOR": "cpu"}
+    )
     elapsed = time.perf_counter() - t0
     assert proc.returncode == 2 and key in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert len([ln for ln in proc.stderr.splitlines() if ln.strip()]) <= 2

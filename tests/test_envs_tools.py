@@ -62,8 +62,11 @@ def check_alignment(builder, traj):
     merge = builder.processor.image_processor.merge_size
     placeholders = sum(t == builder.image_token_id for t in traj.tokens.ids)
     assert placeholders == int((vision.image_grid_thw.prod(-1) // merge**2).sum())
-    assert vision.image_grid_thw.shape[0] == len(traj.tokens.images) == count_images(traj.tokens.ids,
-                                                                                       builder.image_token_id)
+    assert (
+        vision.image_grid_thw.shape[0]
+        == len(traj.tokens.images)
+        == count_images(traj.tokens.ids, builder.image_token_id)
+    )
     mask = [0] * len(traj.tokens.ids)
     for s, e in traj.tokens.turn_spans:
         mask[s:e] = [1] * (e - s)
@@ -73,8 +76,10 @@ def check_alignment(builder, traj):
 # --- geometry3k_tools ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def geo_tasks():
-    return load_env_tasks({"_target_": "vlmrl.envs.geometry3k_tools.Geometry3KToolsEnv", "max_turns": 4},
-                          DataConfig(path=str(GEOMETRY3K), split="test", limit=1))
+    return load_env_tasks(
+        {"_target_": "vlmrl.envs.geometry3k_tools.Geometry3KToolsEnv", "max_turns": 4},
+        DataConfig(path=str(GEOMETRY3K), split="test", limit=1),
+    )
 
 
 def geo_setup(processor, family, **tool_overrides):
@@ -91,9 +96,11 @@ def test_geometry3k_tools_crop_image_reaches_engine_and_trajectory(family, qwen_
     assert tooling.runtime.describe == (family == "qwen2_5_vl")  # Qwen2.5-VL's template ignores `tools`
     task = geo_tasks[0]
     w, h = task.meta["image_size"]
-    replies = [P.format_call("crop", {"x0": 0, "y0": 0, "x1": w // 2, "y1": h // 2}),
-               "Let me compute. " + P.format_call("calculate", {"expression": "2 * (3 + 4)"}),
-               f"So the answer is \\boxed{{{task.meta['answer_letter']}}}."]
+    replies = [
+        P.format_call("crop", {"x0": 0, "y0": 0, "x1": w // 2, "y1": h // 2}),
+        "Let me compute. " + P.format_call("calculate", {"expression": "2 * (3 + 4)"}),
+        f"So the answer is \\boxed{{{task.meta['answer_letter']}}}.",
+    ]
     (traj,), engine = run(builder, tooling.env_factory, [task], replies, 4, tooling.runtime)
     assert [t.is_tool_turn for t in traj.turns] == [True, True, False] and traj.end_reason == "env_done"
     assert traj.reward == pytest.approx(1.0)  # tool turns do not count in the turn discount
@@ -108,7 +115,7 @@ def test_geometry3k_tools_crop_image_reaches_engine_and_trajectory(family, qwen_
     system = traj.messages[0]
     assert (system.role is Role.SYSTEM and "# Tools" in system.text_content) == (family == "qwen2_5_vl")
     check_alignment(builder, traj)
-    assert ("<tools>" in builder.tokenizer.decode(traj.tokens.ids))  # listed by the template or the runtime
+    assert "<tools>" in builder.tokenizer.decode(traj.tokens.ids)  # listed by the template or the runtime
     stats = traj.tool_stats
     assert (stats.calls, stats.ok, stats.failed, stats.images, stats.tool_turns) == (2, 2, 0, 1, 2)
     traj.advantage = 1.0
@@ -129,9 +136,11 @@ def test_geometry3k_tools_crop_image_reaches_engine_and_trajectory(family, qwen_
 def test_geometry3k_tools_failures_and_oversized_image(qwen25_processor, geo_tasks):
     tooling, builder = geo_setup(qwen25_processor, "qwen2_5_vl", max_tool_response_tokens=12)
     task = geo_tasks[0]
-    replies = ['<tool_call>{"name": "crop", "arguments": {"x0": 0}</tool_call>',  # malformed JSON
-               P.format_call("crop", {"x0": 0, "y0": 0, "x1": 0, "y1": 5}),       # empty region: bad_arguments
-               P.format_call("zoom", {"x": 100, "y": 100, "factor": 2})]           # image over 12 tokens: dropped
+    replies = [
+        '<tool_call>{"name": "crop", "arguments": {"x0": 0}</tool_call>',  # malformed JSON
+        P.format_call("crop", {"x0": 0, "y0": 0, "x1": 0, "y1": 5}),  # empty region: bad_arguments
+        P.format_call("zoom", {"x": 100, "y": 100, "factor": 2}),
+    ]  # image over 12 tokens: dropped
     (traj,), _ = run(builder, tooling.env_factory, [task], replies, 4, tooling.runtime)
     assert traj.end_reason == "tool_response_too_long"
     assert [t.tool_errors for t in traj.turns] == [["malformed_json"], ["bad_arguments"], ["too_long"]]

@@ -47,8 +47,7 @@ def test_register_family_reaches_every_consumer():
     from vlmrl.modeling.inputs import input_style
     from vlmrl.tokens import builder_families
 
-    mine = Family("my_vl", "vlmrl.tokens.qwen_vl:QwenVLBuilder", "<|image_pad|>", ("my_vl",), InputStyle.qwen,
-                  "hermes")
+    mine = Family("my_vl", "vlmrl.tokens.qwen_vl:QwenVLBuilder", "<|image_pad|>", ("my_vl",), InputStyle.qwen, "hermes")
     register_family(mine)
     try:
         assert "my_vl" in builder_families() and input_style("my_vl") == "qwen"

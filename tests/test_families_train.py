@@ -32,8 +32,18 @@ from vlmrl.types import ImagePart, Message, Role, TextPart, Trajectory
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is deprecated.*:FutureWarning")
 
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5_think", "qwen3_5_nothink", "qwen3_6", "gemma3",
-            "idefics3", "smolvlm", "llava_next"]
+FAMILIES = [
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "qwen3_5_think",
+    "qwen3_5_nothink",
+    "qwen3_6",
+    "gemma3",
+    "idefics3",
+    "smolvlm",
+    "llava_next",
+]
 ZERO2 = {"smolvlm", "llava_next"}  # a full DeepSpeed step; the others: sequence_logprobs + backward
 FEEDBACK_IMAGE = {"smolvlm", "llava_next"}
 TOL = 1e-4
@@ -41,13 +51,14 @@ TOL = 1e-4
 
 def _episode(family: str, model, builder) -> Trajectory:
     processor = builder.processor
-    engine = make_engine(SimpleNamespace(engine="transformers"), lambda: contextlib.nullcontext(model), processor,
-                         builder)
+    engine = make_engine(
+        SimpleNamespace(engine="transformers"), lambda: contextlib.nullcontext(model), processor, builder
+    )
     assert sorted(engine.eos_ids) == sorted(builder.stop_token_ids)
     params = SamplingParams(max_new_tokens=4, temperature=1.0, seed=0)
     seq = builder.start([Message(Role.USER, [ImagePart(make_image(40, 160, 1)), TextPart("Find x.")])])
     for turn in range(2):
-        (gen,), = engine.generate([seq.prompt()], n=1, params=params)
+        ((gen,),) = engine.generate([seq.prompt()], n=1, params=params)
         builder.add_generation(seq, gen)
         if turn == 0:
             parts = [TextPart("Wrong. Look again:")]
@@ -94,8 +105,9 @@ def test_family_rollout_logprobs_and_update(family):
     from vlmrl.train.trainer import GRPOTrainer, TrainerSettings
 
     model.zero_grad(set_to_none=True)
-    trainer = GRPOTrainer(model, TrainerSettings(zero_stage=2, lr=1e-3, micro_batch_size=2, clip_eps_high=0.2),
-                          family=family)
+    trainer = GRPOTrainer(
+        model, TrainerSettings(zero_stage=2, lr=1e-3, micro_batch_size=2, clip_eps_high=0.2), family=family
+    )
     before = {n: p.detach().clone() for n, p in trainer.module.named_parameters() if "vision" in n}
     stats = trainer.train_step(samples)
     assert not stats.skipped and torch.isfinite(torch.tensor(stats.loss))

@@ -28,16 +28,19 @@ from vlmrl.types import Generation, StopReason
 # ------------------------------------------------------------------------------------------------ pass@k
 
 
-@pytest.mark.parametrize("n, c, k, expected", [
-    (4, 1, 1, Fraction(1, 4)),
-    (4, 1, 2, Fraction(1, 2)),       # 1 - C(3,2)/C(4,2) = 1 - 3/6
-    (4, 2, 2, Fraction(5, 6)),       # 1 - C(2,2)/C(4,2) = 1 - 1/6
-    (4, 1, 4, Fraction(1)),
-    (10, 3, 5, Fraction(11, 12)),    # 1 - C(7,5)/C(10,5) = 1 - 21/252
-    (10, 0, 3, Fraction(0)),
-    (5, 5, 3, Fraction(1)),
-    (200, 13, 10, 1 - Fraction(math.comb(187, 10), math.comb(200, 10))),
-])
+@pytest.mark.parametrize(
+    "n, c, k, expected",
+    [
+        (4, 1, 1, Fraction(1, 4)),
+        (4, 1, 2, Fraction(1, 2)),  # 1 - C(3,2)/C(4,2) = 1 - 3/6
+        (4, 2, 2, Fraction(5, 6)),  # 1 - C(2,2)/C(4,2) = 1 - 1/6
+        (4, 1, 4, Fraction(1)),
+        (10, 3, 5, Fraction(11, 12)),  # 1 - C(7,5)/C(10,5) = 1 - 21/252
+        (10, 0, 3, Fraction(0)),
+        (5, 5, 3, Fraction(1)),
+        (200, 13, 10, 1 - Fraction(math.comb(187, 10), math.comb(200, 10))),
+    ],
+)
 def test_pass_at_k_exact(n, c, k, expected):
     assert pass_at_k(n, c, k) == pytest.approx(float(expected), abs=1e-12)
 
@@ -68,19 +71,35 @@ def test_pass_ks():
 # ------------------------------------------------------------------------------------------------ eval metrics
 
 
-def record(task: str, correct: list[bool], *, sample: int = 0, step: int = 1, reward: float | None = None,
-           formatted: list[bool] | None = None, tool_calls: list[list[dict]] | None = None,
-           tool_stats: dict | None = None) -> dict:
+def record(
+    task: str,
+    correct: list[bool],
+    *,
+    sample: int = 0,
+    step: int = 1,
+    reward: float | None = None,
+    formatted: list[bool] | None = None,
+    tool_calls: list[list[dict]] | None = None,
+    tool_stats: dict | None = None,
+) -> dict:
     """A trajectories.jsonl line with the fields the metrics read."""
     turns = len(correct)
     rec = {
-        "step": step, "task_id": task, "group": 0, "sample": sample, "messages": [],
-        "input_ids": list(range(10 + 5 * turns)), "loss_mask": [0] * 10 + [1] * (5 * turns),
+        "step": step,
+        "task_id": task,
+        "group": 0,
+        "sample": sample,
+        "messages": [],
+        "input_ids": list(range(10 + 5 * turns)),
+        "loss_mask": [0] * 10 + [1] * (5 * turns),
         "turn_spans": [[10 + 5 * i, 15 + 5 * i] for i in range(turns)],
         "turn_rewards": [1.0 if c else 0.1 for c in correct],
-        "parse_status": ["ok"] * turns, "correct": correct, "stop_reasons": ["eos"] * turns,
+        "parse_status": ["ok"] * turns,
+        "correct": correct,
+        "stop_reasons": ["eos"] * turns,
         "end_reason": "env_done" if any(correct) else "max_turns",
-        "reward": reward if reward is not None else (1.0 if any(correct) else 0.1), "advantage": 0.0,
+        "reward": reward if reward is not None else (1.0 if any(correct) else 0.1),
+        "advantage": 0.0,
     }
     if formatted is not None:
         rec["formatted"] = formatted
@@ -93,11 +112,16 @@ def record(task: str, correct: list[bool], *, sample: int = 0, step: int = 1, re
 
 def test_eval_metrics_exact():
     # task a: 1 of 4 correct (on the 2nd turn); task b: 2 of 4 correct (first turn)
-    recs = [record("a", [False, True], sample=0), record("a", [False, False], sample=1),
-            record("a", [False, False], sample=2), record("a", [False, False], sample=3),
-            record("b", [True], sample=0), record("b", [True], sample=1),
-            record("b", [False, False], sample=2, formatted=[False, False]),
-            record("b", [False, False], sample=3)]
+    recs = [
+        record("a", [False, True], sample=0),
+        record("a", [False, False], sample=1),
+        record("a", [False, False], sample=2),
+        record("a", [False, False], sample=3),
+        record("b", [True], sample=0),
+        record("b", [True], sample=1),
+        record("b", [False, False], sample=2, formatted=[False, False]),
+        record("b", [False, False], sample=3),
+    ]
     m = eval_metrics(recs)
     assert m["problems"] == 2 and m["episodes"] == 8
     assert m["accuracy"] == pytest.approx(3 / 8)
@@ -117,12 +141,32 @@ def test_eval_metrics_exact():
 
 def test_eval_metrics_tools_and_ungraded_tool_turns():
     call = {"name": "calc", "arguments": {"expr": "1+1"}, "status": "ok", "error": ""}
-    stats_a = {"calls": 2, "ok": 1, "failures": {"timeout": 1}, "latency_s": [0.5, 1.5], "images": 1,
-               "truncated": 0, "dropped": 0, "abandoned": 0, "tool_turns": 1}
-    stats_b = {"calls": 0, "ok": 0, "failures": {}, "latency_s": [], "images": 0, "truncated": 0, "dropped": 0,
-               "abandoned": 0, "tool_turns": 0}
-    recs = [record("a", [False, True], formatted=[False, True], tool_calls=[[call, call], []], tool_stats=stats_a),
-            record("a", [False], formatted=[False], tool_calls=[[]], tool_stats=stats_b)]
+    stats_a = {
+        "calls": 2,
+        "ok": 1,
+        "failures": {"timeout": 1},
+        "latency_s": [0.5, 1.5],
+        "images": 1,
+        "truncated": 0,
+        "dropped": 0,
+        "abandoned": 0,
+        "tool_turns": 1,
+    }
+    stats_b = {
+        "calls": 0,
+        "ok": 0,
+        "failures": {},
+        "latency_s": [],
+        "images": 0,
+        "truncated": 0,
+        "dropped": 0,
+        "abandoned": 0,
+        "tool_turns": 0,
+    }
+    recs = [
+        record("a", [False, True], formatted=[False, True], tool_calls=[[call, call], []], tool_stats=stats_a),
+        record("a", [False], formatted=[False], tool_calls=[[]], tool_stats=stats_b),
+    ]
     m = eval_metrics(recs)
     assert m["format_rate"] == pytest.approx(1 / 2)  # graded turns only: the tool turn is not graded
     assert m["first_turn_accuracy"] == pytest.approx(1 / 2)  # first graded turn of episode 0 is correct
@@ -134,8 +178,9 @@ def test_eval_metrics_tools_and_ungraded_tool_turns():
 
 def test_identity_diff_ignores_limit_and_logging():
     a = config_mod.to_yaml(config_mod.load("geometry3k_eval_tiny"))
-    b = config_mod.to_yaml(config_mod.load("geometry3k_eval_tiny", ["data.limit=20", "logging.output_dir=/x",
-                                                                   "trainer.batch_size=5"]))
+    b = config_mod.to_yaml(
+        config_mod.load("geometry3k_eval_tiny", ["data.limit=20", "logging.output_dir=/x", "trainer.batch_size=5"])
+    )
     c = config_mod.to_yaml(config_mod.load("geometry3k_eval_tiny", ["rollout.temperature=0.5"]))
     assert identity_diff(a, b) == []
     assert identity_diff(a, c) == ["rollout.temperature"]
@@ -165,10 +210,20 @@ class LetterEngine(Engine):
 
 
 def _cfg(tmp_path: Path, *extra: str):
-    return config_mod.load("geometry3k_eval_tiny", [
-        f"data.path={GEOMETRY3K}", "data.limit=2", "env.max_turns=1", "algorithm.group_size=4",
-        "rollout.max_new_tokens=4", "trainer.batch_size=2", f"logging.output_dir={tmp_path / 'gen'}",
-        "logging.progress=false", *extra])
+    return config_mod.load(
+        "geometry3k_eval_tiny",
+        [
+            f"data.path={GEOMETRY3K}",
+            "data.limit=2",
+            "env.max_turns=1",
+            "algorithm.group_size=4",
+            "rollout.max_new_tokens=4",
+            "trainer.batch_size=2",
+            f"logging.output_dir={tmp_path / 'gen'}",
+            "logging.progress=false",
+            *extra,
+        ],
+    )
 
 
 @pytest.fixture
@@ -262,8 +317,9 @@ def test_eval_during_training_with_a_stand_in_trainer(tmp_path, letter_engine):
 
     trainer = SimpleNamespace(rank=0, world_size=1, policy=policy, gather=lambda obj: [obj])
     files = RunFiles(tmp_path / "train", overwrite=True)
-    job = SimpleNamespace(cfg=cfg, trainer=trainer, runner=runner, builder=builder, processor=processor, files=files,
-                          eval_tasks=None)
+    job = SimpleNamespace(
+        cfg=cfg, trainer=trainer, runner=runner, builder=builder, processor=processor, files=files, eval_tasks=None
+    )
     for step in (2, 4, 2):  # the last one: a resumed run redoing step 2 replaces the later eval lines
         row = eval_during_training(job, step)
     assert len(entered) == 3 and len(job.eval_tasks) == 2
@@ -289,15 +345,29 @@ def test_train_eval_every_tensorboard_then_generate_and_evaluate_cli(tmp_path):
     run = tmp_path / "train"
 
     def cli(*args: str) -> subprocess.CompletedProcess:
-        proc = subprocess.run([sys.executable, "-m", "vlmrl.cli", *args], cwd=root, env=env, capture_output=True,
-                              text=True, timeout=900)
+        proc = subprocess.run(
+            [sys.executable, "-m", "vlmrl.cli", *args], cwd=root, env=env, capture_output=True, text=True, timeout=900
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         return proc
 
-    cli("train", "recipe=geometry3k_tiny", f"data.path={GEOMETRY3K}", "data.limit=4", "trainer.steps=2",
-        "trainer.batch_size=1", "algorithm.group_size=2", "rollout.max_new_tokens=4", "env.max_turns=1",
-        "trainer.eval_every=1", "data.eval_split=test", "data.eval_limit=1", "logging.tensorboard=true",
-        f"logging.output_dir={run}", "logging.progress=false")
+    cli(
+        "train",
+        "recipe=geometry3k_tiny",
+        f"data.path={GEOMETRY3K}",
+        "data.limit=4",
+        "trainer.steps=2",
+        "trainer.batch_size=1",
+        "algorithm.group_size=2",
+        "rollout.max_new_tokens=4",
+        "env.max_turns=1",
+        "trainer.eval_every=1",
+        "data.eval_split=test",
+        "data.eval_limit=1",
+        "logging.tensorboard=true",
+        f"logging.output_dir={run}",
+        "logging.progress=false",
+    )
     rows = _lines(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
     assert all("eval/accuracy" in r and "eval/pass@2" in r and r["eval/episodes"] == 2 for r in rows)
@@ -305,10 +375,18 @@ def test_train_eval_every_tensorboard_then_generate_and_evaluate_cli(tmp_path):
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
 
     out = tmp_path / "gen"
-    proc = cli("generate", "recipe=geometry3k_eval_tiny", f"data.path={GEOMETRY3K}", "data.limit=1",
-               "algorithm.group_size=2", "rollout.max_new_tokens=4", "env.max_turns=1",
-               f"model.name_or_path={run / 'checkpoints' / 'step_2' / 'hf'}", f"logging.output_dir={out}",
-               "logging.progress=false")
+    proc = cli(
+        "generate",
+        "recipe=geometry3k_eval_tiny",
+        f"data.path={GEOMETRY3K}",
+        "data.limit=1",
+        "algorithm.group_size=2",
+        "rollout.max_new_tokens=4",
+        "env.max_turns=1",
+        f"model.name_or_path={run / 'checkpoints' / 'step_2' / 'hf'}",
+        f"logging.output_dir={out}",
+        "logging.progress=false",
+    )
     assert "pass@2" in proc.stdout and "accuracy" in proc.stdout
     assert len(_lines(out / "trajectories.jsonl")) == 2
 

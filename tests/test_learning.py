@@ -29,8 +29,9 @@ STEPS, FIRST, LAST, RISE = 96, 16, 16, 0.4
 
 def _cli(*args: str) -> None:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
-    res = subprocess.run([sys.executable, "-m", "vlmrl.cli", *args], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=1800)
+    res = subprocess.run(
+        [sys.executable, "-m", "vlmrl.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800
+    )
     assert res.returncode == 0, f"vlmrl {' '.join(args)} failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
 
 
@@ -43,11 +44,19 @@ def _curve(run: Path) -> list[float]:
 def test_colors_recipe_learns_to_read_the_image(tmp_path):
     sft, run = tmp_path / "sft", tmp_path / "train"
     _cli("sft", "recipe=colors_sft_tiny", f"logging.output_dir={sft}", "logging.progress=false")
-    _cli("train", "recipe=colors_tiny", f"model.name_or_path={sft / 'hf'}", f"logging.output_dir={run}",
-         f"trainer.steps={STEPS}", "logging.progress=false")
+    _cli(
+        "train",
+        "recipe=colors_tiny",
+        f"model.name_or_path={sft / 'hf'}",
+        f"logging.output_dir={run}",
+        f"trainer.steps={STEPS}",
+        "logging.progress=false",
+    )
     acc = _curve(run)
     curve = " ".join(f"{a:.2f}" for a in acc)
     assert len(acc) >= FIRST + LAST, f"only {len(acc)} steps logged: {curve}"
     first, last = sum(acc[:FIRST]) / FIRST, sum(acc[-LAST:]) / LAST
-    assert last - first >= RISE, (f"accuracy rose {last - first:+.3f} (first {FIRST} steps {first:.3f}, last {LAST} "
-                                  f"{last:.3f}); per step: {curve}")
+    assert last - first >= RISE, (
+        f"accuracy rose {last - first:+.3f} (first {FIRST} steps {first:.3f}, last {LAST} "
+        f"{last:.3f}); per step: {curve}"
+    )

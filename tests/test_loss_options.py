@@ -24,20 +24,24 @@ ADV = torch.tensor([1.0, -2.0], dtype=torch.float64)
 def _loss_and_grad(mode, rows=slice(None), num_tokens=4, num_seqs=2, norm_len=4):
     logprobs = torch.full((2, 4), -1.0, dtype=torch.float64, requires_grad=True)
     w = token_weights(MASK[rows], mode, num_tokens, num_seqs, norm_len)
-    loss, _ = grpo_loss(logprobs[rows], logprobs[rows].detach(), ADV[rows], MASK[rows], num_tokens=num_tokens,
-                        token_weights=w)
+    loss, _ = grpo_loss(
+        logprobs[rows], logprobs[rows].detach(), ADV[rows], MASK[rows], num_tokens=num_tokens, token_weights=w
+    )
     (grad,) = torch.autograd.grad(loss, logprobs)
     return loss.item(), grad
 
 
-@pytest.mark.parametrize(("mode", "loss", "grad_row0", "grad_row1"), [
-    # token-mean (DAPO): (-1 - 1 - 1 + 2) / 4 tokens = -0.25; d/dlogp = -A * r / 4: -1/4 (row 0), +2/4 (row 1)
-    ("token-mean", -0.25, -1 / 4, 2 / 4),
-    # seq-mean-token-mean (GRPO): (-3/3 + 2/1) / 2 seqs = 0.5; grads -1/(3*2) = -1/6, +2/(1*2) = 1
-    ("seq-mean-token-mean", 0.5, -1 / 6, 1.0),
-    # seq-mean-token-sum-norm (Dr. GRPO, L = 4): (-3/4 + 2/4) / 2 = -0.125; grads -1/(4*2), +2/(4*2)
-    ("seq-mean-token-sum-norm", -0.125, -1 / 8, 2 / 8),
-])
+@pytest.mark.parametrize(
+    ("mode", "loss", "grad_row0", "grad_row1"),
+    [
+        # token-mean (DAPO): (-1 - 1 - 1 + 2) / 4 tokens = -0.25; d/dlogp = -A * r / 4: -1/4 (row 0), +2/4 (row 1)
+        ("token-mean", -0.25, -1 / 4, 2 / 4),
+        # seq-mean-token-mean (GRPO): (-3/3 + 2/1) / 2 seqs = 0.5; grads -1/(3*2) = -1/6, +2/(1*2) = 1
+        ("seq-mean-token-mean", 0.5, -1 / 6, 1.0),
+        # seq-mean-token-sum-norm (Dr. GRPO, L = 4): (-3/4 + 2/4) / 2 = -0.125; grads -1/(4*2), +2/(4*2)
+        ("seq-mean-token-sum-norm", -0.125, -1 / 8, 2 / 8),
+    ],
+)
 def test_loss_aggregation_hand_example(mode, loss, grad_row0, grad_row1):
     """verl `agg_loss` modes; token-mean: DAPO (Yu et al. 2025, sec. 3.3); seq-mean-token-sum-norm: Dr. GRPO (Liu et
     al. 2025, "Understanding R1-Zero-like training", constant normaliser instead of 1/|o_i|)."""
@@ -94,16 +98,16 @@ def test_tis_weights_scale_the_policy_gradient_not_the_kl():
     loss, _ = grpo_loss(logprobs, logprobs.detach(), adv, CMASK, num_tokens=5, is_weights=c.is_weights)
     assert loss.item() == pytest.approx(-1.4)
     w = token_weights(CMASK, "token-mean", 5, 2) * c.keep[:, None]
-    loss, _ = grpo_loss(logprobs, logprobs.detach(), adv, CMASK, num_tokens=5, is_weights=c.is_weights,
-                        token_weights=w)
+    loss, _ = grpo_loss(logprobs, logprobs.detach(), adv, CMASK, num_tokens=5, is_weights=c.is_weights, token_weights=w)
     assert loss.item() == pytest.approx(-0.8)
     (grad,) = torch.autograd.grad(loss, logprobs)
     torch.testing.assert_close(grad, -torch.tensor([[0.5, 1.5, 2.0], [0, 0, 0]], dtype=torch.float64) / 5)
     # the KL term is not reweighted: with A = 0 and a reference, the loss is kl_coef * mean k3 whatever the weights
     ref = logprobs.detach() - 0.3
     plain, _ = grpo_loss(logprobs, logprobs.detach(), 0 * adv, CMASK, ref_logprobs=ref, kl_coef=0.1)
-    tis, _ = grpo_loss(logprobs, logprobs.detach(), 0 * adv, CMASK, ref_logprobs=ref, kl_coef=0.1,
-                       is_weights=c.is_weights)
+    tis, _ = grpo_loss(
+        logprobs, logprobs.detach(), 0 * adv, CMASK, ref_logprobs=ref, kl_coef=0.1, is_weights=c.is_weights
+    )
     assert tis.item() == pytest.approx(plain.item()) and plain.item() > 0
 
 
@@ -112,11 +116,14 @@ def test_auto_is_tis_with_vllm_only():
     assert resolve("tis+mis", "transformers") is Correction.tis_mis
 
 
-@pytest.mark.parametrize("options", [
-    {"loss_agg": "token-mean", "rollout_correction": "tis+mis", "tis_cap": 1.2, "mis_high": 1.05},
-    {"loss_agg": "seq-mean-token-mean"},
-    {"loss_agg": "seq-mean-token-sum-norm", "loss_agg_norm": 16, "rollout_correction": "tis", "tis_cap": 1.02},
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"loss_agg": "token-mean", "rollout_correction": "tis+mis", "tis_cap": 1.2, "mis_high": 1.05},
+        {"loss_agg": "seq-mean-token-mean"},
+        {"loss_agg": "seq-mean-token-sum-norm", "loss_agg_norm": 16, "rollout_correction": "tis", "tis_cap": 1.02},
+    ],
+)
 def test_one_micro_batch_equals_two_through_the_trainer(qwen25_model, options):
     """The DeepSpeed trainer's gradient of 4 samples is the same in 1 micro-batch of 4 and in 2 of 2, for each loss
     aggregation and with the correction on (noisy rollout logprobs, so some tokens are capped / sequences masked)."""
@@ -129,9 +136,10 @@ def test_one_micro_batch_equals_two_through_the_trainer(qwen25_model, options):
     samples = with_old_logprobs(qwen25_model, samples, noise=0.2, seed=1)
     grads, locals_ = [], []
     for mbs in (4, 2):
-        trainer = GRPOTrainer(copy.deepcopy(qwen25_model).train(),
-                              TrainerSettings(zero_stage=0, lr=1e-3, micro_batch_size=mbs, clip_eps_high=0.2,
-                                              **options))
+        trainer = GRPOTrainer(
+            copy.deepcopy(qwen25_model).train(),
+            TrainerSettings(zero_stage=0, lr=1e-3, micro_batch_size=mbs, clip_eps_high=0.2, **options),
+        )
         local, _, _ = trainer.accumulate_gradients(samples)
         params = dict(trainer.module.named_parameters())
         names = ("model.language_model.layers.0.self_attn.q_proj.weight", "model.visual.patch_embed.proj.weight")
@@ -156,12 +164,20 @@ def test_run_resolves_auto_correction_and_the_dr_grpo_constant():
     from vlmrl.run import trainer_algorithm
 
     alg = trainer_algorithm(load("geometry3k_tiny", ["rollout=vllm", "algorithm=dr_grpo"]))
-    assert (alg.rollout_correction, alg.loss_agg, alg.loss_agg_norm, alg.scale_by_std) == \
-        ("tis", "seq-mean-token-sum-norm", 48, False)
+    assert (alg.rollout_correction, alg.loss_agg, alg.loss_agg_norm, alg.scale_by_std) == (
+        "tis",
+        "seq-mean-token-sum-norm",
+        48,
+        False,
+    )
     assert trainer_algorithm(load("geometry3k_tiny")).rollout_correction == "off"
-    for bad, msg in [("algorithm.tis_cap=0.5", "tis_cap"), ("algorithm.mis_low=1.5", "mis_low"),
-                     ("algorithm.loss_agg=sum", "loss_agg"), ("algorithm.overlong_buffer=24", "overlong_buffer"),
-                     ("algorithm.rollout_correction=on", "rollout_correction"),
-                     ("algorithm.max_sampling_rounds=0", "max_sampling_rounds")]:
+    for bad, msg in [
+        ("algorithm.tis_cap=0.5", "tis_cap"),
+        ("algorithm.mis_low=1.5", "mis_low"),
+        ("algorithm.loss_agg=sum", "loss_agg"),
+        ("algorithm.overlong_buffer=24", "overlong_buffer"),
+        ("algorithm.rollout_correction=on", "rollout_correction"),
+        ("algorithm.max_sampling_rounds=0", "max_sampling_rounds"),
+    ]:
         with pytest.raises(ConfigError, match=msg):
             load("geometry3k_tiny", [bad])

@@ -30,7 +30,11 @@ def test_fixture_checks(qwen_tok):
     assert (qwen_tok.eos_token, qwen_tok.eos_token_id) == ("<|im_end|>", 151645)
     assert (qwen_tok.pad_token, qwen_tok.pad_token_id) == ("<|endoftext|>", 151643)
     assert qwen_tok.convert_ids_to_tokens([151657, 151666, 151667, 151668]) == [
-        "<tool_call>", "</tool_response>", "<think>", "</think>"]
+        "<tool_call>",
+        "</tool_response>",
+        "<think>",
+        "</think>",
+    ]
 
 
 def test_matches_tiktoken_reference(qwen_tok):
@@ -46,7 +50,10 @@ def test_rebuilt_tokenizer_json_and_cache(qwen_tok):
     data = json.loads(qwen_tokenizer_json(num_added=26).read_text())
     assert len(data["model"]["vocab"]) == 151643 and len(data["model"]["merges"]) == 151387
     assert [(t["id"], t["content"], t["special"]) for t in data["added_tokens"][:3]] == [
-        (151643, "<|endoftext|>", True), (151644, "<|im_start|>", True), (151645, "<|im_end|>", True)]
+        (151643, "<|endoftext|>", True),
+        (151644, "<|im_start|>", True),
+        (151645, "<|im_end|>", True),
+    ]
     assert [t["special"] for t in data["added_tokens"]] == [True] * 14 + [False] * 12
     t0 = time.perf_counter()
     assert qwen_tokenizer_json(num_added=26) == qwen_tokenizer_json(num_added=26)
@@ -60,13 +67,14 @@ def test_rebuilt_tokenizer_json_and_cache(qwen_tok):
 @pytest.mark.parametrize("family,size", [("qwen2_vl", 151657), ("qwen2_5_vl", 151665), ("qwen3_vl", 151669)])
 def test_processors(family, size, qwen_processors, qwen_tok, small_images):
     processor = qwen_processors[family]
-    assert type(processor).__name__ == {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor",
-                                        "qwen3_vl": "Qwen3VLProcessor"}[family]
+    assert (
+        type(processor).__name__
+        == {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor"}[family]
+    )
     assert len(processor.tokenizer) == size == 151643 + FAMILIES[family][0]
     assert processor.tokenizer.encode(MIXED_TEXT) == qwen_tok.encode(MIXED_TEXT)
     assert processor.image_token_id == 151655
-    out = processor(text=["<|vision_start|><|image_pad|><|vision_end|>"], images=[small_images[0]],
-                    return_tensors="pt")
+    out = processor(text=["<|vision_start|><|image_pad|><|vision_end|>"], images=[small_images[0]], return_tensors="pt")
     expected = 64 if family == "qwen3_vl" else 4  # Qwen3-VL's minimum pixels upsize a 56x56 image
     assert int((out["input_ids"] == 151655).sum()) == expected
     assert torch.equal(out["mm_token_type_ids"], mm_token_type_ids(out["input_ids"], 151655, 151656))
@@ -134,8 +142,9 @@ def test_forward_backward_and_generate_on_continuous_tokens(family, qwen_process
     assert model.lm_head.weight.grad is not None
     model.eval()
     with torch.no_grad():
-        gen = model.generate(**inputs, max_new_tokens=3, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True)
+        gen = model.generate(
+            **inputs, max_new_tokens=3, do_sample=False, output_logits=True, return_dict_in_generate=True
+        )
         full = policy_inputs(gen.sequences[0], seq.vision, builder.image_token_id)
         logits = model(**full).logits[0]
     new = gen.sequences.shape[1] - len(seq.ids)

@@ -37,8 +37,10 @@ def test_staleness_is_checked_against_the_bound():
     al. 2025, "max staleness" eta; prime-rl `async_level`); the numbers are derived by hand."""
     # trained in step 5 (update from version 4): samples of versions 4, 3 -> staleness 0, 1
     assert staleness([4, 3, 3], current=4, bound=1) == [0, 1, 1]
-    assert staleness_metrics([0, 1, 1]) == {"off_policy/staleness_mean": pytest.approx(2 / 3),
-                                            "off_policy/staleness_max": 1.0}
+    assert staleness_metrics([0, 1, 1]) == {
+        "off_policy/staleness_mean": pytest.approx(2 / 3),
+        "off_policy/staleness_max": 1.0,
+    }
     assert staleness_metrics([]) == {}
     with pytest.raises(StaleSampleError, match="staleness 2 > algorithm.off_policy_steps=1"):
         staleness([2], current=4, bound=1)
@@ -48,10 +50,13 @@ def test_staleness_is_checked_against_the_bound():
         staleness([5], current=4, bound=1)
 
 
-@pytest.mark.parametrize("override, needle", [
-    ("algorithm.off_policy_steps=2", "algorithm.off_policy_steps must be 0"),
-    ("algorithm.off_policy_steps=-1", "algorithm.off_policy_steps must be 0"),
-])
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("algorithm.off_policy_steps=2", "algorithm.off_policy_steps must be 0"),
+        ("algorithm.off_policy_steps=-1", "algorithm.off_policy_steps must be 0"),
+    ],
+)
 def test_off_policy_steps_outside_0_1_is_a_config_error(override, needle):
     with pytest.raises(ConfigError, match=needle):
         load("geometry3k_tiny", [override])
@@ -74,6 +79,7 @@ def test_behaviour_weights_change_only_when_published():
 
     def trainer_policy():
         import contextlib
+
         return contextlib.nullcontext(trainer_module)
 
     behaviour = BehaviourWeights(trainer_module)
@@ -114,6 +120,7 @@ def test_prefetcher_runs_one_job_in_the_background_and_reraises():
 
 # ------------------------------------------------------------------------------------------ real runs (CLI)
 
+
 def _versions(run: Path) -> dict[int, set[int]]:
     out: dict[int, set[int]] = {}
     for rec in _lines(run / "trajectories.jsonl"):
@@ -145,9 +152,11 @@ def test_async_samples_carry_the_weights_that_sampled_them(tmp_path):
 
     # ... and the synchronous loop's assumption (sampled by the end of step - 1) does not
     records = (out / "trajectories.jsonl").read_text().splitlines()
-    (out / "trajectories.jsonl").write_text("".join(json.dumps({k: v for k, v in json.loads(line).items()
-                                                                if k != "policy_version"}) + "\n"
-                                                    for line in records))
+    (out / "trajectories.jsonl").write_text(
+        "".join(
+            json.dumps({k: v for k, v in json.loads(line).items() if k != "policy_version"}) + "\n" for line in records
+        )
+    )
     wrong = _verify(out)
     print(f"step - 1 weights: max|dlogprob| {wrong.max_abs_dlogprob:.3g}")
     assert wrong.max_abs_dlogprob > 1e-2
@@ -180,4 +189,3 @@ def test_async_run_resumes_after_kill_9_with_each_step_once(tmp_path):
     report = _verify(out)
     print(f"resumed: staleness {stale}, max|dlogprob| {report.max_abs_dlogprob:.3g}")
     assert report.ok and report.max_abs_dlogprob <= 1e-4, report.notes
-

@@ -85,10 +85,22 @@ def test_wandb_resumes_the_run_id_and_logs_a_samples_table(tmp_path, monkeypatch
     fake = FakeWandb()
     monkeypatch.setitem(sys.modules, "wandb", fake)
     cfg = _logging_cfg(tmp_path / "run")
-    records = [{"step": 1, "task_id": 7, "group": 0, "reward": 1.0, "advantage": 0.5, "correct": [False, True],
-                "turn_spans": [[1, 2], [3, 4]], "end_reason": "correct",
-                "messages": [{"role": "user", "content": [{"type": "text", "text": "q"}]},
-                             {"role": "assistant", "content": [{"type": "text", "text": "\\boxed{B}"}]}]}]
+    records = [
+        {
+            "step": 1,
+            "task_id": 7,
+            "group": 0,
+            "reward": 1.0,
+            "advantage": 0.5,
+            "correct": [False, True],
+            "turn_spans": [[1, 2], [3, 4]],
+            "end_reason": "correct",
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "q"}]},
+                {"role": "assistant", "content": [{"type": "text", "text": "\\boxed{B}"}]},
+            ],
+        }
+    ]
     with logging_backends.make_loggers(cfg, resume=False) as loggers:
         loggers.log({"reward_mean": 0.5, "step": 1}, 1)
         loggers.log_samples(records, 1)
@@ -113,10 +125,19 @@ def test_generate_accepts_one_sample_per_problem(tmp_path, letter_engine):  # no
 
     from vlmrl import config as config_mod
 
-    cfg = config_mod.load("geometry3k_eval_tiny", [
-        f"data.path={GEOMETRY3K}", "data.limit=4", "env.max_turns=1", "algorithm.group_size=1",
-        "rollout.max_new_tokens=4", "trainer.batch_size=2", f"logging.output_dir={tmp_path / 'gen'}"],
-        training=False)
+    cfg = config_mod.load(
+        "geometry3k_eval_tiny",
+        [
+            f"data.path={GEOMETRY3K}",
+            "data.limit=4",
+            "env.max_turns=1",
+            "algorithm.group_size=1",
+            "rollout.max_new_tokens=4",
+            "trainer.batch_size=2",
+            f"logging.output_dir={tmp_path / 'gen'}",
+        ],
+        training=False,
+    )
     out = io.StringIO()
     res = generate(cfg, Console(file=out, force_terminal=False))
     recs = _lines(tmp_path / "gen" / "trajectories.jsonl")

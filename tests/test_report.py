@@ -43,62 +43,156 @@ def _records(tok, tool_image: Path) -> list[dict]:
     recs = []
     for i, ref in enumerate(diag):
         reply1, feedback, reply2 = f"I think \\boxed{{B}} (#{i})", "Your answer is incorrect. Try again.", "\\boxed{A}"
-        ids, mask, lps = _seq(tok, [(f"<|im_start|>user\n<|vision_start|>{pad}<|vision_end|>Find x ({i}).<|im_end|>\n"
-                                     "<|im_start|>assistant\n", 0), (reply1 + "<|im_end|>", 1),
-                                    (f"\n<|im_start|>user\n{feedback}<|im_end|>\n<|im_start|>assistant\n", 0),
-                                    (reply2 + "<|im_end|>", 1)])
+        ids, mask, lps = _seq(
+            tok,
+            [
+                (
+                    f"<|im_start|>user\n<|vision_start|>{pad}<|vision_end|>Find x ({i}).<|im_end|>\n"
+                    "<|im_start|>assistant\n",
+                    0,
+                ),
+                (reply1 + "<|im_end|>", 1),
+                (f"\n<|im_start|>user\n{feedback}<|im_end|>\n<|im_start|>assistant\n", 0),
+                (reply2 + "<|im_end|>", 1),
+            ],
+        )
         starts = [k for k in range(len(mask)) if mask[k] and (k == 0 or not mask[k - 1])]
         ends = [k + 1 for k in range(len(mask)) if mask[k] and (k + 1 == len(mask) or not mask[k + 1])]
         spans = [[s, e] for s, e in zip(starts, ends)]
-        recs.append({
-            "step": i + 1, "task_id": f"task{i}", "group": 0, "sample": 0,
-            "messages": [
-                {"role": "user",
-                 "content": [{"type": "image", "ref": ref}, {"type": "text", "text": f"Find x ({i})."}]},
-                {"role": "assistant", "content": [{"type": "text", "text": reply1}]},
-                {"role": "user", "content": [{"type": "text", "text": feedback}]},
-                {"role": "assistant", "content": [{"type": "text", "text": reply2}]},
-            ],
-            "input_ids": ids, "loss_mask": mask, "logprobs": lps, "turn_spans": spans,
-            "boundary": [{"position": spans[0][1], "token_id": 198, "reason": "qwen_newline"}],
-            "image_grid_thw": [[1, 8, 8]], "turn_rewards": [0.1, 0.855], "parse_status": ["ok", "ok"],
-            "correct": [False, True], "stop_reasons": ["eos", "eos"], "end_reason": "env_done",
-            "reward": 0.855, "advantage": 0.5 - i,
-        })
+        recs.append(
+            {
+                "step": i + 1,
+                "task_id": f"task{i}",
+                "group": 0,
+                "sample": 0,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image", "ref": ref}, {"type": "text", "text": f"Find x ({i})."}],
+                    },
+                    {"role": "assistant", "content": [{"type": "text", "text": reply1}]},
+                    {"role": "user", "content": [{"type": "text", "text": feedback}]},
+                    {"role": "assistant", "content": [{"type": "text", "text": reply2}]},
+                ],
+                "input_ids": ids,
+                "loss_mask": mask,
+                "logprobs": lps,
+                "turn_spans": spans,
+                "boundary": [{"position": spans[0][1], "token_id": 198, "reason": "qwen_newline"}],
+                "image_grid_thw": [[1, 8, 8]],
+                "turn_rewards": [0.1, 0.855],
+                "parse_status": ["ok", "ok"],
+                "correct": [False, True],
+                "stop_reasons": ["eos", "eos"],
+                "end_reason": "env_done",
+                "reward": 0.855,
+                "advantage": 0.5 - i,
+            }
+        )
     call = '<tool_call>\n{"name": "crop", "arguments": {"box": [0, 0, 10, 10]}}\n</tool_call>'
-    ids, mask, lps = _seq(tok, [("<|im_start|>user\nZoom in.<|im_end|>\n<|im_start|>assistant\n", 0),
-                                (call + "<|im_end|>", 1), ("\n<|im_start|>user\n<tool_response>\n", 0)])
-    recs.append({
-        "step": 3, "task_id": "task2", "group": 0, "sample": 0,
-        "messages": [
-            {"role": "user", "content": [{"type": "image", "ref": "missing/nowhere.png"},
-                                         {"type": "text", "text": "Zoom in."}]},
-            {"role": "assistant", "content": [{"type": "text", "text": call}]},
-            {"role": "tool", "content": [{"type": "image", "ref": str(tool_image)},
-                                         {"type": "text", "text": "cropped region"}]},
+    ids, mask, lps = _seq(
+        tok,
+        [
+            ("<|im_start|>user\nZoom in.<|im_end|>\n<|im_start|>assistant\n", 0),
+            (call + "<|im_end|>", 1),
+            ("\n<|im_start|>user\n<tool_response>\n", 0),
         ],
-        "input_ids": ids, "loss_mask": mask, "logprobs": lps,
-        "turn_spans": [[mask.index(1), len(mask) - mask[::-1].index(1)]], "boundary": [], "image_grid_thw": [],
-        "turn_rewards": [0.0], "parse_status": ["no_answer"], "correct": [False], "stop_reasons": ["eos"],
-        "end_reason": "max_turns", "reward": 0.0, "advantage": -0.5,
-        "tool_calls": [[{"name": "crop", "arguments": {"box": [0, 0, 10, 10]}, "status": "ok", "error": ""}]],
-        "tool_errors": [["timeout"]],
-        "tool_stats": {"calls": 1, "ok": 0, "failures": {"timeout": 1}, "latency_s": [10.0], "images": 0,
-                       "truncated": 0, "dropped": 0, "abandoned": 0, "tool_turns": 1},
-    })
+    )
+    recs.append(
+        {
+            "step": 3,
+            "task_id": "task2",
+            "group": 0,
+            "sample": 0,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "image", "ref": "missing/nowhere.png"}, {"type": "text", "text": "Zoom in."}],
+                },
+                {"role": "assistant", "content": [{"type": "text", "text": call}]},
+                {
+                    "role": "tool",
+                    "content": [{"type": "image", "ref": str(tool_image)}, {"type": "text", "text": "cropped region"}],
+                },
+            ],
+            "input_ids": ids,
+            "loss_mask": mask,
+            "logprobs": lps,
+            "turn_spans": [[mask.index(1), len(mask) - mask[::-1].index(1)]],
+            "boundary": [],
+            "image_grid_thw": [],
+            "turn_rewards": [0.0],
+            "parse_status": ["no_answer"],
+            "correct": [False],
+            "stop_reasons": ["eos"],
+            "end_reason": "max_turns",
+            "reward": 0.0,
+            "advantage": -0.5,
+            "tool_calls": [[{"name": "crop", "arguments": {"box": [0, 0, 10, 10]}, "status": "ok", "error": ""}]],
+            "tool_errors": [["timeout"]],
+            "tool_stats": {
+                "calls": 1,
+                "ok": 0,
+                "failures": {"timeout": 1},
+                "latency_s": [10.0],
+                "images": 0,
+                "truncated": 0,
+                "dropped": 0,
+                "abandoned": 0,
+                "tool_turns": 1,
+            },
+        }
+    )
     return recs
 
 
 METRICS = [
-    {"step": 1, "reward_mean": 0.1, "reward_std": 0.05, "accuracy": 0.0, "first_turn_accuracy": 0.0,
-     "format_rate": 0.5, "parse_fail_rate": 0.5, "turns_per_episode": 2.0, "tool_calls_per_episode": 0.5,
-     "tool_failure_rate": 0.25, "tool_fail_timeout": 0.25, "loss": 0.01, "eval/accuracy": 0.125, "eval/pass@2": 0.25},
-    {"step": 2, "reward_mean": 0.4, "reward_std": 0.1, "accuracy": 0.5, "first_turn_accuracy": 0.25,
-     "format_rate": 0.75, "parse_fail_rate": 0.25, "turns_per_episode": 1.5, "tool_calls_per_episode": 1.0,
-     "tool_failure_rate": 0.125, "tool_fail_timeout": 0.125, "loss": -0.02},
-    {"step": 3, "reward_mean": 0.855, "reward_std": 0.2, "accuracy": 0.75, "first_turn_accuracy": 0.5,
-     "format_rate": 1.0, "parse_fail_rate": 0.0, "turns_per_episode": 1.25, "tool_calls_per_episode": 1.0,
-     "tool_failure_rate": 0.0, "tool_fail_timeout": 0.0, "loss": 0.003, "eval/accuracy": 0.5, "eval/pass@2": 0.75},
+    {
+        "step": 1,
+        "reward_mean": 0.1,
+        "reward_std": 0.05,
+        "accuracy": 0.0,
+        "first_turn_accuracy": 0.0,
+        "format_rate": 0.5,
+        "parse_fail_rate": 0.5,
+        "turns_per_episode": 2.0,
+        "tool_calls_per_episode": 0.5,
+        "tool_failure_rate": 0.25,
+        "tool_fail_timeout": 0.25,
+        "loss": 0.01,
+        "eval/accuracy": 0.125,
+        "eval/pass@2": 0.25,
+    },
+    {
+        "step": 2,
+        "reward_mean": 0.4,
+        "reward_std": 0.1,
+        "accuracy": 0.5,
+        "first_turn_accuracy": 0.25,
+        "format_rate": 0.75,
+        "parse_fail_rate": 0.25,
+        "turns_per_episode": 1.5,
+        "tool_calls_per_episode": 1.0,
+        "tool_failure_rate": 0.125,
+        "tool_fail_timeout": 0.125,
+        "loss": -0.02,
+    },
+    {
+        "step": 3,
+        "reward_mean": 0.855,
+        "reward_std": 0.2,
+        "accuracy": 0.75,
+        "first_turn_accuracy": 0.5,
+        "format_rate": 1.0,
+        "parse_fail_rate": 0.0,
+        "turns_per_episode": 1.25,
+        "tool_calls_per_episode": 1.0,
+        "tool_failure_rate": 0.0,
+        "tool_fail_timeout": 0.0,
+        "loss": 0.003,
+        "eval/accuracy": 0.5,
+        "eval/pass@2": 0.75,
+    },
 ]
 
 
@@ -232,8 +326,9 @@ def test_tensorboard_sink_writes_the_metric_rows(tmp_path):
 
     from vlmrl.logging_backends import make_loggers
 
-    cfg = SimpleNamespace(logging=SimpleNamespace(output_dir=str(tmp_path), tensorboard=True, wandb=False,
-                                                  trackio=False, project="vlmrl"))
+    cfg = SimpleNamespace(
+        logging=SimpleNamespace(output_dir=str(tmp_path), tensorboard=True, wandb=False, trackio=False, project="vlmrl")
+    )
     with make_loggers(cfg) as loggers:
         assert loggers
         for row in METRICS:
@@ -256,8 +351,9 @@ def test_sinks_off_by_default_and_missing_packages_skipped(tmp_path, monkeypatch
     assert not make_loggers(cfg) and not (tmp_path / "tensorboard").exists()
     cfg.logging.wandb = cfg.logging.tensorboard = True
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("wandb", "tensorboard")
-                        else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name in ("wandb", "tensorboard") else real(name, *a)
+    )
     for name in ("wandb", "tensorboard"):  # imported by an earlier test (or a fake): not installed for this one
         monkeypatch.delitem(sys.modules, name, raising=False)
     assert not make_loggers(cfg)

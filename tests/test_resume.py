@@ -34,18 +34,36 @@ TIMING = {"step_s", "rollout_s", "rollout_tokens_per_s", "time_s"}
 
 
 def _args(out: Path, *extra: str) -> list[str]:
-    return ["train", "recipe=geometry3k_tiny", f"data.path={GEOMETRY3K}", "data.limit=4", f"trainer.steps={STEPS}",
-            "trainer.batch_size=1", "algorithm.group_size=2", "rollout.max_new_tokens=12", "env.max_turns=1",
-            "env._target_=resume_envs.ScoredEnv", "trainer.save_every=1", f"logging.output_dir={out}",
-            "logging.progress=false", *extra]
+    return [
+        "train",
+        "recipe=geometry3k_tiny",
+        f"data.path={GEOMETRY3K}",
+        "data.limit=4",
+        f"trainer.steps={STEPS}",
+        "trainer.batch_size=1",
+        "algorithm.group_size=2",
+        "rollout.max_new_tokens=12",
+        "env.max_turns=1",
+        "env._target_=resume_envs.ScoredEnv",
+        "trainer.save_every=1",
+        f"logging.output_dir={out}",
+        "logging.progress=false",
+        *extra,
+    ]
 
 
 def _start(out: Path, *extra: str) -> subprocess.Popen:
     # a fresh process group: not this process's (in-process trainer tests set MASTER_PORT etc. here)
     dist_vars = ("MASTER_PORT", "MASTER_ADDR", "RANK", "LOCAL_RANK", "WORLD_SIZE")
     env = {**{k: v for k, v in os.environ.items() if k not in dist_vars}, "DS_ACCELERATOR": "cpu"}
-    return subprocess.Popen([sys.executable, str(SCRIPT), *_args(out, *extra)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, str(SCRIPT), *_args(out, *extra)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _run(out: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -66,8 +84,9 @@ def _lines(path: Path) -> list[dict]:
     """Every line of a run file, each a whole strict-JSON object (a partial line fails here)."""
     text = path.read_text()
     assert text == "" or text.endswith("\n"), f"{path.name} ends with a partial line"
-    return [json.loads(line, parse_constant=lambda c: pytest.fail(f"non-strict JSON {c}")) for line in
-            text.splitlines()]
+    return [
+        json.loads(line, parse_constant=lambda c: pytest.fail(f"non-strict JSON {c}")) for line in text.splitlines()
+    ]
 
 
 def _assert_same_rows(got: list[dict], want: list[dict]) -> None:
@@ -96,8 +115,9 @@ def _rows(run: Path) -> list[int]:
 
 def test_run_files_drop_lines_after_the_checkpoint_and_a_torn_tail(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    path.write_text('{"step": 1, "x": 1}\n{"step": 2, "x": 2}\n{"x": 3, "step": 2}\n{"step": 3, "x": 4}\n'
-                    '{"step": 3, "x')
+    path.write_text(
+        '{"step": 1, "x": 1}\n{"step": 2, "x": 2}\n{"x": 3, "step": 2}\n{"step": 3, "x": 4}\n{"step": 3, "x'
+    )
     assert truncate_after(path, 2) == 2
     assert path.read_text() == '{"step": 1, "x": 1}\n{"step": 2, "x": 2}\n{"x": 3, "step": 2}\n'
     path.write_text('{"step": 1}\n{"step": 1, "torn')
@@ -194,9 +214,11 @@ def test_stop_signals_abandon_rollouts_finish_updates_and_stop_at_once_on_a_seco
 def test_nonfinite_episode_ids():
     from types import SimpleNamespace as NS
 
-    trajs = [NS(task_id="a", group=0, reward=1.0, advantage=0.5, turns=[NS(reward=1.0)]),
-             NS(task_id="a", group=0, reward=0.0, advantage=math.nan, turns=[NS(reward=math.nan)]),
-             NS(task_id="b", group=1, reward=math.inf, advantage=0.0, turns=[])]
+    trajs = [
+        NS(task_id="a", group=0, reward=1.0, advantage=0.5, turns=[NS(reward=1.0)]),
+        NS(task_id="a", group=0, reward=0.0, advantage=math.nan, turns=[NS(reward=math.nan)]),
+        NS(task_id="b", group=1, reward=math.inf, advantage=0.0, turns=[]),
+    ]
     assert nonfinite_episodes(trajs) == ["a/1", "b/0"]
 
 
@@ -236,10 +258,19 @@ def test_nan_rewards_skip_updates_and_a_bad_streak_stops_the_run(tmp_path, monke
     monkeypatch.setenv("VLMRL_TEST_NAN_GROUPS", "0,2,3")
     resume_envs.GROUPS.update(count=-1, last_task=None)
     out = tmp_path / "run"
-    cfg = _cfg(out, "data.limit=4", "trainer.steps=4", "trainer.batch_size=1", "algorithm.group_size=2",
-               "rollout.max_new_tokens=4", "env.max_turns=1", "env._target_=resume_envs.ScoredEnv",
-               "trainer.save_every=1",
-               "trainer.max_bad_steps=2", "logging.progress=false")
+    cfg = _cfg(
+        out,
+        "data.limit=4",
+        "trainer.steps=4",
+        "trainer.batch_size=1",
+        "algorithm.group_size=2",
+        "rollout.max_new_tokens=4",
+        "env.max_turns=1",
+        "env._target_=resume_envs.ScoredEnv",
+        "trainer.save_every=1",
+        "trainer.max_bad_steps=2",
+        "logging.progress=false",
+    )
     with pytest.raises(TooManyBadSteps, match="2 consecutive steps"):
         train(cfg)
     rows = _lines(out / "metrics.jsonl")
@@ -315,8 +346,9 @@ def test_sigterm_then_kill_9_mid_step_resume_matches_an_uninterrupted_run(tmp_pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"from{newest}:nextstep" in _squash(proc.stderr)  # the last complete checkpoint, not the broken one
     got_metrics, got_trajs = _lines(out / "metrics.jsonl"), _lines(out / "trajectories.jsonl")
-    print(f"resumed: metrics rows {[r['step'] for r in got_metrics]} (uninterrupted: "
-          f"{[r['step'] for r in want_metrics]})")
+    print(
+        f"resumed: metrics rows {[r['step'] for r in got_metrics]} (uninterrupted: {[r['step'] for r in want_metrics]})"
+    )
     assert [r["step"] for r in got_metrics] == list(range(1, STEPS + 1))  # each step once, none missing
     _assert_same_rows(got_metrics, want_metrics)
     assert got_trajs == want_trajs  # same prompts, samples, rollout logprobs, rewards, advantages

@@ -52,8 +52,11 @@ class SlowEngine(Engine):
         for r in requests:
             prompt = self.tok.decode(r.prompt.token_ids)
             tool = "USE THE TOOL" in prompt and "<tool_response>" not in prompt
-            text = '<tool_call>\n{"name": "wait", "arguments": {"seconds": %s}}\n</tool_call>' % SLOW_S if tool \
+            text = (
+                '<tool_call>\n{"name": "wait", "arguments": {"seconds": %s}}\n</tool_call>' % SLOW_S
+                if tool
                 else "I am not sure."
+            )
             ids = self.tok.encode(text, add_special_tokens=False) + [self.im_end]
             out.append([Generation(ids, [-0.5] * len(ids), StopReason.EOS, text) for _ in range(r.n)])
         self.clock.record("engine", start)
@@ -91,8 +94,10 @@ def make_env(clock: Clock):
 
 
 def _tasks(*ids):
-    return [Task(i, [Message.text(Role.USER, f"Problem {i}. " + ("USE THE TOOL first." if "tool" in i else ""))],
-                 "1") for i in ids]
+    return [
+        Task(i, [Message.text(Role.USER, f"Problem {i}. " + ("USE THE TOOL first." if "tool" in i else ""))], "1")
+        for i in ids
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -103,8 +108,9 @@ def builder(qwen25_processor):
 def _runner(builder, clock, turns=3, wait=0.05):
     engine = SlowEngine(builder.tokenizer, clock)
     limits = EpisodeLimits(max_turns=turns, max_context_tokens=4096, turn_discount=0.9)
-    return EpisodeRunner(builder, engine, make_env(clock), limits, SamplingParams(max_new_tokens=16),
-                         batch_wait_s=wait), engine
+    return EpisodeRunner(
+        builder, engine, make_env(clock), limits, SamplingParams(max_new_tokens=16), batch_wait_s=wait
+    ), engine
 
 
 def test_one_engine_call_per_turn_for_all_episodes(builder):

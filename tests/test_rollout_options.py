@@ -39,8 +39,10 @@ def test_soft_overlong_penalty_dapo_eq13():
     assert [length_penalty(n, 20, 4) for n in (10, 16, 17, 18, 20, 21)] == [0.0, 0.0, -0.25, -0.5, -1.0, -1.0]
     assert length_penalty(18, 20, 4, factor=0.5) == -0.25 and length_penalty(20, 20, 0) == 0.0  # factor; off
     # episode reward += sum of its turns' penalties: turns of 17 and 20 tokens -> -0.25 - 1.0; one of 10 -> 0
-    trajs = [_traj([(17, StopReason.EOS, 0.0), (20, StopReason.LENGTH, 0.9)], reward=0.855),
-             _traj([(10, StopReason.EOS, 1.0)], reward=1.0)]
+    trajs = [
+        _traj([(17, StopReason.EOS, 0.0), (20, StopReason.LENGTH, 0.9)], reward=0.855),
+        _traj([(10, StopReason.EOS, 1.0)], reward=1.0),
+    ]
     pens = apply_soft_penalty(trajs, 20, 4, 1.0)
     assert pens == [[-0.25, -1.0], [0.0]] and [t.reward for t in trajs] == pytest.approx([0.855 - 1.25, 1.0])
     assert overlong_metrics(trajs, pens, filtered=False) == {"overlong_penalty_mean": pytest.approx(-1.25 / 2)}
@@ -107,12 +109,14 @@ def test_turn_advantages_need_individual_export():
 
 def _round_of(rewards_by_round: list[list[list[float]]], log: list[int]):
     """A fake rollout round: round r gives one group per reward list (episodes with those rewards)."""
+
     def run_round(start: int):
         log.append(start)
         r = len(log) - 1
         groups = rewards_by_round[r]
         trajs = [_traj([(1, StopReason.EOS, x)], group=g, reward=x) for g, rs in enumerate(groups) for x in rs]
         return [Task(f"p{start + g}", [], "") for g in range(len(groups))], trajs
+
     return run_round
 
 
@@ -120,8 +124,9 @@ def test_dynamic_sampling_by_hand():
     """DAPO (Yu et al. 2025) sec. 3.2: batch_size 3 groups; round 1 (prompts 10-12): groups [0, 0] and [1, 1] are
     all-equal (dropped), [0, 1] kept; round 2 (13-15): [1, 0] and [0.5, 0] kept, [0.2, 0.2] dropped -> 3 kept:
     stop after 2 rounds, 6 prompts consumed, 3 dropped. Group ids are renumbered per round (+3 in round 2)."""
-    assert [len(x) for x in split_groups([_traj([], 0, 1.0), _traj([], 0, 1.0), _traj([], 1, 0.0),
-                                          _traj([], 1, 1.0)])] == [1, 1]
+    assert [
+        len(x) for x in split_groups([_traj([], 0, 1.0), _traj([], 0, 1.0), _traj([], 1, 0.0), _traj([], 1, 1.0)])
+    ] == [1, 1]
     log: list[int] = []
     rounds = [[[0, 0], [1, 1], [0, 1]], [[1, 0], [0.2, 0.2], [0.5, 0]], [[0, 1]] * 3]
     out = sample_until_full(_round_of(rounds, log), start=10, batch_size=3, max_rounds=4, gather=lambda n: [n])
@@ -161,11 +166,22 @@ def test_dynamic_sampling_resume_continues_from_the_recorded_data_position(tmp_p
     from vlmrl import checkpoint
     from vlmrl.run import train
 
-    args = [f"data.path={GEOMETRY3K}", "data.limit=6", "trainer.batch_size=2", "algorithm.group_size=2",
-            "rollout.max_new_tokens=4", "env.max_turns=1", "algorithm.dynamic_sampling=true",
-            "algorithm.max_sampling_rounds=2", "trainer.align_every=0", "logging.progress=false"]
+    args = [
+        f"data.path={GEOMETRY3K}",
+        "data.limit=6",
+        "trainer.batch_size=2",
+        "algorithm.group_size=2",
+        "rollout.max_new_tokens=4",
+        "env.max_turns=1",
+        "algorithm.dynamic_sampling=true",
+        "algorithm.max_sampling_rounds=2",
+        "trainer.align_every=0",
+        "logging.progress=false",
+    ]
+
     def cfg(out, steps):
         return load("geometry3k_tiny", [*args, f"logging.output_dir={out}", f"trainer.steps={steps}"])
+
     train(cfg(tmp_path / "full", 3))
     train(cfg(tmp_path / "resumed", 2))
     state = checkpoint.read_state(tmp_path / "resumed" / "checkpoints" / "step_2")
@@ -176,8 +192,10 @@ def test_dynamic_sampling_resume_continues_from_the_recorded_data_position(tmp_p
     resumed = [json.loads(x) for x in (tmp_path / "resumed" / "trajectories.jsonl").read_text().splitlines()]
     assert resumed == full and {r["step"] for r in full} == {1, 2, 3}
     full_rows = [json.loads(x) for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
-    print("dynamic sampling rows:", [(r["step"], r["dynamic_rounds"], r["dynamic_groups_kept"],
-                                      r["dynamic_groups_dropped"]) for r in full_rows])
+    print(
+        "dynamic sampling rows:",
+        [(r["step"], r["dynamic_rounds"], r["dynamic_groups_kept"], r["dynamic_groups_dropped"]) for r in full_rows],
+    )
     assert [r["dynamic_groups_dropped"] for r in full_rows] == [4, 4, 4]  # 2 rounds of 2 equal groups per step
     # step 3's prompts are those at data position 8 of the shuffled data (8 mod 6 = 2, 3), then 10 (4, 5)
     step3 = [r["task_id"] for r in full if r["step"] == 3][::2]  # 2 episodes per group

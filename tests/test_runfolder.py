@@ -34,8 +34,11 @@ SPEED = {"rollout_s", "tokens_per_s", "step_s", "rollout_tokens_per_s"}  # wall-
 
 def _env() -> dict:
     dist_vars = ("MASTER_PORT", "MASTER_ADDR", "RANK", "LOCAL_RANK", "WORLD_SIZE")
-    return {**{k: v for k, v in os.environ.items() if k not in dist_vars}, "DS_ACCELERATOR": "cpu",
-            "PYTHONPATH": str(ROOT)}
+    return {
+        **{k: v for k, v in os.environ.items() if k not in dist_vars},
+        "DS_ACCELERATOR": "cpu",
+        "PYTHONPATH": str(ROOT),
+    }
 
 
 def _steps(path: Path) -> list[int]:
@@ -58,8 +61,9 @@ time.sleep(600)
 
 
 def _hold(folder: Path) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(folder)], cwd=ROOT, env=_env(),
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(folder)], cwd=ROOT, env=_env(), stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout.readline().strip() == "held"
     return proc
 
@@ -103,18 +107,41 @@ def test_two_concurrent_train_runs_then_a_torn_middle_line_and_resume(tmp_path, 
     line in trajectories.jsonl; resuming from the step-3 checkpoint keeps every whole row (steps 1 and 3), quarantines
     the broken bytes naming file and line, and continues with steps 4, 5 once each (the old code kept [1, 4, 5])."""
     out = tmp_path / "run"
-    args = ["train", "recipe=geometry3k_tiny", f"data.path={GEOMETRY3K}", "data.limit=4", "trainer.batch_size=1",
-            "algorithm.group_size=2", "rollout.max_new_tokens=8", "env.max_turns=1",
-            "env._target_=resume_envs.ScoredEnv",
-            "trainer.save_every=1", "trainer.keep_last=0", f"logging.output_dir={out}", "logging.progress=false"]
-    first = subprocess.Popen([sys.executable, str(SCRIPT), *args, "trainer.steps=3"], cwd=ROOT, env=_env(),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    args = [
+        "train",
+        "recipe=geometry3k_tiny",
+        f"data.path={GEOMETRY3K}",
+        "data.limit=4",
+        "trainer.batch_size=1",
+        "algorithm.group_size=2",
+        "rollout.max_new_tokens=8",
+        "env.max_turns=1",
+        "env._target_=resume_envs.ScoredEnv",
+        "trainer.save_every=1",
+        "trainer.keep_last=0",
+        f"logging.output_dir={out}",
+        "logging.progress=false",
+    ]
+    first = subprocess.Popen(
+        [sys.executable, str(SCRIPT), *args, "trainer.steps=3"],
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     end = time.time() + 300
     while not (out / runlock.INFO_NAME).exists():
         assert first.poll() is None and time.time() < end, first.stderr.read()[-3000:]
         time.sleep(0.1)
-    second = subprocess.run([sys.executable, str(SCRIPT), *args, "trainer.steps=3"], cwd=ROOT, env=_env(),
-                            capture_output=True, text=True, timeout=300)
+    second = subprocess.run(
+        [sys.executable, str(SCRIPT), *args, "trainer.steps=3"],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     _, first_err = first.communicate(timeout=600)
     assert first.returncode == 0, first_err[-3000:]
     assert second.returncode == 1, second.stderr[-3000:]
@@ -129,10 +156,17 @@ def test_two_concurrent_train_runs_then_a_torn_middle_line_and_resume(tmp_path, 
     torn = metrics[1][: len(metrics[1]) // 2]
     (out / "metrics.jsonl").write_text(metrics[0] + torn + metrics[2])
     lines = (out / "trajectories.jsonl").read_text().splitlines(keepends=True)
-    (out / "trajectories.jsonl").write_bytes("".join(lines[:3]).encode() + b'{"step": 2, "x": "\xff"}\n'
-                                             + "".join(lines[3:]).encode())
-    proc = subprocess.run([sys.executable, str(SCRIPT), *args, "trainer.steps=5"], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=600)
+    (out / "trajectories.jsonl").write_bytes(
+        "".join(lines[:3]).encode() + b'{"step": 2, "x": "\xff"}\n' + "".join(lines[3:]).encode()
+    )
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), *args, "trainer.steps=5"],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = _squash(proc.stderr)
     assert f"{out}/metrics.jsonl:2:notJSON" in log and "metrics.jsonl.quarantine" in log
@@ -151,17 +185,29 @@ def test_corrupt_middle_lines_are_quarantined_and_complete_rows_kept(tmp_path, c
     lines = [json.dumps(r) + "\n" for r in rows]
     # line 2 torn mid-write, glued to line 3; then a list, a non-UTF-8 line and a row without a step; row 4 is after
     # the checkpoint (step 3) and is dropped
-    text = lines[0].encode() + lines[1][:9].encode() + lines[2].encode() + b"[1, 2]\n" + b'{"step": 3, "\xff": 1}\n' \
-        + b'{"x": 5}\n' + lines[3].encode()
+    text = (
+        lines[0].encode()
+        + lines[1][:9].encode()
+        + lines[2].encode()
+        + b"[1, 2]\n"
+        + b'{"step": 3, "\xff": 1}\n'
+        + b'{"x": 5}\n'
+        + lines[3].encode()
+    )
     (tmp_path / "metrics.jsonl").write_bytes(text)
     (tmp_path / "trajectories.jsonl").write_bytes(lines[0].encode() + lines[2].encode())
     with caplog.at_level("INFO"):
         files = RunFiles(tmp_path, keep_until=3)
     assert _steps(files.metrics) == [1, 3]
     assert (tmp_path / "metrics.jsonl.quarantine").read_bytes() == (
-        lines[1][:9].encode() + b"\n[1, 2]\n" + b'{"step": 3, "\xff": 1}\n' + b'{"x": 5}\n')
-    for number, reason in ((2, "not JSON"), (3, "not a JSON object (a list)"), (4, "not UTF-8 (byte 0xff"),
-                           (5, "no integer `step`")):
+        lines[1][:9].encode() + b"\n[1, 2]\n" + b'{"step": 3, "\xff": 1}\n' + b'{"x": 5}\n'
+    )
+    for number, reason in (
+        (2, "not JSON"),
+        (3, "not a JSON object (a list)"),
+        (4, "not UTF-8 (byte 0xff"),
+        (5, "no integer `step`"),
+    ):
         assert f"{files.metrics}:{number}: {reason}" in caplog.text
     assert files.trajectories.read_bytes() == lines[0].encode() + lines[2].encode()  # untouched
     assert not (tmp_path / "trajectories.jsonl.quarantine").exists()
@@ -220,13 +266,15 @@ def _safetensor_error(*args, **kwargs):
     from safetensors import SafetensorError
 
     Path(args[1]).write_bytes(b"\0" * 1000)
-    raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space '
-                          'left on device" })')
+    raise SafetensorError(
+        'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'
+    )
 
 
 @pytest.mark.parametrize("writer", [_enospc, _safetensor_error])
-def test_disk_full_during_a_checkpoint_is_one_line_and_leaves_no_partial_folder(trainer, qwen25_processor, tmp_path,
-                                                                                 monkeypatch, writer):
+def test_disk_full_during_a_checkpoint_is_one_line_and_leaves_no_partial_folder(
+    trainer, qwen25_processor, tmp_path, monkeypatch, writer
+):
     root = tmp_path / "checkpoints"
     first = checkpoint.save(trainer, root, 1, {"step": 1}, processor=qwen25_processor)
     monkeypatch.setattr("transformers.modeling_utils.safe_save_file", writer)
@@ -275,15 +323,26 @@ def duplicate_ids(monkeypatch):
         return got[:3] + [dataclasses.replace(got[3], id=got[1].id)]
 
     monkeypatch.setattr(vlmrl.envs, "load_env_tasks", tasks)
-    monkeypatch.setattr("vlmrl.rollout.make_engine",
-                        lambda rollout_cfg, policy, processor, builder: LetterEngine(processor.tokenizer, fail_at[0]))
+    monkeypatch.setattr(
+        "vlmrl.rollout.make_engine",
+        lambda rollout_cfg, policy, processor, builder: LetterEngine(processor.tokenizer, fail_at[0]),
+    )
     return fail_at
 
 
 def _gen_cfg(out: Path):
-    return load("geometry3k_eval_tiny", [f"data.path={GEOMETRY3K}", "data.limit=4", "env.max_turns=1",
-                                         "algorithm.group_size=2", "trainer.batch_size=1",
-                                         f"logging.output_dir={out}", "logging.progress=false"])
+    return load(
+        "geometry3k_eval_tiny",
+        [
+            f"data.path={GEOMETRY3K}",
+            "data.limit=4",
+            "env.max_turns=1",
+            "algorithm.group_size=2",
+            "trainer.batch_size=1",
+            f"logging.output_dir={out}",
+            "logging.progress=false",
+        ],
+    )
 
 
 def _rows(path: Path) -> list[dict]:
@@ -338,10 +397,23 @@ def test_config_records_the_effective_export_style_and_the_same_command_resumes(
     out = tmp_path / "run"
 
     def cfg(steps: int):
-        return load("geometry3k_tiny", ["model=qwen3_5_think_tiny", f"data.path={GEOMETRY3K}", "data.limit=2",
-                                        f"trainer.steps={steps}", "trainer.batch_size=1", "algorithm.group_size=2",
-                                        "rollout.max_new_tokens=4", "env.max_turns=1", "trainer.align_every=0",
-                                        "export.style=concat", f"logging.output_dir={out}", "logging.progress=false"])
+        return load(
+            "geometry3k_tiny",
+            [
+                "model=qwen3_5_think_tiny",
+                f"data.path={GEOMETRY3K}",
+                "data.limit=2",
+                f"trainer.steps={steps}",
+                "trainer.batch_size=1",
+                "algorithm.group_size=2",
+                "rollout.max_new_tokens=4",
+                "env.max_turns=1",
+                "trainer.align_every=0",
+                "export.style=concat",
+                f"logging.output_dir={out}",
+                "logging.progress=false",
+            ],
+        )
 
     train(cfg(1))
     for path in (out / "config.yaml", out / "checkpoints" / "step_1" / "config.yaml"):
@@ -360,8 +432,10 @@ def test_evaluate_names_every_bad_line_and_never_shows_a_traceback(tmp_path, mon
 
     run = tmp_path / "run"
     run.mkdir()
-    (run / "metrics.jsonl").write_bytes(b'{"step": 1, "accuracy": 0.5}\n[1, 2]\n{"step": 2, "accuracy": "\xff"}\n'
-                                        b'{"step": 3, "accuracy": 0.75}\n{"step": 4, "acc')
+    (run / "metrics.jsonl").write_bytes(
+        b'{"step": 1, "accuracy": 0.5}\n[1, 2]\n{"step": 2, "accuracy": "\xff"}\n'
+        b'{"step": 3, "accuracy": 0.75}\n{"step": 4, "acc'
+    )
     (run / "trajectories.jsonl").write_bytes(b'{"step": 1, "task_id": "a", "reward": "high", "messages": 7}\n')
     (run / "config.yaml").write_bytes(b"model: [\xff\n")
     result = CliRunner().invoke(app, ["evaluate", str(run), "--out", str(tmp_path / "rep")])
@@ -390,5 +464,6 @@ def test_evaluate_names_every_bad_line_and_never_shows_a_traceback(tmp_path, mon
     result = CliRunner().invoke(app, ["evaluate", str(run), "--out", str(tmp_path / "ro")])
     assert result.exit_code == 1 and "Traceback" not in result.output
     errors = [line for line in result.output.splitlines() if line.startswith("error:")]
-    assert errors == [f"error: cannot write the report to {tmp_path / 'ro'}: Permission denied "
-                      f"({tmp_path / 'ro' / 'metrics.md'})"]
+    assert errors == [
+        f"error: cannot write the report to {tmp_path / 'ro'}: Permission denied ({tmp_path / 'ro' / 'metrics.md'})"
+    ]

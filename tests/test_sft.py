@@ -24,10 +24,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _conversation() -> list[Message]:
-    return [Message(Role.USER, [ImagePart(colors.square("blue"), "b"), TextPart(colors.QUESTION)]),
-            Message.text(Role.ASSISTANT, "\\boxed{red}"),
-            Message.text(Role.USER, colors.FEEDBACK),
-            Message.text(Role.ASSISTANT, "I think \\boxed{blue}")]
+    return [
+        Message(Role.USER, [ImagePart(colors.square("blue"), "b"), TextPart(colors.QUESTION)]),
+        Message.text(Role.ASSISTANT, "\\boxed{red}"),
+        Message.text(Role.USER, colors.FEEDBACK),
+        Message.text(Role.ASSISTANT, "I think \\boxed{blue}"),
+    ]
 
 
 def _assistant_mask(ids: list[int], tok) -> list[int]:
@@ -38,7 +40,7 @@ def _assistant_mask(ids: list[int], tok) -> list[int]:
     end = tok.convert_tokens_to_ids("<|im_end|>")
     mask, inside = [0] * len(ids), False
     for i in range(len(ids)):
-        if not inside and i >= len(header) and ids[i - len(header):i] == header:
+        if not inside and i >= len(header) and ids[i - len(header) : i] == header:
             inside = True
         if inside:
             mask[i] = 1
@@ -61,9 +63,9 @@ def test_demo_tokens_equal_full_render_and_mask_only_assistant(qwen25_processor,
         assert masks == [[float(m) for m in expected]]
     else:  # one sample per assistant turn, each cut at its turn's end
         ends = [e for _, e in traj.tokens.turn_spans]
-        first = [float(m) if i < ends[0] else 0.0 for i, m in enumerate(expected)][:ends[0]]
+        first = [float(m) if i < ends[0] else 0.0 for i, m in enumerate(expected)][: ends[0]]
         assert masks[0] == first and len(samples) == 2
-        assert sum(masks[1]) == sum(expected[ends[0]:]) and masks[1][:ends[0]] == [0.0] * ends[0]
+        assert sum(masks[1]) == sum(expected[ends[0] :]) and masks[1][: ends[0]] == [0.0] * ends[0]
     tok = qwen25_processor.tokenizer
     learned = [i for i, m in zip(full.ids, expected) if m]
     assert tok.decode(learned) == "\\boxed{red}<|im_end|>I think \\boxed{blue}<|im_end|>"
@@ -89,9 +91,12 @@ def test_color_demos_ignore_the_image():
 
 def test_demos_from_jsonl(tmp_path):
     colors.square("green").save(tmp_path / "g.png")
-    line = {"messages": [{"role": "user", "content": [{"type": "image", "ref": "g.png"},
-                                                      {"type": "text", "text": "colour?"}]},
-                         {"role": "assistant", "content": "\\boxed{green}"}]}
+    line = {
+        "messages": [
+            {"role": "user", "content": [{"type": "image", "ref": "g.png"}, {"type": "text", "text": "colour?"}]},
+            {"role": "assistant", "content": "\\boxed{green}"},
+        ]
+    }
     (tmp_path / "demos.jsonl").write_text(json.dumps(line) + "\n\n")
     demos = load_demos(load("colors_sft_tiny", [f"sft.demos={tmp_path / 'demos.jsonl'}"]))
     assert len(demos) == 1 and demos[0][0].images[0].getpixel((3, 3)) == colors.COLORS["green"]
@@ -103,15 +108,22 @@ def test_demos_from_jsonl(tmp_path):
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.run([sys.executable, "-m", "vlmrl.cli", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=900)
+    return subprocess.run(
+        [sys.executable, "-m", "vlmrl.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+    )
 
 
 @pytest.mark.slow
 def test_sft_checkpoint_loads_in_train_and_generate(tmp_path):
     out = tmp_path / "sft"
-    res = _cli("sft", "recipe=colors_sft_tiny", "trainer.steps=2", "trainer.batch_size=4", "sft.num_demos=8",
-               f"logging.output_dir={out}")
+    res = _cli(
+        "sft",
+        "recipe=colors_sft_tiny",
+        "trainer.steps=2",
+        "trainer.batch_size=4",
+        "sft.num_demos=8",
+        f"logging.output_dir={out}",
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     losses = [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 2 and losses[1] < losses[0]
@@ -121,8 +133,14 @@ def test_sft_checkpoint_loads_in_train_and_generate(tmp_path):
     init = tiny_model("qwen2_5_vl", 0)
     name, weight = next((n, p) for n, p in model.named_parameters() if "embed_tokens" in n)
     assert not torch.equal(weight, dict(init.named_parameters())[name])  # the SFT update is in the saved weights
-    common = ["recipe=colors_tiny", f"model.name_or_path={out / 'hf'}", "trainer.steps=1", "trainer.batch_size=2",
-              "algorithm.group_size=2", "logging.progress=false"]
+    common = [
+        "recipe=colors_tiny",
+        f"model.name_or_path={out / 'hf'}",
+        "trainer.steps=1",
+        "trainer.batch_size=2",
+        "algorithm.group_size=2",
+        "logging.progress=false",
+    ]
     res = _cli("train", *common, f"logging.output_dir={tmp_path / 'rl'}")
     assert res.returncode == 0, res.stdout + res.stderr
     assert (tmp_path / "rl" / "checkpoints" / "step_1" / "hf").is_dir()

@@ -49,8 +49,10 @@ def user(*parts) -> Message:
 
 def assistant_content(builder: TemplateBuilder, turn: int) -> str:
     """The assistant message as the conversation records it: thinking templates keep the reasoning in the text."""
-    if builder.template_kwargs.get("enable_thinking", builder.family != "qwen3_5_nothink") and \
-            builder.family in THINKING:
+    if (
+        builder.template_kwargs.get("enable_thinking", builder.family != "qwen3_5_nothink")
+        and builder.family in THINKING
+    ):
         return f"{REASONING[turn]}\n</think>\n\n{REPLIES[turn]}"
     return REPLIES[turn]
 
@@ -62,7 +64,7 @@ def generation(builder: TemplateBuilder, conv: list[Message], content: str, stop
     prompt = builder._template(hf, True)
     full = builder._template(hf + [Message.text(Role.ASSISTANT, content).to_hf()], False)
     assert full.startswith(prompt)
-    text = full[len(prompt):full.index(builder.close_turn_token, len(prompt))]
+    text = full[len(prompt) : full.index(builder.close_turn_token, len(prompt))]
     ids = builder.tokenizer.encode(text, add_special_tokens=False)
     if stop == StopReason.EOS:
         ids = ids + [builder.eos_token_id]
@@ -123,7 +125,7 @@ def stripped_think_spans(builder, seq: TokenSeq, conv: list[Message]) -> list[tu
             continue
         think = max(i for i in range(start) if seq.ids[i] == open_id)
         close = seq.ids.index(close_id, think)
-        assert tok.decode(seq.ids[close + 1:close + 2]) == "\n\n"
+        assert tok.decode(seq.ids[close + 1 : close + 2]) == "\n\n"
         spans.append((think, close + 2))
     return spans
 
@@ -154,8 +156,12 @@ def check_vision(builder, seq: TokenSeq, full):
 
 
 # SmolVLM (format-only; every image becomes 17 crops) runs the scenario with two images only
-CASES = [(f, v) for f in FAMILY_NAMES for v in ("text", "feedback_image", "system", "tool")
-         if (v != "tool" or f in TOOLS) and (f != "smolvlm" or v == "feedback_image")]
+CASES = [
+    (f, v)
+    for f in FAMILY_NAMES
+    for v in ("text", "feedback_image", "system", "tool")
+    if (v != "tool" or f in TOOLS) and (f != "smolvlm" or v == "feedback_image")
+]
 
 
 @pytest.mark.parametrize("family,variant", CASES)
@@ -175,7 +181,7 @@ def test_episode_against_full_render(family, variant, processors, small_images, 
     assert [(b.token_id, b.reason) for b in seq.boundary] == [(t, "template_after_assistant") for t in after] * 3
     assert all(seq.ids[b.position] == b.token_id and seq.loss_mask[b.position] == 0 for b in seq.boundary)
     for (start, end), turn in zip(seq.turn_spans, range(3)):
-        assert seq.ids[end - 1] == builder.eos_token_id and seq.ids[end:end + len(after)] == after
+        assert seq.ids[end - 1] == builder.eos_token_id and seq.ids[end : end + len(after)] == after
 
     full = builder.render_full(conv)
     check_vision(builder, seq, full)
@@ -225,7 +231,12 @@ def test_qwen3_6_preserve_thinking_is_prefix_preserving(processors, small_images
 def test_qwen3_5_prompts_and_tools(processors, small_images):
     tok = processors("qwen3_5_think").tokenizer
     assert tok.convert_tokens_to_ids(["<|im_end|>", "<|image_pad|>", "<think>", "</think>", "<|audio_pad|>"]) == [
-        248046, 248056, 248068, 248069, 248076]
+        248046,
+        248056,
+        248068,
+        248069,
+        248076,
+    ]
     think = get_builder("qwen3_5_think", processors("qwen3_5_think"))
     nothink = get_builder("qwen3_5_nothink", processors("qwen3_5_nothink"))
     off = get_builder("qwen3_5_think", processors("qwen3_5_think"), enable_thinking=False)
@@ -233,8 +244,14 @@ def test_qwen3_5_prompts_and_tools(processors, small_images):
     assert tok.decode(think.start(msgs).ids).endswith("<|im_start|>assistant\n<think>\n")
     for b in (nothink, off):
         assert tok.decode(b.start(msgs).ids).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
-    calc = {"type": "function", "function": {"name": "calc", "description": "Evaluate.", "parameters": {
-        "type": "object", "properties": {"expr": {"type": "string"}}, "required": ["expr"]}}}
+    calc = {
+        "type": "function",
+        "function": {
+            "name": "calc",
+            "description": "Evaluate.",
+            "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}, "required": ["expr"]},
+        },
+    }
     builder = get_builder("qwen3_5_think", processors("qwen3_5_think"), tools=[calc])
     first, feedbacks = scenario(small_images[:2], "tool")
     seq, conv, _ = run_episode(builder, first, feedbacks)
@@ -273,8 +290,9 @@ def test_family_tokenizers(processors):
     names = ["<bos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>", "<image_soft_token>"]
     assert gemma.convert_tokens_to_ids(names) == [2, 105, 106, 255999, 256000, 262144]
     llama = processors("idefics3").tokenizer
-    assert llama.convert_tokens_to_ids(["<|begin_of_text|>", "<fake_token_around_image>", "<image>",
-                                        "<end_of_utterance>"]) == [128000, 128256, 128257, 128258]
+    assert llama.convert_tokens_to_ids(
+        ["<|begin_of_text|>", "<fake_token_around_image>", "<image>", "<end_of_utterance>"]
+    ) == [128000, 128256, 128257, 128258]
     assert llama.encode("Hello world", add_special_tokens=False) == [9906, 1917]
     mistral = processors("llava_next").tokenizer
     assert mistral.encode("[INST] Hello [/INST]") == [1, 733, 16289, 28793, 22557, 733, 28748, 16289, 28793]
@@ -306,6 +324,7 @@ def test_tiny_forward_backward_on_continuous_tokens(family, processors, small_im
     assert out.logits.shape[1] == len(targets) and torch.isfinite(loss)
     loss.backward()
     assert model.get_input_embeddings().weight.grad is not None
-    vision_grads = [p.grad for n, p in model.named_parameters()
-                    if ("vision" in n or "visual" in n) and p.grad is not None]
+    vision_grads = [
+        p.grad for n, p in model.named_parameters() if ("vision" in n or "visual" in n) and p.grad is not None
+    ]
     assert vision_grads and any(float(g.abs().sum()) > 0 for g in vision_grads)

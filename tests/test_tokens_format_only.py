@@ -26,12 +26,19 @@ from vlmrl.tokens.mimo_vl import MiMoVLBuilder
 from vlmrl.tokens.synthetic import FAMILIES, family_tokenizer, offline_processor, template
 from vlmrl.types import Generation, ImagePart, Message, Role, StopReason, TextPart
 
-ANSWERS = ["Let me look at the diagram. The answer is \\boxed{B}.",
-           "Sorry, I misread the figure: x = 13, so \\boxed{13}.",
-           "Final answer: \\boxed{D}"]
+ANSWERS = [
+    "Let me look at the diagram. The answer is \\boxed{B}.",
+    "Sorry, I misread the figure: x = 13, so \\boxed{13}.",
+    "Final answer: \\boxed{D}",
+]
 THOUGHTS = ["The base angles are equal.", "I misread the figure.", "The crop shows 60 degrees."]
-CLASSES = {"glm4v": Glm4vBuilder, "glm4v_moe": Glm4vBuilder, "kimi_vl": KimiVLBuilder, "mimo_vl": MiMoVLBuilder,
-           "deepseek_vl2": DeepseekVL2Builder}
+CLASSES = {
+    "glm4v": Glm4vBuilder,
+    "glm4v_moe": Glm4vBuilder,
+    "kimi_vl": KimiVLBuilder,
+    "mimo_vl": MiMoVLBuilder,
+    "deepseek_vl2": DeepseekVL2Builder,
+}
 GLM = ("glm4v", "glm4v_moe")
 
 
@@ -43,6 +50,7 @@ def procs():
         if family not in cache:
             cache[family] = offline_processor(family)
         return cache[family]
+
     return get
 
 
@@ -76,8 +84,12 @@ def reply_text(family: str, k: int, thinking: bool = False) -> str:
 
 def stop_id(builder, next_message: Message | None) -> int:
     """The token the model stops on before `next_message` (GLM: the next role's opener)."""
-    if isinstance(builder, Glm4vBuilder) and next_message is not None and next_message.role == Role.TOOL \
-            and builder.family == "glm4v_moe":
+    if (
+        isinstance(builder, Glm4vBuilder)
+        and next_message is not None
+        and next_message.role == Role.TOOL
+        and builder.family == "glm4v_moe"
+    ):
         return builder.tokenizer.convert_tokens_to_ids("<|observation|>")
     return builder.eos_token_id
 
@@ -176,12 +188,13 @@ def test_three_turn_episode_equals_full_render(family, variant, procs, geometry_
     full = check_common(builder, seq, conv)
     tok = builder.tokenizer
     for k, (s, e) in enumerate(seq.turn_spans):
-        assert seq.ids[s:e - 1] == tok.encode(reply_text(family, k), add_special_tokens=False)
+        assert seq.ids[s : e - 1] == tok.encode(reply_text(family, k), add_special_tokens=False)
     if family in GLM:
         # the model's stop tokens are the next openers (not repeated); the last one ends the sequence, not the render
         assert seq.ids == full.ids + [builder.eos_token_id]
-        assert [(b.position, b.reason) for b in seq.boundary] == [(e - 1, "sampled_stop_is_role_opener")
-                                                                   for _, e in seq.turn_spans]
+        assert [(b.position, b.reason) for b in seq.boundary] == [
+            (e - 1, "sampled_stop_is_role_opener") for _, e in seq.turn_spans
+        ]
         assert all(seq.loss_mask[b.position] == 1 for b in seq.boundary)
         assert [seq.ids[e - 1] for _, e in seq.turn_spans] == [stop_id(builder, m) for m in feedbacks + [None]]
     else:
@@ -196,20 +209,62 @@ def test_three_turn_episode_equals_full_render(family, variant, procs, geometry_
 
 def test_special_tokens_at_real_ids(procs):
     real = {
-        "glm4v": {"[gMASK]": 151331, "<sop>": 151333, "<|system|>": 151335, "<|user|>": 151336, "<|assistant|>": 151337,
-                  "<|observation|>": 151338, "<|begin_of_image|>": 151339, "<|end_of_image|>": 151340,
-                  "<|image|>": 151343, "<|endoftext|>": 151329},
-        "glm4v_moe": {"<|user|>": 151336, "<|observation|>": 151338, "<|begin_of_image|>": 151339, "<think>": 151350,
-                      "</think>": 151351, "<tool_response>": 151354, "/nothink": 151360, "<|image|>": 151363,
-                      "<|video|>": 151364},
-        "kimi_vl": {"[BOS]": 163584, "[EOS]": 163585, "<|im_end|>": 163586, "<|im_user|>": 163587,
-                    "<|im_assistant|>": 163588, "<|im_system|>": 163594, "<|im_middle|>": 163601,
-                    "<|media_start|>": 163602, "<|media_content|>": 163603, "<|media_end|>": 163604,
-                    "<|media_pad|>": 163605},
-        "mimo_vl": {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645, "<|vision_start|>": 151652,
-                    "<|vision_end|>": 151653, "<|image_pad|>": 151655, "<think>": 151667, "</think>": 151668},
-        "deepseek_vl2": {"<｜begin▁of▁sentence｜>": 0, "<｜end▁of▁sentence｜>": 1, "<｜▁pad▁｜>": 2, "<image>": 128815,
-                         "<|ref|>": 128816, "<|grounding|>": 128820, "<|User|>": 128821, "<|Assistant|>": 128822},
+        "glm4v": {
+            "[gMASK]": 151331,
+            "<sop>": 151333,
+            "<|system|>": 151335,
+            "<|user|>": 151336,
+            "<|assistant|>": 151337,
+            "<|observation|>": 151338,
+            "<|begin_of_image|>": 151339,
+            "<|end_of_image|>": 151340,
+            "<|image|>": 151343,
+            "<|endoftext|>": 151329,
+        },
+        "glm4v_moe": {
+            "<|user|>": 151336,
+            "<|observation|>": 151338,
+            "<|begin_of_image|>": 151339,
+            "<think>": 151350,
+            "</think>": 151351,
+            "<tool_response>": 151354,
+            "/nothink": 151360,
+            "<|image|>": 151363,
+            "<|video|>": 151364,
+        },
+        "kimi_vl": {
+            "[BOS]": 163584,
+            "[EOS]": 163585,
+            "<|im_end|>": 163586,
+            "<|im_user|>": 163587,
+            "<|im_assistant|>": 163588,
+            "<|im_system|>": 163594,
+            "<|im_middle|>": 163601,
+            "<|media_start|>": 163602,
+            "<|media_content|>": 163603,
+            "<|media_end|>": 163604,
+            "<|media_pad|>": 163605,
+        },
+        "mimo_vl": {
+            "<|endoftext|>": 151643,
+            "<|im_start|>": 151644,
+            "<|im_end|>": 151645,
+            "<|vision_start|>": 151652,
+            "<|vision_end|>": 151653,
+            "<|image_pad|>": 151655,
+            "<think>": 151667,
+            "</think>": 151668,
+        },
+        "deepseek_vl2": {
+            "<｜begin▁of▁sentence｜>": 0,
+            "<｜end▁of▁sentence｜>": 1,
+            "<｜▁pad▁｜>": 2,
+            "<image>": 128815,
+            "<|ref|>": 128816,
+            "<|grounding|>": 128820,
+            "<|User|>": 128821,
+            "<|Assistant|>": 128822,
+        },
     }
     for family, tokens in real.items():
         tok = family_tokenizer(family)
@@ -217,13 +272,18 @@ def test_special_tokens_at_real_ids(procs):
             assert tok.encode(token, add_special_tokens=False) == [tid], (family, token)
             assert tok.decode([tid]) == token
     # the ids each builder hands the engine
-    ids = {f: (b.image_token_id, b.eos_token_id, tuple(b.stop_token_ids))
-           for f in FAMILIES for b in [make_builder(procs, f)]}
-    assert ids == {"glm4v": (151343, 151336, (151336, 151338, 151329)),
-                   "glm4v_moe": (151363, 151336, (151336, 151338, 151329)),
-                   "kimi_vl": (163605, 163586, (163586, 163585)),
-                   "mimo_vl": (151655, 151645, (151645, 151643)),
-                   "deepseek_vl2": (128815, 1, (1,))}
+    ids = {
+        f: (b.image_token_id, b.eos_token_id, tuple(b.stop_token_ids))
+        for f in FAMILIES
+        for b in [make_builder(procs, f)]
+    }
+    assert ids == {
+        "glm4v": (151343, 151336, (151336, 151338, 151329)),
+        "glm4v_moe": (151363, 151336, (151336, 151338, 151329)),
+        "kimi_vl": (163605, 163586, (163586, 163585)),
+        "mimo_vl": (151655, 151645, (151645, 151643)),
+        "deepseek_vl2": (128815, 1, (1,)),
+    }
 
 
 @pytest.mark.parametrize("family", GLM)
@@ -282,7 +342,7 @@ def test_glm_stop_token_that_is_not_the_next_opener(procs, small_images):
     builder = make_builder(procs, "glm4v_moe")
     first = [user(small_images[0], "Crop the diagram.")]
     seq = builder.start(first)
-    call = '<tool_call>crop\n<arg_key>box</arg_key>\n<arg_value>[0, 0, 28, 28]</arg_value>\n</tool_call>'
+    call = "<tool_call>crop\n<arg_key>box</arg_key>\n<arg_value>[0, 0, 28, 28]</arg_value>\n</tool_call>"
     builder.add_generation(seq, gen(builder, "\n" + call, builder.eos_token_id))  # `<|user|>`, not `<|observation|>`
     result = tool("crop result:", small_images[1])
     builder.extend(seq, builder.render_messages(seq, [result]))
@@ -290,7 +350,7 @@ def test_glm_stop_token_that_is_not_the_next_opener(procs, small_images):
     full = builder.render_full(conv, add_generation_prompt=True)
     [b] = seq.boundary
     assert (seq.ids[b.position], b.reason) == (builder.eos_token_id, "sampled_stop_is_role_opener")
-    assert seq.ids[:b.position] + seq.ids[b.position + 1:] == full.ids
+    assert seq.ids[: b.position] + seq.ids[b.position + 1 :] == full.ids
     assert seq.ids[b.position + 1] == builder.tokenizer.convert_tokens_to_ids("<|observation|>")
 
 
@@ -330,9 +390,12 @@ def test_kimi_format_and_image_rule(procs, small_images):
     builder = make_builder(procs, "kimi_vl")
     seq = builder.start([user(small_images[0], "What is this?")])
     text = builder.tokenizer.decode(seq.ids)
-    assert text == ("<|im_system|>system<|im_middle|>You are a helpful assistant<|im_end|><|im_user|>user<|im_middle|>"
-                    "<|media_start|>image<|media_content|>" + "<|media_pad|>" * 4
-                    + "<|media_end|>What is this?<|im_end|><|im_assistant|>assistant<|im_middle|>")
+    assert text == (
+        "<|im_system|>system<|im_middle|>You are a helpful assistant<|im_end|><|im_user|>user<|im_middle|>"
+        "<|media_start|>image<|media_content|>"
+        + "<|media_pad|>" * 4
+        + "<|media_end|>What is this?<|im_end|><|im_assistant|>assistant<|im_middle|>"
+    )
     ip = builder.processor.image_processor
     grids = ip([small_images[0], small_images[2], Image.new("RGB", (1000, 1000))])["image_grid_hws"].tolist()
     # 56x56 -> 4x4 patches; 320x200 padded to 336x224 -> 16x24; 1000x1000 scaled to 901x901 (4096 limit), padded 924
@@ -346,8 +409,9 @@ def test_deepseek_format_and_token_count(procs, small_images):
     seq = builder.start([Message.text(Role.SYSTEM, "Be brief."), user(small_images[0], "Find x.")])
     tok = builder.tokenizer
     assert seq.ids[0] == 0 and seq.ids.count(128815) == 421  # 14*15 + 1 + 14*15: global view + one local tile
-    assert tok.decode(seq.ids) == ("<｜begin▁of▁sentence｜>Be brief.<|User|>: " + "<image>" * 421
-                                   + "\nFind x.\n\n<|Assistant|>:")
+    assert tok.decode(seq.ids) == (
+        "<｜begin▁of▁sentence｜>Be brief.<|User|>: " + "<image>" * 421 + "\nFind x.\n\n<|Assistant|>:"
+    )
     assert select_best_resolution((800, 400), builder.processor.candidate_resolutions) == (1152, 768)
     wide = Image.new("RGB", (800, 400), (10, 200, 30))
     ids, tiles, _, crops, counts = builder.processor.tokenize_with_images("<image>", [wide], False, False, True)
@@ -381,14 +445,17 @@ def test_templates_are_the_documented_data():
     from pathlib import Path
 
     trl = Path(find_spec("trl").submodule_search_locations[0]) / "chat_templates"  # without importing trl
-    mimo = (trl / "qwen2_5_vl.jinja").read_text().replace(
-        "You are a helpful assistant.", "You are MiMo, an AI assistant developed by Xiaomi.")
+    mimo = (
+        (trl / "qwen2_5_vl.jinja")
+        .read_text()
+        .replace("You are a helpful assistant.", "You are MiMo, an AI assistant developed by Xiaomi.")
+    )
     assert template("mimo_vl.UNVERIFIED") == mimo
     glm45 = template("glm4v_moe.UNVERIFIED")
     assert "<|begin_of_image|><|image|><|end_of_image|>" in glm45
-    original = (glm45.replace("{{- visible_text(m.content) }}\n{{- '\\n</tool_response>' }}",
-                              "{{- m.content }}\n{{- '\\n</tool_response>' }}")
-                .replace(" or (m.content[0] is mapping and m.content[0].type is defined)", ""))
+    original = glm45.replace(
+        "{{- visible_text(m.content) }}\n{{- '\\n</tool_response>' }}", "{{- m.content }}\n{{- '\\n</tool_response>' }}"
+    ).replace(" or (m.content[0] is mapping and m.content[0].type is defined)", "")
     media = r"            \{%- elif item is mapping and \(item.type == '(image|video)'.*?\n.*?\n"
     original = re.sub(media, "", original)
     assert original == (trl / "glm4moe.jinja").read_text()

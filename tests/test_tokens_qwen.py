@@ -10,9 +10,11 @@ from vlmrl.tokens.qwen_vl import QwenVLBuilder
 from vlmrl.types import Generation, ImagePart, Message, Role, StopReason, TextPart, TokenSeq
 
 FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
-REPLIES = ["Let me look at the diagram. The answer is \\boxed{B}.",
-           "Sorry, I misread the figure: x = 13, so \\boxed{13}.",
-           "Final answer: \\boxed{D}"]
+REPLIES = [
+    "Let me look at the diagram. The answer is \\boxed{B}.",
+    "Sorry, I misread the figure: x = 13, so \\boxed{13}.",
+    "Final answer: \\boxed{D}",
+]
 
 
 class ImageCounter:
@@ -96,8 +98,9 @@ def check_invariants(builder: QwenVLBuilder, seq: TokenSeq, conv, snapshots):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("variant", ["text", "feedback_image", "system", "tool"])
-def test_three_turn_episode_equals_full_render(family, variant, qwen_processors, geometry_images, small_images,
-                                               monkeypatch):
+def test_three_turn_episode_equals_full_render(
+    family, variant, qwen_processors, geometry_images, small_images, monkeypatch
+):
     processor = qwen_processors[family]
     builder = get_builder(family, processor)
     assert isinstance(builder, QwenVLBuilder) and builder.family == family
@@ -134,14 +137,16 @@ def test_stop_without_eos_gets_im_end_appended(stop, qwen25_processor, small_ima
     seq, conv, snapshots = run_episode(builder, first, feedbacks, stops=(stop, StopReason.EOS, stop))
     eos = builder.eos_token_id
     (s0, e0), (s1, e1), (s2, e2) = seq.turn_spans
-    assert seq.ids[e0 - 1] != eos and seq.ids[e0:e0 + 2] == [eos, 198]
+    assert seq.ids[e0 - 1] != eos and seq.ids[e0 : e0 + 2] == [eos, 198]
     assert seq.ids[e1 - 1] == eos and seq.ids[e1] == 198
     assert seq.ids[e2:] == [eos, 198]
     reason = f"close_turn_after_{stop.value}"
     assert [(b.position, b.token_id, b.reason) for b in seq.boundary] == [
-        (e0, eos, reason), (e0 + 1, 198, "template_after_assistant"),
+        (e0, eos, reason),
+        (e0 + 1, 198, "template_after_assistant"),
         (e1, 198, "template_after_assistant"),
-        (e2, eos, reason), (e2 + 1, 198, "template_after_assistant"),
+        (e2, eos, reason),
+        (e2 + 1, 198, "template_after_assistant"),
     ]
     check_invariants(builder, seq, conv, snapshots)
 
@@ -166,10 +171,10 @@ def test_consecutive_tool_messages_qwen3vl(qwen3vl_processor, small_images):
     builder = get_builder("qwen3_vl", qwen3vl_processor)
     first = [user(small_images[0], "Compute the area.")]
     seq = builder.start(first)
-    builder.add_generation(seq, gen(builder.tokenizer, "<tool_call>\n{\"name\": \"calc\"}\n</tool_call>"))
+    builder.add_generation(seq, gen(builder.tokenizer, '<tool_call>\n{"name": "calc"}\n</tool_call>'))
     tools = [Message.text(Role.TOOL, "42"), Message(Role.TOOL, [ImagePart(small_images[1])])]
     builder.extend(seq, builder.render_messages(seq, tools))
-    conv = first + [Message.text(Role.ASSISTANT, "<tool_call>\n{\"name\": \"calc\"}\n</tool_call>")] + tools
+    conv = first + [Message.text(Role.ASSISTANT, '<tool_call>\n{"name": "calc"}\n</tool_call>')] + tools
     assert seq.ids == builder.render_full(conv, add_generation_prompt=True).ids
     assert builder.tokenizer.decode(seq.ids).count("<|im_start|>user") == 2
 
@@ -189,9 +194,14 @@ def test_errors(qwen25_processor):
         builder.start([])
 
 
-CALC_TOOL = {"type": "function", "function": {
-    "name": "calc", "description": "Evaluate an arithmetic expression.",
-    "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}, "required": ["expr"]}}}
+CALC_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calc",
+        "description": "Evaluate an arithmetic expression.",
+        "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}, "required": ["expr"]},
+    },
+}
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])

@@ -114,11 +114,21 @@ def runtime(tools, **limits) -> tuple[ToolRuntime, dict[str, Tool]]:
 # --- schemas ------------------------------------------------------------------------------------------------------
 def test_schema_from_signature_and_docstring():
     schema = Tool.from_function(add).schema
-    assert schema == {"type": "function", "function": {
-        "name": "add", "description": "Add two integers.",
-        "parameters": {"type": "object", "properties": {
-            "a": {"type": "integer", "description": "The first number."},
-            "b": {"type": "integer", "description": "The second number."}}, "required": ["a"]}}}
+    assert schema == {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two integers.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "a": {"type": "integer", "description": "The first number."},
+                    "b": {"type": "integer", "description": "The second number."},
+                },
+                "required": ["a"],
+            },
+        },
+    }
     calc = Tool.from_function(calculate).schema["function"]
     assert calc["parameters"]["required"] == ["expression"] and "radians" in calc["description"]
 
@@ -154,8 +164,13 @@ def test_schema_of_object_methods_and_literals():
 def test_bind_checks_arguments():
     t = Tool.from_function(add)
     assert t.bind({"a": 1}) == {"a": 1} and t.bind({"a": 3.0, "b": 2}) == {"a": 3, "b": 2}
-    for bad, match in [({}, "missing"), ({"a": 1, "c": 2}, "unexpected"), ({"a": "1"}, "must be int"),
-                       ({"a": True}, "must be int"), ([1], "JSON object")]:
+    for bad, match in [
+        ({}, "missing"),
+        ({"a": 1, "c": 2}, "unexpected"),
+        ({"a": "1"}, "must be int"),
+        ({"a": True}, "must be int"),
+        ([1], "JSON object"),
+    ]:
         with pytest.raises(ToolArgumentError, match=match):
             t.bind(bad)
 
@@ -178,8 +193,12 @@ def test_undocumented_function_is_not_a_tool():
 
 # --- parser -------------------------------------------------------------------------------------------------------
 def test_hermes_parser():
-    text = ("I will crop. " + call("crop", x0=1, y0=2, x1=3, y1=4) + " then "
-            + '<tool_call>\n{"name": "calculate", "arguments": "{\\"expression\\": \\"1+1\\"}"}\n</tool_call>')
+    text = (
+        "I will crop. "
+        + call("crop", x0=1, y0=2, x1=3, y1=4)
+        + " then "
+        + '<tool_call>\n{"name": "calculate", "arguments": "{\\"expression\\": \\"1+1\\"}"}\n</tool_call>'
+    )
     a, b = P.parse(text)
     assert (a.name, a.arguments, a.status) == ("crop", {"x0": 1, "y0": 2, "x1": 3, "y1": 4}, ToolCallStatus.OK)
     assert (b.name, b.arguments) == ("calculate", {"expression": "1+1"})  # arguments given as a JSON string
@@ -226,9 +245,14 @@ def test_format_call_is_what_the_chat_template_renders(family, fmt, qwen3vl_proc
     processor = qwen3vl_processor if family == "qwen3_vl" else load_processor(family, f"tiny:{family}")
     parser = get_parser(family)
     assert parser.name == fmt
-    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "",
-                                               "tool_calls": [{"type": "function", "function": {
-                                                   "name": "box_tool", "arguments": ARGS}}]}]
+    msgs = [
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "box_tool", "arguments": ARGS}}],
+        },
+    ]
     text = processor.apply_chat_template(msgs, tokenize=False)
     assert parser.format_call("box_tool", ARGS) in text
     (c,) = parser.parse(text)
@@ -246,10 +270,16 @@ def test_xml_formats_parse_text_values_and_failures():
         with pytest.raises(ToolArgumentError, match="x0 must be int"):
             tool.bind({**c.arguments, "x0": "one"}, from_text=True)
     bad = {
-        "qwen3_xml": ["<tool_call>crop</tool_call>", "<tool_call><function=>\n</function></tool_call>",
-                      "<tool_call><function=a><parameter=x>1</function></tool_call>"],
-        "glm45": ["<tool_call></tool_call>", "<tool_call>a b\nc<arg_key>x</arg_key></tool_call>",
-                  "<tool_call>crop\n<arg_key>x</arg_key>oops</tool_call>"],
+        "qwen3_xml": [
+            "<tool_call>crop</tool_call>",
+            "<tool_call><function=>\n</function></tool_call>",
+            "<tool_call><function=a><parameter=x>1</function></tool_call>",
+        ],
+        "glm45": [
+            "<tool_call></tool_call>",
+            "<tool_call>a b\nc<arg_key>x</arg_key></tool_call>",
+            "<tool_call>crop\n<arg_key>x</arg_key>oops</tool_call>",
+        ],
     }
     for fmt, texts in bad.items():
         for text in texts:
@@ -260,23 +290,38 @@ def test_xml_formats_parse_text_values_and_failures():
 # --- failures -----------------------------------------------------------------------------------------------------
 def test_every_failure_kind_is_an_error_message_and_counted():
     rt, tools = runtime([add, boom, reject, busy_sleep], timeout_s=0.2, max_tool_calls=9, max_call_chars=100)
-    text = "".join([
-        call("add", a=2, b=3),                                   # ok
-        "<tool_call>{broken</tool_call>",                        # malformed_json
-        call("nope"),                                            # unknown_tool
-        call("add", a="two"),                                    # bad_arguments (type)
-        call("reject", x=-1),                                    # bad_arguments (raised by the tool)
-        call("boom"),                                            # exception
-        call("busy_sleep", seconds=5),                           # timeout
-        call("add", a=1, b=int("9" * 120)),                      # too_long (call text over max_call_chars)
-        call("add", a=1),                                        # ok
-        call("add", a=5), call("add", a=6),                      # too_many_calls (10th and 11th)
-        "<tool_call>{\"name\": \"add\"",                         # too_many_calls too (12th, not even checked)
-    ])
+    text = "".join(
+        [
+            call("add", a=2, b=3),  # ok
+            "<tool_call>{broken</tool_call>",  # malformed_json
+            call("nope"),  # unknown_tool
+            call("add", a="two"),  # bad_arguments (type)
+            call("reject", x=-1),  # bad_arguments (raised by the tool)
+            call("boom"),  # exception
+            call("busy_sleep", seconds=5),  # timeout
+            call("add", a=1, b=int("9" * 120)),  # too_long (call text over max_call_chars)
+            call("add", a=1),  # ok
+            call("add", a=5),
+            call("add", a=6),  # too_many_calls (10th and 11th)
+            '<tool_call>{"name": "add"',  # too_many_calls too (12th, not even checked)
+        ]
+    )
     stats = ToolStats()
     turn = rt.run(rt.parse(text), tools, stats)
-    assert turn.errors == ["", "malformed_json", "unknown_tool", "bad_arguments", "bad_arguments", "exception",
-                           "timeout", "too_long", "", "too_many_calls", "too_many_calls", "too_many_calls"]
+    assert turn.errors == [
+        "",
+        "malformed_json",
+        "unknown_tool",
+        "bad_arguments",
+        "bad_arguments",
+        "exception",
+        "timeout",
+        "too_long",
+        "",
+        "too_many_calls",
+        "too_many_calls",
+        "too_many_calls",
+    ]
     assert len(turn.messages) == 10 and all(m.role is Role.TOOL for m in turn.messages)
     texts = [m.text_content for m in turn.messages]
     assert texts[0] == "5" and texts[8] == "2"
@@ -286,8 +331,15 @@ def test_every_failure_kind_is_an_error_message_and_counted():
     assert "available: add, boom, reject, busy_sleep" in texts[2] and "kaboom" in texts[5]
     assert "x must be >= 0" in texts[4] and "was stopped" in texts[6]
     assert stats.calls == 12 and stats.ok == 2 and stats.failed == 10
-    assert stats.failures == {"malformed_json": 1, "unknown_tool": 1, "bad_arguments": 2, "exception": 1,
-                              "timeout": 1, "too_long": 1, "too_many_calls": 3}
+    assert stats.failures == {
+        "malformed_json": 1,
+        "unknown_tool": 1,
+        "bad_arguments": 2,
+        "exception": 1,
+        "timeout": 1,
+        "too_long": 1,
+        "too_many_calls": 3,
+    }
     assert len(stats.latency_s) == 5 and stats.tool_turns == 1  # only executed calls have a latency
 
 
@@ -396,9 +448,17 @@ def test_tool_code_cannot_touch_files_outside_the_data_dir(tmp_path):
 
     rt = ToolRuntime(P, ToolLimits(timeout_s=2.0), sandbox=Sandbox(read_dir=str(root), isolation="bwrap"))
     tools = {t.name: t for t in map(Tool.from_function, (read, write, spawn, calculate, lazy))}
-    text = "".join([call("read", path=str(root / "ok.txt")), call("read", path=str(secret)),
-                    call("read", path=str(root / ".." / "secret.txt")), call("write", path=str(root / "new.txt")),
-                    call("spawn"), call("calculate", expression="2*21"), call("lazy")])
+    text = "".join(
+        [
+            call("read", path=str(root / "ok.txt")),
+            call("read", path=str(secret)),
+            call("read", path=str(root / ".." / "secret.txt")),
+            call("write", path=str(root / "new.txt")),
+            call("spawn"),
+            call("calculate", expression="2*21"),
+            call("lazy"),
+        ]
+    )
     turn = rt.run(rt.parse(text), tools, ToolStats())
     texts = [m.text_content for m in turn.messages]
     assert texts[0] == "fine" and texts[5] == "42" and texts[6] == "imported wave", texts  # lazy imports still work
@@ -409,19 +469,53 @@ def test_tool_code_cannot_touch_files_outside_the_data_dir(tmp_path):
 
 
 # --- calculate ----------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("expr,want", [("1+2", "3"), ("sqrt(3**2 + 4**2)", "5"), ("2^10", "1024"),
-                                       ("0.5 * 6 * 8 * sin(radians(30))", "12"), ("10 / 4", "2.5"),
-                                       ("round(pi, 4)", "3.1416"), ("max(3, 7) - abs(-2)", "5"), ("7 // 2", "3")])
+@pytest.mark.parametrize(
+    "expr,want",
+    [
+        ("1+2", "3"),
+        ("sqrt(3**2 + 4**2)", "5"),
+        ("2^10", "1024"),
+        ("0.5 * 6 * 8 * sin(radians(30))", "12"),
+        ("10 / 4", "2.5"),
+        ("round(pi, 4)", "3.1416"),
+        ("max(3, 7) - abs(-2)", "5"),
+        ("7 // 2", "3"),
+    ],
+)
 def test_calculate(expr, want):
     assert calculate(expr) == want
 
 
-@pytest.mark.parametrize("expr", [
-    "__import__('os').system('true')", "().__class__.__bases__", "open('/etc/passwd').read()", "'a' * 10**9",
-    "9**9**9", "10**2000 * 10**2000", "[x for x in range(10**9)]", "exec('1')", "lambda: 1", "x = 1", "1 if 1 else 2",
-    "f'{1}'", "1j", "True + 1", "(-8) ** 0.5", "1/0", "exp(10**6)", "sin(x=1)", "a.b", "d['k']", "(" * 300 + "1",
-    "1" * 600, "", "   ", "sqrt",
-])
+@pytest.mark.parametrize(
+    "expr",
+    [
+        "__import__('os').system('true')",
+        "().__class__.__bases__",
+        "open('/etc/passwd').read()",
+        "'a' * 10**9",
+        "9**9**9",
+        "10**2000 * 10**2000",
+        "[x for x in range(10**9)]",
+        "exec('1')",
+        "lambda: 1",
+        "x = 1",
+        "1 if 1 else 2",
+        "f'{1}'",
+        "1j",
+        "True + 1",
+        "(-8) ** 0.5",
+        "1/0",
+        "exp(10**6)",
+        "sin(x=1)",
+        "a.b",
+        "d['k']",
+        "(" * 300 + "1",
+        "1" * 600,
+        "",
+        "   ",
+        "sqrt",
+    ],
+)
 def test_calculate_refuses_unsafe_or_bad_input(expr):
     t0 = time.perf_counter()
     with pytest.raises(ToolArgumentError):
@@ -434,11 +528,14 @@ def test_results_become_tool_message_parts():
     budget, bounds = TextBudget(None, 100), ImageBounds(56 * 56, 100 * 100)
     img = Image.new("RGBA", (400, 300))
     arr = np.zeros((20, 30, 3), dtype=np.uint8)
-    conv = convert_result(["crop:", img, {"type": "text", "text": "x"}, {"type": "image", "image": img}, arr, None,
-                           {"a": 1}, 3.5], "t", bounds, budget)
+    conv = convert_result(
+        ["crop:", img, {"type": "text", "text": "x"}, {"type": "image", "image": img}, arr, None, {"a": 1}, 3.5],
+        "t",
+        bounds,
+        budget,
+    )
     kinds = [type(p).__name__ for p in conv.parts]
-    assert kinds == ["TextPart", "ImagePart", "TextPart", "ImagePart", "ImagePart", "TextPart", "TextPart",
-                     "TextPart"]
+    assert kinds == ["TextPart", "ImagePart", "TextPart", "ImagePart", "ImagePart", "TextPart", "TextPart", "TextPart"]
     images = [p for p in conv.parts if isinstance(p, ImagePart)]
     assert [p.ref for p in images] == ["t#0", "t#1", "t#2"] and conv.images == 3
     assert all(56 * 56 * 0.9 <= p.image.width * p.image.height <= 100 * 100 and p.image.mode == "RGB" for p in images)

@@ -26,13 +26,18 @@ PARSER_EXAMPLES = 1000
 LOOP_EXAMPLES = 420
 LOOP_TURNS = 4  # the first 3 replies of each episode go through the tool path; the 4th is graded
 P = HermesParser(max_call_chars=2048)
-PARSE_KIND = {ToolCallStatus.MALFORMED_JSON: "malformed_json", ToolCallStatus.UNCLOSED_TAG: "malformed_json",
-              ToolCallStatus.BAD_ARGUMENTS: "bad_arguments", ToolCallStatus.TOO_LONG: "too_long"}
+PARSE_KIND = {
+    ToolCallStatus.MALFORMED_JSON: "malformed_json",
+    ToolCallStatus.UNCLOSED_TAG: "malformed_json",
+    ToolCallStatus.BAD_ARGUMENTS: "bad_arguments",
+    ToolCallStatus.TOO_LONG: "too_long",
+}
 
 
 def fuzz(n: int) -> settings:
-    return settings(max_examples=n, derandomize=True, database=None, deadline=None,
-                    suppress_health_check=list(HealthCheck))
+    return settings(
+        max_examples=n, derandomize=True, database=None, deadline=None, suppress_health_check=list(HealthCheck)
+    )
 
 
 # --- the fuzz environment's tools ---------------------------------------------------------------------------------
@@ -115,41 +120,63 @@ class ScriptedEngine(Engine):
 plain = st.text(st.characters(codec="utf-8"), max_size=30)  # any unicode a decoder can produce (no surrogates)
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | plain,
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(plain, inner, max_size=3), max_leaves=8)
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(plain, inner, max_size=3),
+    max_leaves=8,
+)
 good_args = {
     "echo": st.fixed_dictionaries({"text": plain}),
     "picture": st.fixed_dictionaries({"size": st.integers(-5, 420)}),
     "boom": st.fixed_dictionaries({}, optional={"reason": plain}),
     "nap": st.fixed_dictionaries({"seconds": st.floats(0, 0.3)}),
-    "calculate": st.fixed_dictionaries({"expression": st.sampled_from(
-        ["1+1", "2^8", "sqrt(2)", "1/0", "9**9**9", "__import__('os')", "'a'*9", "x"]) | plain}),
+    "calculate": st.fixed_dictionaries(
+        {
+            "expression": st.sampled_from(["1+1", "2^8", "sqrt(2)", "1/0", "9**9**9", "__import__('os')", "'a'*9", "x"])
+            | plain
+        }
+    ),
 }
 well_formed = st.sampled_from(NAMES).flatmap(lambda n: good_args[n].map(lambda a: P.format_call(n, a)))
-any_args = st.builds(P.format_call, st.sampled_from(NAMES + ["unknown", "", " ", "Echo", "<|im_end|>", "é" * 3]),
-                     st.dictionaries(plain, json_values, max_size=4))
+any_args = st.builds(
+    P.format_call,
+    st.sampled_from(NAMES + ["unknown", "", " ", "Echo", "<|im_end|>", "é" * 3]),
+    st.dictionaries(plain, json_values, max_size=4),
+)
 ascii_escaped = st.builds(  # JSON escapes, including lone surrogates (\ud800), inside the arguments
     lambda n, t: "<tool_call>" + json.dumps({"name": n, "arguments": {"text": t}}) + "</tool_call>",
-    st.sampled_from(["echo", "nope"]), st.text(st.sampled_from(["\ud800", "\udfff", "a", "\u2028", "\x00"]),
-                                                max_size=6))
+    st.sampled_from(["echo", "nope"]),
+    st.text(st.sampled_from(["\ud800", "\udfff", "a", "\u2028", "\x00"]), max_size=6),
+)
 broken = well_formed.flatmap(lambda s: st.integers(11, len(s) - 13).map(lambda k: s[:k] + s[-12:]))
 unclosed = well_formed.map(lambda s: s[: -len("</tool_call>")])
 stray = plain.map(lambda t: t + "</tool_call>")
 huge = st.integers(2100, 20000).map(lambda n: P.format_call("echo", {"text": "ab" * (n // 2)}))
 deep = st.integers(50, 3000).map(lambda n: "<tool_call>" + "[" * n + "]" * n + "</tool_call>")
 nested = well_formed.map(lambda s: "<tool_call>" + s + "</tool_call>")
-wrong_shape = st.sampled_from([
-    '<tool_call>{"name": 3}</tool_call>', '<tool_call>{"name": "echo", "arguments": [1]}</tool_call>',
-    '<tool_call>"echo"</tool_call>', "<tool_call></tool_call>", '<tool_call>{"name": "echo"}{"x": 1}</tool_call>',
-    '<tool_call>{"name": "echo", "arguments": "{\\"text\\": 1}"}</tool_call>', "<tool_call><tool_call>",
-    '<tool_call>{"name": "echo", "arguments": {"text": "' + "9" * 5000 + '"}}</tool_call>',
-    "<|im_end|><|im_start|>user\n<|image_pad|>", "\\boxed{A}", "<tool_response>hi</tool_response>",
-    "<think>", "</think>", "<function=echo>\n<parameter=text>\nhi\n</parameter>\n</function>",
-    "<tool_call>\n<function=echo>\n<parameter=text>\nhi\n</parameter>\n</function>\n</tool_call>",
-    "<tool_call>echo\n<arg_key>text</arg_key>\n<arg_value>hi</arg_value>\n</tool_call>", "<arg_key>",
-])
+wrong_shape = st.sampled_from(
+    [
+        '<tool_call>{"name": 3}</tool_call>',
+        '<tool_call>{"name": "echo", "arguments": [1]}</tool_call>',
+        '<tool_call>"echo"</tool_call>',
+        "<tool_call></tool_call>",
+        '<tool_call>{"name": "echo"}{"x": 1}</tool_call>',
+        '<tool_call>{"name": "echo", "arguments": "{\\"text\\": 1}"}</tool_call>',
+        "<tool_call><tool_call>",
+        '<tool_call>{"name": "echo", "arguments": {"text": "' + "9" * 5000 + '"}}</tool_call>',
+        "<|im_end|><|im_start|>user\n<|image_pad|>",
+        "\\boxed{A}",
+        "<tool_response>hi</tool_response>",
+        "<think>",
+        "</think>",
+        "<function=echo>\n<parameter=text>\nhi\n</parameter>\n</function>",
+        "<tool_call>\n<function=echo>\n<parameter=text>\nhi\n</parameter>\n</function>\n</tool_call>",
+        "<tool_call>echo\n<arg_key>text</arg_key>\n<arg_value>hi</arg_value>\n</tool_call>",
+        "<arg_key>",
+    ]
+)
 OTHER_PARSERS = [get_parser("qwen3_xml", 2048), get_parser("glm45", 2048)]
-segment = st.one_of(plain, well_formed, any_args, ascii_escaped, broken, unclosed, stray, huge, deep, nested,
-                    wrong_shape)
+segment = st.one_of(
+    plain, well_formed, any_args, ascii_escaped, broken, unclosed, stray, huge, deep, nested, wrong_shape
+)
 replies = st.lists(segment, min_size=1, max_size=4).map("".join)
 
 
@@ -160,7 +187,7 @@ def test_parser_never_raises_and_classifies_every_call():
     @fuzz(PARSER_EXAMPLES)
     @given(replies)
     @example('<tool_call>{"name": "echo", "arguments": [1]}</tool_call>')  # each status at least once, whatever
-    @example("<tool_call>" + "x" * 3000 + "</tool_call>")                  # the generator draws
+    @example("<tool_call>" + "x" * 3000 + "</tool_call>")  # the generator draws
     @example('x</tool_call><tool_call>{"a": 1</tool_call><tool_call>')
     def check(text: str) -> None:
         t0 = time.perf_counter()
@@ -205,7 +232,7 @@ def check_counted(traj) -> int:
     for k, turn in enumerate(traj.turns):
         if not turn.is_tool_turn or k + 1 >= len(assistant_at) and traj.end_reason != "max_turns":
             continue  # the last tool turn of an episode that ended there (dropped response) has no messages
-        following = traj.messages[assistant_at[k] + 1: assistant_at[k + 1] if k + 1 < len(assistant_at) else None]
+        following = traj.messages[assistant_at[k] + 1 : assistant_at[k + 1] if k + 1 < len(assistant_at) else None]
         assert all(m.role is Role.TOOL for m in following)
         texts = [m.text_content for m in following]
         for kind in (e for e in turn.tool_errors if e and e != "too_many_calls"):
@@ -217,11 +244,18 @@ def check_counted(traj) -> int:
 def loop(qwen25_processor):
     builder = get_builder("qwen2_5_vl", qwen25_processor, tools=[Tool.from_function(f).schema for f in TOOLS])
     engine = ScriptedEngine(builder.tokenizer)
-    limits = ToolLimits(timeout_s=0.05, max_tool_calls=6, max_tool_response_tokens=48, parallel=True,
-                        max_workers=2, max_call_chars=2048)
+    limits = ToolLimits(
+        timeout_s=0.05, max_tool_calls=6, max_tool_response_tokens=48, parallel=True, max_workers=2, max_call_chars=2048
+    )
     runtime = ToolRuntime(P, limits, tokenizer=builder.tokenizer, describe=True)
-    runner = EpisodeRunner(builder, engine, FuzzEnv, EpisodeLimits(LOOP_TURNS, 1 << 20, 0.95),
-                           SamplingParams(max_new_tokens=64), tools=runtime)
+    runner = EpisodeRunner(
+        builder,
+        engine,
+        FuzzEnv,
+        EpisodeLimits(LOOP_TURNS, 1 << 20, 0.95),
+        SamplingParams(max_new_tokens=64),
+        tools=runtime,
+    )
     return runner, engine
 
 
@@ -231,8 +265,12 @@ def test_episode_loop_survives_malformed_outputs_and_counts_every_failure(loop):
     totals: Counter[str] = Counter()
 
     c = P.format_call
-    every_kind = [c("nap", {"seconds": 0.3}) + c("boom", {}) + c("nope", {}) + c("echo", {"text": 5}) + "<tool_call>{",
-                  c("echo", {"text": "x" * 3000}) + c("echo", {"text": "a"}) + c("echo", {"text": "b"}), "done", "ok"]
+    every_kind = [
+        c("nap", {"seconds": 0.3}) + c("boom", {}) + c("nope", {}) + c("echo", {"text": 5}) + "<tool_call>{",
+        c("echo", {"text": "x" * 3000}) + c("echo", {"text": "a"}) + c("echo", {"text": "b"}),
+        "done",
+        "ok",
+    ]
     dropped = [c("picture", {"size": 400}), "unused", "unused", "unused"]
 
     @fuzz(LOOP_EXAMPLES)
@@ -245,7 +283,7 @@ def test_episode_loop_survives_malformed_outputs_and_counts_every_failure(loop):
         engine.replies.clear()  # replies left over when an episode ended early
         totals["episodes"] += 1
         totals["outputs_through_loop"] += len(traj.turns)
-        totals["outputs_tool_path"] += sum(1 for t in traj.turns[:LOOP_TURNS - 1])
+        totals["outputs_tool_path"] += sum(1 for t in traj.turns[: LOOP_TURNS - 1])
         totals["tool_turns"] += check_counted(traj)
         totals["calls"] += traj.tool_stats.calls
         totals["ok"] += traj.tool_stats.ok

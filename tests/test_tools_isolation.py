@@ -26,10 +26,31 @@ from vlmrl.types import ToolStats
 
 P = HermesParser()
 SECRET = "TOP-SECRET-8d1f"
-TOOLS = {t.name: t for t in map(Tool.from_function, [
-    h.read_file, h.threads_read_and_write, h.fork_exec_id, h.ctypes_open, h.sqlite_read, h.torch_read, h.connect,
-    h.stat, h.exit7, h.sigterm_self, h.sigkill_parent, h.hang, h.never_str, h.allocate, h.fill_tmp, h.leave_thread,
-    calculate])}
+TOOLS = {
+    t.name: t
+    for t in map(
+        Tool.from_function,
+        [
+            h.read_file,
+            h.threads_read_and_write,
+            h.fork_exec_id,
+            h.ctypes_open,
+            h.sqlite_read,
+            h.torch_read,
+            h.connect,
+            h.stat,
+            h.exit7,
+            h.sigterm_self,
+            h.sigkill_parent,
+            h.hang,
+            h.never_str,
+            h.allocate,
+            h.fill_tmp,
+            h.leave_thread,
+            calculate,
+        ],
+    )
+}
 
 
 def call(name: str, **args) -> str:
@@ -57,8 +78,9 @@ def sandbox() -> Sandbox:
 
 @pytest.fixture(scope="module")
 def rt(sandbox) -> ToolRuntime:
-    runtime = ToolRuntime(P, ToolLimits(timeout_s=3.0, max_tool_calls=100, parallel=True, max_workers=2),
-                          sandbox=sandbox)
+    runtime = ToolRuntime(
+        P, ToolLimits(timeout_s=3.0, max_tool_calls=100, parallel=True, max_workers=2), sandbox=sandbox
+    )
     yield runtime
     runtime.executor.close()
 
@@ -107,13 +129,18 @@ def test_file_escapes_fail(rt, outside):
     secret, target = str(outside / "secret.txt"), str(outside / "escaped.txt")
     image = sorted((GEOMETRY3K / "images").iterdir())[0]
     texts, errors, stats = run(
-        rt, call("threads_read_and_write", secret=secret, target=target),
+        rt,
+        call("threads_read_and_write", secret=secret, target=target),
         call("threads_read_and_write", secret=secret, target=str(image.parent / "new.txt")),
-        call("fork_exec_id"), call("ctypes_open", path="/etc/passwd"),
-        call("sqlite_read", path=str(outside / "db.sqlite")), call("stat", path=secret),
+        call("fork_exec_id"),
+        call("ctypes_open", path="/etc/passwd"),
+        call("sqlite_read", path=str(outside / "db.sqlite")),
+        call("stat", path=secret),
         call("stat", path="/etc/shadow"),
-        call("read_file", path=str(GEOMETRY3K / "test.jsonl")), call("read_file", path=str(GEOMETRY3K / "train.jsonl")),
-        call("stat", path=str(image)))
+        call("read_file", path=str(GEOMETRY3K / "test.jsonl")),
+        call("read_file", path=str(GEOMETRY3K / "train.jsonl")),
+        call("stat", path=str(image)),
+    )
     joined = "\n".join(texts)
     assert SECRET not in joined and "root:" not in joined and "uid=" not in joined and '"answer"' not in joined
     assert texts[0].count("blocked") == 3 and texts[1].count("blocked") == 3, texts[:2]
@@ -152,9 +179,17 @@ def test_no_network(rt):
 
 def test_crashes_hangs_and_blowups_are_counted_failures(rt):
     t0 = time.monotonic()
-    texts, errors, stats = run(rt, call("exit7"), call("sigterm_self"), call("sigkill_parent"), call("hang"),
-                               call("never_str"), call("allocate", gigabytes=2.5), call("leave_thread"),
-                               call("calculate", expression="1+1"))
+    texts, errors, stats = run(
+        rt,
+        call("exit7"),
+        call("sigterm_self"),
+        call("sigkill_parent"),
+        call("hang"),
+        call("never_str"),
+        call("allocate", gigabytes=2.5),
+        call("leave_thread"),
+        call("calculate", expression="1+1"),
+    )
     assert time.monotonic() - t0 < 15
     assert errors[:6] == ["crash", "crash", "", "timeout", "timeout", "memory"], (errors, texts)
     assert "exited with code 7" in texts[0] and "SIGTERM" in texts[1], texts[:2]
@@ -169,8 +204,9 @@ def test_crashes_hangs_and_blowups_are_counted_failures(rt):
 
 def test_rlimit_fallback_still_contains_crashes_hangs_and_memory():
     fallback = ToolRuntime(P, ToolLimits(timeout_s=2.0, max_tool_calls=10), sandbox=Sandbox(isolation="rlimits"))
-    texts, errors, _ = run(fallback, call("exit7"), call("hang"), call("allocate", gigabytes=2.5),
-                               call("calculate", expression="2**5"))
+    texts, errors, _ = run(
+        fallback, call("exit7"), call("hang"), call("allocate", gigabytes=2.5), call("calculate", expression="2**5")
+    )
     assert errors == ["crash", "timeout", "memory", ""] and texts[3] == "32", texts
     pids = {w.proc.pid for w in fallback.executor.pool._idle}
     fallback.executor.close()

@@ -55,12 +55,15 @@ def _changed(before: dict, after: dict, key: str) -> bool:
 # ---------------------------------------------------------------------------------------------------- LR schedule
 
 
-@pytest.mark.parametrize("scheduler, kw, expected", [
-    # linear, 2 warm-up steps of 6: lambda(s) = s/2 while s < 2, then (6 - s) / (6 - 2)
-    ("linear", {"warmup_steps": 2}, [0.0, 0.5, 1.0, 0.75, 0.5, 0.25]),
-    # cosine, warmup_ratio 0.25 of 4 steps = 1 step: lambda(s) = 0.5 (1 + cos(pi (s - 1) / 3)) after it
-    ("cosine", {"warmup_ratio": 0.25}, [0.0, 1.0, 0.75, 0.25]),
-])
+@pytest.mark.parametrize(
+    "scheduler, kw, expected",
+    [
+        # linear, 2 warm-up steps of 6: lambda(s) = s/2 while s < 2, then (6 - s) / (6 - 2)
+        ("linear", {"warmup_steps": 2}, [0.0, 0.5, 1.0, 0.75, 0.5, 0.25]),
+        # cosine, warmup_ratio 0.25 of 4 steps = 1 step: lambda(s) = 0.5 (1 + cos(pi (s - 1) / 3)) after it
+        ("cosine", {"warmup_ratio": 0.25}, [0.0, 1.0, 0.75, 0.25]),
+    ],
+)
 def test_lr_schedule_per_step_matches_hand_values(scheduler, kw, expected):
     steps = len(expected)
     trainer = _trainer(_text_model(), zero_stage=2, lr_scheduler=scheduler, steps=steps, **kw)
@@ -134,8 +137,10 @@ def test_attn_implementation_reaches_the_loaded_model(tiny_model_cfg, attn):
 def test_frozen_parts_are_unchanged_after_a_step(qwen25_model, vision, projector):
     from vlmrl.modeling.adapters import prepare_policy, vision_part
 
-    model = prepare_policy(copy.deepcopy(qwen25_model).train(),
-                           SimpleNamespace(freeze_vision_tower=vision, freeze_projector=projector, lora=None))
+    model = prepare_policy(
+        copy.deepcopy(qwen25_model).train(),
+        SimpleNamespace(freeze_vision_tower=vision, freeze_projector=projector, lora=None),
+    )
     trainer = _trainer(model, zero_stage=2, micro_batch_size=2)
     samples = with_old_logprobs(qwen25_model, [image_sample(60 + i, n_gen=4, advantage=a)
                                                for i, a in enumerate([1.0, -1.0])], noise=0.2)  # fmt: skip
@@ -158,13 +163,16 @@ def test_vision_parts_of_every_family_layout():
     from vlmrl.modeling.adapters import vision_part
 
     names = {
-        "model.visual.blocks.0.attn.qkv.weight": "vision", "model.visual.merger.mlp.0.weight": "projector",
+        "model.visual.blocks.0.attn.qkv.weight": "vision",
+        "model.visual.merger.mlp.0.weight": "projector",
         "model.visual.deepstack_merger_list.0.norm.weight": "projector",
         "model.vision_tower.encoder.layers.0.mlp.fc1.weight": "vision",
-        "model.multi_modal_projector.mm_input_projection_weight": "projector", "model.image_newline": "projector",
+        "model.multi_modal_projector.mm_input_projection_weight": "projector",
+        "model.image_newline": "projector",
         "model.vision_model.embeddings.patch_embedding.weight": "vision",
         "model.connector.modality_projection.proj.weight": "projector",
-        "model.language_model.layers.0.self_attn.q_proj.weight": None, "model.text_model.norm.weight": None,
+        "model.language_model.layers.0.self_attn.q_proj.weight": None,
+        "model.text_model.norm.weight": None,
         "lm_head.weight": None,
     }
     assert {n: vision_part(n) for n in names} == names
@@ -182,8 +190,10 @@ def test_lora_trains_only_adapters_and_exports_merged_weights(qwen25_model, tmp_
     from vlmrl.train.logprobs import sequence_logprobs
 
     lora = LoraSettings(r=4, alpha=8, target_modules=["q_proj", "v_proj"])
-    model = prepare_policy(copy.deepcopy(qwen25_model).train(),
-                           SimpleNamespace(freeze_vision_tower=False, freeze_projector=False, lora=lora))
+    model = prepare_policy(
+        copy.deepcopy(qwen25_model).train(),
+        SimpleNamespace(freeze_vision_tower=False, freeze_projector=False, lora=lora),
+    )
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
     assert len(trainable) == 2 * 2 * qwen25_model.config.text_config.num_hidden_layers  # q, v x A, B x layers
@@ -220,14 +230,22 @@ def test_merge_deepspeed_config_user_wins_ours_fills_in():
     from vlmrl.train.settings import TrainerSettings, deepspeed_config, merge_deepspeed_config
 
     ours = deepspeed_config(TrainerSettings(zero_stage=2, lr=3e-4, micro_batch_size=2, max_grad_norm=1.0))
-    user = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}, "reduce_bucket_size": 1000},
-            "optimizer": {"params": {"weight_decay": 0.1, "lr": "auto"}}, "gradient_clipping": "auto",
-            "train_micro_batch_size_per_gpu": "auto"}
+    user = {
+        "zero_optimization": {"offload_optimizer": {"device": "cpu"}, "reduce_bucket_size": 1000},
+        "optimizer": {"params": {"weight_decay": 0.1, "lr": "auto"}},
+        "gradient_clipping": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+    }
     merged = merge_deepspeed_config(ours, user)
-    assert merged["zero_optimization"] == {"stage": 2, "offload_optimizer": {"device": "cpu"},
-                                           "reduce_bucket_size": 1000}
-    assert merged["optimizer"] == {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1,
-                                                               "betas": [0.9, 0.999], "torch_adam": True}}
+    assert merged["zero_optimization"] == {
+        "stage": 2,
+        "offload_optimizer": {"device": "cpu"},
+        "reduce_bucket_size": 1000,
+    }
+    assert merged["optimizer"] == {
+        "type": "AdamW",
+        "params": {"lr": 3e-4, "weight_decay": 0.1, "betas": [0.9, 0.999], "torch_adam": True},
+    }
     assert merged["gradient_clipping"] == 1.0 and merged["train_micro_batch_size_per_gpu"] == 2
     assert merged["gradient_accumulation_steps"] == 1
     for bad in ({"gradient_accumulation_steps": 4}, {"train_micro_batch_size_per_gpu": 8}):
@@ -237,8 +255,15 @@ def test_merge_deepspeed_config_user_wins_ours_fills_in():
 
 def test_user_deepspeed_json_takes_effect_in_the_engine(tmp_path):
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps({"zero_optimization": {"stage": 1}, "gradient_clipping": 0.5,
-                                "optimizer": {"params": {"weight_decay": 0.25}}}))
+    path.write_text(
+        json.dumps(
+            {
+                "zero_optimization": {"stage": 1},
+                "gradient_clipping": 0.5,
+                "optimizer": {"params": {"weight_decay": 0.25}},
+            }
+        )
+    )
     trainer = _trainer(_text_model(), zero_stage=2, lr=2e-3, max_grad_norm=1.0, deepspeed_config=str(path))
     assert trainer.engine.zero_optimization_stage() == 1 and trainer.cfg.zero_stage == 1
     assert trainer.engine.gradient_clipping() == 0.5

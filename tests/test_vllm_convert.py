@@ -41,8 +41,14 @@ def lp(x):
 
 def completion(ids, logprobs, finish, stop_reason=None, index=0):
     """A fake `vllm.CompletionOutput` with `logprobs=0` (one {token: Logprob} dict per sampled token)."""
-    return SimpleNamespace(index=index, token_ids=ids, logprobs=[{t: lp(x)} for t, x in zip(ids, logprobs)],
-                           finish_reason=finish, stop_reason=stop_reason, text="ignored")
+    return SimpleNamespace(
+        index=index,
+        token_ids=ids,
+        logprobs=[{t: lp(x)} for t, x in zip(ids, logprobs)],
+        finish_reason=finish,
+        stop_reason=stop_reason,
+        text="ignored",
+    )
 
 
 # --- inputs ---------------------------------------------------------------------------------------------------
@@ -85,16 +91,19 @@ def test_collapse_then_vllm_expansion_recovers_the_builder_ids(request, small_im
     from vlmrl.types import ImagePart, Message, Role, TextPart
 
     builder = get_builder("qwen2_5_vl", qwen25_processor)
-    msg = Message(Role.USER, [ImagePart(small_images[0]), TextPart("Compare"), ImagePart(small_images[2]),
-                              TextPart("Which is larger?")])
+    msg = Message(
+        Role.USER,
+        [ImagePart(small_images[0]), TextPart("Compare"), ImagePart(small_images[2]), TextPart("Which is larger?")],
+    )
     prompt = builder.start([msg]).prompt()
     merge = qwen25_processor.image_processor.merge_size
     out = to_vllm_prompt(prompt, builder.image_token_id, merge)
     assert out["prompt_token_ids"].count(builder.image_token_id) == 2
     assert out["multi_modal_data"]["image"] == prompt.images
     counts = iter((prompt.vision.image_grid_thw.prod(-1) // merge**2).tolist())
-    expanded = [t for tok in out["prompt_token_ids"]
-                for t in ([tok] * next(counts) if tok == builder.image_token_id else [tok])]
+    expanded = [
+        t for tok in out["prompt_token_ids"] for t in ([tok] * next(counts) if tok == builder.image_token_id else [tok])
+    ]
     assert expanded == prompt.token_ids
 
 
@@ -105,8 +114,9 @@ def test_sampling_kwargs_and_generate_body():
     assert kw["logprobs"] == 0 and kw["top_k"] == 0 and kw["min_p"] == 0.0 and kw["repetition_penalty"] == 1.0
     assert kw["stop"] == ["</answer>"] and kw["stop_token_ids"] == [EOS, EOT] and kw["seed"] == 3
     assert sampling_kwargs(SamplingParams(), 1, [EOS], None)["stop"] is None
-    body = generate_body(EnginePrompt([1, 2], [], None), sampling_kwargs(SamplingParams(), 4, [EOS], None), "policy",
-                         IMG, 2)
+    body = generate_body(
+        EnginePrompt([1, 2], [], None), sampling_kwargs(SamplingParams(), 4, [EOS], None), "policy", IMG, 2
+    )
     assert body["token_ids"] == [1, 2] and body["model"] == "policy" and "content_parts" not in body
     sp = body["sampling_params"]
     assert "seed" not in sp and "stop" not in sp and sp["logprobs"] == 0 and sp["n"] == 4
@@ -148,12 +158,15 @@ def test_logprobs_mode_matches_our_convention():
 
 
 # --- outputs --------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("finish, stop_reason, expected", [
-    ("stop", None, StopReason.EOS),  # the model's EOS
-    ("stop", EOT, StopReason.EOS),  # one of our stop_token_ids
-    ("stop", "</answer>", StopReason.STOP_STRING),
-    ("length", None, StopReason.LENGTH),
-])
+@pytest.mark.parametrize(
+    "finish, stop_reason, expected",
+    [
+        ("stop", None, StopReason.EOS),  # the model's EOS
+        ("stop", EOT, StopReason.EOS),  # one of our stop_token_ids
+        ("stop", "</answer>", StopReason.STOP_STRING),
+        ("length", None, StopReason.LENGTH),
+    ],
+)
 def test_stop_reason_mapping(finish, stop_reason, expected):
     assert to_stop_reason(finish, stop_reason) is expected
 
@@ -189,13 +202,26 @@ def test_generation_from_vllm_rejects_inconsistent_outputs():
 
 def test_generation_from_generate_choice():
     """A `choices[i]` of vLLM's `/inference/v1/generate` (`output_mode="tokens"`, `logprobs=0`)."""
-    choice = {"index": 0, "finish_reason": "stop", "stop_reason": None, "token_ids": [7, EOS],
-              "logprobs": {"content": [{"token_id": 7, "logprob": -1.5, "rank": 2, "top_logprobs": []},
-                                       {"token_id": EOS, "logprob": -0.25, "rank": 1, "top_logprobs": []}]}}
+    choice = {
+        "index": 0,
+        "finish_reason": "stop",
+        "stop_reason": None,
+        "token_ids": [7, EOS],
+        "logprobs": {
+            "content": [
+                {"token_id": 7, "logprob": -1.5, "rank": 2, "top_logprobs": []},
+                {"token_id": EOS, "logprob": -0.25, "rank": 1, "top_logprobs": []},
+            ]
+        },
+    }
     gen = generation_from_generate_choice(choice, [EOS], decode)
     assert gen.token_ids == [7, EOS] and gen.logprobs == [-1.5, -0.25] and gen.stop_reason is StopReason.EOS
-    length = {**choice, "finish_reason": "length", "token_ids": [7], "logprobs": {"content": [
-        {"token_id": 7, "logprob": -1.5}]}}
+    length = {
+        **choice,
+        "finish_reason": "length",
+        "token_ids": [7],
+        "logprobs": {"content": [{"token_id": 7, "logprob": -1.5}]},
+    }
     assert generation_from_generate_choice(length, [EOS], decode).stop_reason is StopReason.LENGTH
     with pytest.raises(RuntimeError, match="no logprobs"):
         generation_from_generate_choice({**choice, "logprobs": None}, [EOS], decode)
@@ -236,10 +262,21 @@ def test_nested_vllm_config_reaches_the_engine_as_it_is(monkeypatch):
     fake.VLLMEngine = RecordingEngine
     monkeypatch.setitem(sys.modules, "vlmrl.rollout.vllm_engine", fake)
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: object() if name == "vllm" else real_find_spec(name, *a))
-    cfg = load(None, ["rollout=vllm", "rollout.temperature=0.7", "rollout.top_p=0.9", "rollout.max_context_tokens=999",
-                      "rollout.vllm.kv_cache_gb=0.5", "rollout.vllm.sync_check_seqs=3", "rollout.vllm.seed=7"])
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real_find_spec(name, *a)
+    )
+    cfg = load(
+        None,
+        [
+            "rollout=vllm",
+            "rollout.temperature=0.7",
+            "rollout.top_p=0.9",
+            "rollout.max_context_tokens=999",
+            "rollout.vllm.kv_cache_gb=0.5",
+            "rollout.vllm.sync_check_seqs=3",
+            "rollout.vllm.seed=7",
+        ],
+    )
     processor = SimpleNamespace(tokenizer=object(), image_processor=SimpleNamespace(merge_size=2))
     builder = SimpleNamespace(stop_token_ids={EOS, 151643}, image_token_id=IMG)
     make_engine(cfg.rollout, None, processor, builder)
@@ -268,8 +305,15 @@ def test_weights_file_keeps_tied_lm_head(tmp_path):
     from safetensors.torch import load_file
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, tie_word_embeddings=True)
+    cfg = Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    )
     model = Qwen2ForCausalLM(cfg)
     write_weights(model, tmp_path)
     tensors = load_file(str(tmp_path / "model.safetensors"))

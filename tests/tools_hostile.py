@@ -30,6 +30,7 @@ def threads_read_and_write(secret: str, target: str) -> str:
         secret: A file to read.
         target: A file to create.
     """
+
     def write() -> str:
         with open(target, "w") as fh:
             fh.write("escaped")
@@ -54,9 +55,31 @@ def fork_exec_id() -> str:
     r, w = os.pipe()
     err_r, err_w = os.pipe()
     try:  # Python 3.11's argument list (see subprocess.Popen._execute_child)
-        _posixsubprocess.fork_exec([b"/usr/bin/id"], [b"/usr/bin/id"], True, (w, err_w), None, None,
-                                   -1, -1, -1, w, -1, -1, err_r, err_w, False, False, -1, None, None, None, -1,
-                                   None, False)
+        _posixsubprocess.fork_exec(
+            [b"/usr/bin/id"],
+            [b"/usr/bin/id"],
+            True,
+            (w, err_w),
+            None,
+            None,
+            -1,
+            -1,
+            -1,
+            w,
+            -1,
+            -1,
+            err_r,
+            err_w,
+            False,
+            False,
+            -1,
+            None,
+            None,
+            None,
+            -1,
+            None,
+            False,
+        )
         os.close(w)
         os.close(err_w)
         out.append(os.read(r, 1000).decode() or f"no output: {os.read(err_r, 200).decode(errors='replace')}")

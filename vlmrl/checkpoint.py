@@ -144,9 +144,13 @@ class CheckpointWriteError(RunFolderError):
     line naming the step, the free space and the last complete checkpoint."""
 
 
-_WRITE_FAILURES = (("No space left on device", "no space left on the device"), ("StorageFull", "no space left on the "
-                   "device"), ("os error 28", "no space left on the device"), ("Disk quota exceeded", "disk quota "
-                   "exceeded"), ("file write failed", "a file write failed (disk full?)"))
+_WRITE_FAILURES = (
+    ("No space left on device", "no space left on the device"),
+    ("StorageFull", "no space left on the device"),
+    ("os error 28", "no space left on the device"),
+    ("Disk quota exceeded", "disk quota exceeded"),
+    ("file write failed", "a file write failed (disk full?)"),
+)
 
 
 def write_failure(exc: BaseException) -> str | None:
@@ -220,7 +224,8 @@ def save(
         raise CheckpointWriteError(
             f"could not write checkpoint step_{step}: {reason} ({shutil.disk_usage(root).free / 2**30:.2f} GiB free "
             f"in {root}); removed the partial {tmp.name}; last complete checkpoint: "
-            f"{newest[0].name if newest else 'none'}. Free some space, then rerun the same command to resume") from None
+            f"{newest[0].name if newest else 'none'}. Free some space, then rerun the same command to resume"
+        ) from None
     if trainer.is_main:
         if final.exists():  # the same step saved again (e.g. an interrupted step redone): replace it
             old = root / f".tmp-old-step_{step}"
@@ -267,8 +272,9 @@ def load(trainer: Any, folder: Path) -> dict:
         raise FileNotFoundError(f"{folder} is not a complete checkpoint")
     saved_world = int(state.get("world_size", 1))
     if saved_world != trainer.world_size:
-        raise ValueError(f"{folder} was written by {saved_world} rank(s); resume it with {saved_world}, "
-                         f"not {trainer.world_size}")
+        raise ValueError(
+            f"{folder} was written by {saved_world} rank(s); resume it with {saved_world}, not {trainer.world_size}"
+        )
     trainer.load_checkpoint(folder)
     rng_file = folder / "rng" / f"rank_{trainer.rank}.pt"
     set_rng_state(torch.load(rng_file, weights_only=False))

@@ -17,6 +17,7 @@ from vlmrl.config import ConfigError, load
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Multi-turn RL (GRPO) for vision-language models.")
 console = Console(stderr=True, soft_wrap=True)
 
+
 def _version(value: bool) -> None:
     if value:
         from importlib.metadata import PackageNotFoundError, version
@@ -30,8 +31,9 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _main(
-    show_version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
-                                      help="Print the vlmrl version and exit."),
+    show_version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the vlmrl version and exit."
+    ),
 ) -> None:
     """Multi-turn RL (GRPO) for vision-language models."""
 
@@ -204,7 +206,8 @@ def evaluate(
 @app.command("check-template")
 def check_template(
     model: str = typer.Argument(
-        ..., help="a family name (e.g. qwen2_5_vl), a local model/processor folder or a hub id"),
+        ..., help="a family name (e.g. qwen2_5_vl), a local model/processor folder or a hub id"
+    ),
     family: Optional[str] = typer.Option(None, "--family", help="the builder family, if MODEL's config does not say"),
     as_json: bool = typer.Option(False, "--json", help="print the report as JSON"),
 ) -> None:

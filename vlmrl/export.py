@@ -51,7 +51,7 @@ def images_before(seq: TokenSeq, end: int, image_token_id: int) -> VisionInputs 
     held = [a for a, b in zip(starts, stops) if image_token_id in seq.ids[a:b]]
     if len(held) != len(seq.vision_parts):
         return first_images(seq.vision, count_images(seq.ids[:end], image_token_id))
-    return VisionInputs.cat(seq.vision_parts[:sum(a < end for a in held)])
+    return VisionInputs.cat(seq.vision_parts[: sum(a < end for a in held)])
 
 
 def _sample(traj: Trajectory, end: int, mask: list[int], image_token_id: int, advantage: float) -> Sample:
@@ -69,8 +69,9 @@ def _sample(traj: Trajectory, end: int, mask: list[int], image_token_id: int, ad
     )
 
 
-def to_samples(trajs: list[Trajectory], style: ExportStyle, image_token_id: int,
-               mask_truncated: bool = False) -> list[Sample]:
+def to_samples(
+    trajs: list[Trajectory], style: ExportStyle, image_token_id: int, mask_truncated: bool = False
+) -> list[Sample]:
     """Export trajectories to samples. concat: [len(trajs)] samples; individual: one per assistant turn.
 
     Trajectories without a sampled turn give no sample. mask_truncated: loss mask 0 on the spans of turns whose

@@ -70,19 +70,35 @@ def sample_rows(records: list[dict], max_rows: int) -> list[list]:
     """Table rows (SAMPLE_COLUMNS) of the first `max_rows` trajectory records: the assistant turns' text joined."""
     rows = []
     for rec in records[:max_rows]:
-        text = "\n---\n".join(part.get("text", "") for m in rec.get("messages", []) if m.get("role") == "assistant"
-                              for part in m.get("content", []) if part.get("type") == "text")
-        rows.append([rec.get("step"), str(rec.get("task_id")), rec.get("group"), rec.get("reward"),
-                     rec.get("advantage"), any(rec.get("correct", [])), len(rec.get("turn_spans", [])),
-                     rec.get("end_reason"), text])
+        text = "\n---\n".join(
+            part.get("text", "")
+            for m in rec.get("messages", [])
+            if m.get("role") == "assistant"
+            for part in m.get("content", [])
+            if part.get("type") == "text"
+        )
+        rows.append(
+            [
+                rec.get("step"),
+                str(rec.get("task_id")),
+                rec.get("group"),
+                rec.get("reward"),
+                rec.get("advantage"),
+                any(rec.get("correct", [])),
+                len(rec.get("turn_spans", [])),
+                rec.get("end_reason"),
+                text,
+            ]
+        )
     return rows
 
 
 class ModuleSink:
     """wandb or trackio (the same `init / log(dict, step=) / finish` API); wandb resumes `run_id` if given."""
 
-    def __init__(self, module_name: str, project: str, name: str, out_dir: Path, config: dict,
-                 run_id: str | None = None):
+    def __init__(
+        self, module_name: str, project: str, name: str, out_dir: Path, config: dict, run_id: str | None = None
+    ):
         self.module = importlib.import_module(module_name)
         kwargs: dict[str, Any] = {"project": project, "name": name, "config": config}
         if module_name == "wandb":

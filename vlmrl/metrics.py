@@ -29,7 +29,8 @@ def rollout_metrics(trajs: list[Trajectory]) -> dict[str, float]:
         "first_turn_accuracy": statistics.fmean(float(t is not None and t.correct) for t in first),
         "format_rate": statistics.fmean(float(t.formatted) for t in graded) if graded else 0.0,
         "parse_fail_rate": statistics.fmean(float(t.parse_status is not ParseStatus.OK) for t in graded)
-        if graded else 0.0,
+        if graded
+        else 0.0,
         "turns_per_episode": statistics.fmean(len(t.turns) for t in trajs),
         "response_length": statistics.fmean(gen_tokens),
         "sequence_length": statistics.fmean(len(t.tokens.ids) for t in trajs),

@@ -13,21 +13,36 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 def train_line(row: dict) -> str:
     """The step summary of a training metrics row: reward, accuracy, turns per episode, loss, step time."""
-    return (f"reward {row.get('reward_mean', 0.0):.3f} acc {row.get('accuracy', 0.0):.2f} "
-            f"turns {row.get('turns_per_episode', 0.0):.2f} loss {row.get('loss', 0.0):+.4f} "
-            f"{row.get('step_s', 0.0):.1f}s/step")
+    return (
+        f"reward {row.get('reward_mean', 0.0):.3f} acc {row.get('accuracy', 0.0):.2f} "
+        f"turns {row.get('turns_per_episode', 0.0):.2f} loss {row.get('loss', 0.0):+.4f} "
+        f"{row.get('step_s', 0.0):.1f}s/step"
+    )
 
 
 class StepProgress:
     """A rich progress bar when `console` is a terminal, else one line `<label> k/total | <info>` per update written
     to the console's file and flushed (label e.g. "step"). Nothing at all when not `enabled`."""
 
-    def __init__(self, console: Console, total: int, completed: int = 0, enabled: bool = True, title: str = "GRPO",
-                 label: str = "step", remaining: bool = True):
+    def __init__(
+        self,
+        console: Console,
+        total: int,
+        completed: int = 0,
+        enabled: bool = True,
+        title: str = "GRPO",
+        label: str = "step",
+        remaining: bool = True,
+    ):
         self.console, self.total, self.done, self.label = console, total, completed, label
         self.enabled, self.plain = enabled, enabled and not console.is_terminal
-        columns = [TextColumn(f"[bold]{title}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                   TimeElapsedColumn()] + ([TextColumn("left"), TimeRemainingColumn()] if remaining else [])
+        columns = [
+            TextColumn(f"[bold]{title}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeElapsedColumn(),
+        ] + ([TextColumn("left"), TimeRemainingColumn()] if remaining else [])
         self.bar = Progress(*columns, console=console, disable=not enabled or self.plain)
         self.task = self.bar.add_task(title, total=total, completed=completed, info="")
 

@@ -36,8 +36,15 @@ log = logging.getLogger("vlmrl.resume")
 STYLE_FALLBACK = "export.style: 'individual' -> 'concat'"
 
 # Config keys (dotted prefixes) that may change between the run and its resume without changing what it computes.
-RESUME_IGNORED = ("logging.", "resume.", "trainer.steps", "trainer.save_every", "trainer.keep_last",
-                  "trainer.max_bad_steps", "trainer.eval_every")
+RESUME_IGNORED = (
+    "logging.",
+    "resume.",
+    "trainer.steps",
+    "trainer.save_every",
+    "trainer.keep_last",
+    "trainer.max_bad_steps",
+    "trainer.eval_every",
+)
 
 
 class TrainingInterrupted(RuntimeError):
@@ -116,8 +123,10 @@ def plan_resume(cfg: Any, config_yaml: str) -> ResumePlan:
         return ResumePlan()
     if mode is ResumeMode.never:
         if out.is_dir() and any(p.name not in LOCK_FILES for p in out.iterdir()):
-            raise RunFolderError(f"{out} is not empty and resume=never starts a new run; choose another "
-                                 "logging.output_dir, set logging.overwrite=true, or continue it with resume=auto")
+            raise RunFolderError(
+                f"{out} is not empty and resume=never starts a new run; choose another "
+                "logging.output_dir, set logging.overwrite=true, or continue it with resume=auto"
+            )
         return ResumePlan()
     found = checkpoint.latest_checkpoint(out / "checkpoints")
     old_config = found[0] / "config.yaml" if found else out / "config.yaml"
@@ -127,9 +136,11 @@ def plan_resume(cfg: Any, config_yaml: str) -> ResumePlan:
         changes.remove(STYLE_FALLBACK)
     if changes and not cfg.resume.allow_config_change:
         shown = "; ".join(changes[:6]) + (f"; ... ({len(changes)} keys)" if len(changes) > 6 else "")
-        raise RunFolderError(f"{out} holds a run with another config ({shown}); rerun with the same settings to "
-                             "resume it, add resume.allow_config_change=true, or start over with "
-                             "logging.overwrite=true")
+        raise RunFolderError(
+            f"{out} holds a run with another config ({shown}); rerun with the same settings to "
+            "resume it, add resume.allow_config_change=true, or start over with "
+            "logging.overwrite=true"
+        )
     if changes:
         log.warning("resuming %s with a changed config (resume.allow_config_change=true): %s", out, "; ".join(changes))
     if found is None:
@@ -140,8 +151,9 @@ def plan_resume(cfg: Any, config_yaml: str) -> ResumePlan:
             log.warning("%s has %d metrics row(s) but no complete checkpoint: restarting at step 1", out, rows)
         return ResumePlan(fresh=False, changes=changes, style_fallback=style_fallback)
     folder, state = found
-    return ResumePlan(folder, int(state["step"]), fresh=False, state=state, changes=changes,
-                      style_fallback=style_fallback)
+    return ResumePlan(
+        folder, int(state["step"]), fresh=False, state=state, changes=changes, style_fallback=style_fallback
+    )
 
 
 def record_resume(out_dir: Path, plan: ResumePlan) -> None:
@@ -242,8 +254,10 @@ class BadStepGuard:
         if bad_episodes:
             reason = f"non-finite reward or advantage in episode(s) {', '.join(bad_episodes)}"
         elif stats is not None and (stats.skipped or not finite(stats.loss) or not finite(stats.grad_norm)):
-            reason = (f"non-finite loss ({stats.loss}) or gradient norm ({stats.grad_norm}) over the episodes of "
-                      f"task(s) {', '.join(task_ids)}")
+            reason = (
+                f"non-finite loss ({stats.loss}) or gradient norm ({stats.grad_norm}) over the episodes of "
+                f"task(s) {', '.join(task_ids)}"
+            )
             if not stats.skipped:
                 log.error("step %d: the optimizer applied an update with a non-finite loss or norm", step)
         else:

@@ -73,8 +73,16 @@ def _is_safe(expr: object) -> bool:
     """False for sympy expressions that verify() could spend minutes on (power towers, huge powers, factorials)."""
     import sympy
 
-    refused = (sympy.factorial, sympy.factorial2, sympy.subfactorial, sympy.gamma, sympy.Sum, sympy.Product,
-               sympy.Integral, sympy.Limit)
+    refused = (
+        sympy.factorial,
+        sympy.factorial2,
+        sympy.subfactorial,
+        sympy.gamma,
+        sympy.Sum,
+        sympy.Product,
+        sympy.Integral,
+        sympy.Limit,
+    )
     if not isinstance(expr, sympy.Basic):
         return True
     for node in sympy.preorder_traversal(expr):

@@ -1,6 +1,6 @@
 """The training job, as one flat loop a reader can follow top to bottom (nanochat style).
 
-    tasks -> [per step] episodes (engine <-> builder <-> env) -> rewards -> GRPO advantages -> samples -> update
+tasks -> [per step] episodes (engine <-> builder <-> env) -> rewards -> GRPO advantages -> samples -> update
 """
 
 from __future__ import annotations
@@ -60,8 +60,11 @@ log = logging.getLogger("vlmrl.run")
 def export_style(requested: ExportStyle, builder: TokenBuilder) -> ExportStyle:
     """`concat` needs a prefix-preserving template; otherwise train on what the model saw, turn by turn."""
     if requested is ExportStyle.concat and builder.prefix_mode is not PrefixMode.EXTENDS:
-        log.warning("%s's template rewrites earlier turns (%s): exporting `individual` instead of `concat`",
-                    builder.family, builder.prefix_mode.value)
+        log.warning(
+            "%s's template rewrites earlier turns (%s): exporting `individual` instead of `concat`",
+            builder.family,
+            builder.prefix_mode.value,
+        )
         return ExportStyle.individual
     return requested
 
@@ -92,8 +95,14 @@ def assign_step_advantages(cfg: Config, trajs: list[Trajectory]) -> None:
     if alg.advantage != "turn":
         assign_advantages(trajs, alg.scale_by_std)
         return
-    pens = [overlong.turn_penalties(t, cfg.rollout.max_new_tokens, alg.overlong_buffer, alg.overlong_penalty)
-            for t in trajs] if alg.overlong_buffer else None
+    pens = (
+        [
+            overlong.turn_penalties(t, cfg.rollout.max_new_tokens, alg.overlong_buffer, alg.overlong_penalty)
+            for t in trajs
+        ]
+        if alg.overlong_buffer
+        else None
+    )
     assign_turn_advantages(trajs, alg.turn_discount, alg.scale_by_std, pens)
 
 
@@ -150,8 +159,14 @@ def publish_weights(job: "Job", step: int, changed: bool = True) -> dict:
 def option_metrics(cfg: Config, sampled: SampledBatch) -> dict[str, float]:
     """Per-rank metrics of the algorithm options on the step's rollouts (overlong penalty / filtering)."""
     alg = cfg.algorithm
-    pens = [overlong.turn_penalties(t, cfg.rollout.max_new_tokens, alg.overlong_buffer, alg.overlong_penalty)
-            for t in sampled.generated] if alg.overlong_buffer else None
+    pens = (
+        [
+            overlong.turn_penalties(t, cfg.rollout.max_new_tokens, alg.overlong_buffer, alg.overlong_penalty)
+            for t in sampled.generated
+        ]
+        if alg.overlong_buffer
+        else None
+    )
     return overlong.overlong_metrics(sampled.generated, pens, alg.overlong_filter)
 
 
@@ -160,9 +175,12 @@ def trainer_algorithm(cfg: Config) -> AlgorithmConfig:
     constant `loss_agg_norm=0` resolved to the response budget (vlmrl.train.rollout_correction / loss_agg)."""
     alg = cfg.algorithm
     return dataclasses.replace(
-        alg, rollout_correction=rollout_correction.resolve(alg.rollout_correction, cfg.rollout.engine,
-                                                                 alg.off_policy_steps).value,
-        loss_agg_norm=loss_agg.constant_length(alg.loss_agg_norm, cfg.rollout.max_new_tokens, cfg.env.max_turns))
+        alg,
+        rollout_correction=rollout_correction.resolve(
+            alg.rollout_correction, cfg.rollout.engine, alg.off_policy_steps
+        ).value,
+        loss_agg_norm=loss_agg.constant_length(alg.loss_agg_norm, cfg.rollout.max_new_tokens, cfg.env.max_turns),
+    )
 
 
 @dataclass
@@ -211,9 +229,11 @@ def build_job(cfg: Config, plan: ResumePlan | None = None) -> Job:
     runner, builder = build_runner(cfg, behaviour or trainer.policy, processor)
     style = export_style(cfg.export.style, builder)
     if plan is not None and plan.style_fallback and style is not ExportStyle.individual:
-        raise RunFolderError(f"{cfg.logging.output_dir} holds a run with another config ({STYLE_FALLBACK}); rerun "
-                             "with the same settings to resume it, add resume.allow_config_change=true, or start "
-                             "over with logging.overwrite=true")
+        raise RunFolderError(
+            f"{cfg.logging.output_dir} holds a run with another config ({STYLE_FALLBACK}); rerun "
+            "with the same settings to resume it, add resume.allow_config_change=true, or start "
+            "over with logging.overwrite=true"
+        )
     cfg = dataclasses.replace(cfg, export=dataclasses.replace(cfg.export, style=style))  # config.yaml: the effective
     tasks = load_env_tasks(cfg.env, cfg.data)
     if not tasks:
@@ -224,8 +244,18 @@ def build_job(cfg: Config, plan: ResumePlan | None = None) -> Job:
         files.write_config(to_yaml(cfg))
         if plan is not None:
             record_resume(files.dir, plan)
-    job = Job(cfg, trainer, runner, builder, tasks, style, files, processor, behaviour=behaviour,
-              prefetch=Prefetcher() if off_policy else None)
+    job = Job(
+        cfg,
+        trainer,
+        runner,
+        builder,
+        tasks,
+        style,
+        files,
+        processor,
+        behaviour=behaviour,
+        prefetch=Prefetcher() if off_policy else None,
+    )
     job.guard.max_in_row = cfg.trainer.max_bad_steps
     return job
 
@@ -254,19 +284,34 @@ def run_step(job: Job, step: int) -> dict:
     sync = publish_weights(job, step, changed=stats is not None)  # vLLM: push weights + stale-head check
     skipped = job.guard.check(step, bad, stats, [t.id for t in sampled.tasks])
     gen_tokens = sum(len(t.generation.token_ids) for traj in sampled.generated for t in traj.turns)
-    rollout = {**rollout_metrics(sampled.generated), **option_metrics(cfg, sampled), "samples": float(len(samples)),
-               "rollout_tokens_per_s": gen_tokens / max(sampled.rollout_s, 1e-9), "rollout_s": sampled.rollout_s,
-               **({"rollout_wait_s": t_wait, **staleness_metrics(stale)} if job.prefetch is not None else {})}
+    rollout = {
+        **rollout_metrics(sampled.generated),
+        **option_metrics(cfg, sampled),
+        "samples": float(len(samples)),
+        "rollout_tokens_per_s": gen_tokens / max(sampled.rollout_s, 1e-9),
+        "rollout_s": sampled.rollout_s,
+        **({"rollout_wait_s": t_wait, **staleness_metrics(stale)} if job.prefetch is not None else {}),
+    }
     rollout = merge_rollout_rows(trainer.gather(rollout))  # StepStats are already global; rollouts are per rank
     dynamic = sampled.metrics() if cfg.algorithm.dynamic_sampling else {}
-    row = {"step": step, **rollout, **dynamic, **(stats.as_dict() if stats else {}), **sync, **align,
-           "skipped": int(skipped), "skipped_steps": job.guard.skipped, "step_s": time.perf_counter() - t0}
+    row = {
+        "step": step,
+        **rollout,
+        **dynamic,
+        **(stats.as_dict() if stats else {}),
+        **sync,
+        **align,
+        "skipped": int(skipped),
+        "skipped_steps": job.guard.skipped,
+        "step_s": time.perf_counter() - t0,
+    }
     row["step"] = step
     if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
         row.update(eval_during_training(job, step))  # eval/* metrics: the eval split with the current policy
     store = ImageStore(cfg.logging.output_dir)  # tool/env images without a file are saved under <run>/images/
-    records = [r for part in trainer.gather([trajectory_record(t, step, store) for t in sampled.generated])
-               for r in part]
+    records = [
+        r for part in trainer.gather([trajectory_record(t, step, store) for t in sampled.generated]) for r in part
+    ]
     if job.files:
         job.files.append(job.files.trajectories, records)
         job.files.append(job.files.metrics, [row])
@@ -302,8 +347,15 @@ def save(job: Job, step: int) -> Path:
         "world_size": job.trainer.world_size,
         "reference_model": "frozen initial policy, rebuilt from model.name_or_path" if cfg.algorithm.kl_coef else None,
     }
-    path = checkpoint.save(job.trainer, Path(cfg.logging.output_dir) / "checkpoints", step, state,
-                           processor=job.processor, config_yaml=to_yaml(cfg), keep_last=cfg.trainer.keep_last)
+    path = checkpoint.save(
+        job.trainer,
+        Path(cfg.logging.output_dir) / "checkpoints",
+        step,
+        state,
+        processor=job.processor,
+        config_yaml=to_yaml(cfg),
+        keep_last=cfg.trainer.keep_last,
+    )
     job.saved_step = step
     return path
 
@@ -324,8 +376,11 @@ def resume(job: Job, plan: ResumePlan) -> int:
     job.position = int(state.get("data", {}).get("prompts_done", plan.step * job.cfg.trainer.batch_size))
     num_tasks = state.get("data", {}).get("num_tasks")
     if num_tasks is not None and num_tasks != len(job.tasks):
-        log.warning("the data now has %d prompts, the checkpoint's run had %d: the next prompts differ",
-                    len(job.tasks), num_tasks)
+        log.warning(
+            "the data now has %d prompts, the checkpoint's run had %d: the next prompts differ",
+            len(job.tasks),
+            num_tasks,
+        )
     log.info("resuming %s from %s: next step %d", job.cfg.logging.output_dir, plan.checkpoint, plan.step + 1)
     return plan.step
 
@@ -338,8 +393,13 @@ def _newest(job: Job) -> Path | None:
 
 def _stop_signal(job: Job) -> int | None:
     """The stop signal any rank received (collective with several ranks), else None."""
-    got = [s for s in job.trainer.gather(job.stop.requested) if s] if job.trainer.world_size > 1 else \
-        [job.stop.requested] if job.stop.requested else []
+    got = (
+        [s for s in job.trainer.gather(job.stop.requested) if s]
+        if job.trainer.world_size > 1
+        else [job.stop.requested]
+        if job.stop.requested
+        else []
+    )
     return got[0] if got else None
 
 
@@ -372,15 +432,19 @@ def _train(cfg: Config, console: Console) -> Path:
     plan = plan_resume(cfg, to_yaml(cfg))  # refuses a changed config / a non-empty folder before loading anything
     steps = cfg.trainer.steps
     if plan.step >= steps:
-        log.info("%s already holds %d step(s) (trainer.steps=%d): nothing to do", cfg.logging.output_dir, plan.step,
-                 steps)
+        log.info(
+            "%s already holds %d step(s) (trainer.steps=%d): nothing to do", cfg.logging.output_dir, plan.step, steps
+        )
         return Path(cfg.logging.output_dir)
     job = build_job(cfg, plan)
     done = resume(job, plan)
     show = job.files is not None and cfg.logging.progress
-    with job.stop, _closing(job.prefetch), \
-            make_loggers(cfg, enabled=job.files is not None, resume=not plan.fresh) as loggers, \
-            StepProgress(console, steps, done, enabled=show) as progress:  # a plain line per step off a terminal
+    with (
+        job.stop,
+        _closing(job.prefetch),
+        make_loggers(cfg, enabled=job.files is not None, resume=not plan.fresh) as loggers,
+        StepProgress(console, steps, done, enabled=show) as progress,
+    ):  # a plain line per step off a terminal
         for step in range(done + 1, steps + 1):
             rng = checkpoint.rng_state()
             try:
@@ -393,9 +457,11 @@ def _train(cfg: Config, console: Console) -> Path:
             loggers.log(row, step)  # TensorBoard / wandb / trackio when configured (logging.*)
             loggers.log_samples(job.records, step)  # wandb: a Table of sample trajectories
             if job.guard.exceeded():
-                raise TooManyBadSteps(f"{job.guard.in_row} consecutive steps skipped their update for non-finite "
-                                      f"numbers (trainer.max_bad_steps); stopped after step {step}; last good "
-                                      f"checkpoint: {_newest(job) or 'none'} (see the warnings above)")
+                raise TooManyBadSteps(
+                    f"{job.guard.in_row} consecutive steps skipped their update for non-finite "
+                    f"numbers (trainer.max_bad_steps); stopped after step {step}; last good "
+                    f"checkpoint: {_newest(job) or 'none'} (see the warnings above)"
+                )
             signum = _stop_signal(job) if step < steps else None
             if signum:
                 raise TrainingInterrupted(signum, step, save(job, step))

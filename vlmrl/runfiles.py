@@ -76,8 +76,9 @@ def _plan_lines(f, step: int) -> tuple[list[tuple[int, int]], list[tuple[int, st
                 bad.append((number, error, raw))
                 continue
             at, row = found
-            bad.append((number, f"{error}: a torn row ({at} bytes, quarantined) followed by a whole row (kept)",
-                        raw[:at]))
+            bad.append(
+                (number, f"{error}: a torn row ({at} bytes, quarantined) followed by a whole row (kept)", raw[:at])
+            )
             start += at
         if row["step"] > step:
             dropped += 1
@@ -135,8 +136,9 @@ class RunFiles:
     in checkpoints/) before any run file is touched, RunFolderError if short.
     """
 
-    def __init__(self, out_dir: str | Path, overwrite: bool = False, keep_until: int | None = None,
-                 needed_bytes: int = 0):
+    def __init__(
+        self, out_dir: str | Path, overwrite: bool = False, keep_until: int | None = None, needed_bytes: int = 0
+    ):
         self.dir = Path(out_dir)
         self.trajectories = self.dir / "trajectories.jsonl"
         self.metrics = self.dir / "metrics.jsonl"
@@ -150,8 +152,9 @@ class RunFiles:
             self._continue(keep_until)
 
     def _holds_run(self) -> bool:
-        return self.checkpoints.exists() or any(f.exists() and f.stat().st_size > 0
-                                                for f in (self.metrics, self.trajectories))
+        return self.checkpoints.exists() or any(
+            f.exists() and f.stat().st_size > 0 for f in (self.metrics, self.trajectories)
+        )
 
     def _check_writable(self) -> None:
         try:
@@ -191,8 +194,12 @@ class RunFiles:
         for f in (self.trajectories, self.metrics):
             removed = truncate_after(f, step)
             if removed:
-                log.info("%s: kept the rows of steps <= %d; removed %d line(s) (later steps are redone)", f.name,
-                         step, removed)
+                log.info(
+                    "%s: kept the rows of steps <= %d; removed %d line(s) (later steps are redone)",
+                    f.name,
+                    step,
+                    removed,
+                )
             f.touch()
 
     def check_space(self, needed_bytes: int) -> None:
@@ -201,8 +208,10 @@ class RunFiles:
             return
         free = shutil.disk_usage(self.dir).free
         if free < needed_bytes:
-            raise RunFolderError(f"output folder {self.dir} has {free / 2**30:.2f} GiB free; a checkpoint needs "
-                                 f"about {needed_bytes / 2**30:.2f} GiB")
+            raise RunFolderError(
+                f"output folder {self.dir} has {free / 2**30:.2f} GiB free; a checkpoint needs "
+                f"about {needed_bytes / 2**30:.2f} GiB"
+            )
 
     def write_config(self, yaml_text: str) -> None:
         (self.dir / "config.yaml").write_text(yaml_text)

@@ -36,7 +36,7 @@ class RunLocked(RunFolderError):
 def _holder(folder: Path) -> str:
     try:
         info = json.loads((folder / INFO_NAME).read_text(encoding="utf-8"))
-        return (f"pid {info['pid']} on {info['host']}, started {info['started']}, command: {info['command']}")
+        return f"pid {info['pid']} on {info['host']}, started {info['started']}, command: {info['command']}"
     except (OSError, ValueError, KeyError, TypeError):
         return "a process that has not written its details yet"
 
@@ -55,13 +55,19 @@ def acquire(folder: str | Path, command: str | None = None) -> Path:
         folder.mkdir(parents=True, exist_ok=True)
         lock.acquire(timeout=0)
     except Timeout:
-        raise RunLocked(f"{folder} is in use by another run ({_holder(folder)}); wait for it to finish, stop it, or "
-                        "choose another logging.output_dir") from None
+        raise RunLocked(
+            f"{folder} is in use by another run ({_holder(folder)}); wait for it to finish, stop it, or "
+            "choose another logging.output_dir"
+        ) from None
     except OSError as exc:
         raise RunFolderError(f"output folder {folder} is not writable: {exc.strerror or exc}") from None
     _HELD[folder] = lock
-    info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-            "command": command or shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]])}
+    info = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "command": command or shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+    }
     try:
         write_atomic(folder / INFO_NAME, json.dumps(info) + "\n")
     except OSError as exc:

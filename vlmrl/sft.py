@@ -90,9 +90,12 @@ def _conversation(rec: dict, root: Path, where: str) -> list[Message]:
         out = []
         for m in rec["messages"]:
             content = m["content"] if isinstance(m["content"], list) else [{"type": "text", "text": m["content"]}]
-            parts = [TextPart(p["text"]) if p["type"] == "text" else
-                     ImagePart(to_rgb(Image.open(root / (p.get("ref") or p["image"]))), str(p.get("ref") or p["image"]))
-                     for p in content]
+            parts = [
+                TextPart(p["text"])
+                if p["type"] == "text"
+                else ImagePart(to_rgb(Image.open(root / (p.get("ref") or p["image"]))), str(p.get("ref") or p["image"]))
+                for p in content
+            ]
             out.append(Message(Role(m["role"]), parts))
         return out
     except (KeyError, TypeError, ValueError, OSError) as exc:
@@ -118,17 +121,31 @@ def sft(cfg: Config) -> Path:
     size = cfg.trainer.batch_size
     for step in range(1, cfg.trainer.steps + 1):
         t0 = time.perf_counter()
-        batch = [demos[((step - 1) * size + i) % len(demos)] for i in range(size)][trainer.rank::trainer.world_size]
+        batch = [demos[((step - 1) * size + i) % len(demos)] for i in range(size)][trainer.rank :: trainer.world_size]
         stats = trainer.train_step(to_samples(batch, style, builder.image_token_id))
-        row = {"step": step, "loss": stats.loss, "grad_norm": stats.grad_norm, "num_tokens": stats.num_tokens,
-               "num_samples": stats.num_samples, "lr": stats.lr, "step_s": time.perf_counter() - t0}
+        row = {
+            "step": step,
+            "loss": stats.loss,
+            "grad_norm": stats.grad_norm,
+            "num_tokens": stats.num_tokens,
+            "num_samples": stats.num_samples,
+            "lr": stats.lr,
+            "step_s": time.perf_counter() - t0,
+        }
         if files:
             files.append(files.metrics, [row])
         if step == 1 or step % 10 == 0 or step == cfg.trainer.steps:
             log.info("sft step %d/%d loss %.4f grad_norm %.3f", step, cfg.trainer.steps, stats.loss, stats.grad_norm)
     root = Path(cfg.logging.output_dir)
-    path = checkpoint.save(trainer, root / "checkpoints", cfg.trainer.steps, {"step": cfg.trainer.steps},
-                           processor=processor, config_yaml=to_yaml(cfg), keep_last=cfg.trainer.keep_last)
+    path = checkpoint.save(
+        trainer,
+        root / "checkpoints",
+        cfg.trainer.steps,
+        {"step": cfg.trainer.steps},
+        processor=processor,
+        config_yaml=to_yaml(cfg),
+        keep_last=cfg.trainer.keep_last,
+    )
     if trainer.is_main:
         shutil.copytree(path / "hf", root / "hf", dirs_exist_ok=True)
     return root / "hf"

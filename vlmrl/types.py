@@ -61,8 +61,9 @@ class Message:
 
     def to_hf(self) -> dict:
         """The message in the HF chat-template format: `{"role", "content": [{"type": "text"|"image", ...}]}`."""
-        parts = [{"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"}
-                 for p in self.content]
+        parts = [
+            {"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"} for p in self.content
+        ]
         return {"role": self.role.value, "content": parts}
 
     def to_json(self, image_ref: "Callable[[ImagePart], str] | None" = None) -> dict:
@@ -189,16 +190,30 @@ class ToolStats:
     @classmethod
     def from_json(cls, d: dict) -> "ToolStats":
         """The inverse of `to_json` (a trajectory record's `tool_stats`); missing keys take the defaults."""
-        return cls(int(d.get("calls", 0)), int(d.get("ok", 0)),
-                   {str(k): int(v) for k, v in (d.get("failures") or {}).items()},
-                   [float(x) for x in d.get("latency_s", [])], int(d.get("images", 0)), int(d.get("truncated", 0)),
-                   int(d.get("dropped", 0)), int(d.get("abandoned", 0)), int(d.get("tool_turns", 0)))
+        return cls(
+            int(d.get("calls", 0)),
+            int(d.get("ok", 0)),
+            {str(k): int(v) for k, v in (d.get("failures") or {}).items()},
+            [float(x) for x in d.get("latency_s", [])],
+            int(d.get("images", 0)),
+            int(d.get("truncated", 0)),
+            int(d.get("dropped", 0)),
+            int(d.get("abandoned", 0)),
+            int(d.get("tool_turns", 0)),
+        )
 
     def to_json(self) -> dict:
-        return {"calls": self.calls, "ok": self.ok, "failures": dict(self.failures),
-                "latency_s": [round(x, 6) for x in self.latency_s], "images": self.images,
-                "truncated": self.truncated, "dropped": self.dropped, "abandoned": self.abandoned,
-                "tool_turns": self.tool_turns}
+        return {
+            "calls": self.calls,
+            "ok": self.ok,
+            "failures": dict(self.failures),
+            "latency_s": [round(x, 6) for x in self.latency_s],
+            "images": self.images,
+            "truncated": self.truncated,
+            "dropped": self.dropped,
+            "abandoned": self.abandoned,
+            "tool_turns": self.tool_turns,
+        }
 
 
 @dataclass
@@ -237,9 +252,7 @@ class VisionInputs:
             return kind.cat(parts)
         import torch
 
-        return VisionInputs(
-            torch.cat([p.pixel_values for p in parts]), torch.cat([p.image_grid_thw for p in parts])
-        )
+        return VisionInputs(torch.cat([p.pixel_values for p in parts]), torch.cat([p.image_grid_thw for p in parts]))
 
     @property
     def num_images(self) -> int:
@@ -302,8 +315,15 @@ class TokenSeq:
 
     def fork(self) -> "TokenSeq":
         """A copy whose lists can grow independently (processed image tensors are shared, read-only)."""
-        return TokenSeq(list(self.ids), list(self.loss_mask), list(self.logprobs), list(self.images),
-                        list(self.vision_parts), list(self.turn_spans), list(self.boundary))
+        return TokenSeq(
+            list(self.ids),
+            list(self.loss_mask),
+            list(self.logprobs),
+            list(self.images),
+            list(self.vision_parts),
+            list(self.turn_spans),
+            list(self.boundary),
+        )
 
     def prompt(self) -> EnginePrompt:
         return EnginePrompt(list(self.ids), list(self.images), self.vision)

@@ -38,8 +38,9 @@ def write(out: Path, n_rows: int = 6, seed: int = 0) -> Path:
         names = [f"images/{i}_{k}.png" for k in range(2)]
         for name, n in zip(names, counts):
             picture(rng, n).save(out / name)
-        prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "image"},
-                                               {"type": "text", "text": QUESTION}]}]
+        prompt = [
+            {"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": QUESTION}]}
+        ]
         lines.append({"id": f"shapes-{i}", "prompt": prompt, "images": names, "solution": str(sum(counts))})
     path = out / "train.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))

@@ -30,10 +30,32 @@ def vllm_server(directory: Path, max_model_len: int, extra: tuple[str, ...] = ()
     port = _free_port()
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     log_path = Path(directory) / "server.log"
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(directory),
-           "--served-model-name", "policy", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-           "--enforce-eager", "--max-model-len", str(max_model_len), "--kv-cache-memory-bytes", str(256 << 20),
-           "--generation-config", "vllm", "--logprobs-mode", "processed_logprobs", "--enable-scale-out", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(directory),
+        "--served-model-name",
+        "policy",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--max-model-len",
+        str(max_model_len),
+        "--kv-cache-memory-bytes",
+        str(256 << 20),
+        "--generation-config",
+        "vllm",
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--enable-scale-out",
+        *extra,
+    ]
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"

@@ -61,8 +61,9 @@ class TextProcessor:
         self.tokenizer.chat_template = self.chat_template
 
     def apply_chat_template(self, messages, tools=None, tokenize=False, add_generation_prompt=False):
-        return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=tokenize,
-                                                  add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=tokenize, add_generation_prompt=add_generation_prompt
+        )
 
     def save_pretrained(self, directory):
         self.tokenizer.save_pretrained(directory)
@@ -78,8 +79,14 @@ class SumEnv(Environment):
     def step(self, assistant_text, turn, last_turn):
         correct = f"\\boxed{{{self.task.answer}}}" in assistant_text
         more = [] if correct or last_turn else [Message.text(Role.USER, "Not quite. Try again.")]
-        return StepResult(1.0 if correct else 0.0, correct, more, ParseStatus.OK if correct else ParseStatus.NO_ANSWER,
-                          correct, correct)
+        return StepResult(
+            1.0 if correct else 0.0,
+            correct,
+            more,
+            ParseStatus.OK if correct else ParseStatus.NO_ANSWER,
+            correct,
+            correct,
+        )
 
 
 def tiny_qwen2(tied: bool, seed: int = 0):
@@ -88,9 +95,19 @@ def tiny_qwen2(tied: bool, seed: int = 0):
     of the LM head reads it."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    cfg = Qwen2Config(vocab_size=151936, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                      tie_word_embeddings=tied, eos_token_id=EOS, bos_token_id=151643, pad_token_id=151643)
+    cfg = Qwen2Config(
+        vocab_size=151936,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=tied,
+        eos_token_id=EOS,
+        bos_token_id=151643,
+        pad_token_id=151643,
+    )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(cfg).float()
     if not tied:
@@ -103,13 +120,21 @@ def tiny_qwen2(tied: bool, seed: int = 0):
 
 def rollout_cfg(**vllm) -> RolloutConfig:
     """`rollout=vllm` for the tiny text models: `rollout.vllm` gets a 0.25 GiB KV cache and `vllm`'s fields."""
-    return RolloutConfig(engine="vllm", temperature=TEMPERATURE, top_p=1.0, max_new_tokens=10, max_context_tokens=512,
-                         vllm=VLLMConfig(**{"kv_cache_gb": 0.25, "sync_check_seqs": 2, **vllm}))
+    return RolloutConfig(
+        engine="vllm",
+        temperature=TEMPERATURE,
+        top_p=1.0,
+        max_new_tokens=10,
+        max_context_tokens=512,
+        vllm=VLLMConfig(**{"kv_cache_gb": 0.25, "sync_check_seqs": 2, **vllm}),
+    )
 
 
 def make_tasks(n: int) -> list[Task]:
-    return [Task(f"t{i}", [Message.text(Role.USER, f"What is {i}+3? Put the answer in \\boxed{{}}.")], str(i + 3))
-            for i in range(n)]
+    return [
+        Task(f"t{i}", [Message.text(Role.USER, f"What is {i}+3? Put the answer in \\boxed{{}}.")], str(i + 3))
+        for i in range(n)
+    ]
 
 
 def recompute(model, trajs, temperature=TEMPERATURE) -> float:
@@ -141,8 +166,9 @@ def _free(engine):
 def test_colocated_episode_loop_zero3_sync(processor, builder):
     from vlmrl.train.trainer import GRPOTrainer, TrainerSettings
 
-    trainer = GRPOTrainer(tiny_qwen2(tied=False), TrainerSettings(zero_stage=3, lr=3e-3, max_grad_norm=0.0,
-                                                                  temperature=TEMPERATURE))
+    trainer = GRPOTrainer(
+        tiny_qwen2(tied=False), TrainerSettings(zero_stage=3, lr=3e-3, max_grad_norm=0.0, temperature=TEMPERATURE)
+    )
     t0 = time.perf_counter()
     engine = make_engine(rollout_cfg(), trainer.policy, processor, builder)
     print(f"\nvLLM colocated engine up in {time.perf_counter() - t0:.1f} s; first sync {engine.last_sync_metrics}")
@@ -174,8 +200,10 @@ def test_colocated_episode_loop_zero3_sync(processor, builder):
         stale = engine.prompt_logprobs(probe)
         metrics = engine.sync_weights()
         fresh = engine.prompt_logprobs(probe)
-        print(f"update: loss {stats.loss:+.4f}; sync: {metrics}; "
-              f"probe moved by {max(abs(a - b) for a, b in zip(stale, fresh)):.3g}")
+        print(
+            f"update: loss {stats.loss:+.4f}; sync: {metrics}; "
+            f"probe moved by {max(abs(a - b) for a, b in zip(stale, fresh)):.3g}"
+        )
         assert metrics[METRIC] < TOL
         assert max(abs(a - b) for a, b in zip(stale, fresh)) > 1e-3  # the update reached vLLM
 
@@ -218,8 +246,10 @@ def test_tied_embeddings_stale_head_is_detected(processor, builder):
         engine.push_weights(list(model.named_parameters()))  # what a reload without `lm_head.weight` sees
         stale = engine.check_weights()
         metrics = engine.sync_weights()  # the full state dict, tied entries included
-        print(f"\ntied embeddings: after a reload without lm_head.weight max |d| = {stale:.3g}; "
-              f"after a full sync {metrics[METRIC]:.2e}")
+        print(
+            f"\ntied embeddings: after a reload without lm_head.weight max |d| = {stale:.3g}; "
+            f"after a full sync {metrics[METRIC]:.2e}"
+        )
         assert stale > 0.1
         assert metrics[METRIC] < TOL
     finally:
@@ -244,8 +274,13 @@ def test_server_mode_generate_and_sync(served_model, processor, builder):
     engine = make_engine(cfg, policy, processor, builder)
     assert engine.served_model == "policy"
     assert engine.last_sync_metrics[METRIC] < TOL
-    runner = EpisodeRunner(builder, engine, SumEnv, EpisodeLimits(2, 512, 0.95),
-                           SamplingParams(max_new_tokens=10, temperature=TEMPERATURE, seed=3))
+    runner = EpisodeRunner(
+        builder,
+        engine,
+        SumEnv,
+        EpisodeLimits(2, 512, 0.95),
+        SamplingParams(max_new_tokens=10, temperature=TEMPERATURE, seed=3),
+    )
     trajs = runner.run(make_tasks(2), group_size=4)
     reasons = {turn.generation.stop_reason for t in trajs for turn in t.turns}
     assert StopReason.EOS in reasons
@@ -267,8 +302,15 @@ def test_conf_group_config_reaches_the_engine(processor, builder):
     """`rollout=vllm` from conf/: the typed `rollout.vllm` node is the engine's config as it is."""
     from vlmrl.config import load
 
-    cfg = load(None, ["rollout=vllm", "rollout.max_context_tokens=512", "rollout.vllm.kv_cache_gb=0.25",
-                      "rollout.vllm.sync_check_seqs=1"])
+    cfg = load(
+        None,
+        [
+            "rollout=vllm",
+            "rollout.max_context_tokens=512",
+            "rollout.vllm.kv_cache_gb=0.25",
+            "rollout.vllm.sync_check_seqs=1",
+        ],
+    )
     model = tiny_qwen2(tied=False).eval()
     engine = make_engine(cfg.rollout, lambda: contextlib.nullcontext(model), processor, builder)
     try:

@@ -79,15 +79,22 @@ class FeedbackImageEnv(Environment):
         return list(task.messages)
 
     def step(self, assistant_text, turn, last_turn):
-        more = [] if last_turn else [Message(Role.USER, [TextPart("Look again:"), ImagePart(diagram("2403"),
-                                                                                           "2403.png")])]
+        more = (
+            [] if last_turn else [Message(Role.USER, [TextPart("Look again:"), ImagePart(diagram("2403"), "2403.png")])]
+        )
         return StepResult(0.0, False, more, ParseStatus.NO_ANSWER, False, False)
 
 
 def rollout_cfg(**vllm) -> RolloutConfig:
     """`rollout=vllm` for the tiny Qwen2.5-VL: `rollout.vllm` gets a 0.25 GiB KV cache and `vllm`'s fields."""
-    return RolloutConfig(engine="vllm", temperature=TEMPERATURE, top_p=1.0, max_new_tokens=8, max_context_tokens=1024,
-                         vllm=VLLMConfig(**{"kv_cache_gb": 0.25, "sync_check_seqs": 2, **vllm}))
+    return RolloutConfig(
+        engine="vllm",
+        temperature=TEMPERATURE,
+        top_p=1.0,
+        max_new_tokens=8,
+        max_context_tokens=1024,
+        vllm=VLLMConfig(**{"kv_cache_gb": 0.25, "sync_check_seqs": 2, **vllm}),
+    )
 
 
 def worst_delta(model, samples) -> float:
@@ -112,14 +119,22 @@ def setup():
 
 
 def two_image_task() -> Task:
-    content = [ImagePart(diagram("2401"), "2401.png"), ImagePart(diagram("2402"), "2402.png"),
-               TextPart("Which diagram shows a circle? Answer in \\boxed{}.")]
+    content = [
+        ImagePart(diagram("2401"), "2401.png"),
+        ImagePart(diagram("2402"), "2402.png"),
+        TextPart("Which diagram shows a circle? Answer in \\boxed{}."),
+    ]
     return Task("two", [Message(Role.USER, content)], "B")
 
 
 def run_episodes(s) -> list:
-    runner = EpisodeRunner(s.builder, s.engine, FeedbackImageEnv, EpisodeLimits(2, 1024, 0.95),
-                           SamplingParams(max_new_tokens=8, temperature=TEMPERATURE, seed=3))
+    runner = EpisodeRunner(
+        s.builder,
+        s.engine,
+        FeedbackImageEnv,
+        EpisodeLimits(2, 1024, 0.95),
+        SamplingParams(max_new_tokens=8, temperature=TEMPERATURE, seed=3),
+    )
     return runner.run([two_image_task()], group_size=2)
 
 
@@ -160,10 +175,16 @@ def test_tool_image_response_is_sampled_through_vllm(setup):
     for gen in gens:
         prompt = EnginePrompt(seq.ids + list(gen.token_ids), seq.images, seq.vision)
         ids = torch.tensor(prompt.token_ids)
-        sample = Sample(input_ids=ids, loss_mask=torch.ones_like(ids), old_logprobs=torch.zeros(len(ids)),
-                        advantage=0.0, vision=prompt.vision, mm_token_type_ids=(ids == b.image_token_id).long())
+        sample = Sample(
+            input_ids=ids,
+            loss_mask=torch.ones_like(ids),
+            old_logprobs=torch.zeros(len(ids)),
+            advantage=0.0,
+            vision=prompt.vision,
+            mm_token_type_ids=(ids == b.image_token_id).long(),
+        )
         with torch.no_grad():
-            lp = sequence_logprobs(setup.model, sample, TEMPERATURE)[-len(gen.token_ids):]
+            lp = sequence_logprobs(setup.model, sample, TEMPERATURE)[-len(gen.token_ids) :]
         worst = max(worst, float((lp - torch.tensor(gen.logprobs)).abs().max()))
     assert worst < TOL
 
@@ -197,8 +218,10 @@ def test_server_mode_with_images_matches_the_trainer(tmp_path_factory, setup):
         metrics = engine.sync_weights()
         trajs = run_episodes(s)
         after = worst_delta(model, to_samples(trajs, ExportStyle.concat, setup.builder.image_token_id))
-        print(f"\nserver mode with images: rollout vs trainer max |d| {before:.2e}; stale check {stale:.3g}; "
-              f"after sync {metrics}; parity after sync {after:.2e}")
+        print(
+            f"\nserver mode with images: rollout vs trainer max |d| {before:.2e}; stale check {stale:.3g}; "
+            f"after sync {metrics}; parity after sync {after:.2e}"
+        )
         assert before < TOL and stale > 1e-3 and metrics[METRIC] < TOL and after < TOL
 
 
@@ -232,13 +255,19 @@ def test_vllm_logprobs_at_temperature_0_7_top_p_0_9_with_images(setup):
     worst = worst_plain = worst_gap = worst_t1 = 0.0
     for gen in gens:
         ids = torch.tensor(seq.ids + list(gen.token_ids))
-        sample = Sample(input_ids=ids, loss_mask=torch.ones_like(ids), old_logprobs=torch.zeros(len(ids)),
-                        advantage=0.0, vision=seq.vision, mm_token_type_ids=(ids == b.image_token_id).long())
+        sample = Sample(
+            input_ids=ids,
+            loss_mask=torch.ones_like(ids),
+            old_logprobs=torch.zeros(len(ids)),
+            advantage=0.0,
+            vision=seq.vision,
+            mm_token_type_ids=(ids == b.image_token_id).long(),
+        )
         batch = collate([sample], family="qwen2_5_vl")
         inputs = {k: v for k, v in batch.items() if k not in ("loss_mask", "old_logprobs")}
         n = len(gen.token_ids)
         with torch.no_grad():
-            logits = setup.model(**inputs, use_cache=False).logits[0, -n - 1:-1]  # [n, V]: predict the samples
+            logits = setup.model(**inputs, use_cache=False).logits[0, -n - 1 : -1]  # [n, V]: predict the samples
             plain = sequence_logprobs(setup.model, sample, temperature)[-n:]
             at_one = sequence_logprobs(setup.model, sample, 1.0)[-n:]
         ref, tempered, mass = nucleus_logprobs(logits, ids[-n:], temperature, top_p)
@@ -248,8 +277,10 @@ def test_vllm_logprobs_at_temperature_0_7_top_p_0_9_with_images(setup):
         worst_gap = max(worst_gap, float(((vllm - plain.double()) - (-mass.log())).abs().max()))
         worst_t1 = max(worst_t1, float((vllm - at_one.double()).abs().max()))
         assert float((-mass.log()).min()) > 1e-3  # the nucleus really cuts: the two conventions differ
-    print(f"\nT=0.7 top_p=0.9 with an image: vLLM vs nucleus reference max |d| {worst:.2e}; plain tempered "
-          f"recomputation vs vLLM - (-log mass) {worst_gap:.2e}; vs T=1 {worst_t1:.3g}")
+    print(
+        f"\nT=0.7 top_p=0.9 with an image: vLLM vs nucleus reference max |d| {worst:.2e}; plain tempered "
+        f"recomputation vs vLLM - (-log mass) {worst_gap:.2e}; vs T=1 {worst_t1:.3g}"
+    )
     assert worst <= TOL and worst_plain <= TOL and worst_gap <= TOL
     assert worst_t1 > 1e-2
 
@@ -261,10 +292,23 @@ def _train_with_vllm(tmp_path: Path, *extra: str) -> Path:
     tiny_qwen25_vl_head32().save_pretrained(model_dir)
     load_processor("qwen2_5_vl", "tiny:qwen2_5_vl").save_pretrained(model_dir)
     out = tmp_path / "run"
-    cmd = [sys.executable, str(ROOT / "tests" / "scripts" / "train_test_env.py"), "train", "recipe=geometry3k_tiny",
-           "rollout=vllm", f"model.name_or_path={model_dir}", "data.limit=2", "trainer.batch_size=1",
-           "algorithm.group_size=2", "rollout.max_new_tokens=8", "rollout.max_context_tokens=1024",
-           "rollout.vllm.kv_cache_gb=0.25", "trainer.align_every=0", f"logging.output_dir={out}", *extra]
+    cmd = [
+        sys.executable,
+        str(ROOT / "tests" / "scripts" / "train_test_env.py"),
+        "train",
+        "recipe=geometry3k_tiny",
+        "rollout=vllm",
+        f"model.name_or_path={model_dir}",
+        "data.limit=2",
+        "trainer.batch_size=1",
+        "algorithm.group_size=2",
+        "rollout.max_new_tokens=8",
+        "rollout.max_context_tokens=1024",
+        "rollout.vllm.kv_cache_gb=0.25",
+        "trainer.align_every=0",
+        f"logging.output_dir={out}",
+        *extra,
+    ]
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -279,12 +323,21 @@ def test_async_train_with_vllm_and_images(tmp_path):
     names (checkpoints/step_<v>/hf) to TOL."""
     from vlmrl.checks.run_alignment import verify_run
 
-    out = _train_with_vllm(tmp_path, "trainer.steps=3", "algorithm.off_policy_steps=1", "trainer.lr=1e-3",
-                           "trainer.save_every=1", "trainer.keep_last=0", "env._target_=resume_envs.ScoredEnv")
+    out = _train_with_vllm(
+        tmp_path,
+        "trainer.steps=3",
+        "algorithm.off_policy_steps=1",
+        "trainer.lr=1e-3",
+        "trainer.save_every=1",
+        "trainer.keep_last=0",
+        "env._target_=resume_envs.ScoredEnv",
+    )
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["off_policy/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]
-    versions = {(r["step"], r["policy_version"]) for r in
-                (json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines())}
+    versions = {
+        (r["step"], r["policy_version"])
+        for r in (json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines())
+    }
     assert versions == {(1, 0), (2, 0), (3, 1)}
     sys.path.insert(0, str(ROOT / "tests"))  # resume_envs, named by the run's config
     report = verify_run(out)
@@ -292,8 +345,12 @@ def test_async_train_with_vllm_and_images(tmp_path):
     assert report.ok and report.n_tokens > 0 and report.max_abs_dlogprob <= TOL
     # the synchronous assumption (sampled by the end of step - 1) does not fit step 3: the updates were real
     path = out / "trajectories.jsonl"
-    path.write_text("".join(json.dumps({k: v for k, v in json.loads(line).items() if k != "policy_version"}) + "\n"
-                            for line in path.read_text().splitlines()))
+    path.write_text(
+        "".join(
+            json.dumps({k: v for k, v in json.loads(line).items() if k != "policy_version"}) + "\n"
+            for line in path.read_text().splitlines()
+        )
+    )
     wrong = verify_run(out)
     print(f"step - 1 weights: max|dlogprob| {wrong.max_abs_dlogprob:.3g}")
     assert wrong.max_abs_dlogprob > 1e-2

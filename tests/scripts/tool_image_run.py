@@ -37,8 +37,9 @@ class Scripted(Engine):
     def generate(self, prompts, n, params):
         out = []
         for _ in prompts:
-            ids = [self.tok.encode(t := self.replies.popleft(), add_special_tokens=False) + [self.eos]
-                   for _ in range(n)]
+            ids = [
+                self.tok.encode(t := self.replies.popleft(), add_special_tokens=False) + [self.eos] for _ in range(n)
+            ]
             out.append([Generation(i, [0.0] * len(i), StopReason.EOS, t) for i in ids])
         return out
 
@@ -67,12 +68,19 @@ def main(out: Path) -> None:
     (task,) = load_env_tasks(cfg.env, cfg.data)
     parser = tooling.runtime.parser
     w, h = task.meta["image_size"]
-    replies = [parser.format_call("crop", {"x0": 0, "y0": 0, "x1": w // 2, "y1": h // 2}),
-               parser.format_call("calculate", {"expression": "180 - 2 * 35"}),
-               f"The answer is \\boxed{{{task.meta['answer_letter']}}}."]
-    runner = EpisodeRunner(builder, Scripted(builder.tokenizer, builder.eos_token_id, replies), tooling.env_factory,
-                           EpisodeLimits(4, cfg.rollout.max_context_tokens, cfg.algorithm.turn_discount),
-                           SamplingParams(max_new_tokens=64), tools=tooling.runtime)
+    replies = [
+        parser.format_call("crop", {"x0": 0, "y0": 0, "x1": w // 2, "y1": h // 2}),
+        parser.format_call("calculate", {"expression": "180 - 2 * 35"}),
+        f"The answer is \\boxed{{{task.meta['answer_letter']}}}.",
+    ]
+    runner = EpisodeRunner(
+        builder,
+        Scripted(builder.tokenizer, builder.eos_token_id, replies),
+        tooling.env_factory,
+        EpisodeLimits(4, cfg.rollout.max_context_tokens, cfg.algorithm.turn_discount),
+        SamplingParams(max_new_tokens=64),
+        tools=tooling.runtime,
+    )
     (traj,) = runner.run([task], group_size=1)
     (sample,) = to_samples([traj], ExportStyle.concat, builder.image_token_id)
     with torch.no_grad():  # teacher-forced rollout logprobs of the config model
@@ -84,11 +92,16 @@ def main(out: Path) -> None:
     (out / "trajectories.jsonl").write_text(json.dumps(trajectory_record(traj, step=1)) + "\n")
     print(f"run folder {out}: 1 trajectory, end {traj.end_reason}, reward {traj.reward:.3f}")
     for k, ((s, e), turn) in enumerate(zip(traj.tokens.turn_spans, traj.turns)):
-        kind = f"tool turn {[c.name for c in turn.tool_calls]} errors {turn.tool_errors}" if turn.is_tool_turn \
+        kind = (
+            f"tool turn {[c.name for c in turn.tool_calls]} errors {turn.tool_errors}"
+            if turn.is_tool_turn
             else f"graded: reward {turn.reward}, correct {turn.correct}"
+        )
         print(f"  turn {k}: sampled ids [{s}, {e}) mask 1 ({e - s} tokens); {kind}")
-    print(f"  ids {len(traj.tokens.ids)}, mask-1 {sum(traj.tokens.loss_mask)}, images "
-          f"{[m.role.value + ':' + p.ref for m in traj.messages for p in m.content if isinstance(p, ImagePart)]}")
+    print(
+        f"  ids {len(traj.tokens.ids)}, mask-1 {sum(traj.tokens.loss_mask)}, images "
+        f"{[m.role.value + ':' + p.ref for m in traj.messages for p in m.content if isinstance(p, ImagePart)]}"
+    )
     print(f"  tool stats {traj.tool_stats.to_json()}")
 
 

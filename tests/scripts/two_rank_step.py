@@ -47,8 +47,15 @@ def reference_grads(model: torch.nn.Module, samples, options: dict | None = None
         n_tok, n_seq = float(mask.sum()), float((mask.sum(-1) > 0).sum())
         w = token_weights(mask, options.get("loss_agg", "token-mean"), n_tok, n_seq, options.get("loss_agg_norm", 1))
         mode = options.get("rollout_correction", "off")
-        corr = correction_weights(lp.detach(), old, mask, mode, options.get("tis_cap", 2.0),
-                                  options.get("mis_low", 0.5), options.get("mis_high", 2.0))
+        corr = correction_weights(
+            lp.detach(),
+            old,
+            mask,
+            mode,
+            options.get("tis_cap", 2.0),
+            options.get("mis_low", 0.5),
+            options.get("mis_high", 2.0),
+        )
         if mode != "off":
             old, w = lp.detach(), w if corr.keep is None else w * corr.keep[:, None]
         loss, _ = grpo_loss(lp, old, adv, mask, num_tokens=n_tok, is_weights=corr.is_weights, token_weights=w)
@@ -71,8 +78,10 @@ def run_stage(stage: int, options: dict) -> None:
     everything = [image_sample(50 + i, n_gen=2 + 3 * i, advantage=a) for i, a in enumerate([1.0, -0.5, 0.8, -1.2])]
     everything = with_old_logprobs(model, everything, noise=0.3)
     expected = reference_grads(copy.deepcopy(model), everything, options)
-    trainer = GRPOTrainer(model, TrainerSettings(zero_stage=stage, micro_batch_size=1, lr=1e-3, max_grad_norm=0.0,
-                                                 clip_eps_high=0.2, **options))
+    trainer = GRPOTrainer(
+        model,
+        TrainerSettings(zero_stage=stage, micro_batch_size=1, lr=1e-3, max_grad_norm=0.0, clip_eps_high=0.2, **options),
+    )
     mine = everything[:3] if trainer.rank == 0 else everything[3:]
     trainer.engine.train()
     _, num_tokens, num_samples = trainer.accumulate_gradients(mine)

@@ -117,8 +117,9 @@ def resolve_model(model: str, family: str | None = None) -> tuple[str, Any, str]
     if path.is_dir():
         fam = family or family_of_model_type(_model_type_of_dir(path) or "")
         if fam is None:
-            raise CheckError(f"{model}: cannot tell the model family (no model_type in config.json); pass --family "
-                             f"(one of {known})")
+            raise CheckError(
+                f"{model}: cannot tell the model family (no model_type in config.json); pass --family (one of {known})"
+            )
         return fam, _load_path_processor(fam, str(path)), str(path)
     if model.startswith(("/", ".", "~")) or model.count("/") != 1:
         raise CheckError(f"{model!r} is not a family ({', '.join(known)}), a local folder or a hub id 'org/name'")
@@ -145,5 +146,13 @@ def make_builder(family: str, processor: Any, tools: list[dict] | None = None):
         return get_builder(family, processor)
 
 
-__all__ = ["CheckError", "families", "family_of_model_type", "family_source", "load_family_processor", "make_builder",
-           "register_processor_loader", "resolve_model"]
+__all__ = [
+    "CheckError",
+    "families",
+    "family_of_model_type",
+    "family_source",
+    "load_family_processor",
+    "make_builder",
+    "register_processor_loader",
+    "resolve_model",
+]

@@ -45,7 +45,6 @@ This module gathers the API; the code lives in `vlmrl.checks.diff` (`Mismatch`, 
 (`logprob_deltas`, `LogprobStats`, `sampled_alignment`) and `vlmrl.checks.run_alignment` (`verify_run`).
 """
 
-
 from __future__ import annotations
 
 from vlmrl.checks.diff import BOUNDARY, FAIL, REWRITE, TRAILING, Mismatch, diff_tokens
@@ -54,6 +53,23 @@ from vlmrl.checks.replay import Recorded, replay
 from vlmrl.checks.run_alignment import RunAlignment, TrajectoryAlignment, verify_run
 from vlmrl.checks.scenario_alignment import ScenarioAlignment, align_family, align_scenario
 
-__all__ = ["AlignmentSample", "BOUNDARY", "FAIL", "LogprobStats", "Mismatch", "REWRITE", "Recorded", "RunAlignment",
-           "ScenarioAlignment", "TRAILING", "TrajectoryAlignment", "align_family", "align_scenario", "diff_tokens",
-           "logprob_deltas", "replay", "sampled_alignment", "verify_run"]
+__all__ = [
+    "AlignmentSample",
+    "BOUNDARY",
+    "FAIL",
+    "LogprobStats",
+    "Mismatch",
+    "REWRITE",
+    "Recorded",
+    "RunAlignment",
+    "ScenarioAlignment",
+    "TRAILING",
+    "TrajectoryAlignment",
+    "align_family",
+    "align_scenario",
+    "diff_tokens",
+    "logprob_deltas",
+    "replay",
+    "sampled_alignment",
+    "verify_run",
+]

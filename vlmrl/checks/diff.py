@@ -56,6 +56,7 @@ def _decoder(builder):
         if len(ids) <= 6:
             return f"{text} {ids}".strip()
         return text or f"{ids[:6]}…"
+
     return decode
 
 
@@ -72,9 +73,19 @@ def _near(positions: set[int], at: int, allowed: set[int]) -> bool:
     return (at - 1) in allowed or at in allowed
 
 
-def diff_tokens(check: str, got: list[int], ref: list[int], decode, *, got_offset: int = 0, ref_offset: int = 0,
-                got_boundary: set[int] = frozenset(), ref_boundary: set[int] | None = None,
-                rewritable: set[int] = frozenset(), trailing: list[int] | None = None) -> list[Mismatch]:
+def diff_tokens(
+    check: str,
+    got: list[int],
+    ref: list[int],
+    decode,
+    *,
+    got_offset: int = 0,
+    ref_offset: int = 0,
+    got_boundary: set[int] = frozenset(),
+    ref_boundary: set[int] | None = None,
+    rewritable: set[int] = frozenset(),
+    trailing: list[int] | None = None,
+) -> list[Mismatch]:
     """Differences between `got` and the reference `ref`, one per changed run, classified.
 
     got_boundary/ref_boundary: absolute positions of recorded boundary tokens on each side (ref_boundary None: the
@@ -102,4 +113,3 @@ def diff_tokens(check: str, got: list[int], ref: list[int], decode, *, got_offse
             kind = FAIL
         out.append(Mismatch(check, got_offset + i1, kind, decode(ref[j1:j2]), decode(got[i1:i2])))
     return out
-

@@ -15,9 +15,14 @@ from vlmrl.types import Sample, Trajectory
 
 def _sample(ids: list[int], mask: list[int], logprobs: list[float], vision, image_token_id: int) -> Sample:
     input_ids = torch.tensor(ids, dtype=torch.long)
-    return Sample(input_ids=input_ids, loss_mask=torch.tensor(mask, dtype=torch.float32),
-                  old_logprobs=torch.tensor(logprobs, dtype=torch.float32), advantage=0.0, vision=vision,
-                  mm_token_type_ids=(input_ids == image_token_id).long())
+    return Sample(
+        input_ids=input_ids,
+        loss_mask=torch.tensor(mask, dtype=torch.float32),
+        old_logprobs=torch.tensor(logprobs, dtype=torch.float32),
+        advantage=0.0,
+        vision=vision,
+        mm_token_type_ids=(input_ids == image_token_id).long(),
+    )
 
 
 @torch.no_grad()
@@ -71,8 +76,14 @@ class AlignmentSample:
         return {f"{prefix}{k}": float(v) for k, v in self.__dict__.items()}
 
 
-def sampled_alignment(trainer_or_model, builder, trajectories: list[Trajectory], k: int = 4,
-                      temperature: float | None = None, seed: int = 0) -> AlignmentSample:
+def sampled_alignment(
+    trainer_or_model,
+    builder,
+    trajectories: list[Trajectory],
+    k: int = 4,
+    temperature: float | None = None,
+    seed: int = 0,
+) -> AlignmentSample:
     """Check k (random, seeded) of a step's trajectories: re-render them (token mismatches that are not boundary
     tokens are counted) and recompute the logprobs of their sampled tokens with the current policy.
 
@@ -101,4 +112,3 @@ def sampled_alignment(trainer_or_model, builder, trajectories: list[Trajectory],
         finally:
             trainer_or_model.train(was_training)
     return AlignmentSample(stats.max_abs, stats.kl, stats.n_tokens, stats.mean_d, len(recs), bad)
-

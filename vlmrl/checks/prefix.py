@@ -79,8 +79,8 @@ def _stage_name(n: int, gen: bool) -> str:
 
 def _snippet(tokenizer, ids: list[int], pos: int, before: int = 3, after: int = 4) -> str:
     if tokenizer is None:
-        return str(ids[max(0, pos - before):pos + after])
-    return tokenizer.decode(ids[max(0, pos - before):pos]) + "⟦" + tokenizer.decode(ids[pos:pos + after]) + "⟧"
+        return str(ids[max(0, pos - before) : pos + after])
+    return tokenizer.decode(ids[max(0, pos - before) : pos]) + "⟦" + tokenizer.decode(ids[pos : pos + after]) + "⟧"
 
 
 def _squash(text: str) -> str:
@@ -97,11 +97,15 @@ def check_scenario(builder, scenario: Scenario) -> ScenarioPrefix:
     replies = [k for k, m in enumerate(msgs) if m.role == Role.ASSISTANT]
     try:
         renders = [builder.render_full(msgs[:n], add_generation_prompt=gen).ids for n, gen in plan]
-        histories = {k: builder.render_full(msgs[:k], add_generation_prompt=False).ids for k in replies} \
-            if tok is not None else {}
+        histories = (
+            {k: builder.render_full(msgs[:k], add_generation_prompt=False).ids for k in replies}
+            if tok is not None
+            else {}
+        )
     except Exception as exc:  # noqa: BLE001 - a template that cannot render a scenario: reported as not applicable
-        return ScenarioPrefix(scenario.name, scenario.description, True, len(plan),
-                              error=f"{type(exc).__name__}: {exc}")
+        return ScenarioPrefix(
+            scenario.name, scenario.description, True, len(plan), error=f"{type(exc).__name__}: {exc}"
+        )
     eos = getattr(builder, "eos_token_id", None)
     rendered = dict(zip(plan, renders))
     breaks = []
@@ -109,18 +113,22 @@ def check_scenario(builder, scenario: Scenario) -> ScenarioPrefix:
         if not a[1]:  # a render ending with an assistant turn: compare up to the reply's end-of-turn token, if any
             start = len(rendered.get((a[0] - 1, True), ()))
             ends = [i for i in range(start, len(ids_a)) if ids_a[i] == eos]
-            ids_a = ids_a[:ends[-1] + 1] if ends else ids_a
-        if ids_b[:len(ids_a)] != ids_a:
+            ids_a = ids_a[: ends[-1] + 1] if ends else ids_a
+        if ids_b[: len(ids_a)] != ids_a:
             pos = next((i for i, (x, y) in enumerate(zip(ids_a, ids_b)) if x != y), min(len(ids_a), len(ids_b)))
-            breaks.append(PrefixBreak(_stage_name(*a), _stage_name(*b), pos,
-                                      _snippet(tok, ids_a, pos), _snippet(tok, ids_b, pos)))
+            breaks.append(
+                PrefixBreak(_stage_name(*a), _stage_name(*b), pos, _snippet(tok, ids_a, pos), _snippet(tok, ids_b, pos))
+            )
     for k, history in histories.items():
         ids = rendered[(k + 1, False)]
         reply = _squash(msgs[k].text_content)
-        after = _squash(tok.decode(ids[len(history):] if ids[:len(history)] == history else ids))
+        after = _squash(tok.decode(ids[len(history) :] if ids[: len(history)] == history else ids))
         if reply not in after:
-            breaks.append(PrefixBreak(f"reply {k + 1} as generated", _stage_name(k + 1, False), -1,
-                                      repr(reply[:60]), repr(after[:60])))
+            breaks.append(
+                PrefixBreak(
+                    f"reply {k + 1} as generated", _stage_name(k + 1, False), -1, repr(reply[:60]), repr(after[:60])
+                )
+            )
     return ScenarioPrefix(scenario.name, scenario.description, not breaks, len(plan), len(renders[-1]), breaks)
 
 
@@ -139,16 +147,29 @@ def check_prefix(family: str, processor, model: str = "", only: list[str] | None
     declared = PrefixMode(getattr(builder, "prefix_mode", PrefixMode.EXTENDS))
     consistent = ok == (declared is PrefixMode.EXTENDS)
     if ok:
-        advice = ("prefix-preserving: continuous tokens equal the full render; export `concat` (one sequence per "
-                  "trajectory) is exact.")
+        advice = (
+            "prefix-preserving: continuous tokens equal the full render; export `concat` (one sequence per "
+            "trajectory) is exact."
+        )
     elif declared is PrefixMode.REWRITES_HISTORY:
-        advice = ("not prefix-preserving (the template rewrites earlier turns): the builder keeps the tokens the model "
-                  "really saw (builder mode `rewrites_history`) and vlmrl exports `individual` (one sample per "
-                  "assistant turn) automatically.")
+        advice = (
+            "not prefix-preserving (the template rewrites earlier turns): the builder keeps the tokens the model "
+            "really saw (builder mode `rewrites_history`) and vlmrl exports `individual` (one sample per "
+            "assistant turn) automatically."
+        )
     else:
-        advice = ("not prefix-preserving, but the builder declares `extends`: set `export.style=individual` (one "
-                  "sample per assistant turn on the tokens the model saw) and fix the builder's `prefix_mode` to "
-                  "`rewrites_history`, else vlmrl would export `concat` for this template.")
-    return PrefixReport(family=family, model=model or family, prefix_preserving=ok, builder_mode=declared.value,
-                        export_style="concat" if ok else "individual", consistent=consistent, advice=advice,
-                        scenarios=results)
+        advice = (
+            "not prefix-preserving, but the builder declares `extends`: set `export.style=individual` (one "
+            "sample per assistant turn on the tokens the model saw) and fix the builder's `prefix_mode` to "
+            "`rewrites_history`, else vlmrl would export `concat` for this template."
+        )
+    return PrefixReport(
+        family=family,
+        model=model or family,
+        prefix_preserving=ok,
+        builder_mode=declared.value,
+        export_style="concat" if ok else "individual",
+        consistent=consistent,
+        advice=advice,
+        scenarios=results,
+    )

@@ -47,7 +47,7 @@ def _find(ids: list[int], sub: list[int], start: int) -> int:
     """First index >= start where `sub` occurs in `ids`, or -1."""
     n = len(sub)
     for i in range(start, len(ids) - n + 1):
-        if ids[i:i + n] == sub:
+        if ids[i : i + n] == sub:
             return i
     return -1
 
@@ -80,8 +80,10 @@ def full_reference(builder, messages: list[Message], sampled: list[list[int]]) -
         marker = tok.encode(MARKER.format(k), add_special_tokens=False)
         at = _find(full.ids, marker, pos)
         if at < 0:
-            raise ValueError(f"turn {k}: the marker's tokens are not in the processor's render (the template's tokens "
-                             "merge with the assistant text)")
+            raise ValueError(
+                f"turn {k}: the marker's tokens are not in the processor's render (the template's tokens "
+                "merge with the assistant text)"
+            )
         end = at + len(marker)
         if gen and end < len(full.ids) and gen[-1] == full.ids[end]:
             end += 1  # the template's end-of-turn / next-role token is the sampled one
@@ -103,21 +105,33 @@ def _segments(spans: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:
     return out
 
 
-def compare_tokens(builder, ids: list[int], spans: list[tuple[int, int]], boundary: set[int], ref: Reference,
-                   decode) -> list[Mismatch]:
+def compare_tokens(
+    builder, ids: list[int], spans: list[tuple[int, int]], boundary: set[int], ref: Reference, decode
+) -> list[Mismatch]:
     """Recorded ids [T] (sampled `spans`, inserted `boundary` positions) vs the reference, segment by segment
     ("prompt", "after turn k"); the sampled spans are the reference's by construction and are checked elsewhere.
     A builder that leaves its after-turn text to the next message (`after_assistant_inserted` False) may lack that
     text at the very end (reported as "trailing")."""
-    trailing = None if getattr(builder, "after_assistant_inserted", True) else \
-        list(getattr(builder, "after_assistant_ids", ()) or ()) or None
+    trailing = (
+        None
+        if getattr(builder, "after_assistant_inserted", True)
+        else list(getattr(builder, "after_assistant_ids", ()) or ()) or None
+    )
     out = []
     segs = list(zip(_segments(spans, len(ids)), _segments(ref.spans, len(ref.ids))))
     for j, ((a0, a1), (b0, b1)) in enumerate(segs):
         label = "prompt" if j == 0 else f"after turn {j - 1}"
-        out += diff_tokens(label, ids[a0:a1], ref.ids[b0:b1], decode, got_offset=a0, ref_offset=b0,
-                           got_boundary=boundary, ref_boundary=None,
-                           trailing=trailing if j == len(segs) - 1 else None)
+        out += diff_tokens(
+            label,
+            ids[a0:a1],
+            ref.ids[b0:b1],
+            decode,
+            got_offset=a0,
+            ref_offset=b0,
+            got_boundary=boundary,
+            ref_boundary=None,
+            trailing=trailing if j == len(segs) - 1 else None,
+        )
     return out
 
 
@@ -125,15 +139,17 @@ def compare_vision(builder, got: VisionInputs | None, ref: VisionInputs | None, 
     """`pixel_values` and `image_grid_thw` of the recorded (or re-read) images vs the processor's, exactly; and the
     recorded ids' image placeholders vs the image features of the processor's images."""
     if (got is None) != (ref is None):
-        return [Mismatch("pixel_values", -1, FAIL, "none" if ref is None else "images",
-                         "none" if got is None else "images")]
+        return [
+            Mismatch("pixel_values", -1, FAIL, "none" if ref is None else "images", "none" if got is None else "images")
+        ]
     out = []
     if got is not None:
         for name in ("pixel_values", "image_grid_thw"):
             a, b = getattr(got, name), getattr(ref, name)
             if a.shape != b.shape or not torch.equal(a, b):
-                detail = f"shape {tuple(a.shape)}" + ("" if a.shape != b.shape else
-                                                     f", max |diff| {float((a.float() - b.float()).abs().max()):.3g}")
+                detail = f"shape {tuple(a.shape)}" + (
+                    "" if a.shape != b.shape else f", max |diff| {float((a.float() - b.float()).abs().max()):.3g}"
+                )
                 out.append(Mismatch(name, -1, FAIL, f"shape {tuple(b.shape)}", detail))
     try:
         features = int(builder.image_features(ref)) if ref is not None else 0

@@ -51,11 +51,22 @@ class Recorded:
     def from_trajectory(traj: Trajectory, index: int = 0, step: int = 0) -> "Recorded":
         seq = traj.tokens
         vision = seq.vision
-        return Recorded(list(traj.messages), list(seq.ids), list(seq.loss_mask), list(seq.logprobs),
-                        [tuple(s) for s in seq.turn_spans], list(seq.boundary),
-                        [t.generation.stop_reason.value for t in traj.turns],
-                        vision.image_grid_thw.tolist() if vision is not None else None, step, traj.task_id, index,
-                        vision, 0, [list(t.generation.token_ids) for t in traj.turns])
+        return Recorded(
+            list(traj.messages),
+            list(seq.ids),
+            list(seq.loss_mask),
+            list(seq.logprobs),
+            [tuple(s) for s in seq.turn_spans],
+            list(seq.boundary),
+            [t.generation.stop_reason.value for t in traj.turns],
+            vision.image_grid_thw.tolist() if vision is not None else None,
+            step,
+            traj.task_id,
+            index,
+            vision,
+            0,
+            [list(t.generation.token_ids) for t in traj.turns],
+        )
 
     @staticmethod
     def from_record(rec: dict, index: int, run_dir: Path | None, patch_size: int | None) -> "Recorded":
@@ -73,19 +84,32 @@ class Recorded:
                         image = _stand_in(grids[n_img] if n_img < len(grids) else None, patch_size)
                         stand_ins += 1
                         if image is None:
-                            raise ValueError(f"image ref {p.get('ref')!r} is not a file and the run recorded no grid "
-                                             "to stand in for it")
+                            raise ValueError(
+                                f"image ref {p.get('ref')!r} is not a file and the run recorded no grid "
+                                "to stand in for it"
+                            )
                     parts.append(ImagePart(image, p.get("ref", "")))
                     n_img += 1
                 else:
                     parts.append(TextPart(p.get("text", "")))
             messages.append(Message(Role(m["role"]), parts))
         boundary = [BoundaryEdit(b["position"], b["token_id"], b.get("reason", "")) for b in rec.get("boundary", [])]
-        return Recorded(messages, list(rec["input_ids"]), list(rec["loss_mask"]), [float(x) for x in rec["logprobs"]],
-                        [tuple(s) for s in rec["turn_spans"]], boundary,
-                        list(rec.get("stop_reasons") or []), grids or None, int(rec.get("step", 0)),
-                        str(rec.get("task_id", "")), index, None, stand_ins,
-                        policy_version=_int_or_none(rec.get("policy_version")))
+        return Recorded(
+            messages,
+            list(rec["input_ids"]),
+            list(rec["loss_mask"]),
+            [float(x) for x in rec["logprobs"]],
+            [tuple(s) for s in rec["turn_spans"]],
+            boundary,
+            list(rec.get("stop_reasons") or []),
+            grids or None,
+            int(rec.get("step", 0)),
+            str(rec.get("task_id", "")),
+            index,
+            None,
+            stand_ins,
+            policy_version=_int_or_none(rec.get("policy_version")),
+        )
 
 
 def _int_or_none(value) -> int | None:
@@ -98,10 +122,12 @@ def _int_or_none(value) -> int | None:
 
 def _check_fields(rec: dict) -> None:
     """Types of the fields `from_record` reads: lists of ints / numbers / [start, end] pairs, messages as objects."""
+
     def ints(name: str) -> None:
         value = rec[name]
-        if not isinstance(value, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
-                                                  for x in value):
+        if not isinstance(value, list) or not all(
+            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value
+        ):
             raise ValueError(f"field {name!r} is not a list of non-negative integers")
 
     ints("input_ids")
@@ -109,12 +135,15 @@ def _check_fields(rec: dict) -> None:
     if not isinstance(rec["logprobs"], list) or not all(isinstance(x, (int, float)) for x in rec["logprobs"]):
         raise ValueError("field 'logprobs' is not a list of numbers")
     spans = rec["turn_spans"]
-    if not isinstance(spans, list) or not all(isinstance(sp, list) and len(sp) == 2 and
-                                              all(isinstance(x, int) for x in sp) for sp in spans):
+    if not isinstance(spans, list) or not all(
+        isinstance(sp, list) and len(sp) == 2 and all(isinstance(x, int) for x in sp) for sp in spans
+    ):
         raise ValueError("field 'turn_spans' is not a list of [start, end] integer pairs")
     msgs = rec["messages"]
-    if not isinstance(msgs, list) or not all(isinstance(m, dict) and isinstance(m.get("content"), list) and
-                                             all(isinstance(p, dict) for p in m["content"]) for m in msgs):
+    if not isinstance(msgs, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("content"), list) and all(isinstance(p, dict) for p in m["content"])
+        for m in msgs
+    ):
         raise ValueError("field 'messages' is not a list of {role, content: [parts]} objects")
 
 
@@ -159,8 +188,15 @@ def _structure_checks(rec: Recorded, decode) -> list[Mismatch]:
     out = []
     n = len(rec.ids)
     if not (len(rec.loss_mask) == len(rec.logprobs) == n):
-        out.append(Mismatch("record", -1, FAIL, f"{n} mask/logprob entries",
-                            f"{len(rec.loss_mask)} mask, {len(rec.logprobs)} logprobs"))
+        out.append(
+            Mismatch(
+                "record",
+                -1,
+                FAIL,
+                f"{n} mask/logprob entries",
+                f"{len(rec.loss_mask)} mask, {len(rec.logprobs)} logprobs",
+            )
+        )
         return out
     mask = [0] * n
     for s, e in rec.turn_spans:
@@ -173,8 +209,15 @@ def _structure_checks(rec: Recorded, decode) -> list[Mismatch]:
         out.append(Mismatch("logprobs", bad[0], FAIL, "0 where the mask is 0", f"{len(bad)} nonzero"))
     for b in rec.boundary:
         if not 0 <= b.position < n or rec.ids[b.position] != b.token_id or rec.loss_mask[b.position] != 0:
-            out.append(Mismatch("boundary", b.position, FAIL, f"token {b.token_id} with mask 0 ({b.reason})",
-                                decode(rec.ids[b.position:b.position + 1]) if 0 <= b.position < n else "out of range"))
+            out.append(
+                Mismatch(
+                    "boundary",
+                    b.position,
+                    FAIL,
+                    f"token {b.token_id} with mask 0 ({b.reason})",
+                    decode(rec.ids[b.position : b.position + 1]) if 0 <= b.position < n else "out of range",
+                )
+            )
     return out
 
 
@@ -187,8 +230,15 @@ def replay(builder, rec: Recorded) -> tuple[TokenSeq | None, list[Mismatch]]:
     mismatches = _structure_checks(rec, decode)
     first, plan = turns(rec.messages)
     if len(plan) != len(rec.turn_spans):
-        mismatches.append(Mismatch("turns", -1, FAIL, f"{len(rec.turn_spans)} assistant messages (one per span)",
-                                   f"{len(plan)} assistant messages"))
+        mismatches.append(
+            Mismatch(
+                "turns",
+                -1,
+                FAIL,
+                f"{len(rec.turn_spans)} assistant messages (one per span)",
+                f"{len(plan)} assistant messages",
+            )
+        )
         return None, mismatches
     eos = builder.eos_token_id
     try:
@@ -196,21 +246,32 @@ def replay(builder, rec: Recorded) -> tuple[TokenSeq | None, list[Mismatch]]:
         for i, ((_, after), (s, e)) in enumerate(zip(plan, rec.turn_spans)):
             ids = rec.ids[s:e]
             reason = rec.stop_reasons[i] if i < len(rec.stop_reasons) else ""
-            stop = StopReason(reason) if reason in StopReason._value2member_map_ else (
-                StopReason.EOS if ids and ids[-1] == eos else StopReason.LENGTH)
+            stop = (
+                StopReason(reason)
+                if reason in StopReason._value2member_map_
+                else (StopReason.EOS if ids and ids[-1] == eos else StopReason.LENGTH)
+            )
             builder.add_generation(seq, Generation(ids, rec.logprobs[s:e], stop, ""))
             if after:
                 builder.extend(seq, builder.render_messages(seq, after))
     except Exception as exc:  # noqa: BLE001
-        mismatches.append(Mismatch("replay", -1, FAIL, "the builder re-renders the messages",
-                                   f"{type(exc).__name__}: {exc}"))
+        mismatches.append(
+            Mismatch("replay", -1, FAIL, "the builder re-renders the messages", f"{type(exc).__name__}: {exc}")
+        )
         return None, mismatches
     rec_b = {b.position for b in rec.boundary}
     if PrefixMode(getattr(builder, "prefix_mode", PrefixMode.EXTENDS)) is PrefixMode.EXTENDS:
         mismatches += _against_full_render(builder, rec, seq, rec_b, decode)
     else:
-        mismatches.append(Mismatch("reference", -1, NOTE, "the processor's full render",
-                                   "not prefix-preserving: compared with the builder's own re-render"))
+        mismatches.append(
+            Mismatch(
+                "reference",
+                -1,
+                NOTE,
+                "the processor's full render",
+                "not prefix-preserving: compared with the builder's own re-render",
+            )
+        )
         mismatches += _against_rerender(rec, seq, rec_b, decode)
     vision = seq.vision  # the recorded grid is `seq.vision`'s (vlmrl.export.trajectory_record)
     grid = vision.image_grid_thw.tolist() if vision is not None else None
@@ -223,11 +284,20 @@ def _against_rerender(rec: Recorded, seq: TokenSeq, rec_b: set[int], decode) -> 
     """Each non-sampled segment of `rec` vs the builder's re-render `seq` (families that are not prefix-preserving)."""
     out = []
     seq_b = {b.position for b in seq.boundary}
-    for j, ((a0, a1), (b0, b1)) in enumerate(zip(_segments(rec.turn_spans, len(rec.ids)),
-                                                   _segments(seq.turn_spans, len(seq.ids)))):
+    for j, ((a0, a1), (b0, b1)) in enumerate(
+        zip(_segments(rec.turn_spans, len(rec.ids)), _segments(seq.turn_spans, len(seq.ids)))
+    ):
         label = "prompt" if j == 0 else f"after turn {j - 1}"
-        out += diff_tokens(label, rec.ids[a0:a1], seq.ids[b0:b1], decode, got_offset=a0, ref_offset=b0,
-                           got_boundary=rec_b, ref_boundary=seq_b)
+        out += diff_tokens(
+            label,
+            rec.ids[a0:a1],
+            seq.ids[b0:b1],
+            decode,
+            got_offset=a0,
+            ref_offset=b0,
+            got_boundary=rec_b,
+            ref_boundary=seq_b,
+        )
     return out
 
 
@@ -243,8 +313,15 @@ def _against_full_render(builder, rec: Recorded, seq: TokenSeq, rec_b: set[int],
     try:
         ref = full_reference(builder, rec.messages, sampled)
     except Exception as exc:  # noqa: BLE001 - no reference here: fall back to the builder's re-render, say so
-        out.append(Mismatch("reference", -1, NOTE, "the processor's full render",
-                            f"unavailable ({type(exc).__name__}: {exc}); compared with the builder's own re-render"))
+        out.append(
+            Mismatch(
+                "reference",
+                -1,
+                NOTE,
+                "the processor's full render",
+                f"unavailable ({type(exc).__name__}: {exc}); compared with the builder's own re-render",
+            )
+        )
         return out + _against_rerender(rec, seq, rec_b, decode)
     out += compare_tokens(builder, rec.ids, rec.turn_spans, rec_b, ref, decode)
     got = rec.vision if rec.vision is not None else _vision_of(builder, seq)

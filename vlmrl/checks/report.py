@@ -14,8 +14,15 @@ from rich.table import Table
 from vlmrl.checks.alignment import RunAlignment, ScenarioAlignment
 from vlmrl.checks.prefix import PrefixReport
 
-_STYLE = {"ok": "green", "FAIL": "bold red", "boundary": "yellow", "trailing": "yellow", "rewrite": "cyan",
-          "skipped": "dim", "n/a": "dim"}
+_STYLE = {
+    "ok": "green",
+    "FAIL": "bold red",
+    "boundary": "yellow",
+    "trailing": "yellow",
+    "rewrite": "cyan",
+    "skipped": "dim",
+    "n/a": "dim",
+}
 
 
 def console() -> Console:
@@ -30,6 +37,7 @@ def _mark(status: str) -> str:
 
 def to_json(obj: Any) -> str:
     """Dataclass results (or lists of them) as indented JSON."""
+
     def plain(x):
         if dataclasses.is_dataclass(x) and not isinstance(x, type):
             return {k: plain(v) for k, v in dataclasses.asdict(x).items()}
@@ -38,16 +46,23 @@ def to_json(obj: Any) -> str:
         if isinstance(x, dict):
             return {k: plain(v) for k, v in x.items()}
         return x
+
     return json.dumps(plain(obj), indent=2, ensure_ascii=False)
 
 
 # --- check-template ----------------------------------------------------------------------------------------------
 def prefix_table(report: PrefixReport) -> Table:
-    table = Table(title=f"check-template {report.model} (family {report.family}): is each render a token prefix of "
-                        "the next?", title_justify="left")
-    for col, kw in (("scenario", {"no_wrap": True}), ("stages", {"justify": "right"}),
-                    ("tokens", {"justify": "right"}), ("prefix-preserving", {"no_wrap": True}),
-                    ("first break: earlier render vs later render, ⟦from the first difference⟧", {})):
+    table = Table(
+        title=f"check-template {report.model} (family {report.family}): is each render a token prefix of the next?",
+        title_justify="left",
+    )
+    for col, kw in (
+        ("scenario", {"no_wrap": True}),
+        ("stages", {"justify": "right"}),
+        ("tokens", {"justify": "right"}),
+        ("prefix-preserving", {"no_wrap": True}),
+        ("first break: earlier render vs later render, ⟦from the first difference⟧", {}),
+    ):
         table.add_column(col, **kw)
     for sc in report.scenarios:
         if sc.error:
@@ -75,8 +90,10 @@ _HEADERS = ("prompts", "ids", "mask", "logprobs", "pixels", "grid", "placeholder
 
 
 def scenario_table(results: list[ScenarioAlignment], skipped: dict[str, str] | None = None) -> Table:
-    table = Table(title="verify-alignment: continuous tokens vs the processor's full render (family × scenario)",
-                  title_justify="left")
+    table = Table(
+        title="verify-alignment: continuous tokens vs the processor's full render (family × scenario)",
+        title_justify="left",
+    )
     table.add_column("family", no_wrap=True)
     table.add_column("scenario", no_wrap=True)
     table.add_column("tokens", justify="right")
@@ -92,8 +109,9 @@ def scenario_table(results: list[ScenarioAlignment], skipped: dict[str, str] | N
             cells, result = [_mark("n/a")] * len(SCENARIO_CHECKS), "n/a"
         elif r.error:
             cells = [_mark("FAIL")] * len(SCENARIO_CHECKS)
-        table.add_row(r.family if r.family != prev else "", r.scenario, str(r.tokens), str(r.images), *cells,
-                      _mark(result))
+        table.add_row(
+            r.family if r.family != prev else "", r.scenario, str(r.tokens), str(r.images), *cells, _mark(result)
+        )
         prev = r.family
     for family, why in (skipped or {}).items():
         table.add_row(family, "(all)", "", "", *[_mark("skipped")] * len(SCENARIO_CHECKS), _mark("skipped"))
@@ -114,8 +132,9 @@ def _details(lines: list[tuple[bool, str]], out: Console, max_failures: int = 20
         out.print(f"  [dim]… {len(notes) - max_notes} more reported differences (see --json)[/]")
 
 
-def print_scenario_report(results: list[ScenarioAlignment], skipped: dict[str, str] | None = None,
-                          out: Console | None = None) -> None:
+def print_scenario_report(
+    results: list[ScenarioAlignment], skipped: dict[str, str] | None = None, out: Console | None = None
+) -> None:
     out = out or console()
     out.print(scenario_table(results, skipped))
     lines: list[tuple[bool, str]] = []
@@ -123,8 +142,13 @@ def print_scenario_report(results: list[ScenarioAlignment], skipped: dict[str, s
         if not r.supported:
             lines.append((False, f"{r.family}/{r.scenario}: not applicable, the template cannot render it ({r.error})"))
         for m in r.mismatches:
-            lines.append((m.failure, f"{r.family}/{r.scenario} {m.check} @ {m.position} [{m.kind}]: full render "
-                                     f"{m.expected}, builder {m.got}"))
+            lines.append(
+                (
+                    m.failure,
+                    f"{r.family}/{r.scenario} {m.check} @ {m.position} [{m.kind}]: full render "
+                    f"{m.expected}, builder {m.got}",
+                )
+            )
     for family, why in (skipped or {}).items():
         lines.append((False, f"{family}: skipped, {why}"))
     _details(lines, out)
@@ -136,11 +160,13 @@ def print_scenario_report(results: list[ScenarioAlignment], skipped: dict[str, s
             if not m.failure:
                 kinds[m.kind] = kinds.get(m.kind, 0) + 1
     noted = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
-    out.print(f"{len(results)} family × scenario checks: {len(results) - failures - na} ok, {failures} failed"
-              f"{f', {na} not applicable (template cannot render them)' if na else ''}"
-              f"{f'; differences that are not failures: {noted}' if noted else ''}"
-              f"{f'; {len(skipped)} families skipped (processor not loadable here)' if skipped else ''}",
-              highlight=False)
+    out.print(
+        f"{len(results)} family × scenario checks: {len(results) - failures - na} ok, {failures} failed"
+        f"{f', {na} not applicable (template cannot render them)' if na else ''}"
+        f"{f'; differences that are not failures: {noted}' if noted else ''}"
+        f"{f'; {len(skipped)} families skipped (processor not loadable here)' if skipped else ''}",
+        highlight=False,
+    )
 
 
 # --- verify-alignment, a run -------------------------------------------------------------------------------------
@@ -149,18 +175,38 @@ def _f(x: float | None, fmt: str = ".2e") -> str:
 
 
 def run_table(run: RunAlignment, max_rows: int = 40) -> Table:
-    table = Table(title=f"verify-alignment --run {run.run_dir} ({run.family}, {run.model}, T={run.temperature:g})",
-                  title_justify="left")
-    for col, kw in (("#", {"justify": "right"}), ("step", {"justify": "right"}), ("task", {}),
-                    ("tokens", {"justify": "right"}), ("sampled", {"justify": "right"}), ("re-render", {}),
-                    ("boundary diffs", {"justify": "right"}), ("max |Δlogp|", {"justify": "right"}),
-                    ("mismatch KL", {"justify": "right"}), ("note", {})):
+    table = Table(
+        title=f"verify-alignment --run {run.run_dir} ({run.family}, {run.model}, T={run.temperature:g})",
+        title_justify="left",
+    )
+    for col, kw in (
+        ("#", {"justify": "right"}),
+        ("step", {"justify": "right"}),
+        ("task", {}),
+        ("tokens", {"justify": "right"}),
+        ("sampled", {"justify": "right"}),
+        ("re-render", {}),
+        ("boundary diffs", {"justify": "right"}),
+        ("max |Δlogp|", {"justify": "right"}),
+        ("mismatch KL", {"justify": "right"}),
+        ("note", {}),
+    ):
         table.add_column(col, **kw)
     for r in run.trajectories[:max_rows]:
         status = "ok" if r.ok else "FAIL"
         note = r.error or (r.logprob_note if r.logprob_note.startswith("skipped") else "")
-        table.add_row(str(r.index), str(r.step), r.task_id, str(r.tokens), str(r.sampled), _mark(status),
-                      str(r.boundary_diffs), _f(r.max_abs_dlogprob), _f(r.mismatch_kl), note)
+        table.add_row(
+            str(r.index),
+            str(r.step),
+            r.task_id,
+            str(r.tokens),
+            str(r.sampled),
+            _mark(status),
+            str(r.boundary_diffs),
+            _f(r.max_abs_dlogprob),
+            _f(r.mismatch_kl),
+            note,
+        )
     if len(run.trajectories) > max_rows:
         table.add_row("…", "", f"{len(run.trajectories) - max_rows} more", *[""] * 7)
     return table
@@ -169,15 +215,28 @@ def run_table(run: RunAlignment, max_rows: int = 40) -> Table:
 def print_run_report(run: RunAlignment, out: Console | None = None) -> None:
     out = out or console()
     out.print(run_table(run))
-    _details([(m.failure, f"trajectory {r.index} {m.check} @ {m.position} [{m.kind}]: re-rendered {m.expected}, "
-                          f"recorded {m.got}") for r in run.trajectories for m in r.mismatches], out)
+    _details(
+        [
+            (
+                m.failure,
+                f"trajectory {r.index} {m.check} @ {m.position} [{m.kind}]: re-rendered {m.expected}, recorded {m.got}",
+            )
+            for r in run.trajectories
+            for m in r.mismatches
+        ],
+        out,
+    )
     n = len(run.trajectories)
-    out.print(f"{n} trajectories: {n - run.token_failures} re-render exactly, {run.token_failures} differ"
-              f"{f', {run.boundary_diffs} boundary-token differences (not failures)' if run.boundary_diffs else ''}")
+    out.print(
+        f"{n} trajectories: {n - run.token_failures} re-render exactly, {run.token_failures} differ"
+        f"{f', {run.boundary_diffs} boundary-token differences (not failures)' if run.boundary_diffs else ''}"
+    )
     if run.n_tokens:
-        out.print(f"logprobs over {run.n_tokens} sampled tokens: max |Δlogp| {_f(run.max_abs_dlogprob)}, "
-                  f"mean Δlogp {_f(run.mean_dlogprob, '+.2e')}, mismatch KL {_f(run.mismatch_kl)} "
-                  f"(max_kl {run.max_kl:g})")
+        out.print(
+            f"logprobs over {run.n_tokens} sampled tokens: max |Δlogp| {_f(run.max_abs_dlogprob)}, "
+            f"mean Δlogp {_f(run.mean_dlogprob, '+.2e')}, mismatch KL {_f(run.mismatch_kl)} "
+            f"(max_kl {run.max_kl:g})"
+        )
     for note in run.notes:
         out.print(escape(f"note: {note}"), highlight=False)
     out.print("[green]aligned[/green]" if run.ok else "[bold red]NOT aligned[/bold red]")

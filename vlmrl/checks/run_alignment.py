@@ -36,7 +36,6 @@ class TrajectoryAlignment:
     error: str = ""
 
 
-
 @dataclass
 class RunAlignment:
     """Mode 2 result for a run folder: per trajectory, and over all checked sampled tokens."""
@@ -93,8 +92,10 @@ class _Policies:
         hf = self.run_dir / "checkpoints" / f"step_{version}" / "hf"
         if hf.is_dir():
             return str(hf), str(hf)
-        return None, (f"no weights for policy version {version}: it was sampled by checkpoints/step_{version}/hf, "
-                      "which was not saved (trainer.save_every=1 keeps every step checkable)")
+        return None, (
+            f"no weights for policy version {version}: it was sampled by checkpoints/step_{version}/hf, "
+            "which was not saved (trainer.save_every=1 keeps every step checkable)"
+        )
 
     def get(self, version: int):
         key, _ = self.source(version)
@@ -144,10 +145,16 @@ def _unreadable(index: int, raw: dict | None, where: str, why: str) -> Trajector
     """The result for a `trajectories.jsonl` line that cannot be checked: `where` names file and line."""
     raw = raw or {}
     ids = raw.get("input_ids")
-    return TrajectoryAlignment(index, _int(raw.get("step")), str(raw.get("task_id", "")), False,
-                               len(ids) if isinstance(ids, list) else 0, 0,
-                               [Mismatch("record", -1, FAIL, "a readable record", f"{where}: {why}")],
-                               error=f"{where}: {why}")
+    return TrajectoryAlignment(
+        index,
+        _int(raw.get("step")),
+        str(raw.get("task_id", "")),
+        False,
+        len(ids) if isinstance(ids, list) else 0,
+        0,
+        [Mismatch("record", -1, FAIL, "a readable record", f"{where}: {why}")],
+        error=f"{where}: {why}",
+    )
 
 
 def _int(value) -> int:
@@ -157,8 +164,16 @@ def _int(value) -> int:
         return 0
 
 
-def _score(res: TrajectoryAlignment, rec: Recorded, seq, builder, policies: _Policies, temperature: float,
-           total: LogprobStats, sources: dict[str, int]) -> None:
+def _score(
+    res: TrajectoryAlignment,
+    rec: Recorded,
+    seq,
+    builder,
+    policies: _Policies,
+    temperature: float,
+    total: LogprobStats,
+    sources: dict[str, int],
+) -> None:
     """Rescore `rec`'s sampled tokens with the weights that sampled them into `res` (and `total`; `sources` counts
     the weights used), or note in `res.logprob_note` why they are skipped."""
     version = rec.policy_version if rec.policy_version is not None else rec.step - 1
@@ -193,12 +208,13 @@ def _open_run(run: Path):
     except Exception as exc:  # noqa: BLE001 - yaml, omegaconf and validation errors: one line naming the file
         raise CheckError(f"{run / 'config.yaml'}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
     try:
-        processor = _run_processor(cfg.model.family, cfg.model.name_or_path, cfg.model.min_pixels,
-                                   cfg.model.max_pixels)
+        processor = _run_processor(cfg.model.family, cfg.model.name_or_path, cfg.model.min_pixels, cfg.model.max_pixels)
         builder, notes = _run_builder(cfg, processor)
     except Exception as exc:  # noqa: BLE001 - a missing or garbage model folder: one line naming it
-        raise CheckError(f"model {cfg.model.name_or_path!r} (family {cfg.model.family}) from {run / 'config.yaml'}: "
-                         f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        raise CheckError(
+            f"model {cfg.model.name_or_path!r} (family {cfg.model.family}) from {run / 'config.yaml'}: "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        )
     return cfg, processor, builder, notes
 
 
@@ -210,9 +226,17 @@ def _check_one(index: int, raw: dict, run: Path, patch, builder, score) -> Traje
     except (KeyError, ValueError, TypeError, AttributeError, IndexError) as exc:
         return _unreadable(index, raw, where, f"{type(exc).__name__}: {exc}")
     seq, mismatches = replay(builder, rec)
-    res = TrajectoryAlignment(index, rec.step, rec.task_id, not any(m.failure for m in mismatches), len(rec.ids),
-                              sum(rec.loss_mask), mismatches, sum(m.kind == BOUNDARY for m in mismatches),
-                              stand_in_images=rec.stand_in_images)
+    res = TrajectoryAlignment(
+        index,
+        rec.step,
+        rec.task_id,
+        not any(m.failure for m in mismatches),
+        len(rec.ids),
+        sum(rec.loss_mask),
+        mismatches,
+        sum(m.kind == BOUNDARY for m in mismatches),
+        stand_in_images=rec.stand_in_images,
+    )
     try:
         score(res, rec, seq)
     except (RuntimeError, ValueError, IndexError, TypeError, OSError) as exc:
@@ -220,8 +244,13 @@ def _check_one(index: int, raw: dict, run: Path, patch, builder, score) -> Traje
     return res
 
 
-def verify_run(run_dir: str | Path, max_trajectories: int | None = None, checkpoint: str | None = None,
-               logprobs: bool = True, max_kl: float = 1e-2) -> RunAlignment:
+def verify_run(
+    run_dir: str | Path,
+    max_trajectories: int | None = None,
+    checkpoint: str | None = None,
+    logprobs: bool = True,
+    max_kl: float = 1e-2,
+) -> RunAlignment:
     """Mode 2 over a run folder (`config.yaml` + `trajectories.jsonl`); see the module docstring.
 
     A trajectory fails on a token mismatch that is not at a recorded boundary token, and a line that cannot be read
@@ -244,8 +273,11 @@ def verify_run(run_dir: str | Path, max_trajectories: int | None = None, checkpo
 
     path = run / "trajectories.jsonl"
     for index, raw, why in _read_records(path, max_trajectories):
-        results.append(_check_one(index, raw, run, patch, builder, score) if raw is not None else
-                       _unreadable(index, None, f"{path} line {index + 1}", why))
+        results.append(
+            _check_one(index, raw, run, patch, builder, score)
+            if raw is not None
+            else _unreadable(index, None, f"{path} line {index + 1}", why)
+        )
     failures = sum(not r.ok for r in results)
     computed = total.n_tokens > 0
     kl = total.kl if computed else None
@@ -255,6 +287,19 @@ def verify_run(run_dir: str | Path, max_trajectories: int | None = None, checkpo
     if computed and kl is not None and kl > max_kl:
         notes.append(f"mismatch KL {kl:.3g} > max_kl {max_kl:g}")
     notes += [f"logprobs of {n} trajectories from {src}" for src, n in sources.items()]
-    return RunAlignment(str(run), cfg.model.family, cfg.model.name_or_path, temperature, results, ok, failures,
-                        sum(r.boundary_diffs for r in results), total.n_tokens,
-                        total.max_abs if computed else None, total.mean_d if computed else None, kl, max_kl, notes)
+    return RunAlignment(
+        str(run),
+        cfg.model.family,
+        cfg.model.name_or_path,
+        temperature,
+        results,
+        ok,
+        failures,
+        sum(r.boundary_diffs for r in results),
+        total.n_tokens,
+        total.max_abs if computed else None,
+        total.mean_d if computed else None,
+        kl,
+        max_kl,
+        notes,
+    )

@@ -33,8 +33,7 @@ class ScenarioAlignment:
     supported: bool = True  # False: the processor's own template cannot render the scenario (e.g. no tool role)
 
 
-def _generated_ids(render, n: int, reply: Message, eos: int, tokenizer, need_gen_prompt: bool
-                   ) -> tuple[list[int], int]:
+def _generated_ids(render, n: int, reply: Message, eos: int, tokenizer, need_gen_prompt: bool) -> tuple[list[int], int]:
     """The ids a model would generate for `reply` after the first `n` messages, and the length of the generation
     prompt (tokens the template adds for `add_generation_prompt=True`; computed only when `need_gen_prompt`).
 
@@ -47,15 +46,15 @@ def _generated_ids(render, n: int, reply: Message, eos: int, tokenizer, need_gen
     gen_prompt = 0
     if need_gen_prompt:
         no_gen = render(n, False)
-        gen_prompt = len(prompt) - len(no_gen) if prompt[:len(no_gen)] == no_gen else 0
+        gen_prompt = len(prompt) - len(no_gen) if prompt[: len(no_gen)] == no_gen else 0
     full = render(n + 1, False)
-    if full[:len(prompt)] == prompt:
-        tail = full[len(prompt):]
+    if full[: len(prompt)] == prompt:
+        tail = full[len(prompt) :]
     else:
         prompt_text, full_text = tokenizer.decode(prompt), tokenizer.decode(full)
-        text = full_text[len(prompt_text):] if full_text.startswith(prompt_text) else reply.text_content
+        text = full_text[len(prompt_text) :] if full_text.startswith(prompt_text) else reply.text_content
         tail = tokenizer.encode(text, add_special_tokens=False)
-    return (tail[:tail.index(eos) + 1] if eos in tail else tail + [eos]), gen_prompt
+    return (tail[: tail.index(eos) + 1] if eos in tail else tail + [eos]), gen_prompt
 
 
 def _n_features(builder, vision: VisionInputs | None) -> int | None:
@@ -68,12 +67,14 @@ def _n_features(builder, vision: VisionInputs | None) -> int | None:
         return None
 
 
-def _vision_checks(builder, got: VisionInputs | None, ref: VisionInputs | None, ids: list[int],
-                   ref_ids: list[int]) -> list[Mismatch]:
+def _vision_checks(
+    builder, got: VisionInputs | None, ref: VisionInputs | None, ids: list[int], ref_ids: list[int]
+) -> list[Mismatch]:
     out = []
     if (got is None) != (ref is None):
-        out.append(Mismatch("pixel_values", -1, FAIL, "none" if ref is None else "images", "none" if got is None else
-                            "images"))
+        out.append(
+            Mismatch("pixel_values", -1, FAIL, "none" if ref is None else "images", "none" if got is None else "images")
+        )
         return out
     if got is not None:
         names = ["pixel_values", "image_grid_thw"]
@@ -85,8 +86,11 @@ def _vision_checks(builder, got: VisionInputs | None, ref: VisionInputs | None, 
                 continue
             if a is None or b is None or a.shape != b.shape or not torch.equal(a, b):
                 shape = lambda t: "none" if t is None else f"shape {tuple(t.shape)}"  # noqa: E731
-                detail = "" if a is None or b is None or a.shape != b.shape else \
-                    f", max |diff| {float((a.float() - b.float()).abs().max()):.3g}"
+                detail = (
+                    ""
+                    if a is None or b is None or a.shape != b.shape
+                    else f", max |diff| {float((a.float() - b.float()).abs().max()):.3g}"
+                )
                 out.append(Mismatch(name, -1, FAIL, shape(b), shape(a) + detail))
     image_id = builder.image_token_id
     placeholders = sum(1 for t in ids if t == image_id)
@@ -120,8 +124,9 @@ def _build(builder, msgs: list[Message], render_full, rewrites: bool) -> _Build:
     conv = list(first)
     for amsg, after in plan:
         out.prompts.append((len(conv), list(seq.ids), set(out.rewritable)))
-        ids, gen_prompt = _generated_ids(lambda n, g: render_full(n, g).ids, len(conv), amsg, eos,
-                                         _tokenizer(builder), rewrites)
+        ids, gen_prompt = _generated_ids(
+            lambda n, g: render_full(n, g).ids, len(conv), amsg, eos, _tokenizer(builder), rewrites
+        )
         logprobs = [-0.25 - 0.01 * i for i in range(len(ids))]
         start = len(seq.ids)
         builder.add_generation(seq, Generation(ids, logprobs, StopReason.EOS, amsg.text_content))
@@ -149,8 +154,9 @@ def _span_checks(built: _Build, decode) -> list[Mismatch]:
         pos = next((i for i, (a, b) in enumerate(zip(seq.loss_mask, expected_mask)) if a != b), -1)
         mismatches.append(Mismatch("mask", pos, FAIL, "1 exactly on the generated ids", "differs"))
     if len(seq.logprobs) != len(seq.ids) or any(abs(a - b) > 1e-9 for a, b in zip(seq.logprobs, expected_lp)):
-        mismatches.append(Mismatch("logprobs", -1, FAIL, "the generation's logprobs on the mask, 0 elsewhere",
-                                   "differs"))
+        mismatches.append(
+            Mismatch("logprobs", -1, FAIL, "the generation's logprobs on the mask, 0 elsewhere", "differs")
+        )
     return mismatches
 
 
@@ -162,13 +168,24 @@ def _compare(builder, built: _Build, n_msgs: int, render_full, rewrites: bool) -
     mismatches: list[Mismatch] = []
     for k, (n, ids, rw) in enumerate(built.prompts):
         ref = render_full(n, True).ids
-        mismatches += diff_tokens(f"prompts turn {k}", ids, ref, decode, got_boundary=boundary,
-                                  rewritable=rw if rewrites else set())
+        mismatches += diff_tokens(
+            f"prompts turn {k}", ids, ref, decode, got_boundary=boundary, rewritable=rw if rewrites else set()
+        )
     full = render_full(n_msgs, False)
-    trailing = None if getattr(builder, "after_assistant_inserted", True) else \
-        list(getattr(builder, "after_assistant_ids", ()) or ()) or None
-    mismatches += diff_tokens("ids", seq.ids, full.ids, decode, got_boundary=boundary,
-                              rewritable=built.rewritable if rewrites else set(), trailing=trailing)
+    trailing = (
+        None
+        if getattr(builder, "after_assistant_inserted", True)
+        else list(getattr(builder, "after_assistant_ids", ()) or ()) or None
+    )
+    mismatches += diff_tokens(
+        "ids",
+        seq.ids,
+        full.ids,
+        decode,
+        got_boundary=boundary,
+        rewritable=built.rewritable if rewrites else set(),
+        trailing=trailing,
+    )
     mismatches += _span_checks(built, decode)
     mismatches += _vision_checks(builder, _vision_of(builder, seq), full.vision, seq.ids, full.ids)
     return mismatches
@@ -194,18 +211,41 @@ def align_scenario(builder, scenario: Scenario) -> ScenarioAlignment:
         try:
             render_full(len(msgs), False)
         except Exception as template_exc:  # noqa: BLE001 - the processor itself cannot render it: not applicable
-            return ScenarioAlignment(family, scenario.name, True, 0, n_images, {}, [], supported=False,
-                                     error=f"{type(template_exc).__name__}: {template_exc}")
-        return ScenarioAlignment(family, scenario.name, False, 0, n_images, {"build": "FAIL"},
-                                 [Mismatch("build", -1, FAIL, "the processor renders it", error)], error=error)
+            return ScenarioAlignment(
+                family,
+                scenario.name,
+                True,
+                0,
+                n_images,
+                {},
+                [],
+                supported=False,
+                error=f"{type(template_exc).__name__}: {template_exc}",
+            )
+        return ScenarioAlignment(
+            family,
+            scenario.name,
+            False,
+            0,
+            n_images,
+            {"build": "FAIL"},
+            [Mismatch("build", -1, FAIL, "the processor renders it", error)],
+            error=error,
+        )
     mismatches = _compare(builder, built, len(msgs), render_full, rewrites)
-    checks = {name: _status(mismatches, name)
-              for name in ("prompts", "ids", "mask", "logprobs", "pixel_values", "image_grid_thw", "placeholders")}
-    return ScenarioAlignment(family, scenario.name, not any(m.failure for m in mismatches), len(built.seq.ids),
-                             n_images, checks, mismatches)
+    checks = {
+        name: _status(mismatches, name)
+        for name in ("prompts", "ids", "mask", "logprobs", "pixel_values", "image_grid_thw", "placeholders")
+    }
+    return ScenarioAlignment(
+        family, scenario.name, not any(m.failure for m in mismatches), len(built.seq.ids), n_images, checks, mismatches
+    )
 
 
 def align_family(family: str, processor, only: list[str] | None = None) -> list[ScenarioAlignment]:
     """Mode 1 for every scenario (or those in `only`) with `family`'s builder around `processor`."""
-    return [align_scenario(make_builder(family, processor, sc.tools), sc)
-            for sc in scenarios() if not only or sc.name in only]
+    return [
+        align_scenario(make_builder(family, processor, sc.tools), sc)
+        for sc in scenarios()
+        if not only or sc.name in only
+    ]

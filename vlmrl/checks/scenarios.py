@@ -16,15 +16,32 @@ from PIL import Image, ImageDraw
 
 from vlmrl.types import ImagePart, Message, Role, TextPart
 
-CALC_TOOL = {"type": "function", "function": {
-    "name": "calc", "description": "Evaluate an arithmetic expression.",
-    "parameters": {"type": "object", "properties": {"expr": {"type": "string", "description": "e.g. 180 - 2*45"}},
-                   "required": ["expr"]}}}
-CROP_TOOL = {"type": "function", "function": {
-    "name": "crop", "description": "Crop the diagram to a box and zoom in.",
-    "parameters": {"type": "object", "properties": {
-        "box": {"type": "array", "items": {"type": "integer"}, "description": "[left, top, right, bottom]"}},
-        "required": ["box"]}}}
+CALC_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calc",
+        "description": "Evaluate an arithmetic expression.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expr": {"type": "string", "description": "e.g. 180 - 2*45"}},
+            "required": ["expr"],
+        },
+    },
+}
+CROP_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "crop",
+        "description": "Crop the diagram to a box and zoom in.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "box": {"type": "array", "items": {"type": "integer"}, "description": "[left, top, right, bottom]"}
+            },
+            "required": ["box"],
+        },
+    },
+}
 
 
 def dummy_image(width: int = 56, height: int = 56, seed: int = 0) -> Image.Image:
@@ -65,31 +82,81 @@ def scenarios() -> list[Scenario]:
     call = '<tool_call>\n{"name": "calc", "arguments": {"expr": "180 - 2*45"}}\n</tool_call>'
     crop = '<tool_call>\n{"name": "crop", "arguments": {"box": [0, 0, 28, 28]}}\n</tool_call>'
     return [
-        Scenario("text_reply", "text question, text reply, follow-up, reply", [
-            _user("What is 7 times 8?"), _assistant("7 times 8 is \\boxed{56}."),
-            _user("And 9 times 8?"), _assistant("9 times 8 is \\boxed{72}.")]),
-        Scenario("tool_call", "tool call, text tool response, answer", [
-            _user(im[0], question), _assistant(call), _tool("90"),
-            _assistant("The calculator gives 90, so x = 90: \\boxed{D}.")], [CALC_TOOL]),
-        Scenario("tool_image", "tool call whose response holds an image", [
-            _user(im[0], question), _assistant(crop), _tool("Cropped region:", im[1]),
-            _assistant("In the crop the angle is marked 60 degrees: \\boxed{C}.")], [CROP_TOOL]),
-        Scenario("user_images", "user messages with several images", [
-            _user(im[0], "Compare these two diagrams.", im[1]), _assistant("The second one is a rotated copy."),
-            _user("And this one?", im[2]), _assistant("That one is mirrored.")]),
-        Scenario("system_prompt", "system prompt, then a user turn with an image", [
-            Message.text(Role.SYSTEM, "You solve geometry problems. Answer with a letter in \\boxed{}."),
-            _user(im[0], question), _assistant("The angles sum to 180, so \\boxed{C}."),
-            _user("Are you sure?"), _assistant("Yes: \\boxed{C}.")]),
-        Scenario("thinking", "replies with <think> blocks, then another turn", [
-            _user(im[0], question),
-            _assistant("<think>\nThe two angles are supplementary: x + 2x = 180.\n</think>\n\nx = 60, \\boxed{C}."),
-            _user("That is not correct. Look again."),
-            _assistant("<think>\nI misread the figure; the angles are equal.\n</think>\n\nx = 45, \\boxed{B}.")]),
-        Scenario("three_turns", "three alternating user/assistant turns, feedback with an image", [
-            _user(im[0], question), _assistant("x = 30, so \\boxed{A}."),
-            _user("That is not correct. Try again."), _assistant("x = 45, so \\boxed{B}."),
-            _user("Still wrong. Here is a zoomed view:", im[3]), _assistant("Now I see it: \\boxed{C}.")]),
+        Scenario(
+            "text_reply",
+            "text question, text reply, follow-up, reply",
+            [
+                _user("What is 7 times 8?"),
+                _assistant("7 times 8 is \\boxed{56}."),
+                _user("And 9 times 8?"),
+                _assistant("9 times 8 is \\boxed{72}."),
+            ],
+        ),
+        Scenario(
+            "tool_call",
+            "tool call, text tool response, answer",
+            [
+                _user(im[0], question),
+                _assistant(call),
+                _tool("90"),
+                _assistant("The calculator gives 90, so x = 90: \\boxed{D}."),
+            ],
+            [CALC_TOOL],
+        ),
+        Scenario(
+            "tool_image",
+            "tool call whose response holds an image",
+            [
+                _user(im[0], question),
+                _assistant(crop),
+                _tool("Cropped region:", im[1]),
+                _assistant("In the crop the angle is marked 60 degrees: \\boxed{C}."),
+            ],
+            [CROP_TOOL],
+        ),
+        Scenario(
+            "user_images",
+            "user messages with several images",
+            [
+                _user(im[0], "Compare these two diagrams.", im[1]),
+                _assistant("The second one is a rotated copy."),
+                _user("And this one?", im[2]),
+                _assistant("That one is mirrored."),
+            ],
+        ),
+        Scenario(
+            "system_prompt",
+            "system prompt, then a user turn with an image",
+            [
+                Message.text(Role.SYSTEM, "You solve geometry problems. Answer with a letter in \\boxed{}."),
+                _user(im[0], question),
+                _assistant("The angles sum to 180, so \\boxed{C}."),
+                _user("Are you sure?"),
+                _assistant("Yes: \\boxed{C}."),
+            ],
+        ),
+        Scenario(
+            "thinking",
+            "replies with <think> blocks, then another turn",
+            [
+                _user(im[0], question),
+                _assistant("<think>\nThe two angles are supplementary: x + 2x = 180.\n</think>\n\nx = 60, \\boxed{C}."),
+                _user("That is not correct. Look again."),
+                _assistant("<think>\nI misread the figure; the angles are equal.\n</think>\n\nx = 45, \\boxed{B}."),
+            ],
+        ),
+        Scenario(
+            "three_turns",
+            "three alternating user/assistant turns, feedback with an image",
+            [
+                _user(im[0], question),
+                _assistant("x = 30, so \\boxed{A}."),
+                _user("That is not correct. Try again."),
+                _assistant("x = 45, so \\boxed{B}."),
+                _user("Still wrong. Here is a zoomed view:", im[3]),
+                _assistant("Now I see it: \\boxed{C}."),
+            ],
+        ),
     ]
 
 

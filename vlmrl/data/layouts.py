@@ -48,8 +48,9 @@ def normalise(raw: RawRecord, src: Source, layout: str, columns: Mapping[str, st
     if layout == "auto":
         layout = detect_layout(rec) or ""
         if not layout:
-            raise BadRowError(f"{where}: cannot tell the layout from columns {sorted(rec)[:8]} "
-                              "(set data.layout or data.columns)")
+            raise BadRowError(
+                f"{where}: cannot tell the layout from columns {sorted(rec)[:8]} (set data.layout or data.columns)"
+            )
     try:
         valid = SCHEMAS[layout].model_validate(rec)
     except ValidationError as err:

@@ -102,5 +102,7 @@ def describe(err: ValidationError) -> str:
 
 
 def _is_union_tag(part: Any) -> bool:
-    return isinstance(part, str) and (part in ("str", "int", "float", "bytes", "list[...]", "dict[str,any]")
-                                      or part.startswith(("list[", "dict[", "is-instance[")))
+    return isinstance(part, str) and (
+        part in ("str", "int", "float", "bytes", "list[...]", "dict[str,any]")
+        or part.startswith(("list[", "dict[", "is-instance["))
+    )

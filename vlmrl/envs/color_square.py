@@ -19,8 +19,14 @@ from vlmrl.envs.base import Environment, StepResult
 from vlmrl.rewards import extract_boxed
 from vlmrl.types import ImagePart, Message, ParseStatus, Role, Task, TextPart
 
-COLORS = {"red": (220, 40, 40), "green": (40, 170, 70), "blue": (40, 80, 220), "yellow": (235, 205, 40),
-          "black": (10, 10, 10), "white": (250, 250, 250)}
+COLORS = {
+    "red": (220, 40, 40),
+    "green": (40, 170, 70),
+    "blue": (40, 80, 220),
+    "yellow": (235, 205, 40),
+    "black": (10, 10, 10),
+    "white": (250, 250, 250),
+}
 SIZE = 56
 QUESTION = "What color is the square? Answer with one word in \\boxed{}."
 SECOND = "Here is another square."
@@ -39,8 +45,12 @@ def square(color: str, size: int = SIZE) -> Image.Image:
 
 def build_task(row: ColorRow) -> Task:
     first = Message(Role.USER, [ImagePart(square(row.colors[0]), f"color_square:{row.seed}#0"), TextPart(QUESTION)])
-    return Task(id=f"color-{row.seed}", messages=[first], answer=row.colors[0],
-                meta={"colors": list(row.colors), "seed": row.seed})
+    return Task(
+        id=f"color-{row.seed}",
+        messages=[first],
+        answer=row.colors[0],
+        meta={"colors": list(row.colors), "seed": row.seed},
+    )
 
 
 def make_tasks(cfg: Any, data_cfg: DataConfig) -> list[Task]:

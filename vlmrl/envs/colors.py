@@ -39,8 +39,12 @@ def square(color: str, size: int = SIZE) -> Image.Image:
 def build_task(seed: int, color: str) -> Task:
     """The prompt for one square: [image, QUESTION]; the answer is the colour's name."""
     image = ImagePart(square(color), f"colors:{seed}")
-    return Task(id=f"colors-{seed}", messages=[Message(Role.USER, [image, TextPart(QUESTION)])], answer=color,
-                meta={"seed": seed})
+    return Task(
+        id=f"colors-{seed}",
+        messages=[Message(Role.USER, [image, TextPart(QUESTION)])],
+        answer=color,
+        meta={"seed": seed},
+    )
 
 
 def make_tasks(env_cfg: Any, data_cfg: DataConfig) -> list[Task]:

@@ -36,9 +36,11 @@ from vlmrl.types import ImagePart, Message, ParseStatus, Role, Task, TextPart  #
 ACTIONS = {"left": 0, "down": 1, "right": 2, "up": 3}
 MOVE_NAMES = {v: k for k, v in ACTIONS.items()}
 _ALIASES = {**ACTIONS, "l": 0, "d": 1, "r": 2, "u": 3, "0": 0, "1": 1, "2": 2, "3": 3}
-PROMPT = ("You are the character on a frozen lake, shown as a {n}x{n} grid. Walk to the goal (G, the flag) "
-          "without stepping into a hole (dark water). Each turn, give exactly one move in \\boxed{{}}: left, down, "
-          "right or up.")
+PROMPT = (
+    "You are the character on a frozen lake, shown as a {n}x{n} grid. Walk to the goal (G, the flag) "
+    "without stepping into a hole (dark water). Each turn, give exactly one move in \\boxed{{}}: left, down, "
+    "right or up."
+)
 NEXT = "Your next move?"
 UNREADABLE = "Your move could not be read: answer with one of left, down, right or up in \\boxed{}."
 
@@ -55,11 +57,17 @@ class FrozenLakeConfig(EnvConfig):
     format_reward: float = 0.1  # reward of a readable move
 
     def __post_init__(self) -> None:
-        if self.max_turns < 1 or self.map_size < 2 or not 0.0 < self.frozen_prob <= 1.0 \
-                or not 0.0 <= self.format_reward < 1.0:
-            raise ValueError(f"bad frozenlake config: max_turns={self.max_turns} map_size={self.map_size} "
-                             f"frozen_prob={self.frozen_prob} format_reward={self.format_reward} (need max_turns "
-                             ">= 1, map_size >= 2, 0 < frozen_prob <= 1, 0 <= format_reward < 1)")
+        if (
+            self.max_turns < 1
+            or self.map_size < 2
+            or not 0.0 < self.frozen_prob <= 1.0
+            or not 0.0 <= self.format_reward < 1.0
+        ):
+            raise ValueError(
+                f"bad frozenlake config: max_turns={self.max_turns} map_size={self.map_size} "
+                f"frozen_prob={self.frozen_prob} format_reward={self.format_reward} (need max_turns "
+                ">= 1, map_size >= 2, 0 < frozen_prob <= 1, 0 <= format_reward < 1)"
+            )
 
 
 @dataclass(frozen=True)
@@ -71,8 +79,9 @@ class FrozenLakeRow:
 
 
 def _make_gym(desc: tuple[str, ...] | list[str], slippery: bool) -> gym.Env:
-    return gym.make("FrozenLake-v1", desc=list(desc), is_slippery=slippery, render_mode="rgb_array",
-                    disable_env_checker=True)
+    return gym.make(
+        "FrozenLake-v1", desc=list(desc), is_slippery=slippery, render_mode="rgb_array", disable_env_checker=True
+    )
 
 
 def frame(env: gym.Env) -> Image.Image:
@@ -88,16 +97,22 @@ def build_task(row: FrozenLakeRow) -> Task:
     env.close()
     n = len(row.desc)
     message = Message(Role.USER, [ImagePart(first, f"frozenlake:{row.seed}#0"), TextPart(PROMPT.format(n=n))])
-    return Task(id=f"frozenlake-{n}x{n}-{row.seed}", messages=[message], answer="goal",
-                meta={"seed": row.seed, "desc": list(row.desc)})
+    return Task(
+        id=f"frozenlake-{n}x{n}-{row.seed}",
+        messages=[message],
+        answer="goal",
+        meta={"seed": row.seed, "desc": list(row.desc)},
+    )
 
 
 def make_tasks(cfg: FrozenLakeConfig, data_cfg: DataConfig) -> list[Task]:
     """`data.limit` (default 64) generated maps, seeds from `data.shuffle_seed`."""
     n = data_cfg.limit or 64
     base = data_cfg.shuffle_seed or 0
-    rows = [FrozenLakeRow(base + i, tuple(generate_random_map(cfg.map_size, cfg.frozen_prob, seed=base + i)))
-            for i in range(n)]
+    rows = [
+        FrozenLakeRow(base + i, tuple(generate_random_map(cfg.map_size, cfg.frozen_prob, seed=base + i)))
+        for i in range(n)
+    ]
     return [build_task(r) for r in rows]
 
 

@@ -23,8 +23,10 @@ DEFAULT_FEEDBACK = "Your answer is not correct. Please try again and put your fi
 
 
 def _default_rewards() -> list[RewardSpec]:
-    return [RewardSpec("vlmrl.envs.reward_funcs:boxed_accuracy", 0.9),
-            RewardSpec("vlmrl.envs.reward_funcs:boxed_format", 0.1)]
+    return [
+        RewardSpec("vlmrl.envs.reward_funcs:boxed_accuracy", 0.9),
+        RewardSpec("vlmrl.envs.reward_funcs:boxed_format", 0.1),
+    ]
 
 
 @dataclass

@@ -20,9 +20,11 @@ from vlmrl.tools.builtin import calculate, crop_image, zoom_image
 from vlmrl.tools.spec import Tool, tools_from_object
 from vlmrl.types import ImagePart, Message, Role, Task, TextPart
 
-TOOLS_NOTE = ("The diagram is {w}x{h} pixels, with (0, 0) at its top-left corner. Before answering you may call "
-              "the tools: crop(x0, y0, x1, y1) or zoom(x, y, factor) to look closer at part of the diagram, and "
-              "calculate(expression) for arithmetic.")
+TOOLS_NOTE = (
+    "The diagram is {w}x{h} pixels, with (0, 0) at its top-left corner. Before answering you may call "
+    "the tools: crop(x0, y0, x1, y1) or zoom(x, y, factor) to look closer at part of the diagram, and "
+    "calculate(expression) for arithmetic."
+)
 
 
 def build_task(row: GeometryRow) -> Task:

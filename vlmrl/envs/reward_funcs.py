@@ -34,8 +34,9 @@ def load_reward_funcs(specs: Sequence[RewardSpec]) -> list[tuple[RewardFunc, flo
     return [(import_path(s.fn, f"env.rewards[{i}].fn"), float(s.weight), s.fn) for i, s in enumerate(specs)]
 
 
-def weighted_reward(funcs: Sequence[tuple[RewardFunc, float, str]], completion: str, kwargs: dict[str, Any]
-                    ) -> tuple[float, dict[str, float]]:
+def weighted_reward(
+    funcs: Sequence[tuple[RewardFunc, float, str]], completion: str, kwargs: dict[str, Any]
+) -> tuple[float, dict[str, float]]:
     """(sum_i w_i * score_i, {path: score_i}) for one completion. A function that returns anything but one
     number (or None) per completion raises TypeError naming it."""
     total, scores = 0.0, {}

@@ -29,8 +29,13 @@ class ToolEnvironment(Environment):
     `obj.reward()` when the class defines it (0 when the call fails).
     """
 
-    def __init__(self, base: Environment, obj: RemoteObject | None = None, cls: type | None = None,
-                 functions: list[Tool] | None = None):
+    def __init__(
+        self,
+        base: Environment,
+        obj: RemoteObject | None = None,
+        cls: type | None = None,
+        functions: list[Tool] | None = None,
+    ):
         self.base, self.obj, self.cls, self.functions = base, obj, cls, list(functions or [])
         self._shape = cls.__new__(cls) if cls is not None else None  # for signatures and schemas only
 
@@ -52,8 +57,11 @@ class ToolEnvironment(Environment):
         return messages + [Message(Role.USER, obs)] if obs else messages
 
     def tools(self) -> list[Tool]:
-        own = [] if self.obj is None else [dataclasses.replace(t, fn=RemoteMethod(self.obj, t.name))
-                                           for t in tools_from_object(self._shape)]
+        own = (
+            []
+            if self.obj is None
+            else [dataclasses.replace(t, fn=RemoteMethod(self.obj, t.name)) for t in tools_from_object(self._shape)]
+        )
         return [*self.base.tools(), *own, *self.functions]
 
     def step(self, assistant_text: str, turn: int, last_turn: bool) -> StepResult:
@@ -76,8 +84,14 @@ class ToolEnvFactory:
     """A picklable factory: `base_factory()` wrapped with the configured function tools and object class
     (whose objects live in worker processes confined by `sandbox`, each call bounded by `timeout_s`)."""
 
-    def __init__(self, base_factory: Callable[[], Environment], functions: list[str], environment: str | None,
-                 sandbox: Sandbox = Sandbox(), timeout_s: float = 10.0):
+    def __init__(
+        self,
+        base_factory: Callable[[], Environment],
+        functions: list[str],
+        environment: str | None,
+        sandbox: Sandbox = Sandbox(),
+        timeout_s: float = 10.0,
+    ):
         self.base_factory, self.function_paths, self.environment = base_factory, list(functions), environment
         self.sandbox, self.timeout_s = sandbox, timeout_s
         self._functions = load_tools(self.function_paths)  # import errors surface once, at start-up
@@ -91,16 +105,23 @@ class ToolEnvFactory:
         return ToolEnvironment(self.base_factory(), obj, self._cls, self._functions)
 
     def __getstate__(self) -> dict:
-        return {"base_factory": self.base_factory, "functions": self.function_paths, "environment": self.environment,
-                "sandbox": self.sandbox, "timeout_s": self.timeout_s}
+        return {
+            "base_factory": self.base_factory,
+            "functions": self.function_paths,
+            "environment": self.environment,
+            "sandbox": self.sandbox,
+            "timeout_s": self.timeout_s,
+        }
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["base_factory"], state["functions"], state["environment"], state["sandbox"],
-                      state["timeout_s"])
+        self.__init__(
+            state["base_factory"], state["functions"], state["environment"], state["sandbox"], state["timeout_s"]
+        )
 
 
-def with_configured_tools(env_factory: Callable[[], Environment], tools_cfg: Any,
-                          sandbox: Sandbox = Sandbox()) -> Callable[[], Environment]:
+def with_configured_tools(
+    env_factory: Callable[[], Environment], tools_cfg: Any, sandbox: Sandbox = Sandbox()
+) -> Callable[[], Environment]:
     """`env_factory`, wrapped with `tools.functions` / `tools.environment` when either is set."""
     functions = list(getattr(tools_cfg, "functions", None) or [])
     environment = getattr(tools_cfg, "environment", None) or None

@@ -25,7 +25,7 @@ def eval_during_training(job: Any, step: int) -> dict[str, float]:
         from vlmrl.envs import load_env_tasks
 
         job.eval_tasks = load_env_tasks(cfg.env, eval_data_cfg(cfg.data))
-    mine = job.eval_tasks[trainer.rank::trainer.world_size]
+    mine = job.eval_tasks[trainer.rank :: trainer.world_size]
     samples = cfg.algorithm.group_size
     recs: list[dict] = []
     seconds = 0.0
@@ -40,8 +40,7 @@ def eval_during_training(job: Any, step: int) -> dict[str, float]:
             from vlmrl.rollout import make_engine
 
             runner = copy.copy(job.runner)
-            runner.engine = make_engine(cfg.rollout, lambda: contextlib.nullcontext(module), job.processor,
-                                        job.builder)
+            runner.engine = make_engine(cfg.rollout, lambda: contextlib.nullcontext(module), job.processor, job.builder)
         for batch in chunks(mine, cfg.trainer.batch_size):
             part, dt = rollout_records(runner, batch, samples, step)
             recs += part

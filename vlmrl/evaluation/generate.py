@@ -82,8 +82,15 @@ def _generate(cfg: Config, console: Any) -> GenerateResult:
         runner, _ = build_eval_runner(cfg, model, processor)
     loggers = make_loggers(cfg, enabled=True, prefix="generate", resume=bool(plan.done))
     try:  # a rich bar on a terminal, else one plain line per chunk
-        with StepProgress(console, len(tasks), len(tasks) - len(todo), enabled=cfg.logging.progress,
-                          title="generate", label="problems", remaining=False) as progress:
+        with StepProgress(
+            console,
+            len(tasks),
+            len(tasks) - len(todo),
+            enabled=cfg.logging.progress,
+            title="generate",
+            label="problems",
+            remaining=False,
+        ) as progress:
             for step, missing in plan.steps:
                 recs, dt = [], 0.0
                 if missing:
@@ -100,4 +107,3 @@ def _generate(cfg: Config, console: Any) -> GenerateResult:
     finally:
         loggers.close()
     return GenerateResult(files.dir, metrics, len(todo), len(plan.done))
-

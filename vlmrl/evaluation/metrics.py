@@ -71,8 +71,9 @@ def eval_metrics(records: list[dict]) -> dict[str, float]:
     for rec in records:  # a problem: its id and, for `vlmrl generate`, its position (ids may repeat)
         by_task[(str(rec["task_id"]), rec.get("row"))].append(rec)
     rewards = [float(r.get("reward", 0.0)) for r in records]
-    graded = [(f, s) for r in records
-              for f, s, g in zip(_turn_formatted(r), r.get("parse_status", []), _graded(r)) if g]
+    graded = [
+        (f, s) for r in records for f, s, g in zip(_turn_formatted(r), r.get("parse_status", []), _graded(r)) if g
+    ]
     stops = [s for r in records for s in r.get("stop_reasons", [])]
     out: dict[str, float] = {
         "problems": float(len(by_task)),
@@ -90,7 +91,8 @@ def eval_metrics(records: list[dict]) -> dict[str, float]:
     n_min = min(len(recs) for recs in by_task.values())
     for k in pass_ks(n_min):
         out[f"pass@{k}"] = statistics.fmean(
-            pass_at_k(len(recs), sum(episode_correct(r) for r in recs), k) for recs in by_task.values())
+            pass_at_k(len(recs), sum(episode_correct(r) for r in recs), k) for recs in by_task.values()
+        )
     for reason, n in sorted(Counter(r.get("end_reason", "") for r in records).items()):
         out[f"end_{reason}"] = n / len(records)
     for reason, n in sorted(Counter(stops).items()):

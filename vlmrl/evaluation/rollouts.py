@@ -29,11 +29,11 @@ def full_record(traj: Trajectory, step: int, sample: int) -> dict:
     return rec
 
 
-
 def eval_data_cfg(data: DataConfig) -> DataConfig:
     """The data config of the eval split: `eval_split` (else `split`), `eval_limit` (else `limit`)."""
     return dataclasses.replace(
-        data, split=data.eval_split or data.split, limit=data.eval_limit if data.eval_limit is not None else data.limit)
+        data, split=data.eval_split or data.split, limit=data.eval_limit if data.eval_limit is not None else data.limit
+    )
 
 
 def build_eval_runner(cfg: Config, model: Any, processor: Any):
@@ -46,11 +46,12 @@ def build_eval_runner(cfg: Config, model: Any, processor: Any):
 
 def chunks(items: list, size: int) -> Iterable[list]:
     for i in range(0, len(items), max(size, 1)):
-        yield items[i:i + size]
+        yield items[i : i + size]
 
 
-def rollout_records(runner: Any, tasks: list[Task], samples: int, step: int,
-                    rows: list[int] | None = None) -> tuple[list[dict], float]:
+def rollout_records(
+    runner: Any, tasks: list[Task], samples: int, step: int, rows: list[int] | None = None
+) -> tuple[list[dict], float]:
     """Run `samples` episodes of every task; returns (records in task order, wall seconds). rows: each task's position
     in the eval task list, recorded as `row` (`vlmrl generate` keys problems by it: ids may repeat)."""
     t0 = time.perf_counter()

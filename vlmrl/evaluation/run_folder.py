@@ -25,8 +25,16 @@ from vlmrl.types import Task
 log = logging.getLogger("vlmrl.generate")
 
 # Config keys that change what a generate run samples: a rerun must match them to append to the folder.
-IDENTITY_PREFIXES = ("model.", "data.", "env.", "rollout.", "tools.", "algorithm.group_size", "algorithm.turn_discount",
-                     "seed")
+IDENTITY_PREFIXES = (
+    "model.",
+    "data.",
+    "env.",
+    "rollout.",
+    "tools.",
+    "algorithm.group_size",
+    "algorithm.turn_discount",
+    "seed",
+)
 IDENTITY_IGNORED = ("data.limit", "data.eval_limit", "data.strict_rows")
 
 
@@ -84,15 +92,19 @@ class GenerateFiles(RunFiles):
             self.write_config(self.config_yaml)
             return
         if self.checkpoints.exists():
-            raise RunFolderError(f"{self.dir} holds a training run (checkpoints/); choose another logging.output_dir "
-                                 "or set logging.overwrite=true")
+            raise RunFolderError(
+                f"{self.dir} holds a training run (checkpoints/); choose another logging.output_dir "
+                "or set logging.overwrite=true"
+            )
         old_config = self.dir / "config.yaml"
         records, bad = _readable(self.trajectories)
         if records and old_config.exists():
             diff = identity_diff(old_config.read_text(), self.config_yaml)
             if diff:
-                raise RunFolderError(f"{self.dir} holds a generate run with other settings ({', '.join(diff)} differ); "
-                                     "rerun with the same settings to resume, or set logging.overwrite=true")
+                raise RunFolderError(
+                    f"{self.dir} holds a generate run with other settings ({', '.join(diff)} differ); "
+                    "rerun with the same settings to resume, or set logging.overwrite=true"
+                )
         self._check_writable()
         self.records = records
         self.rows, bad_rows = _readable(self.metrics)
@@ -118,19 +130,30 @@ class GenerateFiles(RunFiles):
         for start in range(0, len(tasks), batch):
             step, end = start // batch + 1, min(start + batch, len(tasks))
             row = by_step.get(step)
-            if not plan.steps and row is not None and row.get("episodes") == self.samples * end and \
-                    all(p in done for p in range(end)):
+            if (
+                not plan.steps
+                and row is not None
+                and row.get("episodes") == self.samples * end
+                and all(p in done for p in range(end))
+            ):
                 valid.append(row)
                 continue
             plan.steps.append((step, [p for p in range(start, end) if p not in done]))
         if len(kept) != len(self.records) or self.trajectories in self._unclean:
             if len(kept) != len(self.records):
-                log.warning("%s: dropping %d record(s) of unfinished problems; they run again", self.trajectories,
-                            len(self.records) - len(kept))
+                log.warning(
+                    "%s: dropping %d record(s) of unfinished problems; they run again",
+                    self.trajectories,
+                    len(self.records) - len(kept),
+                )
             write_jsonl_atomic(self.trajectories, kept)
         if plan.steps and valid != self.rows:
-            log.info("%s: kept the rows of steps 1-%d; the rest is redone from step %d", self.metrics, len(valid),
-                     plan.steps[0][0])
+            log.info(
+                "%s: kept the rows of steps 1-%d; the rest is redone from step %d",
+                self.metrics,
+                len(valid),
+                plan.steps[0][0],
+            )
             self.rows = valid
             write_jsonl_atomic(self.metrics, valid)
         elif self.metrics in self._unclean:

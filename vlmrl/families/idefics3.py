@@ -5,8 +5,22 @@ from vlmrl.families.base import Family, InputStyle, TinyRecipe
 _BUILDER = "vlmrl.tokens.idefics3:Idefics3Builder"
 
 FAMILIES = (
-    Family("idefics3", _BUILDER, "<image>", ("idefics3",), InputStyle.idefics3, None,
-           TinyRecipe(3, "idefics3.jinja", "llama3", "idefics3")),
-    Family("smolvlm", _BUILDER, "<image>", ("smolvlm", "idefics3"), InputStyle.idefics3, None,
-           TinyRecipe(40, "smolvlm.jinja", "llama3_smolvlm", "smolvlm", real=False)),
+    Family(
+        "idefics3",
+        _BUILDER,
+        "<image>",
+        ("idefics3",),
+        InputStyle.idefics3,
+        None,
+        TinyRecipe(3, "idefics3.jinja", "llama3", "idefics3"),
+    ),
+    Family(
+        "smolvlm",
+        _BUILDER,
+        "<image>",
+        ("smolvlm", "idefics3"),
+        InputStyle.idefics3,
+        None,
+        TinyRecipe(40, "smolvlm.jinja", "llama3_smolvlm", "smolvlm", real=False),
+    ),
 )

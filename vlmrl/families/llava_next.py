@@ -3,6 +3,13 @@
 from vlmrl.families.base import Family, InputStyle, TinyRecipe
 
 FAMILIES = (
-    Family("llava_next", "vlmrl.tokens.llava_next:LlavaNextBuilder", "<image>", ("llava_next",),
-           InputStyle.llava_next, None, TinyRecipe(2, "llava_next.jinja", "mistral_v1", "llava_next")),
+    Family(
+        "llava_next",
+        "vlmrl.tokens.llava_next:LlavaNextBuilder",
+        "<image>",
+        ("llava_next",),
+        InputStyle.llava_next,
+        None,
+        TinyRecipe(2, "llava_next.jinja", "mistral_v1", "llava_next"),
+    ),
 )

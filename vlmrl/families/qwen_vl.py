@@ -6,10 +6,31 @@ IMAGE_PAD = "<|image_pad|>"
 _BUILDER = "vlmrl.tokens.qwen_vl:QwenVLBuilder"
 
 FAMILIES = (
-    Family("qwen2_vl", _BUILDER, IMAGE_PAD, ("qwen2_vl",), InputStyle.qwen, "hermes",
-           TinyRecipe(14, "qwen2_5_vl.jinja", "qwen", "qwen2_vl")),
-    Family("qwen2_5_vl", _BUILDER, IMAGE_PAD, ("qwen2_5_vl",), InputStyle.qwen, "hermes",
-           TinyRecipe(22, "qwen2_5_vl.jinja", "qwen", "qwen2_5_vl")),
-    Family("qwen3_vl", _BUILDER, IMAGE_PAD, ("qwen3_vl",), InputStyle.qwen, "hermes",
-           TinyRecipe(26, "qwen3_vl.jinja", "qwen", "qwen3_vl")),
+    Family(
+        "qwen2_vl",
+        _BUILDER,
+        IMAGE_PAD,
+        ("qwen2_vl",),
+        InputStyle.qwen,
+        "hermes",
+        TinyRecipe(14, "qwen2_5_vl.jinja", "qwen", "qwen2_vl"),
+    ),
+    Family(
+        "qwen2_5_vl",
+        _BUILDER,
+        IMAGE_PAD,
+        ("qwen2_5_vl",),
+        InputStyle.qwen,
+        "hermes",
+        TinyRecipe(22, "qwen2_5_vl.jinja", "qwen", "qwen2_5_vl"),
+    ),
+    Family(
+        "qwen3_vl",
+        _BUILDER,
+        IMAGE_PAD,
+        ("qwen3_vl",),
+        InputStyle.qwen,
+        "hermes",
+        TinyRecipe(26, "qwen3_vl.jinja", "qwen", "qwen3_vl"),
+    ),
 )

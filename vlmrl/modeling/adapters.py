@@ -22,12 +22,18 @@ log = logging.getLogger("vlmrl.modeling")
 # `deepstack_merger_list`), Gemma3 / LLaVA-NeXT `vision_tower` + `multi_modal_projector` (+ `image_newline`),
 # Idefics3 / SmolVLM `vision_model` + `connector`.
 VISION_PARTS = ("visual", "vision_tower", "vision_model")
-PROJECTOR_PARTS = ("merger", "deepstack_merger_list", "multi_modal_projector", "connector", "mm_projector",
-                   "image_newline")
+PROJECTOR_PARTS = (
+    "merger",
+    "deepstack_merger_list",
+    "multi_modal_projector",
+    "connector",
+    "mm_projector",
+    "image_newline",
+)
 
 
 def vision_part(name: str) -> str | None:
-    """"projector", "vision" (the encoder) or None (the language model) for a parameter name."""
+    """ "projector", "vision" (the encoder) or None (the language model) for a parameter name."""
     parts = name.split(".")
     if any(p in PROJECTOR_PARTS for p in parts):
         return "projector"
@@ -50,8 +56,10 @@ def freeze(model: torch.nn.Module, vision_tower: bool = False, projector: bool =
     missing = [part for part, n in frozen.items() if n == 0]
     if missing:
         key = {"vision": "model.freeze_vision_tower", "projector": "model.freeze_projector"}
-        raise ValueError(f"{', '.join(key[p] for p in missing)}: {type(model).__name__} has no parameter under "
-                         f"{VISION_PARTS if 'vision' in missing else PROJECTOR_PARTS}")
+        raise ValueError(
+            f"{', '.join(key[p] for p in missing)}: {type(model).__name__} has no parameter under "
+            f"{VISION_PARTS if 'vision' in missing else PROJECTOR_PARTS}"
+        )
     return sum(frozen.values())
 
 
@@ -63,8 +71,12 @@ def apply_lora(model: torch.nn.Module, lora: Any) -> torch.nn.Module:
     from peft import LoraConfig, get_peft_model
 
     targets = list(lora.target_modules)
-    config = LoraConfig(r=int(lora.r), lora_alpha=int(lora.alpha), lora_dropout=float(lora.dropout),
-                        target_modules="all-linear" if targets == ["all-linear"] else targets)
+    config = LoraConfig(
+        r=int(lora.r),
+        lora_alpha=int(lora.alpha),
+        lora_dropout=float(lora.dropout),
+        target_modules="all-linear" if targets == ["all-linear"] else targets,
+    )
     try:
         return get_peft_model(model, config)
     except ValueError as exc:

@@ -13,5 +13,3 @@ def cache_dir() -> Path:
     path = Path(os.environ.get("VLMRL_CACHE") or Path.home() / ".cache" / "vlmrl")
     path.mkdir(parents=True, exist_ok=True)
     return path
-
-

@@ -30,9 +30,11 @@ class FamilySpec(NamedTuple):
 
 
 FAMILIES: dict[str, FamilySpec] = {  # the registry's families with an offline tiny fixture (`vlmrl.families`)
-    f.name: FamilySpec(f.tiny.num_added, f.tiny.template, f.tiny.vocab, f.model_types, f.tiny.assets, f.tiny.real,
-                       f.image_token)
-    for f in _REGISTRY.values() if f.tiny is not None
+    f.name: FamilySpec(
+        f.tiny.num_added, f.tiny.template, f.tiny.vocab, f.model_types, f.tiny.assets, f.tiny.real, f.image_token
+    )
+    for f in _REGISTRY.values()
+    if f.tiny is not None
 }
 _ASSETS = Path(__file__).parent.parent / "assets" / "tiny"
 

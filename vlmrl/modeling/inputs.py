@@ -31,8 +31,11 @@ def policy_inputs(ids: torch.Tensor | list[int], vision: Any, image_token_id: in
     """
     ids = torch.as_tensor(ids, dtype=torch.long)
     ids = ids.unsqueeze(0) if ids.dim() == 1 else ids
-    out = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-           "mm_token_type_ids": mm_token_type_ids(ids, image_token_id)}
+    out = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "mm_token_type_ids": mm_token_type_ids(ids, image_token_id),
+    }
     if vision is not None:
         out.update(pixel_values=vision.pixel_values, image_grid_thw=vision.image_grid_thw)
     return out
@@ -49,13 +52,15 @@ def image_token_id(family: str, processor) -> int:
 
 
 def input_style(family: str) -> str:
-    """"qwen" | "gemma3" | "idefics3" | "llava_next": the layout of a family's model inputs (`Family.input_style`).
+    """ "qwen" | "gemma3" | "idefics3" | "llava_next": the layout of a family's model inputs (`Family.input_style`).
     Raises ValueError for an unknown family, or one whose model transformers does not run with these inputs
     (Kimi-VL, DeepSeek-VL2: remote code)."""
     style = get_family(family).input_style
     if style is None:
-        raise ValueError(f"no model-inputs rule for model.family {family!r} (known: "
-                         f"{sorted(f.name for f in FAMILIES.values() if f.input_style is not None)})")
+        raise ValueError(
+            f"no model-inputs rule for model.family {family!r} (known: "
+            f"{sorted(f.name for f in FAMILIES.values() if f.input_style is not None)})"
+        )
     return style.value
 
 
@@ -98,19 +103,26 @@ def image_kwargs(family: str, vision: Any, image_mask: torch.Tensor) -> dict:
     else:
         sizes = getattr(vision, "image_sizes", None)
         if sizes is None:
-            raise ValueError("llava_next needs image_sizes: pass the builder's vision (LlavaNextVision), not a plain "
-                             "VisionInputs")
+            raise ValueError(
+                "llava_next needs image_sizes: pass the builder's vision (LlavaNextVision), not a plain VisionInputs"
+            )
         counts = vision.image_grid_thw.prod(-1).tolist()
         most = max(counts)
         per_image = torch.split(vision.pixel_values, counts)
-        out["pixel_values"] = torch.stack([torch.cat([p, p.new_zeros((most - len(p), *p.shape[1:]))])
-                                           for p in per_image])
+        out["pixel_values"] = torch.stack(
+            [torch.cat([p, p.new_zeros((most - len(p), *p.shape[1:]))]) for p in per_image]
+        )
         out["image_sizes"] = sizes
     return out
 
 
-def model_inputs(family: str, ids: torch.Tensor | list[int], vision: Any, image_token_id: int,
-                 attention_mask: torch.Tensor | None = None) -> dict:
+def model_inputs(
+    family: str,
+    ids: torch.Tensor | list[int],
+    vision: Any,
+    image_token_id: int,
+    attention_mask: torch.Tensor | None = None,
+) -> dict:
     """Keyword arguments for the family's `forward`/`generate` on ids [T] or [B, T] with the batch's `VisionInputs`
     (all its images in order, or None), as the family's own processor would have produced them: input_ids [B, T],
     attention_mask [B, T] (given, else ones) and `image_kwargs` (Qwen-VL: `policy_inputs`).
@@ -120,8 +132,11 @@ def model_inputs(family: str, ids: torch.Tensor | list[int], vision: Any, image_
     if input_style(family) == "qwen":
         out = policy_inputs(ids, vision, image_token_id)
     else:
-        out = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-               **image_kwargs(family, vision, ids == image_token_id)}
+        out = {
+            "input_ids": ids,
+            "attention_mask": torch.ones_like(ids),
+            **image_kwargs(family, vision, ids == image_token_id),
+        }
     if attention_mask is not None:
         out["attention_mask"] = torch.as_tensor(attention_mask).reshape(ids.shape)
     return out

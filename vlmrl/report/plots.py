@@ -7,18 +7,43 @@ from pathlib import Path
 
 # plot file stem -> (title, y label, [(metric key or regex, legend label)])
 PLOTS: dict[str, tuple[str, str, list[tuple[str, str]]]] = {
-    "reward": ("Reward", "episode reward", [
-        ("reward_mean", "reward (mean)"), ("eval/reward_mean", "eval reward (mean)")]),
-    "accuracy": ("Accuracy", "share of episodes", [
-        ("accuracy", "accuracy"), ("first_turn_accuracy", "first-turn accuracy"),
-        ("second_turn_accuracy", "second-turn accuracy"), (r"re:^pass@\d+$", "{key}"),
-        ("format_rate", "format rate"), ("eval/accuracy", "eval accuracy"), (r"re:^eval/pass@\d+$", "{key}")]),
-    "turns": ("Turns per episode", "assistant turns", [
-        ("turns_per_episode", "turns / episode"), ("eval/turns_per_episode", "eval turns / episode"),
-        ("tool_calls_per_episode", "tool calls / episode")]),
-    "tool_failure": ("Tool failures", "rate", [
-        ("tool_failure_rate", "tool failure rate (per call)"), (r"re:^tool_fail_.+$", "{key}"),
-        ("eval/tool_failure_rate", "eval tool failure rate"), ("parse_fail_rate", "answer parse failure rate")]),
+    "reward": (
+        "Reward",
+        "episode reward",
+        [("reward_mean", "reward (mean)"), ("eval/reward_mean", "eval reward (mean)")],
+    ),
+    "accuracy": (
+        "Accuracy",
+        "share of episodes",
+        [
+            ("accuracy", "accuracy"),
+            ("first_turn_accuracy", "first-turn accuracy"),
+            ("second_turn_accuracy", "second-turn accuracy"),
+            (r"re:^pass@\d+$", "{key}"),
+            ("format_rate", "format rate"),
+            ("eval/accuracy", "eval accuracy"),
+            (r"re:^eval/pass@\d+$", "{key}"),
+        ],
+    ),
+    "turns": (
+        "Turns per episode",
+        "assistant turns",
+        [
+            ("turns_per_episode", "turns / episode"),
+            ("eval/turns_per_episode", "eval turns / episode"),
+            ("tool_calls_per_episode", "tool calls / episode"),
+        ],
+    ),
+    "tool_failure": (
+        "Tool failures",
+        "rate",
+        [
+            ("tool_failure_rate", "tool failure rate (per call)"),
+            (r"re:^tool_fail_.+$", "{key}"),
+            ("eval/tool_failure_rate", "eval tool failure rate"),
+            ("parse_fail_rate", "answer parse failure rate"),
+        ],
+    ),
 }
 RATES = ("accuracy", "tool_failure")  # plots of shares: y from 0 to 1
 
@@ -66,16 +91,19 @@ def make_plots(rows: list[dict], out_dir: Path, xlabel: str = "step") -> dict[st
                 if key == "reward_mean":
                     _, std = series(rows, "reward_std")
                     if len(std) == len(ys):
-                        ax.fill_between(xs, [y - s for y, s in zip(ys, std)], [y + s for y, s in zip(ys, std)],
-                                        alpha=0.15)
+                        ax.fill_between(
+                            xs, [y - s for y, s in zip(ys, std)], [y + s for y, s in zip(ys, std)], alpha=0.15
+                        )
                 drawn += 1
         if drawn:
             ax.legend(fontsize=7, loc="best")
         else:
-            ax.text(0.5, 0.5, "no such metrics in this run", ha="center", va="center", transform=ax.transAxes,
-                    color="grey")
-        if name == "tool_failure" and not any(v for k in ("tool_calls_per_episode", "eval/tool_calls_per_episode")
-                                              for v in series(rows, k)[1]):
+            ax.text(
+                0.5, 0.5, "no such metrics in this run", ha="center", va="center", transform=ax.transAxes, color="grey"
+            )
+        if name == "tool_failure" and not any(
+            v for k in ("tool_calls_per_episode", "eval/tool_calls_per_episode") for v in series(rows, k)[1]
+        ):
             title += " (no tool calls in this run)"
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         if name in RATES:

@@ -57,8 +57,10 @@ class ImageInliner:
             img.paste(rgba, mask=rgba.split()[-1])
         img = img.convert("RGB")
         encoded = []  # the smaller of a 256-colour PNG (line art) and a JPEG (photos)
-        for fmt, mime, im, kw in (("PNG", "image/png", img.quantize(256), {"optimize": True}),
-                                  ("JPEG", "image/jpeg", img, {"quality": 85})):
+        for fmt, mime, im, kw in (
+            ("PNG", "image/png", img.quantize(256), {"optimize": True}),
+            ("JPEG", "image/jpeg", img, {"quality": 85}),
+        ):
             buf = io.BytesIO()
             im.save(buf, format=fmt, **kw)
             encoded.append((len(buf.getvalue()), mime, buf.getvalue()))
@@ -132,6 +134,7 @@ def _image_html(ref: str, inline: Callable[[str], str | None]) -> str:
 
 def _turn_info(rec: dict, a: int) -> str:
     """The badge line of assistant turn `a`: reward, correct, parse status, stop reason, tool calls."""
+
     def at(key: str):
         vals = rec.get(key) or []
         return vals[a] if a < len(vals) else None
@@ -158,8 +161,10 @@ def _turn_info(rec: dict, a: int) -> str:
         status = call.get("status", "ok")
         css = "bad" if err or status != "ok" else "ok"
         args = _esc(str(call.get("arguments", {})))
-        html_calls += (f'<div class="call {css}">tool call <b>{_esc(str(call.get("name", "")))}</b>({args})'
-                       f' · {_esc(status)}{" · " + _esc(str(err)) if err else ""}</div>')
+        html_calls += (
+            f'<div class="call {css}">tool call <b>{_esc(str(call.get("name", "")))}</b>({args})'
+            f" · {_esc(status)}{' · ' + _esc(str(err)) if err else ''}</div>"
+        )
     return f'<div class="info">{" ".join(bits)}</div>{html_calls}'
 
 
@@ -210,8 +215,10 @@ def tokens_html(rec: dict, text_of: Callable[[int], str]) -> str:
                 out.append(f'<span class="{css}" title="{_esc(title)}">{_esc(text_of(ids[k]))}</span>')
         i = j
     n1 = sum(1 for m in mask if m)
-    return (f'<details class="tokens"><summary>tokens: {len(ids)} ({n1} with loss mask 1, {len(ids) - n1} mask 0, '
-            f'{len(boundary)} inserted at boundaries)</summary><div class="toks">{"".join(out)}</div></details>')
+    return (
+        f'<details class="tokens"><summary>tokens: {len(ids)} ({n1} with loss mask 1, {len(ids) - n1} mask 0, '
+        f'{len(boundary)} inserted at boundaries)</summary><div class="toks">{"".join(out)}</div></details>'
+    )
 
 
 def trajectory_id(rec: dict, idx: int, section: str) -> str:
@@ -222,17 +229,21 @@ def trajectory_html(rec: dict, idx: int, section: str, inline, text_of) -> str:
     correct = any(rec.get("correct") or [])
     where = f"step {rec.get('step', '?')} · task {rec.get('task_id', '?')}"
     where += f" · sample {rec['sample']}" if "sample" in rec else f" · group {rec.get('group', '?')}"
-    head = (f'<span class="badge">reward {float(rec.get("reward", 0.0)):.3g}</span>'
-            f'<span class="badge">advantage {float(rec.get("advantage", 0.0)):+.3g}</span>'
-            f'<span class="badge {"ok" if correct else "bad"}">{"correct" if correct else "wrong"}</span>'
-            f'<span class="badge">{len(rec.get("parse_status") or [])} turn(s)</span>'
-            f'<span class="badge">end: {_esc(str(rec.get("end_reason", "")))}</span>')
+    head = (
+        f'<span class="badge">reward {float(rec.get("reward", 0.0)):.3g}</span>'
+        f'<span class="badge">advantage {float(rec.get("advantage", 0.0)):+.3g}</span>'
+        f'<span class="badge {"ok" if correct else "bad"}">{"correct" if correct else "wrong"}</span>'
+        f'<span class="badge">{len(rec.get("parse_status") or [])} turn(s)</span>'
+        f'<span class="badge">end: {_esc(str(rec.get("end_reason", "")))}</span>'
+    )
     stats = rec.get("tool_stats")
     if isinstance(stats, dict) and stats.get("calls"):
         failed = sum((stats.get("failures") or {}).values())
         head += f'<span class="badge">tools: {stats["calls"]} call(s), {failed} failed</span>'
-    return (f'<section class="traj" id="{trajectory_id(rec, idx, section)}"><h3>#{idx} · {_esc(where)}</h3>'
-            f'<div class="info">{head}</div>{messages_html(rec, inline)}{tokens_html(rec, text_of)}</section>')
+    return (
+        f'<section class="traj" id="{trajectory_id(rec, idx, section)}"><h3>#{idx} · {_esc(where)}</h3>'
+        f'<div class="info">{head}</div>{messages_html(rec, inline)}{tokens_html(rec, text_of)}</section>'
+    )
 
 
 def select(records: list[dict], limit: int) -> list[tuple[int, dict]]:
@@ -250,18 +261,22 @@ def index_html(chosen: list[tuple[int, dict]], section: str) -> str:
         who = rec.get("sample", rec.get("group", ""))
         rows.append(
             f'<tr><td><a href="#{trajectory_id(rec, idx, section)}">#{idx}</a></td><td>{_esc(str(rec.get("step", "")))}'
-            f'</td><td>{_esc(str(rec.get("task_id", "")))}</td><td>{_esc(str(who))}</td>'
+            f"</td><td>{_esc(str(rec.get('task_id', '')))}</td><td>{_esc(str(who))}</td>"
             f'<td>{float(rec.get("reward", 0.0)):.3g}</td><td class="{"ok" if correct else "bad"}">'
-            f'{"yes" if correct else "no"}</td><td>{len(rec.get("parse_status") or [])}</td>'
-            f'<td>{_esc(str(rec.get("end_reason", "")))}</td></tr>')
-    head = "<tr><th>#</th><th>step</th><th>task</th><th>sample/group</th><th>reward</th><th>correct</th>" \
-           "<th>turns</th><th>end</th></tr>"
+            f"{'yes' if correct else 'no'}</td><td>{len(rec.get('parse_status') or [])}</td>"
+            f"<td>{_esc(str(rec.get('end_reason', '')))}</td></tr>"
+        )
+    head = (
+        "<tr><th>#</th><th>step</th><th>task</th><th>sample/group</th><th>reward</th><th>correct</th>"
+        "<th>turns</th><th>end</th></tr>"
+    )
     body = "".join(rows)
     return f'<div class="scroll idx"><table class="metrics"><thead>{head}</thead><tbody>{body}</tbody></table></div>'
 
 
-def section_html(title: str, section: str, records: list[dict], limit: int, inline, text_of,
-                 problems: list[str] | None = None) -> str:
+def section_html(
+    title: str, section: str, records: list[dict], limit: int, inline, text_of, problems: list[str] | None = None
+) -> str:
     """The viewer section of `records` (at most `limit`, `select`); a record that cannot be rendered becomes a note
     on the page and a line in `problems`."""
     if not records:

@@ -17,22 +17,33 @@ def make_engine(rollout_cfg: RolloutConfig, policy, processor, builder) -> Engin
 
         tok = processor.tokenizer
         eos = sorted(builder.stop_token_ids)
-        return TransformersEngine(policy, tok, eos, tok.pad_token_id, builder.image_token_id,
-                                  suppress_ids=list(builder.placeholder_token_ids))
+        return TransformersEngine(
+            policy, tok, eos, tok.pad_token_id, builder.image_token_id, suppress_ids=list(builder.placeholder_token_ids)
+        )
     if rollout_cfg.engine == "vllm":
         import importlib.util
 
         if importlib.util.find_spec("vllm") is None:  # only vllm_engine imports vllm
-            raise ValueError("rollout.engine=vllm needs vLLM: pip install 'vlmrl[vllm]' (CUDA), or the CPU build "
-                             "as in `make test-vllm`")
+            raise ValueError(
+                "rollout.engine=vllm needs vLLM: pip install 'vlmrl[vllm]' (CUDA), or the CPU build "
+                "as in `make test-vllm`"
+            )
         from vlmrl.rollout.vllm_engine import VLLMEngine
 
         tok = processor.tokenizer
         eos = sorted(builder.stop_token_ids)
         merge = getattr(getattr(processor, "image_processor", None), "merge_size", None)
-        return VLLMEngine(policy, processor, eos, builder.image_token_id, rollout_cfg.vllm,
-                          max_model_len=rollout_cfg.max_context_tokens, temperature=rollout_cfg.temperature,
-                          top_p=rollout_cfg.top_p, merge_size=merge if isinstance(merge, int) else None)
+        return VLLMEngine(
+            policy,
+            processor,
+            eos,
+            builder.image_token_id,
+            rollout_cfg.vllm,
+            max_model_len=rollout_cfg.max_context_tokens,
+            temperature=rollout_cfg.temperature,
+            top_p=rollout_cfg.top_p,
+            merge_size=merge if isinstance(merge, int) else None,
+        )
     raise ValueError(f"rollout.engine={rollout_cfg.engine!r} is not available (choose: transformers, vllm)")
 
 

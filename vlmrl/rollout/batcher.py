@@ -73,13 +73,15 @@ class EngineBatcher:
                 await self._until(lambda: bool(self._pending))
                 await self._until(lambda: self._local() == 0)
                 deadline = loop.time() + self.max_wait_s
-                await self._until(lambda: self._local() == 0 and (self._offloaded == 0 or loop.time() >= deadline),
-                                  deadline)
+                await self._until(
+                    lambda: self._local() == 0 and (self._offloaded == 0 or loop.time() >= deadline), deadline
+                )
                 batch, self._pending = sorted(self._pending, key=lambda p: p[0]), []
                 self.batch_sizes.append(len(batch))
                 try:
-                    results = await loop.run_in_executor(self._engine_thread, self.engine.generate_batch,
-                                                         [req for _, req, _, _ in batch])
+                    results = await loop.run_in_executor(
+                        self._engine_thread, self.engine.generate_batch, [req for _, req, _, _ in batch]
+                    )
                 except BaseException as err:  # handed to every waiting episode (else they would wait forever)
                     for _, _, _, future in batch:
                         if not future.done():

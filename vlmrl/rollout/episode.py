@@ -113,8 +113,13 @@ class EpisodeRunner:
         self.builder, self.engine, self.env_factory = builder, engine, env_factory
         self.limits, self.sampling, self._tools, self.batch_wait_s = limits, sampling, tools, batch_wait_s
         # handler method names, looked up on `self` at call time (a copy of the runner runs its own state)
-        self.handlers = {State.GENERATE: "_on_generate", State.REPLY: "_on_reply", State.TOOL: "_on_tool",
-                         State.ENV_STEP: "_on_env_step", State.OBSERVE: "_on_observe"}
+        self.handlers = {
+            State.GENERATE: "_on_generate",
+            State.REPLY: "_on_reply",
+            State.TOOL: "_on_tool",
+            State.ENV_STEP: "_on_env_step",
+            State.OBSERVE: "_on_observe",
+        }
         self.batcher: EngineBatcher | None = None  # the current run's (its batch_sizes stay readable afterwards)
         self._seed = 0
 
@@ -145,7 +150,7 @@ class EpisodeRunner:
         server = asyncio.create_task(self.batcher.serve())
         try:
             for g in range(len(tasks)):  # turn 0: one request per group, n = its live episodes
-                group = [ep for ep in episodes[g * group_size:(g + 1) * group_size] if ep.state is State.GENERATE]
+                group = [ep for ep in episodes[g * group_size : (g + 1) * group_size] if ep.state is State.GENERATE]
                 if group:
                     first = asyncio.ensure_future(self._request(group[0], n=len(group)))
                     for ep in group:
@@ -174,12 +179,18 @@ class EpisodeRunner:
         if tools[0]:
             messages = self.tools.prepare_prompt(messages, list(tools[0].values()))
         seq = self.builder.start(messages)
-        episodes = [Episode(task, group, k, env, seq.fork(), list(messages), tools=t)
-                    for k, (env, t) in enumerate(zip(envs, tools))]
+        episodes = [
+            Episode(task, group, k, env, seq.fork(), list(messages), tools=t)
+            for k, (env, t) in enumerate(zip(envs, tools))
+        ]
         for ep in episodes:
             if len(seq.ids) >= self.limits.max_context_tokens:
-                log.warning("task %s: prompt of %d tokens exceeds rollout.max_context_tokens=%d; no turn sampled",
-                            task.id, len(seq.ids), self.limits.max_context_tokens)
+                log.warning(
+                    "task %s: prompt of %d tokens exceeds rollout.max_context_tokens=%d; no turn sampled",
+                    task.id,
+                    len(seq.ids),
+                    self.limits.max_context_tokens,
+                )
                 self._end(ep, EndReason.CONTEXT)
         return episodes
 

@@ -80,9 +80,14 @@ class TransformersEngine(Engine):
     def generate(self, prompts: list[EnginePrompt], n: int, params: SamplingParams) -> list[list[Generation]]:
         """n samples of each prompt; prompt i gets seed `params.seed + i` (None: drawn from torch's global RNG)."""
         seeds = [None if params.seed is None else params.seed + i for i in range(len(prompts))]
-        return self.generate_batch([GenerateRequest(p, n, SamplingParams(params.max_new_tokens, params.temperature,
-                                                                         params.top_p, list(params.stop), s))
-                                    for p, s in zip(prompts, seeds)])
+        return self.generate_batch(
+            [
+                GenerateRequest(
+                    p, n, SamplingParams(params.max_new_tokens, params.temperature, params.top_p, list(params.stop), s)
+                )
+                for p, s in zip(prompts, seeds)
+            ]
+        )
 
     @torch.no_grad()
     def generate_batch(self, requests: list[GenerateRequest]) -> list[list[Generation]]:
@@ -128,26 +133,41 @@ class TransformersEngine(Engine):
             if not visions:
                 return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
         inputs = model_inputs(family, ids, VisionInputs.cat(visions), self.image_token_id, mask)
-        return {k: v.to(device, dtype=model.dtype) if k == "pixel_values" else v.to(device)
-                for k, v in inputs.items()}
+        return {k: v.to(device, dtype=model.dtype) if k == "pixel_values" else v.to(device) for k, v in inputs.items()}
 
     def _sample(self, model, rows: list[_Row], stop: list[str]) -> list[Generation]:
         inputs = self._batch_inputs(model, rows)
         width = inputs["input_ids"].shape[1]
         max_new = [r.params.max_new_tokens for r in rows]
-        sampler = RowSampler([r.seed for r in rows], max_new, [r.params.temperature for r in rows],
-                             [r.params.top_p for r in rows], width, self.suppress_ids, self.eos_ids[0],
-                             inputs["input_ids"].device)
-        config = GenerationConfig(do_sample=False, max_new_tokens=max(max_new), eos_token_id=self.eos_ids,
-                                  pad_token_id=self.pad_id, stop_strings=stop or None)
+        sampler = RowSampler(
+            [r.seed for r in rows],
+            max_new,
+            [r.params.temperature for r in rows],
+            [r.params.top_p for r in rows],
+            width,
+            self.suppress_ids,
+            self.eos_ids[0],
+            inputs["input_ids"].device,
+        )
+        config = GenerationConfig(
+            do_sample=False,
+            max_new_tokens=max(max_new),
+            eos_token_id=self.eos_ids,
+            pad_token_id=self.pad_id,
+            stop_strings=stop or None,
+        )
         # greedy over RowSampler's one-hot scores; the model's own generation_config (repetition_penalty,
         # suppress_tokens, ...) is swapped out so that no other logits processor touches the logits
         saved, was_training = model.generation_config, model.training
         model.generation_config = GenerationConfig()
         model.eval()
         try:
-            seqs = model.generate(**inputs, generation_config=config, logits_processor=LogitsProcessorList([sampler]),
-                                  tokenizer=self.tokenizer if stop else None)
+            seqs = model.generate(
+                **inputs,
+                generation_config=config,
+                logits_processor=LogitsProcessorList([sampler]),
+                tokenizer=self.tokenizer if stop else None,
+            )
         finally:
             model.generation_config = saved
             model.train(was_training)

@@ -26,9 +26,17 @@ def build_runner(
     tooling = tool_setup(cfg, processor, make_env_factory(cfg.env))  # env tools + tools.functions/environment
     builder = get_builder(cfg.model.family, processor, **tooling.builder_kwargs())
     engine = rollout.make_engine(cfg.rollout, policy, processor, builder)  # looked up at call time
-    sampling = SamplingParams(cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p,
-                              list(cfg.rollout.stop))
+    sampling = SamplingParams(
+        cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p, list(cfg.rollout.stop)
+    )
     limits = EpisodeLimits(cfg.env.max_turns, cfg.rollout.max_context_tokens, cfg.algorithm.turn_discount)
-    runner = EpisodeRunner(builder, engine, tooling.env_factory, limits, sampling, tools=tooling.runtime,
-                           batch_wait_s=cfg.rollout.batch_wait_s)
+    runner = EpisodeRunner(
+        builder,
+        engine,
+        tooling.env_factory,
+        limits,
+        sampling,
+        tools=tooling.runtime,
+        batch_wait_s=cfg.rollout.batch_wait_s,
+    )
     return runner, builder

@@ -38,9 +38,17 @@ class RowSampler(LogitsProcessor):
     After `generate`, `logprobs()` -> [B, L] float32: the sampled token's log p at each generated step.
     """
 
-    def __init__(self, seeds: Sequence[int], max_new: Sequence[int], temperature: Sequence[float],
-                 top_p: Sequence[float], prompt_len: int, suppress_ids: Sequence[int], end_id: int,
-                 device: torch.device):
+    def __init__(
+        self,
+        seeds: Sequence[int],
+        max_new: Sequence[int],
+        temperature: Sequence[float],
+        top_p: Sequence[float],
+        prompt_len: int,
+        suppress_ids: Sequence[int],
+        end_id: int,
+        device: torch.device,
+    ):
         longest = max(max_new)
         rows = []
         for seed, m in zip(seeds, max_new):

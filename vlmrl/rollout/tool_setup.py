@@ -60,8 +60,14 @@ def tools_sandbox(cfg: Any) -> Sandbox:
     read = tools_data_dir(cfg)
     run_dir = Path(str(cfg.logging.output_dir)).expanduser().resolve()
     hide = ((str(dataset),) if dataset else ()) + (str(run_dir),)
-    return Sandbox(str(read) if read else None, hide, int(cfg.tools.memory_mb),
-                   float(cfg.tools.cpu_s), bool(cfg.tools.network), str(cfg.tools.isolation))
+    return Sandbox(
+        str(read) if read else None,
+        hide,
+        int(cfg.tools.memory_mb),
+        float(cfg.tools.cpu_s),
+        bool(cfg.tools.network),
+        str(cfg.tools.isolation),
+    )
 
 
 def tool_setup(cfg: Any, processor: Any, env_factory: Callable[[], Environment]) -> ToolSetup:

@@ -35,8 +35,9 @@ def image_token_counts(prompt: EnginePrompt, merge_size: int | None) -> list[int
     return [int(n) for n in (prompt.vision.image_grid_thw.prod(-1) // (merge_size * merge_size)).tolist()]
 
 
-def collapse_image_placeholders(ids: Sequence[int], image_token_id: int, counts: Sequence[int] | None,
-                                num_images: int) -> list[int]:
+def collapse_image_placeholders(
+    ids: Sequence[int], image_token_id: int, counts: Sequence[int] | None, num_images: int
+) -> list[int]:
     """`ids` with each image's run of `image_token_id` reduced to one placeholder (vLLM expands it again).
 
     counts: each image's expected run length (None: every maximal run is one image). Raises ValueError when the runs
@@ -60,8 +61,10 @@ def collapse_image_placeholders(ids: Sequence[int], image_token_id: int, counts:
         else:  # a maximal run may hold several adjacent images
             while run > 0:
                 if not pending or pending[0] > run:
-                    raise ValueError(f"image placeholder run of {j - i} tokens at {i} does not match the images' "
-                                     f"token counts {list(counts or [])}")
+                    raise ValueError(
+                        f"image placeholder run of {j - i} tokens at {i} does not match the images' "
+                        f"token counts {list(counts or [])}"
+                    )
                 run -= pending.pop(0)
                 out.append(image_token_id)
                 seen += 1
@@ -78,8 +81,9 @@ def to_vllm_prompt(prompt: EnginePrompt, image_token_id: int | None, merge_size:
         return {"prompt_token_ids": list(prompt.token_ids)}
     if image_token_id is None:
         raise ValueError("a prompt with images needs the model's image placeholder id")
-    ids = collapse_image_placeholders(prompt.token_ids, image_token_id, image_token_counts(prompt, merge_size),
-                                      len(prompt.images))
+    ids = collapse_image_placeholders(
+        prompt.token_ids, image_token_id, image_token_counts(prompt, merge_size), len(prompt.images)
+    )
     return {"prompt_token_ids": ids, "multi_modal_data": {"image": list(prompt.images)}}
 
 
@@ -104,8 +108,9 @@ def image_data_url(image: Any) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def generate_body(prompt: EnginePrompt, sampling: dict, model: str, image_token_id: int | None,
-                  merge_size: int | None) -> dict:
+def generate_body(
+    prompt: EnginePrompt, sampling: dict, model: str, image_token_id: int | None, merge_size: int | None
+) -> dict:
     """The JSON body of a POST `/inference/v1/generate` (vLLM's token-in/token-out route, `--enable-scale-out`):
     `token_ids` with each image's placeholder run collapsed to one token (the server expands it, as in
     `to_vllm_prompt`), the images as PNG data URLs in `content_parts` (in prompt order), `sampling` (the
@@ -113,8 +118,13 @@ def generate_body(prompt: EnginePrompt, sampling: dict, model: str, image_token_
     server's expanded prompt ids. Raises ValueError as `to_vllm_prompt`."""
     converted = to_vllm_prompt(prompt, image_token_id, merge_size)
     sampling = {k: v for k, v in sampling.items() if v is not None}  # seed None: the server's own
-    body: dict[str, Any] = {"model": model, "token_ids": converted["prompt_token_ids"], "sampling_params": sampling,
-                            "return_token_ids": True, "output_mode": "tokens"}
+    body: dict[str, Any] = {
+        "model": model,
+        "token_ids": converted["prompt_token_ids"],
+        "sampling_params": sampling,
+        "return_token_ids": True,
+        "output_mode": "tokens",
+    }
     if prompt.images:
         body["content_parts"] = [{"type": "image_url", "url": image_data_url(im)} for im in prompt.images]
     return body
@@ -144,8 +154,13 @@ def sampled_logprobs(token_ids: Sequence[int], logprobs: Any) -> list[float]:
     return [_logprob_value(logprobs[t][tok]) for t, tok in enumerate(token_ids)]
 
 
-def _finish(ids: list[int], logprobs: list[float], reason: StopReason, eos_ids: Sequence[int],
-            decode: Callable[[list[int]], str]) -> Generation:
+def _finish(
+    ids: list[int],
+    logprobs: list[float],
+    reason: StopReason,
+    eos_ids: Sequence[int],
+    decode: Callable[[list[int]], str],
+) -> Generation:
     if reason is StopReason.EOS and (not ids or ids[-1] not in eos_ids):
         raise RuntimeError(f"vLLM stopped on EOS but the sampled ids end with {ids[-1:]} (expected one of {eos_ids})")
     return Generation(token_ids=ids, logprobs=logprobs, stop_reason=reason, text=decode(ids))
@@ -158,8 +173,9 @@ def generation_from_vllm(output: Any, eos_ids: Sequence[int], decode: Callable[[
     return _finish(ids, sampled_logprobs(ids, output.logprobs), reason, eos_ids, decode)
 
 
-def generation_from_generate_choice(choice: dict, eos_ids: Sequence[int],
-                                    decode: Callable[[list[int]], str]) -> Generation:
+def generation_from_generate_choice(
+    choice: dict, eos_ids: Sequence[int], decode: Callable[[list[int]], str]
+) -> Generation:
     """One `choices[i]` of a `/inference/v1/generate` response (`output_mode="tokens"`, `logprobs=0`) ->
     Generation. Raises RuntimeError when the logprobs do not pair one to one with the token ids."""
     ids = [int(t) for t in choice.get("token_ids") or []]
@@ -167,8 +183,9 @@ def generation_from_generate_choice(choice: dict, eos_ids: Sequence[int],
     if content is None:
         raise RuntimeError("vLLM server returned no logprobs (the request must set sampling_params.logprobs=0)")
     if [int(c["token_id"]) for c in content] != ids:
-        raise RuntimeError(f"server logprob tokens {[c['token_id'] for c in content][:8]}... differ from its "
-                           f"token_ids {ids[:8]}...")
+        raise RuntimeError(
+            f"server logprob tokens {[c['token_id'] for c in content][:8]}... differ from its token_ids {ids[:8]}..."
+        )
     reason = to_stop_reason(choice.get("finish_reason"), choice.get("stop_reason"))
     return _finish(ids, [float(c["logprob"]) for c in content], reason, eos_ids, decode)
 

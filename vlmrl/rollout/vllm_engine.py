@@ -105,14 +105,14 @@ __all__ = [  # the engine, and the names that moved to vllm_convert/vllm_weights
 ]  # fmt: skip
 
 METRIC = "vllm_sync_max_abs_dlogprob"
-_PROBE_TEXT = ("<|im_start|>user\nWhat is the sum of the interior angles of a triangle?<|im_end|>\n"
-               "<|im_start|>assistant\n")
+_PROBE_TEXT = (
+    "<|im_start|>user\nWhat is the sum of the interior angles of a triangle?<|im_end|>\n<|im_start|>assistant\n"
+)
 
 
 def _vllm_dtype(module: torch.nn.Module) -> str:
     dtype = next(module.parameters()).dtype
     return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "auto")
-
 
 
 class VLLMEngine(Engine):
@@ -146,8 +146,9 @@ class VLLMEngine(Engine):
         self.eos_ids = [int(t) for t in eos_ids]
         self.image_token_id = image_token_id
         self.merge_size = merge_size
-        self.logprobs_mode = (choose_logprobs_mode(temperature, top_p)
-                              if config.logprobs_mode == "auto" else config.logprobs_mode)
+        self.logprobs_mode = (
+            choose_logprobs_mode(temperature, top_p) if config.logprobs_mode == "auto" else config.logprobs_mode
+        )
         self._recent: collections.deque[EnginePrompt] = collections.deque(maxlen=max(config.sync_check_seqs, 1))
         self._warned: set[str] = set()
         self._syncs = 0
@@ -166,8 +167,9 @@ class VLLMEngine(Engine):
     def generate(self, prompts: list[EnginePrompt], n: int, params: SamplingParams) -> list[list[Generation]]:
         """n samples of each prompt; prompt i gets seed `params.seed + i * n` (None: vLLM's engine seed)."""
         seeds = [None if params.seed is None else params.seed + i * n for i in range(len(prompts))]
-        return self.generate_batch([GenerateRequest(p, n, dataclasses.replace(params, seed=s))
-                                    for p, s in zip(prompts, seeds)])
+        return self.generate_batch(
+            [GenerateRequest(p, n, dataclasses.replace(params, seed=s)) for p, s in zip(prompts, seeds)]
+        )
 
     def generate_batch(self, requests: list[GenerateRequest]) -> list[list[Generation]]:
         """All requests at once (each its own n, params and seed): colocated, ONE `LLM.generate` with per-request
@@ -175,9 +177,12 @@ class VLLMEngine(Engine):
         for req in requests:
             params = req.params
             if not logprobs_exact(self.logprobs_mode, params.temperature, params.top_p):
-                self._warn_once("mode", f"vLLM logprobs_mode={self.logprobs_mode} does not give log_softmax(logits / "
-                                f"temperature) of the full distribution at temperature={params.temperature}, "
-                                f"top_p={params.top_p}: rollout logprobs will differ from the trainer's")
+                self._warn_once(
+                    "mode",
+                    f"vLLM logprobs_mode={self.logprobs_mode} does not give log_softmax(logits / "
+                    f"temperature) of the full distribution at temperature={params.temperature}, "
+                    f"top_p={params.top_p}: rollout logprobs will differ from the trainer's",
+                )
         if self.config.mode == "colocate":
             out = self._generate_colocated(requests)
         else:
@@ -192,8 +197,9 @@ class VLLMEngine(Engine):
         for req, gens in zip(requests, out):
             if gens:
                 g = gens[0]
-                self._recent.append(EnginePrompt(list(req.prompt.token_ids) + list(g.token_ids), req.prompt.images,
-                                                 req.prompt.vision))
+                self._recent.append(
+                    EnginePrompt(list(req.prompt.token_ids) + list(g.token_ids), req.prompt.images, req.prompt.vision)
+                )
         return out
 
     def sync_weights(self) -> dict[str, float]:
@@ -224,9 +230,14 @@ class VLLMEngine(Engine):
     def _compare(self, probes: list[EnginePrompt], expected: list[list[float]]) -> float:
         delta = max_abs_delta(expected, [self.prompt_logprobs(p) for p in probes])
         if delta > self.config.sync_warn_dlogprob:
-            log.warning("vLLM weight check (after sync %d): prompt logprobs differ from the trainer's by up to %.3g "
-                        "(> rollout.vllm.sync_warn_dlogprob=%.3g): stale weights in vLLM (e.g. the LM head of a "
-                        "tied-embedding model)?", self._syncs, delta, self.config.sync_warn_dlogprob)
+            log.warning(
+                "vLLM weight check (after sync %d): prompt logprobs differ from the trainer's by up to %.3g "
+                "(> rollout.vllm.sync_warn_dlogprob=%.3g): stale weights in vLLM (e.g. the LM head of a "
+                "tied-embedding model)?",
+                self._syncs,
+                delta,
+                self.config.sync_warn_dlogprob,
+            )
         return delta
 
     def prompt_logprobs(self, prompt: EnginePrompt) -> list[float]:
@@ -255,8 +266,10 @@ class VLLMEngine(Engine):
     def _start_colocated(self) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
-            raise RuntimeError("rollout.vllm.mode=colocate needs vLLM's in-process engine: "
-                               "unset VLLM_ENABLE_V1_MULTIPROCESSING or set it to 0")
+            raise RuntimeError(
+                "rollout.vllm.mode=colocate needs vLLM's in-process engine: "
+                "unset VLLM_ENABLE_V1_MULTIPROCESSING or set it to 0"
+            )
         from vllm import LLM
 
         s = self.config
@@ -295,8 +308,10 @@ class VLLMEngine(Engine):
             # one engine per trainer rank inside the launcher's process group (trl's colocate mode does the same);
             # each rank samples its own prompts (its own seed), so no tensor parallelism across ranks here
             if s.tensor_parallel_size > 1:
-                raise NotImplementedError("rollout.vllm.mode=colocate with several trainer ranks needs "
-                                          "rollout.vllm.tensor_parallel_size=1 (or use rollout.vllm.mode=server)")
+                raise NotImplementedError(
+                    "rollout.vllm.mode=colocate with several trainer ranks needs "
+                    "rollout.vllm.tensor_parallel_size=1 (or use rollout.vllm.mode=server)"
+                )
             kwargs["distributed_executor_backend"] = "external_launcher"
             kwargs["seed"] = s.seed + dist.get_rank()
         self.llm = LLM(**kwargs)
@@ -315,7 +330,8 @@ class VLLMEngine(Engine):
         if vllm_ids is not None and list(vllm_ids) != list(prompt.token_ids):
             raise RuntimeError(
                 f"vLLM expanded the prompt to {len(vllm_ids)} tokens, ours has {len(prompt.token_ids)}: its image "
-                "processing differs from the token builder's (min/max pixels?); rollouts would be off-policy")
+                "processing differs from the token builder's (min/max pixels?); rollouts would be off-policy"
+            )
 
     def _generate_colocated(self, requests: list[GenerateRequest]) -> list[list[Generation]]:
         from vllm import SamplingParams as VSamplingParams
@@ -335,8 +351,10 @@ class VLLMEngine(Engine):
         """Recent sequences (prompt + first sample; text ones cut to sync_check_tokens), else a fixed text probe."""
         if self.config.sync_check_seqs <= 0:
             return []
-        probes = [p if p.images else EnginePrompt(p.token_ids[: self.config.sync_check_tokens], [], None)
-                  for p in list(self._recent)[-self.config.sync_check_seqs:]]
+        probes = [
+            p if p.images else EnginePrompt(p.token_ids[: self.config.sync_check_tokens], [], None)
+            for p in list(self._recent)[-self.config.sync_check_seqs :]
+        ]
         return probes or [EnginePrompt(self.tokenizer.encode(_PROBE_TEXT, add_special_tokens=False), [], None)]
 
     def _trainer_logprobs(self, module: torch.nn.Module, prompt: EnginePrompt) -> list[float]:
@@ -344,8 +362,14 @@ class VLLMEngine(Engine):
 
         ids = torch.tensor(prompt.token_ids, dtype=torch.long)
         image_id = -1 if self.image_token_id is None else self.image_token_id
-        sample = Sample(input_ids=ids, loss_mask=torch.ones_like(ids), old_logprobs=torch.zeros(len(ids)),
-                        advantage=0.0, vision=prompt.vision, mm_token_type_ids=(ids == image_id).long())
+        sample = Sample(
+            input_ids=ids,
+            loss_mask=torch.ones_like(ids),
+            old_logprobs=torch.zeros(len(ids)),
+            advantage=0.0,
+            vision=prompt.vision,
+            mm_token_type_ids=(ids == image_id).long(),
+        )
         return sequence_logprobs(module, sample, temperature=1.0).tolist()
 
     def _decode(self, ids: list[int]) -> str:
@@ -355,4 +379,3 @@ class VLLMEngine(Engine):
         if key not in self._warned:
             self._warned.add(key)
             log.warning(msg)
-

@@ -58,19 +58,24 @@ class VLLMServer:
     def post(self, path: str, body: dict | None = None, method: str = "POST") -> Any:
         """The decoded JSON response of `method path` with JSON `body` (RuntimeError naming the route on failure)."""
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(req, timeout=self.config.timeout_s) as resp:
                 text = resp.read()
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode(errors="replace")[:500]
             if exc.code == 404 and path in _DEV_ROUTES:
-                raise RuntimeError(f"vLLM server at {self.url} has no {path}: start it with VLLM_SERVER_DEV_MODE=1 "
-                                   "(vLLM 0.32 exposes the reload and cache-reset routes only then)") from exc
+                raise RuntimeError(
+                    f"vLLM server at {self.url} has no {path}: start it with VLLM_SERVER_DEV_MODE=1 "
+                    "(vLLM 0.32 exposes the reload and cache-reset routes only then)"
+                ) from exc
             if path == GENERATE and exc.code in (403, 404):
-                raise RuntimeError(f"vLLM server at {self.url} refuses {path} ({exc.code}): start it with "
-                                   "--enable-scale-out (vLLM >= 0.32's token-in/token-out route)") from exc
+                raise RuntimeError(
+                    f"vLLM server at {self.url} refuses {path} ({exc.code}): start it with "
+                    "--enable-scale-out (vLLM >= 0.32's token-in/token-out route)"
+                ) from exc
             raise RuntimeError(f"vLLM server {method} {path} failed ({exc.code}): {detail}") from exc
         return json.loads(text) if text else None
 
@@ -82,17 +87,26 @@ class VLLMServer:
 
     def _generate(self, prompt: EnginePrompt, sampling: dict) -> dict:
         """The server's response to one prompt; RuntimeError when its expanded prompt ids differ from ours."""
-        out = self.post(GENERATE, generate_body(prompt, sampling, self.served_model, self.image_token_id,
-                                                self.merge_size))
+        out = self.post(
+            GENERATE, generate_body(prompt, sampling, self.served_model, self.image_token_id, self.merge_size)
+        )
         theirs = out.get("prompt_token_ids")
         if theirs is not None and list(theirs) != list(prompt.token_ids):
-            raise RuntimeError(f"vLLM server expanded the prompt to {len(theirs)} tokens, ours has "
-                               f"{len(prompt.token_ids)}: its image processing differs from the token builder's "
-                               "(min/max pixels?); rollouts would be off-policy")
+            raise RuntimeError(
+                f"vLLM server expanded the prompt to {len(theirs)} tokens, ours has "
+                f"{len(prompt.token_ids)}: its image processing differs from the token builder's "
+                "(min/max pixels?); rollouts would be off-policy"
+            )
         return out
 
-    def generate(self, prompt: EnginePrompt, n: int, params: SamplingParams, eos_ids: Sequence[int],
-                 decode: Callable[[list[int]], str]) -> list[Generation]:
+    def generate(
+        self,
+        prompt: EnginePrompt,
+        n: int,
+        params: SamplingParams,
+        eos_ids: Sequence[int],
+        decode: Callable[[list[int]], str],
+    ) -> list[Generation]:
         """n samples of `prompt` (seed `params.seed`; None: the server's) in one request."""
         out = self._generate(prompt, sampling_kwargs(params, n, eos_ids, params.seed))
         choices = sorted(out["choices"], key=lambda c: c["index"])
@@ -100,8 +114,7 @@ class VLLMServer:
 
     def prompt_logprobs(self, prompt: EnginePrompt) -> list[float]:
         """The server's log p(ids[t] | ids[:t]) at temperature 1, images included: [T], 0.0 at t = 0."""
-        out = self._generate(prompt, {"max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0,
-                                      "detokenize": False})
+        out = self._generate(prompt, {"max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0, "detokenize": False})
         return prompt_logprobs_list(prompt.token_ids, out["prompt_logprobs"])
 
     def push_weights(self, module: torch.nn.Module) -> None:

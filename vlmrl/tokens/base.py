@@ -68,18 +68,21 @@ def control_strings_of(processor, extra: tuple[str, ...] = ()) -> tuple[str, ...
     """The strings a tokenizer/processor turns into control tokens: the tokenizer's special added tokens, the
     processor's `*_token` strings (image placeholders it expands by string search) and `extra`; longest first."""
     tok = getattr(processor, "tokenizer", processor)
-    found = {t.content for t in (getattr(tok, "added_tokens_decoder", None) or {}).values()
-             if getattr(t, "special", False)}
+    found = {
+        t.content for t in (getattr(tok, "added_tokens_decoder", None) or {}).values() if getattr(t, "special", False)
+    }
     found |= {str(t) for t in (getattr(tok, "all_special_tokens", None) or ())}
     if tok is not processor:
-        found |= {v for k, v in getattr(processor, "__dict__", {}).items()
-                  if k.endswith("_token") and isinstance(v, str)}
+        found |= {
+            v for k, v in getattr(processor, "__dict__", {}).items() if k.endswith("_token") and isinstance(v, str)
+        }
     found |= set(extra)
     return tuple(sorted((t for t in found if len(t) > 1 and t.strip() == t), key=lambda t: (-len(t), t)))
 
 
 def _guarded(method):
     """Wrap `start(messages)` / `render_messages(seq, messages)` so `messages` (the last argument) is guarded."""
+
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         if "messages" in kwargs:
@@ -87,6 +90,7 @@ def _guarded(method):
         elif args:
             args = (*args[:-1], self.guard_messages(args[-1]))
         return method(self, *args, **kwargs)
+
     wrapper.__guarded__ = True
     return wrapper
 
@@ -139,8 +143,9 @@ class TokenBuilder(ABC):
         out = []
         for m in messages:
             if m.role in _GUARDED_ROLES and any(isinstance(p, TextPart) for p in m.content):
-                m = Message(m.role, [TextPart(self.guard_text(p.text)) if isinstance(p, TextPart) else p
-                                     for p in m.content])
+                m = Message(
+                    m.role, [TextPart(self.guard_text(p.text)) if isinstance(p, TextPart) else p for p in m.content]
+                )
             out.append(m)
         return out
 
@@ -165,8 +170,11 @@ class TokenBuilder(ABC):
     def _token_id(self, token: str) -> int:
         """The id of `token`, which the tokenizer must encode as exactly that one id (ValueError otherwise)."""
         tid = self.tokenizer.convert_tokens_to_ids(token)
-        if not isinstance(tid, int) or tid == self.tokenizer.unk_token_id or \
-                self.tokenizer.encode(token, add_special_tokens=False) != [tid]:
+        if (
+            not isinstance(tid, int)
+            or tid == self.tokenizer.unk_token_id
+            or self.tokenizer.encode(token, add_special_tokens=False) != [tid]
+        ):
             raise ValueError(f"{self.family}: the tokenizer has no single token {token!r}")
         return int(tid)
 
@@ -277,7 +285,7 @@ class TokenBuilder(ABC):
     def _check_turn_closed(self, seq: TokenSeq) -> None:
         """Raises ValueError unless `seq` ends with a closed assistant turn."""
         closed = self._closed_ids()
-        if seq.ids[-len(closed):] != closed:
+        if seq.ids[-len(closed) :] != closed:
             raise ValueError("render_messages() must follow a closed assistant turn (call add_generation first)")
 
     def _check_new_messages(self, seq: TokenSeq, messages: list[Message]) -> None:

@@ -51,9 +51,30 @@ log = logging.getLogger(__name__)
 
 # DeepSeek-VL2's processor_config candidate resolutions (width, height), multiples of 384 up to 9 tiles
 CANDIDATE_RESOLUTIONS: tuple[tuple[int, int], ...] = (
-    (384, 384), (384, 768), (768, 384), (384, 1152), (1152, 384), (384, 1536), (1536, 384), (768, 768), (384, 1920),
-    (1920, 384), (384, 2304), (2304, 384), (768, 1152), (1152, 768), (384, 2688), (2688, 384), (384, 3072),
-    (3072, 384), (768, 1536), (1536, 768), (384, 3456), (3456, 384), (1152, 1152))
+    (384, 384),
+    (384, 768),
+    (768, 384),
+    (384, 1152),
+    (1152, 384),
+    (384, 1536),
+    (1536, 384),
+    (768, 768),
+    (384, 1920),
+    (1920, 384),
+    (384, 2304),
+    (2304, 384),
+    (768, 1152),
+    (1152, 768),
+    (384, 2688),
+    (2688, 384),
+    (384, 3072),
+    (3072, 384),
+    (768, 1536),
+    (1536, 768),
+    (384, 3456),
+    (3456, 384),
+    (1152, 1152),
+)
 
 
 def load_processor(path: str, **kwargs: Any):
@@ -62,8 +83,10 @@ def load_processor(path: str, **kwargs: Any):
     try:
         from deepseek_vl2.models import DeepseekVLV2Processor
     except ImportError as exc:  # pragma: no cover - depends on an optional package
-        raise ImportError("DeepSeek-VL2's processor is Python code in github.com/deepseek-ai/DeepSeek-VL2: install it "
-                          "(pip install git+https://github.com/deepseek-ai/DeepSeek-VL2) to load a checkpoint") from exc
+        raise ImportError(
+            "DeepSeek-VL2's processor is Python code in github.com/deepseek-ai/DeepSeek-VL2: install it "
+            "(pip install git+https://github.com/deepseek-ai/DeepSeek-VL2) to load a checkpoint"
+        ) from exc
     return DeepseekVLV2Processor.from_pretrained(path, **kwargs)
 
 
@@ -84,9 +107,16 @@ class DeepseekVL2FormatProcessor:
     """DeepSeek-VL2's processor for the offline checks: the attributes and the `encode` / `tokenize_with_images`
     methods of deepseek_vl2's `DeepseekVLV2Processor` that the builder uses, implemented from its documented rule."""
 
-    def __init__(self, tokenizer: Any, candidate_resolutions=CANDIDATE_RESOLUTIONS, patch_size: int = 14,
-                 downsample_ratio: int = 2, image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5),
-                 image_token: str = "<image>"):
+    def __init__(
+        self,
+        tokenizer: Any,
+        candidate_resolutions=CANDIDATE_RESOLUTIONS,
+        patch_size: int = 14,
+        downsample_ratio: int = 2,
+        image_mean=(0.5, 0.5, 0.5),
+        image_std=(0.5, 0.5, 0.5),
+        image_token: str = "<image>",
+    ):
         self.tokenizer = tokenizer
         self.candidate_resolutions = tuple(tuple(c) for c in candidate_resolutions)
         self.image_size = self.candidate_resolutions[0][0]
@@ -113,8 +143,9 @@ class DeepseekVL2FormatProcessor:
         arr = (arr - np.asarray(self.image_mean, np.float32)) / np.asarray(self.image_std, np.float32)
         return torch.from_numpy(np.ascontiguousarray(arr.transpose(2, 0, 1)))
 
-    def tokenize_with_images(self, conversation: str, images: list, bos: bool = True, eos: bool = True,
-                             cropping: bool = True):
+    def tokenize_with_images(
+        self, conversation: str, images: list, bos: bool = True, eos: bool = True, cropping: bool = True
+    ):
         """(ids, tiles, images_seq_mask, images_spatial_crop [[nw, nh]], num_image_tokens) for `conversation` whose
         `<image>` tags are `images` in order; text between images tokenized piece by piece."""
         splits = conversation.split(self.image_token)
@@ -129,8 +160,9 @@ class DeepseekVL2FormatProcessor:
             ids += part
             mask += [False] * len(part)
             image = image.convert("RGB")
-            best_w, best_h = (select_best_resolution(image.size, self.candidate_resolutions) if cropping
-                              else (size, size))
+            best_w, best_h = (
+                select_best_resolution(image.size, self.candidate_resolutions) if cropping else (size, size)
+            )
             tiles.append(self._tensor(ImageOps.pad(image, (size, size), color=fill)))
             local = ImageOps.pad(image, (best_w, best_h), color=fill)
             for top in range(0, best_h, size):
@@ -171,8 +203,9 @@ class DeepseekVL2Builder(TokenBuilder):
     image_text = "<image>\n"  # how an image part is written into a message's text
     max_cropped_images = 2
 
-    def __init__(self, processor: Any, family: str | None = None, cropping: bool | None = None,
-                 tools: list[dict] | None = None):
+    def __init__(
+        self, processor: Any, family: str | None = None, cropping: bool | None = None, tools: list[dict] | None = None
+    ):
         """Raises ValueError for a family not in `families`, a tokenizer without `<image>` / the EOS as single
         tokens, or an EOS that is not the processor's `eos_id`."""
         super().__init__(processor, family)
@@ -218,8 +251,9 @@ class DeepseekVL2Builder(TokenBuilder):
 
     def _user(self, text: str, images: list, cropping: bool) -> tuple[list[int], VisionInputs | None]:
         prompt = f"{self.user_role}: {text.strip()}{self.user_sep}{self.assistant_role}:"
-        ids, tiles, _, crops, _ = self.processor.tokenize_with_images(prompt, images, bos=False, eos=False,
-                                                                      cropping=cropping)
+        ids, tiles, _, crops, _ = self.processor.tokenize_with_images(
+            prompt, images, bos=False, eos=False, cropping=cropping
+        )
         vision = None
         if images:
             grid = torch.tensor([[1, nh, nw] for nw, nh in crops], dtype=torch.long)
@@ -262,16 +296,21 @@ class DeepseekVL2Builder(TokenBuilder):
         raises.
         """
         if any(m.role == Role.SYSTEM for m in messages):
-            raise ValueError("render_messages() takes user/tool messages (no assistant or system message); append "
-                             "generations with add_generation")
+            raise ValueError(
+                "render_messages() takes user/tool messages (no assistant or system message); append "
+                "generations with add_generation"
+            )
         self._check_new_messages(seq, messages)
         [(_, text, images)] = self._turns(messages)
         total = len(seq.images) + len(images)
         if images and self.cropping is None and total > self.max_cropped_images and not self._warned:
             self._warned = True
-            log.warning("deepseek_vl2: %d images in an episode: DeepSeek-VL2's processor would now re-tile every "
-                        "earlier image without cropping; the continuous tokens keep the tiling the model saw (not "
-                        "the full render). Fix `cropping` for the run to avoid this.", total)
+            log.warning(
+                "deepseek_vl2: %d images in an episode: DeepSeek-VL2's processor would now re-tile every "
+                "earlier image without cropping; the continuous tokens keep the tiling the model saw (not "
+                "the full render). Fix `cropping` for the run to avoid this.",
+                total,
+            )
         ids, vision = self._user(text, images, self._crop(total))
         return Piece(ids=ids, images=list(images), vision=vision)
 

@@ -32,8 +32,10 @@ class Gemma3Builder(TemplateBuilder):
             return None
         pixels = out["pixel_values"]
         if pixels.shape[0] != n_images:
-            raise ValueError(f"gemma3: {pixels.shape[0]} image rows for {n_images} images (pan-and-scan is not "
-                             "supported: keep do_pan_and_scan off)")
+            raise ValueError(
+                f"gemma3: {pixels.shape[0]} image rows for {n_images} images (pan-and-scan is not "
+                "supported: keep do_pan_and_scan off)"
+            )
         return VisionInputs(pixels, torch.ones(n_images, 3, dtype=torch.long))
 
     def image_features(self, vision: VisionInputs | None) -> int:

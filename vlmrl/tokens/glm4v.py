@@ -69,11 +69,15 @@ class Glm4vBuilder(TemplateBuilder):
     # per family: role tool messages are sent as; roles whose content the template needs as a plain string
     tool_role = {"glm4v": "user", "glm4v_moe": "tool"}
     string_roles = {"glm4v": ("system", "assistant"), "glm4v_moe": ()}
-    synthetic_prefix = (Message.text(Role.SYSTEM, "S"), Message.text(Role.USER, "U"),
-                        Message.text(Role.ASSISTANT, MARKER))
+    synthetic_prefix = (
+        Message.text(Role.SYSTEM, "S"),
+        Message.text(Role.USER, "U"),
+        Message.text(Role.ASSISTANT, MARKER),
+    )
 
-    def __init__(self, processor: Any, family: str | None = None, tools: list[dict] | None = None,
-                 thinking: bool = True):
+    def __init__(
+        self, processor: Any, family: str | None = None, tools: list[dict] | None = None, thinking: bool = True
+    ):
         """thinking: the model writes `<think>` blocks (GLM-4.1V-Thinking; GLM-4.5V's default) -> `REWRITES_HISTORY`;
         False -> `EXTENDS` (GLM-4.5V: passes `enable_thinking=False` to the template). tools: JSON schemas for the
         template (GLM-4.5V lists them in a system block; GLM-4.1V's template ignores them).
@@ -97,8 +101,9 @@ class Glm4vBuilder(TemplateBuilder):
             out.append({"role": role, "content": content})
         return out
 
-    def _process(self, text: str, images: list,
-                 add_special_tokens: bool | None) -> tuple[list[int], VisionInputs | None]:
+    def _process(
+        self, text: str, images: list, add_special_tokens: bool | None
+    ) -> tuple[list[int], VisionInputs | None]:
         """Tokenize `text` with each `<|image|>` expanded to its image's feature count; images processed once (the
         processor's own steps, without its per-call overhead; `render_full` keeps the processor call)."""
         text, vision = expand_grid_placeholders(text, images, self.processor)
@@ -109,8 +114,12 @@ class Glm4vBuilder(TemplateBuilder):
         """GLM-4.1V-Thinking's multi-turn rule: drop `<think>…</think>` from assistant messages before the last user
         message (GLM-4.5V's template does this itself)."""
         last_user = max((i for i, m in enumerate(hf) if m["role"] == "user"), default=-1)
-        return [dict(m, content=_THINK.sub("", m["content"])) if m["role"] == "assistant" and i < last_user
-                and isinstance(m["content"], str) else m for i, m in enumerate(hf)]
+        return [
+            dict(m, content=_THINK.sub("", m["content"]))
+            if m["role"] == "assistant" and i < last_user and isinstance(m["content"], str)
+            else m
+            for i, m in enumerate(hf)
+        ]
 
     # --- boundary hooks: the sampled stop token is the next role's opener ------------------------------------------
     def _close_turn(self, seq: TokenSeq, gen: Generation) -> None:
@@ -136,8 +145,9 @@ class Glm4vBuilder(TemplateBuilder):
         return ids
 
     # --- TokenBuilder ----------------------------------------------------------------------------------------------
-    def render_full(self, messages: list[Message], add_generation_prompt: bool = False,
-                    keep_thinking: bool = False) -> Rendered:
+    def render_full(
+        self, messages: list[Message], add_generation_prompt: bool = False, keep_thinking: bool = False
+    ) -> Rendered:
         """The processor's own render of the whole conversation (`apply_chat_template(..., tokenize=True)`).
 
         With thinking on, GLM-4.1V's earlier `<think>` blocks are dropped as in its documented multi-turn use

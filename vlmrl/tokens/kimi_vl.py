@@ -50,9 +50,15 @@ class KimiVLImageProcessorSketch:
     (believed to be Kimi-VL-A3B-Instruct's preprocessor_config; unverified offline).
     """
 
-    def __init__(self, patch_size: int = 14, merge_kernel_size: tuple[int, int] = (2, 2), in_token_limit: int = 4096,
-                 pad_input: bool = True, image_mean: tuple[float, ...] = (0.5, 0.5, 0.5),
-                 image_std: tuple[float, ...] = (0.5, 0.5, 0.5)):
+    def __init__(
+        self,
+        patch_size: int = 14,
+        merge_kernel_size: tuple[int, int] = (2, 2),
+        in_token_limit: int = 4096,
+        pad_input: bool = True,
+        image_mean: tuple[float, ...] = (0.5, 0.5, 0.5),
+        image_std: tuple[float, ...] = (0.5, 0.5, 0.5),
+    ):
         self.patch_size = patch_size
         self.merge_kernel_size = list(merge_kernel_size)
         self.in_token_limit = in_token_limit
@@ -101,18 +107,38 @@ class KimiVLFormatProcessor:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
 
-    def apply_chat_template(self, conversation: list[dict], tools: list[dict] | None = None, tokenize: bool = False,
-                            return_dict: bool = False, return_tensors: str | None = None,
-                            add_generation_prompt: bool = False, processor_kwargs: dict | None = None, **kwargs: Any):
-        text = self.tokenizer.apply_chat_template(conversation, chat_template=self.chat_template, tools=tools,
-                                                  tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
+    def apply_chat_template(
+        self,
+        conversation: list[dict],
+        tools: list[dict] | None = None,
+        tokenize: bool = False,
+        return_dict: bool = False,
+        return_tensors: str | None = None,
+        add_generation_prompt: bool = False,
+        processor_kwargs: dict | None = None,
+        **kwargs: Any,
+    ):
+        text = self.tokenizer.apply_chat_template(
+            conversation,
+            chat_template=self.chat_template,
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **kwargs,
+        )
         if not tokenize:
             return text
         images = (processor_kwargs or {}).get("images")
         return self(text=[text], images=images, return_tensors=return_tensors)
 
-    def __call__(self, text: list[str] | str, images: list | None = None, return_tensors: str | None = "pt",
-                 add_special_tokens: bool | None = None, **_: Any) -> dict:
+    def __call__(
+        self,
+        text: list[str] | str,
+        images: list | None = None,
+        return_tensors: str | None = "pt",
+        add_special_tokens: bool | None = None,
+        **_: Any,
+    ) -> dict:
         texts = [text] if isinstance(text, str) else list(text)
         flat = [im for item in (images or []) for im in (item if isinstance(item, (list, tuple)) else [item])]
         out: dict = {}
@@ -120,8 +146,13 @@ class KimiVLFormatProcessor:
             out.update(self.image_processor(flat, return_tensors="pt"))
             merge = math.prod(self.image_processor.merge_kernel_size)
             counts = iter((out["image_grid_hws"].prod(-1) // merge).tolist())
-            texts = ["".join(piece if i == 0 else self.image_token * int(next(counts)) + piece
-                             for i, piece in enumerate(t.split(self.image_token))) for t in texts]
+            texts = [
+                "".join(
+                    piece if i == 0 else self.image_token * int(next(counts)) + piece
+                    for i, piece in enumerate(t.split(self.image_token))
+                )
+                for t in texts
+            ]
         kwargs = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
         ids = [self.tokenizer(t, **kwargs)["input_ids"] for t in texts]
         out["input_ids"] = torch.tensor(ids) if len({len(x) for x in ids}) == 1 else ids
@@ -154,4 +185,3 @@ class KimiVLBuilder(TemplateBuilder):
             return 0
         merge = math.prod(self.processor.image_processor.merge_kernel_size)
         return int((vision.image_grid_thw.prod(-1) // merge).sum())
-

@@ -32,8 +32,11 @@ class LlavaNextVision(VisionInputs):
     def cat(parts: list["VisionInputs"]) -> "LlavaNextVision | None":
         if not parts:
             return None
-        return LlavaNextVision(torch.cat([p.pixel_values for p in parts]), torch.cat([p.image_grid_thw for p in parts]),
-                               torch.cat([p.image_sizes for p in parts]))
+        return LlavaNextVision(
+            torch.cat([p.pixel_values for p in parts]),
+            torch.cat([p.image_grid_thw for p in parts]),
+            torch.cat([p.image_sizes for p in parts]),
+        )
 
     def slice_images(self, n: int) -> "LlavaNextVision":
         base = VisionInputs.slice_images(self, n)
@@ -57,8 +60,7 @@ class LlavaNextBuilder(TemplateBuilder):
 
         ip = self.processor.image_processor
         sizes = out["image_sizes"]
-        counts = [image_size_to_num_patches(s.tolist(), ip.image_grid_pinpoints, ip.crop_size["height"])
-                  for s in sizes]
+        counts = [image_size_to_num_patches(s.tolist(), ip.image_grid_pinpoints, ip.crop_size["height"]) for s in sizes]
         pixels = torch.cat([out["pixel_values"][i, :n] for i, n in enumerate(counts)])
         grid = torch.tensor([[1, 1, n] for n in counts], dtype=torch.long)
         return LlavaNextVision(pixels, grid, sizes.clone())
@@ -72,5 +74,7 @@ class LlavaNextBuilder(TemplateBuilder):
         ip = self.processor.image_processor
         size = ip.crop_size["height"]
         drop_cls = self.processor.vision_feature_select_strategy == "default"  # the CLS feature is not kept
-        return sum(self.processor._get_number_of_features(int(h), int(w), size, size) - int(drop_cls)
-                   for h, w in vision.image_sizes.tolist())
+        return sum(
+            self.processor._get_number_of_features(int(h), int(w), size, size) - int(drop_cls)
+            for h, w in vision.image_sizes.tolist()
+        )

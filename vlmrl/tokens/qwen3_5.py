@@ -31,8 +31,14 @@ class Qwen35Builder(TemplateBuilder):
     image_token = "<|image_pad|>"
     think_open, think_close = "<think>", "</think>"
 
-    def __init__(self, processor: Any, family: str | None = None, tools: list[dict] | None = None,
-                 enable_thinking: bool | None = None, preserve_thinking: bool = False):
+    def __init__(
+        self,
+        processor: Any,
+        family: str | None = None,
+        tools: list[dict] | None = None,
+        enable_thinking: bool | None = None,
+        preserve_thinking: bool = False,
+    ):
         """enable_thinking: override the template's default (None keeps it); preserve_thinking (qwen3_6 only):
         render every earlier `<think>` block, which makes the template prefix-preserving.
 

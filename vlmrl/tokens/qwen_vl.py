@@ -27,8 +27,10 @@ _SYNTHETIC_PREFIX = [m.to_hf() for m in _SYNTHETIC]
 # Messages the direct template render is checked on (see QwenVLBuilder._compiled_template).
 _PROBE_MESSAGES = [
     {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Find x.\n"}]},
-    {"role": "assistant",
-     "content": [{"type": "text", "text": "<think>\nhm\n</think>\n\n<tool_call>\n{}\n</tool_call>"}]},
+    {
+        "role": "assistant",
+        "content": [{"type": "text", "text": "<think>\nhm\n</think>\n\n<tool_call>\n{}\n</tool_call>"}],
+    },
     {"role": "tool", "content": [{"type": "text", "text": "13"}, {"type": "image"}]},
     {"role": "tool", "content": [{"type": "text", "text": "14"}]},
     {"role": "user", "content": [{"type": "text", "text": "Again"}]},
@@ -51,8 +53,9 @@ class QwenVLBuilder(TemplateBuilder):
     image_token = "<|image_pad|>"
     synthetic_prefix = _SYNTHETIC
 
-    def __init__(self, processor: Any, family: str | None = None, tools: list[dict] | None = None,
-                 **template_kwargs: Any):
+    def __init__(
+        self, processor: Any, family: str | None = None, tools: list[dict] | None = None, **template_kwargs: Any
+    ):
         """tools: JSON schemas (`{"type": "function", "function": {...}}`) passed to the chat template as `tools`
         in every render (Qwen3-VL lists them in its system block; the Qwen2/2.5-VL template ignores them);
         template_kwargs: extra chat-template variables, fixed for the builder.
@@ -64,8 +67,11 @@ class QwenVLBuilder(TemplateBuilder):
         merge = getattr(getattr(processor, "image_processor", None), "merge_size", None)
         # the grid expansion needs a placeholder and merge_size; the fast encoder adds no special tokens (nor may the
         # tokenizer: `add_special_tokens` is then moot)
-        self._fast = bool(getattr(processor, "image_token", None)) and isinstance(merge, int) \
+        self._fast = (
+            bool(getattr(processor, "image_token", None))
+            and isinstance(merge, int)
             and not self.tokenizer("")["input_ids"]
+        )
         self._compiled: tuple | None = None  # (template source, compiled template or None)
         self._render_vars: dict = {}
         self._encode = self._fast_encoder()
@@ -85,8 +91,13 @@ class QwenVLBuilder(TemplateBuilder):
         """
         compiled = self._compiled_template()
         if compiled is not None:
-            return compiled.render(messages=hf_messages, tools=self.tools, documents=None,
-                                   add_generation_prompt=add_generation_prompt, **self._render_vars)
+            return compiled.render(
+                messages=hf_messages,
+                tools=self.tools,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **self._render_vars,
+            )
         return super()._template(hf_messages, add_generation_prompt)
 
     def _compiled_template(self):
@@ -110,9 +121,14 @@ class QwenVLBuilder(TemplateBuilder):
                 apply = super()._template  # processor.apply_chat_template
                 self._render_vars = {**self.tokenizer.special_tokens_map, **self.template_kwargs}
                 probes = [_SYNTHETIC_PREFIX, _SYNTHETIC_PREFIX + _PROBE_MESSAGES, _PROBE_MESSAGES]
-                if all(candidate.render(messages=m, tools=self.tools, documents=None, add_generation_prompt=g,
-                                        **self._render_vars) == apply(m, g)
-                       for m in probes for g in (False, True)):
+                if all(
+                    candidate.render(
+                        messages=m, tools=self.tools, documents=None, add_generation_prompt=g, **self._render_vars
+                    )
+                    == apply(m, g)
+                    for m in probes
+                    for g in (False, True)
+                ):
                     compiled = candidate
             except Exception:  # noqa: BLE001 - any failure just means: use apply_chat_template
                 compiled = None
@@ -126,8 +142,11 @@ class QwenVLBuilder(TemplateBuilder):
         slow = lambda text: self.tokenizer(text)["input_ids"]  # noqa: E731
         if backend is None or not hasattr(backend, "encode") or getattr(self.tokenizer, "split_special_tokens", False):
             return slow
-        probe = ("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\n  Hi, x = 13.5!\n\n<|vision_start|>"
-                 + str(getattr(self.processor, "image_token", "")) * 3 + "<|vision_end|>é<|im_end|>\n")
+        probe = (
+            "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\n  Hi, x = 13.5!\n\n<|vision_start|>"
+            + str(getattr(self.processor, "image_token", "")) * 3
+            + "<|vision_end|>é<|im_end|>\n"
+        )
         try:
             if backend.encode(probe).ids == slow(probe):
                 return lambda text: backend.encode(text).ids
@@ -135,8 +154,9 @@ class QwenVLBuilder(TemplateBuilder):
             pass
         return slow
 
-    def _process(self, text: str, images: list,
-                 add_special_tokens: bool | None) -> tuple[list[int], VisionInputs | None]:
+    def _process(
+        self, text: str, images: list, add_special_tokens: bool | None
+    ) -> tuple[list[int], VisionInputs | None]:
         """Tokenize `text` and process `images` (once); `<|image_pad|>` is expanded per image grid.
 
         The same steps as the processor's `__call__` (image processor, then each `<|image_pad|>` repeated

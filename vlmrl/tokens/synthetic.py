@@ -25,21 +25,70 @@ from typing import Any
 from vlmrl.families import FAMILIES as REGISTRY
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "assets" / "templates"
-_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 # --- special tokens at their real ids ---------------------------------------------------------------------------------
-_GLM4 = ["<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>", "<|assistant|>",
-         "<|observation|>", "<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>", "<|end_of_video|>"]
-_GLM45 = _GLM4 + ["<|begin_of_audio|>", "<|end_of_audio|>", "<|begin_of_transcription|>", "<|end_of_transcription|>",
-                  "<|code_prefix|>", "<|code_middle|>", "<|code_suffix|>", "<think>", "</think>", "<tool_call>",
-                  "</tool_call>", "<tool_response>", "</tool_response>", "<arg_key>", "</arg_key>", "<arg_value>",
-                  "</arg_value>", "/nothink", "<|begin_of_box|>", "<|end_of_box|>", "<|image|>", "<|video|>"]
-_KIMI_NAMED = {163584: "[BOS]", 163585: "[EOS]", 163586: "<|im_end|>", 163587: "<|im_user|>",
-               163588: "<|im_assistant|>", 163590: "<|start_header_id|>", 163591: "<|end_header_id|>", 163593: "[EOT]",
-               163594: "<|im_system|>", 163601: "<|im_middle|>", 163602: "<|media_start|>",
-               163603: "<|media_content|>", 163604: "<|media_end|>", 163605: "<|media_pad|>", 163838: "[UNK]",
-               163839: "[PAD]"}
+_GLM4 = [
+    "<|endoftext|>",
+    "[MASK]",
+    "[gMASK]",
+    "[sMASK]",
+    "<sop>",
+    "<eop>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|observation|>",
+    "<|begin_of_image|>",
+    "<|end_of_image|>",
+    "<|begin_of_video|>",
+    "<|end_of_video|>",
+]
+_GLM45 = _GLM4 + [
+    "<|begin_of_audio|>",
+    "<|end_of_audio|>",
+    "<|begin_of_transcription|>",
+    "<|end_of_transcription|>",
+    "<|code_prefix|>",
+    "<|code_middle|>",
+    "<|code_suffix|>",
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<arg_key>",
+    "</arg_key>",
+    "<arg_value>",
+    "</arg_value>",
+    "/nothink",
+    "<|begin_of_box|>",
+    "<|end_of_box|>",
+    "<|image|>",
+    "<|video|>",
+]
+_KIMI_NAMED = {
+    163584: "[BOS]",
+    163585: "[EOS]",
+    163586: "<|im_end|>",
+    163587: "<|im_user|>",
+    163588: "<|im_assistant|>",
+    163590: "<|start_header_id|>",
+    163591: "<|end_header_id|>",
+    163593: "[EOT]",
+    163594: "<|im_system|>",
+    163601: "<|im_middle|>",
+    163602: "<|media_start|>",
+    163603: "<|media_content|>",
+    163604: "<|media_end|>",
+    163605: "<|media_pad|>",
+    163838: "[UNK]",
+    163839: "[PAD]",
+}
 _DEEPSEEK_LOW = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"]
 _DEEPSEEK_HIGH = ["<image>", "<|ref|>", "<|/ref|>", "<|det|>", "<|/det|>", "<|grounding|>", "<|User|>", "<|Assistant|>"]
 
@@ -50,29 +99,43 @@ SPECIAL_TOKENS: dict[str, dict[int, str]] = {
     "deepseek_vl2": {**dict(enumerate(_DEEPSEEK_LOW)), **{128815 + i: t for i, t in enumerate(_DEEPSEEK_HIGH)}},
 }
 # tokens the real tokenizers are believed to keep non-special (decoded even with skip_special_tokens)
-_NOT_SPECIAL = {"<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
-                "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "/nothink"}
+_NOT_SPECIAL = {
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<arg_key>",
+    "</arg_key>",
+    "<arg_value>",
+    "</arg_value>",
+    "/nothink",
+}
 # (bos, eos, pad) of each stand-in tokenizer
-_ROLES = {"glm4v": (None, "<|endoftext|>", "<|endoftext|>"), "glm4v_moe": (None, "<|endoftext|>", "<|endoftext|>"),
-          "kimi_vl": ("[BOS]", "[EOS]", "[PAD]"),
-          "deepseek_vl2": ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>")}
+_ROLES = {
+    "glm4v": (None, "<|endoftext|>", "<|endoftext|>"),
+    "glm4v_moe": (None, "<|endoftext|>", "<|endoftext|>"),
+    "kimi_vl": ("[BOS]", "[EOS]", "[PAD]"),
+    "deepseek_vl2": ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"),
+}
 
 SOURCES: dict[str, str] = {
     "glm4v": "151329-151342: GLM-4's special tokens (THUDM glm-4-9b-chat tokenizer_config.json / "
-             "tokenization_chatglm.py); 151343 <|image|>, 151344 <|video|>: transformers Glm4vConfig defaults "
-             "(image_token_id, video_token_id, from GLM-4.1V-9B-Thinking's config). GLM-4.1V's other added tokens "
-             "(<think>, <answer>, box tokens) are not known offline: plain text here.",
+    "tokenization_chatglm.py); 151343 <|image|>, 151344 <|video|>: transformers Glm4vConfig defaults "
+    "(image_token_id, video_token_id, from GLM-4.1V-9B-Thinking's config). GLM-4.1V's other added tokens "
+    "(<think>, <answer>, box tokens) are not known offline: plain text here.",
     "glm4v_moe": "151329-151364 in the order of the GLM-4.5 / GLM-4.6V tokenizer (a public GLM-OCR "
-                 "tokenizer_config.json extra_special_tokens list); 151339/151340/151363/151364 agree with "
-                 "transformers Glm4vMoeConfig defaults (image_start/end_token_id, image_token_id, video_token_id).",
+    "tokenizer_config.json extra_special_tokens list); 151339/151340/151363/151364 agree with "
+    "transformers Glm4vMoeConfig defaults (image_start/end_token_id, image_token_id, video_token_id).",
     "kimi_vl": "163584-163605: the Moonshot (Kimi K2 / Moonlight) tiktoken special-token table as published in public "
-               "code (163602 is named <|media_begin|> there; Kimi-VL's template calls it <|media_start|>); 163605 = "
-               "media_placeholder_token_id of Kimi-VL's config; other ids up to 163839: <|reserved_token_N|>.",
+    "code (163602 is named <|media_begin|> there; Kimi-VL's template calls it <|media_start|>); 163605 = "
+    "media_placeholder_token_id of Kimi-VL's config; other ids up to 163839: <|reserved_token_N|>.",
     "deepseek_vl2": "0/1/2 bos/eos/pad and 128815-128822 (<image>, grounding tokens, <|User|>, <|Assistant|>): the ids "
-                    "DeepSeek-VL2's processor prints for the deepseek-vl2 tokenizer (a public notebook's output).",
+    "DeepSeek-VL2's processor prints for the deepseek-vl2 tokenizer (a public notebook's output).",
     "mimo_vl": "Qwen's real BPE with Qwen3's 26 added tokens (151643..151668): MiMo-VL is a Qwen2.5-VL architecture "
-               "with Qwen2.5-VL's token ids (<|image_pad|> 151655, <|vision_start|> 151652); that its vocabulary is "
-               "byte-identical to Qwen's is assumed, not verified offline.",
+    "with Qwen2.5-VL's token ids (<|image_pad|> 151655, <|vision_start|> 151652); that its vocabulary is "
+    "byte-identical to Qwen's is assumed, not verified offline.",
 }
 
 _CORPUS = """\
@@ -97,8 +160,12 @@ def _train_bpe(low_specials: list[str], vocab_size: int = 1000):
 
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = _pre_tokenizer()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=list(low_specials), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=list(low_specials),
+        show_progress=False,
+    )
     tk.train_from_iterator([_CORPUS] * 4 + _CORPUS.splitlines(), trainer)
     model = json.loads(tk.to_str())["model"]
     merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
@@ -108,8 +175,12 @@ def _train_bpe(low_specials: list[str], vocab_size: int = 1000):
 def _pre_tokenizer():
     from tokenizers import Regex, pre_tokenizers
 
-    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_REGEX), behavior="isolated", invert=False),
-                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -145,8 +216,9 @@ def family_tokenizer(family: str):
         if tk.token_to_id(token) != tid:
             raise RuntimeError(f"{family}: {token!r} landed at {tk.token_to_id(token)}, expected {tid}")
     bos, eos, pad = _ROLES[family]
-    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token=bos, eos_token=eos, pad_token=pad,
-                                   clean_up_tokenization_spaces=False)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tk, bos_token=bos, eos_token=eos, pad_token=pad, clean_up_tokenization_spaces=False
+    )
 
 
 def template(name: str) -> str:
@@ -167,15 +239,22 @@ def offline_processor(family: str) -> Any:
         from transformers import Glm4vImageProcessor, Glm4vProcessor, Glm4vVideoProcessor
 
         name = "glm4v" if family == "glm4v" else "glm4v_moe"
-        return Glm4vProcessor(image_processor=Glm4vImageProcessor(), tokenizer=tok,
-                              video_processor=Glm4vVideoProcessor(), chat_template=template(f"{name}.UNVERIFIED"))
+        return Glm4vProcessor(
+            image_processor=Glm4vImageProcessor(),
+            tokenizer=tok,
+            video_processor=Glm4vVideoProcessor(),
+            chat_template=template(f"{name}.UNVERIFIED"),
+        )
     if family == "mimo_vl":
         from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 
         size = {"shortest_edge": 3136, "longest_edge": 12845056}  # Qwen2.5-VL's published min/max pixels
-        return Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessor(size=size), tokenizer=tok,
-                                   video_processor=Qwen2VLVideoProcessor(size=size),
-                                   chat_template=template("mimo_vl.UNVERIFIED"))
+        return Qwen2_5_VLProcessor(
+            image_processor=Qwen2VLImageProcessor(size=size),
+            tokenizer=tok,
+            video_processor=Qwen2VLVideoProcessor(size=size),
+            chat_template=template("mimo_vl.UNVERIFIED"),
+        )
     if family == "kimi_vl":
         from vlmrl.tokens.kimi_vl import KimiVLFormatProcessor, KimiVLImageProcessorSketch
 

@@ -46,8 +46,9 @@ class TemplateBuilder(TokenBuilder):
     # the synthetic conversation the new messages are rendered behind (ends with the marker assistant turn)
     synthetic_prefix: tuple[Message, ...] = (Message.text(Role.USER, "U"), Message.text(Role.ASSISTANT, MARKER))
 
-    def __init__(self, processor: Any, family: str | None = None, tools: list[dict] | None = None,
-                 **template_kwargs: Any):
+    def __init__(
+        self, processor: Any, family: str | None = None, tools: list[dict] | None = None, **template_kwargs: Any
+    ):
         """tools: JSON schemas passed to the chat template in every render (templates without tool support ignore
         them); template_kwargs: extra chat-template variables (e.g. `enable_thinking`), fixed for the builder.
 
@@ -58,16 +59,21 @@ class TemplateBuilder(TokenBuilder):
         self.tools = tools or None
         self.template_kwargs = dict(template_kwargs)
         self.after_assistant_ids = tuple(
-            self.tokenizer.encode(self.close_turn_token + self.after_assistant_text, add_special_tokens=False)[1:])
-        if self.after_assistant_inserted and self.tokenizer.decode(list(self.after_assistant_ids)) != \
-                self.after_assistant_text:
-            raise ValueError(f"{self.family}: {self.after_assistant_text!r} is not its own token(s) after "
-                             f"{self.close_turn_token!r}")
+            self.tokenizer.encode(self.close_turn_token + self.after_assistant_text, add_special_tokens=False)[1:]
+        )
+        if (
+            self.after_assistant_inserted
+            and self.tokenizer.decode(list(self.after_assistant_ids)) != self.after_assistant_text
+        ):
+            raise ValueError(
+                f"{self.family}: {self.after_assistant_text!r} is not its own token(s) after {self.close_turn_token!r}"
+            )
         # added tokens the tokenizer always cuts the text at before its model runs (no whitespace stripped on their
         # left, matched anywhere, unnormalised): text split in front of one tokenizes as the whole text does
         added = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
-        self._split_tokens = tuple(t.content for t in added.values()
-                                   if not t.lstrip and not t.single_word and not t.normalized)
+        self._split_tokens = tuple(
+            t.content for t in added.values() if not t.lstrip and not t.single_word and not t.normalized
+        )
 
     # --- rendering hooks -------------------------------------------------------------------------------------------
     def _hf_messages(self, messages: list[Message] | tuple[Message, ...]) -> list[dict]:
@@ -76,8 +82,13 @@ class TemplateBuilder(TokenBuilder):
 
     def _template(self, hf_messages: list[dict], add_generation_prompt: bool) -> str:
         """The chat template's text for `hf_messages` (`processor.apply_chat_template(..., tokenize=False)`)."""
-        text = self.processor.apply_chat_template(hf_messages, tools=self.tools, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt, **self.template_kwargs)
+        text = self.processor.apply_chat_template(
+            hf_messages,
+            tools=self.tools,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **self.template_kwargs,
+        )
         return text[0] if isinstance(text, list) else text
 
     def _processor_kwargs(self) -> dict:
@@ -87,8 +98,9 @@ class TemplateBuilder(TokenBuilder):
         """`images` as the processor's `images=` argument for one text."""
         return [images] if images else None
 
-    def _process(self, text: str, images: list,
-                 add_special_tokens: bool | None) -> tuple[list[int], VisionInputs | None]:
+    def _process(
+        self, text: str, images: list, add_special_tokens: bool | None
+    ) -> tuple[list[int], VisionInputs | None]:
         """Ids of `text` with its image placeholders expanded, and `images` processed once (`VisionInputs` or None):
         the processor's call (`add_special_tokens` None: the processor's default)."""
         kwargs = dict(self._processor_kwargs())
@@ -122,8 +134,10 @@ class TemplateBuilder(TokenBuilder):
         if at < 0:
             raise ValueError(f"{self.family}: cannot find the synthetic assistant turn's end in the template's render")
         if not text.startswith(self.after_assistant_text, at + len(self.close_turn_token)):
-            raise ValueError(f"{self.family}: the template does not write {self.after_assistant_text!r} after "
-                             f"{self.close_turn_token!r}")
+            raise ValueError(
+                f"{self.family}: the template does not write {self.after_assistant_text!r} after "
+                f"{self.close_turn_token!r}"
+            )
         return at
 
     def _join(self, seq: TokenSeq, ids: list[int]) -> list[int]:
@@ -132,10 +146,11 @@ class TemplateBuilder(TokenBuilder):
         Raises ValueError when the rendered text does not start with them.
         """
         closed = self._closed_ids()
-        if ids[:len(closed)] != closed:
-            raise ValueError(f"{self.family}: unexpected tokens at the start of the rendered messages: "
-                             f"{ids[:len(closed)]}")
-        return ids[len(closed):]
+        if ids[: len(closed)] != closed:
+            raise ValueError(
+                f"{self.family}: unexpected tokens at the start of the rendered messages: {ids[: len(closed)]}"
+            )
+        return ids[len(closed) :]
 
     def _check_split(self, text: str, at: int) -> None:
         """Raises ValueError when `text[:at]` and `text[at:]` do not tokenize apart as `text` does (checked by
@@ -143,8 +158,9 @@ class TemplateBuilder(TokenBuilder):
         if text.startswith(self._split_tokens, at):
             return
         tok = self.tokenizer
-        if tok.encode(text[:at], add_special_tokens=False) + tok.encode(text[at:], add_special_tokens=False) != \
-                tok.encode(text, add_special_tokens=False):
+        if tok.encode(text[:at], add_special_tokens=False) + tok.encode(
+            text[at:], add_special_tokens=False
+        ) != tok.encode(text, add_special_tokens=False):
             raise ValueError(f"{self.family}: the new messages do not tokenize independently of the conversation")
 
     def _render_hf(self, hf_messages: list[dict], images: list, add_generation_prompt: bool) -> Rendered:
@@ -153,8 +169,15 @@ class TemplateBuilder(TokenBuilder):
         if images:
             kwargs["images"] = images
         out = self.processor.apply_chat_template(
-            hf_messages, tools=self.tools, tokenize=True, return_dict=True, return_tensors="pt",
-            add_generation_prompt=add_generation_prompt, processor_kwargs=kwargs, **self.template_kwargs)
+            hf_messages,
+            tools=self.tools,
+            tokenize=True,
+            return_dict=True,
+            return_tensors="pt",
+            add_generation_prompt=add_generation_prompt,
+            processor_kwargs=kwargs,
+            **self.template_kwargs,
+        )
         return Rendered(ids=out["input_ids"][0].tolist(), vision=self._vision(out, len(images)))
 
     # --- TokenBuilder ----------------------------------------------------------------------------------------------

@@ -18,6 +18,23 @@ from vlmrl.tools.results import ImageBounds
 from vlmrl.tools.runtime import ToolLimits, ToolRuntime, ToolTurn, template_renders_tools
 from vlmrl.tools.spec import Tool, ToolArgumentError, ToolSpecError, as_tool, tools_from_object
 
-__all__ = ["Tool", "ToolArgumentError", "ToolSpecError", "as_tool", "tools_from_object", "ToolCallParser",
-           "HermesParser", "get_parser", "register_parser", "ImageBounds", "ToolLimits", "ToolRuntime", "ToolTurn",
-           "template_renders_tools", "DataDir", "FileAccessError", "Sandbox", "calculate"]
+__all__ = [
+    "Tool",
+    "ToolArgumentError",
+    "ToolSpecError",
+    "as_tool",
+    "tools_from_object",
+    "ToolCallParser",
+    "HermesParser",
+    "get_parser",
+    "register_parser",
+    "ImageBounds",
+    "ToolLimits",
+    "ToolRuntime",
+    "ToolTurn",
+    "template_renders_tools",
+    "DataDir",
+    "FileAccessError",
+    "Sandbox",
+    "calculate",
+]

@@ -36,6 +36,7 @@ def _number(x: Any) -> int | float:
 def _binary(op: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
     def apply(a: Any, b: Any) -> Any:
         return _number(op(_number(a), _number(b)))
+
     return apply
 
 
@@ -54,7 +55,7 @@ def _pow(a: Any, b: Any) -> Any:
         if a < 0 and not float(b).is_integer():
             raise ToolArgumentError("a negative number to a fractional power is not real")
         return _number(math.pow(a, b))
-    return _number(a ** b)
+    return _number(a**b)
 
 
 def _unary(op: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -64,20 +65,49 @@ def _unary(op: Callable[[Any], Any]) -> Callable[[Any], Any]:
 def _fn(f: Callable[..., Any]) -> Callable[..., Any]:
     def call(*args: Any) -> Any:
         return _number(f(*(_number(a) for a in args)))
+
     return call
 
 
 _OPERATORS = {
-    ast.Add: _binary(operator.add), ast.Sub: _binary(operator.sub), ast.Mult: _mul,
-    ast.Div: _binary(operator.truediv), ast.FloorDiv: _binary(operator.floordiv), ast.Mod: _binary(operator.mod),
-    ast.Pow: _pow, ast.BitXor: _pow, ast.USub: _unary(operator.neg), ast.UAdd: _unary(operator.pos),
+    ast.Add: _binary(operator.add),
+    ast.Sub: _binary(operator.sub),
+    ast.Mult: _mul,
+    ast.Div: _binary(operator.truediv),
+    ast.FloorDiv: _binary(operator.floordiv),
+    ast.Mod: _binary(operator.mod),
+    ast.Pow: _pow,
+    ast.BitXor: _pow,
+    ast.USub: _unary(operator.neg),
+    ast.UAdd: _unary(operator.pos),
 }
-_FUNCTIONS = {name: _fn(f) for name, f in {
-    "sqrt": math.sqrt, "cbrt": lambda x: math.copysign(abs(x) ** (1 / 3), x), "exp": math.exp, "log": math.log,
-    "log10": math.log10, "log2": math.log2, "sin": math.sin, "cos": math.cos, "tan": math.tan, "asin": math.asin,
-    "acos": math.acos, "atan": math.atan, "atan2": math.atan2, "degrees": math.degrees, "radians": math.radians,
-    "hypot": math.hypot, "abs": abs, "round": round, "floor": math.floor, "ceil": math.ceil, "min": min, "max": max,
-}.items()}
+_FUNCTIONS = {
+    name: _fn(f)
+    for name, f in {
+        "sqrt": math.sqrt,
+        "cbrt": lambda x: math.copysign(abs(x) ** (1 / 3), x),
+        "exp": math.exp,
+        "log": math.log,
+        "log10": math.log10,
+        "log2": math.log2,
+        "sin": math.sin,
+        "cos": math.cos,
+        "tan": math.tan,
+        "asin": math.asin,
+        "acos": math.acos,
+        "atan": math.atan,
+        "atan2": math.atan2,
+        "degrees": math.degrees,
+        "radians": math.radians,
+        "hypot": math.hypot,
+        "abs": abs,
+        "round": round,
+        "floor": math.floor,
+        "ceil": math.ceil,
+        "min": min,
+        "max": max,
+    }.items()
+}
 _NAMES = {"pi": math.pi, "e": math.e, "tau": math.tau}
 _ALLOWED_NODES = (ast.Expr, ast.Name, ast.UnaryOp, ast.BinOp, ast.Call, ast.Constant)
 
@@ -153,5 +183,6 @@ def zoom_image(image: Image.Image, cx: float, cy: float, factor: float) -> Image
     x0 = min(max(cx - half_w, 0.0), w - 2 * half_w)
     y0 = min(max(cy - half_h, 0.0), h - 2 * half_h)
     region = crop_image(image, x0, y0, x0 + 2 * half_w, y0 + 2 * half_h)
-    return region.resize((max(1, round(region.width * factor)), max(1, round(region.height * factor))),
-                         Image.Resampling.BICUBIC)
+    return region.resize(
+        (max(1, round(region.width * factor)), max(1, round(region.height * factor))), Image.Resampling.BICUBIC
+    )

@@ -42,8 +42,7 @@ class Job:
 class Executor:
     """Runs jobs with a per-call timeout; `parallel` runs up to `max_workers` at once (results keep call order)."""
 
-    def __init__(self, timeout_s: float, parallel: bool = False, max_workers: int = 4,
-                 sandbox: Sandbox = Sandbox()):
+    def __init__(self, timeout_s: float, parallel: bool = False, max_workers: int = 4, sandbox: Sandbox = Sandbox()):
         if timeout_s <= 0:
             raise ValueError(f"tools.timeout_s must be > 0, got {timeout_s}")
         self.timeout_s, self.parallel = float(timeout_s), parallel
@@ -104,8 +103,10 @@ class Executor:
         except WorkerError as err:
             return Outcome(failure=err.kind, detail=f"{job.name}: {err}")
         except Exception as err:  # noqa: BLE001 - e.g. a tool or argument that cannot be pickled
-            return Outcome(failure=ToolFailure.EXCEPTION, detail=f"{job.name} cannot be sent to its worker: "
-                                                                 f"{type(err).__name__}: {str(err)[:200]}")
+            return Outcome(
+                failure=ToolFailure.EXCEPTION,
+                detail=f"{job.name} cannot be sent to its worker: {type(err).__name__}: {str(err)[:200]}",
+            )
         return None
 
     def _receive(self, worker: WorkerProcess, name: str, t0: float) -> Outcome:
@@ -113,10 +114,13 @@ class Executor:
             reply = decode_reply(worker.receive(t0 + self.timeout_s, self.timeout_s))
         except WorkerError as err:
             timeout = err.kind is ToolFailure.TIMEOUT
-            return Outcome(failure=err.kind, detail=f"{name} {err}" if timeout else str(err),
-                           latency_s=time.monotonic() - t0, stopped=True if timeout else None)
+            return Outcome(
+                failure=err.kind,
+                detail=f"{name} {err}" if timeout else str(err),
+                latency_s=time.monotonic() - t0,
+                stopped=True if timeout else None,
+            )
         return Outcome(result=reply, latency_s=time.monotonic() - t0)
 
     def close(self) -> None:
         self.pool.close()
-

@@ -53,4 +53,3 @@ class DataDir:
 
     def list(self, path: str | os.PathLike = ".") -> list[str]:
         return sorted(os.listdir(self.resolve(path)))
-

@@ -59,8 +59,14 @@ def _inside(path: str, root: str) -> bool:
 
 def _code_dirs() -> list[str]:
     """Python's installation, the venv, vlmrl and the folders on sys.path (real paths, outermost only)."""
-    found = {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable)),
-             VLMRL_ROOT, *(p for p in sys.path if p)}
+    found = {
+        sys.prefix,
+        sys.base_prefix,
+        sys.exec_prefix,
+        os.path.dirname(os.path.realpath(sys.executable)),
+        VLMRL_ROOT,
+        *(p for p in sys.path if p),
+    }
     dirs = sorted({os.path.realpath(d) for d in found if os.path.isdir(d)} - {"/"})
     out: list[str] = []
     for d in dirs:  # sorted: a parent comes before its children
@@ -77,15 +83,45 @@ def pythonpath() -> str:
 
 def worker_argv(sandbox: Sandbox) -> list[str]:
     """The python command line of a worker (without any isolation wrapper)."""
-    return [sys.executable, "-m", "vlmrl.tools.worker", "--memory-mb", str(sandbox.memory_mb),
-            "--cpu-s", str(sandbox.cpu_s)]
+    return [
+        sys.executable,
+        "-m",
+        "vlmrl.tools.worker",
+        "--memory-mb",
+        str(sandbox.memory_mb),
+        "--cpu-s",
+        str(sandbox.cpu_s),
+    ]
 
 
 def bwrap_argv(sandbox: Sandbox, bwrap: str = "bwrap") -> list[str]:
     """The bubblewrap prefix confining a worker (see the module docstring)."""
-    argv = [bwrap, "--unshare-all", "--unshare-user", "--uid", "65534", "--gid", "65534", "--cap-drop", "ALL",
-            "--die-with-parent", "--new-session", "--clearenv", "--setenv", "PYTHONPATH", pythonpath(),
-            "--setenv", "PATH", "/nonexistent", "--setenv", "HOME", "/tmp", "--setenv", "OMP_NUM_THREADS", "1"]
+    argv = [
+        bwrap,
+        "--unshare-all",
+        "--unshare-user",
+        "--uid",
+        "65534",
+        "--gid",
+        "65534",
+        "--cap-drop",
+        "ALL",
+        "--die-with-parent",
+        "--new-session",
+        "--clearenv",
+        "--setenv",
+        "PYTHONPATH",
+        pythonpath(),
+        "--setenv",
+        "PATH",
+        "/nonexistent",
+        "--setenv",
+        "HOME",
+        "/tmp",
+        "--setenv",
+        "OMP_NUM_THREADS",
+        "1",
+    ]
     if sandbox.network:
         argv.append("--share-net")
     for lib in _LIB_DIRS:
@@ -132,12 +168,15 @@ def _announce(mode: str, why: str) -> None:
     if mode == "bwrap":
         log.info("tools: workers run under bubblewrap (no network unless tools.network, read-only data folder)")
     else:
-        log.warning("tools: workers run with rlimits only (%s): tool code can read and write the filesystem and "
-                    "use the network as this user; install bubblewrap for isolation", why)
+        log.warning(
+            "tools: workers run with rlimits only (%s): tool code can read and write the filesystem and "
+            "use the network as this user; install bubblewrap for isolation",
+            why,
+        )
 
 
 def isolation_mode(sandbox: Sandbox) -> str:
-    """"bwrap" or "rlimits" for `sandbox.isolation` on this machine. Raises ValueError when bwrap is required
+    """ "bwrap" or "rlimits" for `sandbox.isolation` on this machine. Raises ValueError when bwrap is required
     (`isolation: bwrap`) but does not work."""
     if sandbox.isolation == "rlimits":
         _announce("rlimits", "tools.isolation=rlimits")

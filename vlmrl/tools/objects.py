@@ -106,8 +106,10 @@ class RemoteMethod:
 
 
 def _parts(blocks: list[dict] | None) -> list[Any]:
-    return [TextPart(sanitize(x)) if isinstance(x, str) else ImagePart(x, "env:reset")
-            for x in items_from_blocks(blocks or [])]
+    return [
+        TextPart(sanitize(x)) if isinstance(x, str) else ImagePart(x, "env:reset")
+        for x in items_from_blocks(blocks or [])
+    ]
 
 
 def _observation(reply: Reply) -> list[Message] | list[Any]:

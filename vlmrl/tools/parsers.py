@@ -77,21 +77,36 @@ class TaggedParser(ToolCallParser):
         while True:
             start, stray = text.find(self.open_tag, pos), text.find(self.close_tag, pos)
             if stray != -1 and (start == -1 or stray < start):
-                calls.append(_failed(self.close_tag, ToolCallStatus.UNCLOSED_TAG,
-                                     f"{self.close_tag} without a preceding {self.open_tag}"))
+                calls.append(
+                    _failed(
+                        self.close_tag,
+                        ToolCallStatus.UNCLOSED_TAG,
+                        f"{self.close_tag} without a preceding {self.open_tag}",
+                    )
+                )
                 pos = stray + n_close
                 continue
             if start == -1:
                 return calls
             end = text.find(self.close_tag, start + n_open)
             if end == -1:
-                calls.append(_failed(text[start:], ToolCallStatus.UNCLOSED_TAG,
-                                     f"{self.open_tag} is never closed with {self.close_tag}"))
+                calls.append(
+                    _failed(
+                        text[start:],
+                        ToolCallStatus.UNCLOSED_TAG,
+                        f"{self.open_tag} is never closed with {self.close_tag}",
+                    )
+                )
                 return calls
-            body, raw = text[start + n_open:end], text[start:end + n_close]
+            body, raw = text[start + n_open : end], text[start : end + n_close]
             if len(body) > self.max_call_chars:
-                calls.append(_failed(raw, ToolCallStatus.TOO_LONG,
-                                     f"the call is {len(body)} characters long; the limit is {self.max_call_chars}"))
+                calls.append(
+                    _failed(
+                        raw,
+                        ToolCallStatus.TOO_LONG,
+                        f"the call is {len(body)} characters long; the limit is {self.max_call_chars}",
+                    )
+                )
             else:
                 calls.append(self.parse_body(body, raw))
             pos = end + n_close
@@ -102,10 +117,12 @@ class TaggedParser(ToolCallParser):
 
     def describe(self, schemas: list[dict]) -> str:
         listed = "\n".join(json.dumps(s, ensure_ascii=False) for s in schemas)
-        return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-                "You are provided with function signatures within <tools></tools> XML tags:\n"
-                f"<tools>\n{listed}\n</tools>\n\n"
-                f"For each function call, use this format:\n{self.call_format}")
+        return (
+            "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+            "You are provided with function signatures within <tools></tools> XML tags:\n"
+            f"<tools>\n{listed}\n</tools>\n\n"
+            f"For each function call, use this format:\n{self.call_format}"
+        )
 
 
 def _json_error(err: BaseException) -> str:
@@ -168,8 +185,10 @@ class Qwen3XmlParser(TaggedParser):
     (Qwen3.5/3.6; Qwen3-Coder). Values are text (one newline around each is the template's)."""
 
     name = "qwen3_xml"
-    call_format = ("<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n"
-                   "</parameter>\n</function>\n</tool_call>")
+    call_format = (
+        "<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n"
+        "</parameter>\n</function>\n</tool_call>"
+    )
     _FUNCTION = re.compile(r"\s*<function=([^>\n]*)>(.*)</function>\s*", re.DOTALL)
     _PARAM = re.compile(r"<parameter=([^>\n]*)>(.*?)</parameter>", re.DOTALL)
 
@@ -183,8 +202,13 @@ class Qwen3XmlParser(TaggedParser):
             value = value[1:] if value.startswith("\n") else value
             args[p.group(1).strip()] = value[:-1] if value.endswith("\n") else value
         if self._PARAM.sub("", m.group(2)).strip():
-            return ToolCall(m.group(1).strip(), {}, _clip(raw), ToolCallStatus.BAD_ARGUMENTS,
-                            "text outside <parameter=...> blocks (unclosed </parameter>?)")
+            return ToolCall(
+                m.group(1).strip(),
+                {},
+                _clip(raw),
+                ToolCallStatus.BAD_ARGUMENTS,
+                "text outside <parameter=...> blocks (unclosed </parameter>?)",
+            )
         return ToolCall(m.group(1).strip(), args, _clip(raw), text_arguments=True)
 
     def format_call(self, name: str, arguments: dict) -> str:
@@ -207,18 +231,27 @@ class Glm45Parser(TaggedParser):
         rest = "<arg_key>" + rest if rest else ""
         args = {k.strip(): v for k, v in self._PAIR.findall(rest)}
         if self._PAIR.sub("", rest).strip():
-            return ToolCall(name, {}, _clip(raw), ToolCallStatus.BAD_ARGUMENTS,
-                            "expected <arg_key>...</arg_key><arg_value>...</arg_value> pairs")
+            return ToolCall(
+                name,
+                {},
+                _clip(raw),
+                ToolCallStatus.BAD_ARGUMENTS,
+                "expected <arg_key>...</arg_key><arg_value>...</arg_value> pairs",
+            )
         return ToolCall(name, args, _clip(raw), text_arguments=True)
 
     def format_call(self, name: str, arguments: dict) -> str:
-        pairs = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{_value_text(v)}</arg_value>\n"
-                        for k, v in arguments.items())
+        pairs = "".join(
+            f"<arg_key>{k}</arg_key>\n<arg_value>{_value_text(v)}</arg_value>\n" for k, v in arguments.items()
+        )
         return f"{self.open_tag}{name}\n{pairs}{self.close_tag}"
 
 
-_PARSERS: dict[str, Callable[..., ToolCallParser]] = {"hermes": HermesParser, "qwen3_xml": Qwen3XmlParser,
-                                                      "glm45": Glm45Parser}
+_PARSERS: dict[str, Callable[..., ToolCallParser]] = {
+    "hermes": HermesParser,
+    "qwen3_xml": Qwen3XmlParser,
+    "glm45": Glm45Parser,
+}
 
 
 def register_parser(name: str, factory: Callable[..., ToolCallParser], families: Iterable[str] = ()) -> None:
@@ -238,6 +271,8 @@ def get_parser(name: str, max_call_chars: int = 8192) -> ToolCallParser:
     fmt = name if name in _PARSERS else (FAMILIES[name].tool_parser if name in FAMILIES else None)
     if fmt is None:
         with_parser = sorted(f.name for f in FAMILIES.values() if f.tool_parser)
-        raise ValueError(f"no tool-call parser for {name!r}; formats: {parser_names()}, "
-                         f"families: {with_parser} (set tools.parser or register_parser)")
+        raise ValueError(
+            f"no tool-call parser for {name!r}; formats: {parser_names()}, "
+            f"families: {with_parser} (set tools.parser or register_parser)"
+        )
     return _PARSERS[fmt](max_call_chars=max_call_chars)

@@ -74,8 +74,15 @@ class WorkerProcess:
         env = {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL", "HOME", "TMPDIR")}
         env.update(PYTHONPATH=pythonpath(), OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
         try:
-            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=subprocess.DEVNULL, cwd=cwd, env=env, start_new_session=True)
+            self.proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                cwd=cwd,
+                env=env,
+                start_new_session=True,
+            )
         except OSError as err:  # e.g. no more processes or memory: this call fails, the trainer goes on
             raise WorkerError(ToolFailure.CRASH, f"could not start a tool worker process: {err}") from None
         self.calls = 0
@@ -218,6 +225,7 @@ def decode_reply(reply: dict) -> Reply:
     """The reply's payload; raises WorkerError with the tool's failure kind for `ok: false` replies."""
     if reply.get("ok") is not True:
         kind = {"bad_arguments": ToolFailure.BAD_ARGUMENTS, "memory": ToolFailure.MEMORY}.get(
-            str(reply.get("kind")), ToolFailure.EXCEPTION)
+            str(reply.get("kind")), ToolFailure.EXCEPTION
+        )
         raise WorkerError(kind, str(reply.get("detail", ""))[:300])
     return Reply(reply.get("blocks"), reply.get("messages"), reply.get("value"))

@@ -44,8 +44,9 @@ class ImageBounds:
 
         def first(*keys: str) -> int | None:
             for key in keys:
-                value = getattr(ip, key, None) or (size.get(key) if isinstance(size, dict)
-                                                   else getattr(size, key, None))
+                value = getattr(ip, key, None) or (
+                    size.get(key) if isinstance(size, dict) else getattr(size, key, None)
+                )
                 if value:
                     return int(value)
             return None

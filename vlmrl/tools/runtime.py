@@ -54,11 +54,14 @@ class ToolLimits:
     @staticmethod
     def from_cfg(cfg: Any) -> "ToolLimits":
         d = ToolLimits()
-        return ToolLimits(float(_get(cfg, "timeout_s", d.timeout_s)),
-                          int(_get(cfg, "max_tool_calls", d.max_tool_calls)),
-                          int(_get(cfg, "max_tool_response_tokens", d.max_tool_response_tokens)),
-                          bool(_get(cfg, "parallel", d.parallel)), int(_get(cfg, "max_workers", d.max_workers)),
-                          int(_get(cfg, "max_call_chars", d.max_call_chars)))
+        return ToolLimits(
+            float(_get(cfg, "timeout_s", d.timeout_s)),
+            int(_get(cfg, "max_tool_calls", d.max_tool_calls)),
+            int(_get(cfg, "max_tool_response_tokens", d.max_tool_response_tokens)),
+            bool(_get(cfg, "parallel", d.parallel)),
+            int(_get(cfg, "max_workers", d.max_workers)),
+            int(_get(cfg, "max_call_chars", d.max_call_chars)),
+        )
 
 
 @dataclass
@@ -79,8 +82,15 @@ class ToolRuntime:
     chat templates that ignore `tools`).
     """
 
-    def __init__(self, parser: ToolCallParser, limits: ToolLimits = ToolLimits(), bounds: ImageBounds = ImageBounds(),
-                 tokenizer: Any = None, sandbox: Sandbox = Sandbox(), describe: bool = False):
+    def __init__(
+        self,
+        parser: ToolCallParser,
+        limits: ToolLimits = ToolLimits(),
+        bounds: ImageBounds = ImageBounds(),
+        tokenizer: Any = None,
+        sandbox: Sandbox = Sandbox(),
+        describe: bool = False,
+    ):
         self.parser, self.limits, self.bounds, self.describe = parser, limits, bounds, describe
         self.budget = TextBudget(tokenizer, limits.max_tool_response_tokens)
         self.executor = Executor(limits.timeout_s, limits.parallel, limits.max_workers, sandbox)
@@ -94,8 +104,9 @@ class ToolRuntime:
         parser = get_parser(family if parser_name == "auto" else parser_name, limits.max_call_chars)
         describe = str(_get(tools_cfg, "describe", "auto"))
         show = describe == "always" or (describe == "auto" and not template_renders_tools(processor))
-        return ToolRuntime(parser, limits, ImageBounds.of_processor(processor), getattr(processor, "tokenizer", None),
-                           sandbox, show)
+        return ToolRuntime(
+            parser, limits, ImageBounds.of_processor(processor), getattr(processor, "tokenizer", None), sandbox, show
+        )
 
     # --- prompt ---------------------------------------------------------------------------------------------------
     def prepare_prompt(self, messages: list[Message], tools: list[Tool]) -> list[Message]:
@@ -130,7 +141,7 @@ class ToolRuntime:
         used = stats.calls
         stats.calls += len(calls)
         stats.tool_turns += 1
-        allowed = calls[:max(self.limits.max_tool_calls - used, 0)]
+        allowed = calls[: max(self.limits.max_tool_calls - used, 0)]
         turn = ToolTurn(calls, [Message.text(Role.TOOL, "")] * len(allowed), [""] * len(allowed))
         jobs: list[tuple[int, Job]] = []
         for i, call in enumerate(allowed):
@@ -153,9 +164,15 @@ class ToolRuntime:
         if excess:
             stats.fail(ToolFailure.TOO_MANY_CALLS, excess)
             turn.errors.extend([ToolFailure.TOO_MANY_CALLS.value] * excess)
-            turn.messages.append(error_message(ToolFailure.TOO_MANY_CALLS, (
-                f"{excess} call(s) beyond the limit of {self.limits.max_tool_calls} tool calls per episode "
-                "were not run; give your final answer.")))
+            turn.messages.append(
+                error_message(
+                    ToolFailure.TOO_MANY_CALLS,
+                    (
+                        f"{excess} call(s) beyond the limit of {self.limits.max_tool_calls} tool calls per episode "
+                        "were not run; give your final answer."
+                    ),
+                )
+            )
         return turn
 
     def _job(self, name: str, fn: Any, kwargs: dict) -> Job:
@@ -197,12 +214,11 @@ class ToolRuntime:
         for i, m in enumerate(messages):
             n_img = sum(isinstance(p, ImagePart) for p in m.content)
             if n_img:
-                tokens = sum(runs[k:k + n_img]) + self.budget.count(m.text_content)
+                tokens = sum(runs[k : k + n_img]) + self.budget.count(m.text_content)
                 if tokens > self.limits.max_tool_response_tokens:
                     out.append(i)
             k += n_img
         return out
-
 
     def drop_oversized(self, turn: ToolTurn, ids: list[int], image_token_id: int, stats: ToolStats) -> bool:
         """If an image response of `turn` (rendered as `ids`) is over budget: count its call as a TOO_LONG failure
@@ -224,8 +240,14 @@ class ToolRuntime:
 
 def template_renders_tools(processor: Any) -> bool:
     """Does the processor's chat template show the `tools` schemas to the model (e.g. Qwen3-VL yes, Qwen2.5-VL no)?"""
-    probe = {"type": "function", "function": {"name": "vlmrl_probe_tool", "description": "probe",
-                                              "parameters": {"type": "object", "properties": {}}}}
+    probe = {
+        "type": "function",
+        "function": {
+            "name": "vlmrl_probe_tool",
+            "description": "probe",
+            "parameters": {"type": "object", "properties": {}},
+        },
+    }
     msgs = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
     try:
         text = processor.apply_chat_template(msgs, tools=[probe], tokenize=False, add_generation_prompt=True)

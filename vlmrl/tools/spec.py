@@ -78,18 +78,21 @@ class Tool:
         parameters are read as JSON first, as XML call formats carry text). Raises ToolArgumentError."""
         if not isinstance(arguments, dict):
             raise ToolArgumentError(f"arguments must be a JSON object, got {type(arguments).__name__}")
-        params = {n: p for n, p in self.signature.parameters.items()
-                  if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+        params = {n: p for n, p in self.signature.parameters.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
         takes_any = any(p.kind is p.VAR_KEYWORD for p in self.signature.parameters.values())
         unknown = [k for k in arguments if k not in params]
         if unknown and not takes_any:
-            raise ToolArgumentError(f"unexpected argument(s) {', '.join(map(repr, unknown[:5]))}; "
-                                    f"{self.name} takes {', '.join(params) or 'no arguments'}")
+            raise ToolArgumentError(
+                f"unexpected argument(s) {', '.join(map(repr, unknown[:5]))}; "
+                f"{self.name} takes {', '.join(params) or 'no arguments'}"
+            )
         missing = [n for n, p in params.items() if p.default is p.empty and n not in arguments]
         if missing:
             raise ToolArgumentError(f"missing required argument(s) {', '.join(map(repr, missing))}")
-        return {k: coerce(_from_text(v, self.hints.get(k, Any)) if from_text else v, self.hints.get(k, Any), k)
-                for k, v in arguments.items()}
+        return {
+            k: coerce(_from_text(v, self.hints.get(k, Any)) if from_text else v, self.hints.get(k, Any), k)
+            for k, v in arguments.items()
+        }
 
     def __call__(self, **kwargs: Any) -> Any:
         return self.fn(**kwargs)
@@ -187,8 +190,9 @@ def as_tool(obj: Tool | Callable[..., Any]) -> Tool:
     return obj if isinstance(obj, Tool) else Tool.from_function(obj)
 
 
-def tools_from_object(obj: object, names: Iterable[str] | None = None,
-                      exclude: Iterable[str] = OBJECT_RESERVED) -> list[Tool]:
+def tools_from_object(
+    obj: object, names: Iterable[str] | None = None, exclude: Iterable[str] = OBJECT_RESERVED
+) -> list[Tool]:
     """The public methods of `obj` as tools bound to it (trl `environment_factory` style), in definition order.
 
     names: only these methods (in this order); otherwise every public method not in `exclude` (by default

@@ -48,8 +48,13 @@ FILE_SIZE = 16 << 20
 def set_limits(memory_mb: int, cpu_s: float) -> None:
     """Cap this process (soft = hard, so tool code cannot raise them back unless privileged)."""
     mb = 1 << 20
-    limits = ((resource.RLIMIT_DATA, memory_mb * mb), (resource.RLIMIT_AS, (memory_mb + ADDRESS_SPACE_EXTRA_MB) * mb),
-              (resource.RLIMIT_NOFILE, OPEN_FILES), (resource.RLIMIT_FSIZE, FILE_SIZE), (resource.RLIMIT_CORE, 0))
+    limits = (
+        (resource.RLIMIT_DATA, memory_mb * mb),
+        (resource.RLIMIT_AS, (memory_mb + ADDRESS_SPACE_EXTRA_MB) * mb),
+        (resource.RLIMIT_NOFILE, OPEN_FILES),
+        (resource.RLIMIT_FSIZE, FILE_SIZE),
+        (resource.RLIMIT_CORE, 0),
+    )
     for res, value in limits:
         resource.setrlimit(res, (value, value))
     _cpu_budget(cpu_s)
@@ -88,8 +93,9 @@ def _encode(result: Any, bounds: ImageBounds, max_chars: int, want: str) -> dict
     if want == "float":
         return {"value": float(result)}
     if want == "observation" and isinstance(result, list) and result and all(isinstance(m, Message) for m in result):
-        return {"messages": [{"role": m.role.value, "blocks": encode_blocks(m.content, bounds, max_chars)}
-                             for m in result]}
+        return {
+            "messages": [{"role": m.role.value, "blocks": encode_blocks(m.content, bounds, max_chars)} for m in result]
+        }
     if want == "observation" and result is None:
         return {"blocks": []}
     return {"blocks": encode_blocks(result, bounds, max_chars)}

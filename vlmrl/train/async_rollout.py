@@ -49,8 +49,10 @@ def staleness(versions: Sequence[int], current: int, bound: int) -> list[int]:
     if any(s < 0 for s in out):
         raise ValueError(f"policy_version above the current version {current}: {list(versions)}")
     if any(s > bound for s in out):
-        raise StaleSampleError(f"staleness {max(out)} > algorithm.off_policy_steps={bound} (current version "
-                               f"{current}, sample versions {sorted(set(versions))})")
+        raise StaleSampleError(
+            f"staleness {max(out)} > algorithm.off_policy_steps={bound} (current version "
+            f"{current}, sample versions {sorted(set(versions))})"
+        )
     return out
 
 
@@ -92,8 +94,9 @@ class BehaviourWeights:
                 raise ValueError(f"behaviour and trainer weights differ in names: {diff}")
             for name, tensor in theirs.items():
                 if mine[name].shape != tensor.shape:
-                    raise ValueError(f"{name}: behaviour shape {tuple(mine[name].shape)} != trainer "
-                                     f"{tuple(tensor.shape)}")
+                    raise ValueError(
+                        f"{name}: behaviour shape {tuple(mine[name].shape)} != trainer {tuple(tensor.shape)}"
+                    )
                 mine[name].copy_(tensor)
 
 

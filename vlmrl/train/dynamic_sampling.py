@@ -58,8 +58,11 @@ class SampledBatch:
 
     def metrics(self) -> dict[str, float]:
         """dynamic_rounds, dynamic_groups_kept, dynamic_groups_dropped (all ranks) for the step's metrics row."""
-        return {"dynamic_rounds": float(self.rounds), "dynamic_groups_kept": float(self.groups_kept),
-                "dynamic_groups_dropped": float(self.groups_dropped)}
+        return {
+            "dynamic_rounds": float(self.rounds),
+            "dynamic_groups_kept": float(self.groups_kept),
+            "dynamic_groups_dropped": float(self.groups_dropped),
+        }
 
 
 def _allotment(counts: list[list[int]], batch_size: int, rank: int) -> list[int]:
@@ -75,8 +78,14 @@ def _allotment(counts: list[list[int]], batch_size: int, rank: int) -> list[int]
     return mine
 
 
-def sample_until_full(run_round: Callable[[int], tuple[list[Task], list[Trajectory]]], start: int, batch_size: int,
-                      max_rounds: int, gather: Callable[[int], list[int]], rank: int = 0) -> SampledBatch:
+def sample_until_full(
+    run_round: Callable[[int], tuple[list[Task], list[Trajectory]]],
+    start: int,
+    batch_size: int,
+    max_rounds: int,
+    gather: Callable[[int], list[int]],
+    rank: int = 0,
+) -> SampledBatch:
     """Run rounds `run_round(position) -> (this rank's tasks, trajectories)` of `batch_size` prompts from `start`
     until `batch_size` groups with unequal rewards are kept over all ranks, or `max_rounds` rounds. `gather(n)`
     returns [n of rank 0, n of rank 1, ...] (collective). Group ids are renumbered to be unique over rounds."""
@@ -101,8 +110,15 @@ def sample_until_full(run_round: Callable[[int], tuple[list[Task], list[Trajecto
     total = sum(map(sum, counts))
     mine = _allotment(counts, batch_size, rank)
     kept = [t for groups, n in zip(kept_by_round, mine) for g in groups[:n] for t in g]
-    out = SampledBatch(kept, generated, tasks, prompts=rounds * batch_size, rounds=rounds,
-                       groups_kept=min(total, batch_size), groups_dropped=dropped_equal + max(total - batch_size, 0))
+    out = SampledBatch(
+        kept,
+        generated,
+        tasks,
+        prompts=rounds * batch_size,
+        rounds=rounds,
+        groups_kept=min(total, batch_size),
+        groups_dropped=dropped_equal + max(total - batch_size, 0),
+    )
     if total == 0:
         out.kept = last  # nothing informative: train on the last round as without dynamic sampling
     elif not kept:

@@ -111,8 +111,10 @@ def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
     from transformers import modeling_utils
 
     inner = getattr(model, "module", model)  # a DeepSpeed engine forwards **kwargs to its module
-    return (hasattr(modeling_utils, "slice_logits_to_keep")
-            and "logits_to_keep" in inspect.signature(inner.forward).parameters)
+    return (
+        hasattr(modeling_utils, "slice_logits_to_keep")
+        and "logits_to_keep" in inspect.signature(inner.forward).parameters
+    )
 
 
 def batch_logprobs(
@@ -146,7 +148,10 @@ def batch_logprobs(
 
 
 def sequence_logprobs(
-    model: torch.nn.Module, sample_or_batch: Sample | list[Sample], temperature: float = 1.0, only_masked: bool = False,
+    model: torch.nn.Module,
+    sample_or_batch: Sample | list[Sample],
+    temperature: float = 1.0,
+    only_masked: bool = False,
     family: str | None = None,
 ) -> torch.Tensor:
     """log p of each next token: a Sample -> [T]; a list of Samples -> [B, T_max] (0 on padding). fp32.

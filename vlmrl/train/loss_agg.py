@@ -30,8 +30,9 @@ class LossAgg(str, Enum):
     seq_mean_token_sum_norm = "seq-mean-token-sum-norm"  # Dr. GRPO
 
 
-def token_weights(loss_mask: torch.Tensor, mode: LossAgg | str, num_tokens: float, num_seqs: float,
-                  norm_len: float = 1.0) -> torch.Tensor:
+def token_weights(
+    loss_mask: torch.Tensor, mode: LossAgg | str, num_tokens: float, num_seqs: float, norm_len: float = 1.0
+) -> torch.Tensor:
     """Per-token weights [B, T] (0 off the mask) of `mode`; the loss is sum_{b,t} w[b, t] * l[b, t].
 
     loss_mask: [B, T]; num_tokens / num_seqs: the step's loss tokens / sequences with a loss token (all

@@ -58,8 +58,15 @@ class CorrectionWeights:
 
 
 @torch.no_grad()
-def correction_weights(trainer: torch.Tensor, rollout: torch.Tensor, loss_mask: torch.Tensor, mode: Correction | str,
-                       tis_cap: float = 2.0, mis_low: float = 0.5, mis_high: float = 2.0) -> CorrectionWeights:
+def correction_weights(
+    trainer: torch.Tensor,
+    rollout: torch.Tensor,
+    loss_mask: torch.Tensor,
+    mode: Correction | str,
+    tis_cap: float = 2.0,
+    mis_low: float = 0.5,
+    mis_high: float = 2.0,
+) -> CorrectionWeights:
     """The correction's weights for one micro-batch. trainer/rollout: [B, T] logprobs (nats) of the sampled tokens
     under the trainer (behaviour weights) and the engine; loss_mask: [B, T]. Values off the mask are ignored.
     mode: tis | mis | tis+mis (off/auto: no weights). Source: see the module docstring."""

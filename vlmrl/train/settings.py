@@ -58,8 +58,9 @@ class TrainerSettings:
 
         Raises ValueError if `algorithm.rollout_correction` is still "auto"."""
         if algorithm.rollout_correction == "auto":
-            raise ValueError("algorithm.rollout_correction=auto must be resolved from the engine first "
-                             "(vlmrl.run.trainer_algorithm)")
+            raise ValueError(
+                "algorithm.rollout_correction=auto must be resolved from the engine first (vlmrl.run.trainer_algorithm)"
+            )
         values: dict[str, Any] = {"temperature": temperature}
         for f in fields(cls):
             for source in (algorithm, trainer):
@@ -92,8 +93,9 @@ def deepspeed_config(cfg: TrainerSettings, micro_batch_size: int | None = None) 
 _OWNED = {"gradient_accumulation_steps": 1}
 
 
-def merge_deepspeed_config(ours: dict[str, Any], user: dict[str, Any], where: str = "trainer.deepspeed_config"
-                           ) -> dict[str, Any]:
+def merge_deepspeed_config(
+    ours: dict[str, Any], user: dict[str, Any], where: str = "trainer.deepspeed_config"
+) -> dict[str, Any]:
     """The user's DeepSpeed config with our computed keys filling in what it leaves out (recursively; a user value
     of "auto", as in HF Trainer JSONs, takes ours). Returns a new dict.
 
@@ -102,11 +104,12 @@ def merge_deepspeed_config(ours: dict[str, Any], user: dict[str, Any], where: st
     """
     for key, value in _OWNED.items():
         if user.get(key, value) not in (value, "auto"):
-            raise ValueError(f"{where}: {key} must be {value} (vlmrl accumulates micro-batches itself); got "
-                             f"{user[key]!r}")
+            raise ValueError(
+                f"{where}: {key} must be {value} (vlmrl accumulates micro-batches itself); got {user[key]!r}"
+            )
     for key in ("train_micro_batch_size_per_gpu", "train_batch_size"):
         if user.get(key, "auto") != "auto":
-            raise ValueError(f"{where}: leave {key} out (or \"auto\"): it is trainer.micro_batch_size")
+            raise ValueError(f'{where}: leave {key} out (or "auto"): it is trainer.micro_batch_size')
 
     def merge(a: dict, b: dict) -> dict:
         out = dict(a)

@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 
 
-def sft_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor, num_tokens: float | torch.Tensor | None = None
-             ) -> torch.Tensor:
+def sft_loss(
+    logprobs: torch.Tensor, loss_mask: torch.Tensor, num_tokens: float | torch.Tensor | None = None
+) -> torch.Tensor:
     """Masked negative log-likelihood. logprobs, loss_mask: [B, T]; num_tokens: the normaliser (default: this
     call's mask sum; at least 1). Returns a scalar; masked-out positions contribute nothing whatever their value."""
     mask = loss_mask.to(logprobs.dtype)

@@ -167,8 +167,12 @@ class GRPOTrainer:
         by DeepSpeed after every applied update and saved/restored with its checkpoints."""
         from transformers import get_scheduler
 
-        return get_scheduler(self.cfg.lr_scheduler, optimizer, num_warmup_steps=self.cfg.num_warmup_steps,
-                             num_training_steps=max(self.cfg.steps, 1))
+        return get_scheduler(
+            self.cfg.lr_scheduler,
+            optimizer,
+            num_warmup_steps=self.cfg.num_warmup_steps,
+            num_training_steps=max(self.cfg.steps, 1),
+        )
 
     def _make_reference(self, model: torch.nn.Module, ref_model: torch.nn.Module | None) -> torch.nn.Module:
         """A frozen copy of the policy as it is now (deepcopy), or the given `ref_model`; ZeRO-3 shards it too."""
@@ -259,8 +263,9 @@ class GRPOTrainer:
             raise ValueError("a training step needs at least one sample on every rank")
         local_tokens = float(sum(float(s.loss_mask.sum()) for s in samples))
         local_seqs = float(sum(bool(s.loss_mask.sum() > 0) for s in samples))
-        totals = dist.all_reduce(torch.tensor([local_tokens, float(len(samples)), local_seqs], device=self.device),
-                                 "sum")
+        totals = dist.all_reduce(
+            torch.tensor([local_tokens, float(len(samples)), local_seqs], device=self.device), "sum"
+        )
         num_tokens, num_samples = int(totals[0].item()), int(totals[1].item())
         norm = (max(num_tokens, 1) / world_size(), max(int(totals[2].item()), 1) / world_size())
         chunks = self._micro_batches(samples)
@@ -287,8 +292,15 @@ class GRPOTrainer:
         advantages = torch.tensor([float(s.advantage) for s in chunk], device=logprobs.device)
         mask, old = batch["loss_mask"].to(logprobs.device), batch["old_logprobs"].to(logprobs.device)
         weights = token_weights(mask, self.cfg.loss_agg, norm[0], norm[1], self.cfg.loss_agg_norm)
-        corr = correction_weights(logprobs.detach(), old, mask, self.cfg.rollout_correction, self.cfg.tis_cap,
-                                  self.cfg.mis_low, self.cfg.mis_high)
+        corr = correction_weights(
+            logprobs.detach(),
+            old,
+            mask,
+            self.cfg.rollout_correction,
+            self.cfg.tis_cap,
+            self.cfg.mis_low,
+            self.cfg.mis_high,
+        )
         if Correction(self.cfg.rollout_correction) not in (Correction.off, Correction.auto):
             old = logprobs.detach()  # PPO's old policy: the trainer's own, under the behaviour (pre-update) weights
             weights = weights if corr.keep is None else weights * corr.keep[:, None]
@@ -297,8 +309,12 @@ class GRPOTrainer:
             ref_logprobs=ref_logprobs, kl_coef=self.cfg.kl_coef, num_tokens=norm[0], is_weights=corr.is_weights,
             token_weights=weights,
         )  # fmt: skip
-        return loss, dataclasses.replace(stats, mismatch_kl=corr.mismatch_kl / norm[0],
-                                         tis_capped_frac=corr.capped / norm[0], mis_masked_frac=corr.masked / norm[1])
+        return loss, dataclasses.replace(
+            stats,
+            mismatch_kl=corr.mismatch_kl / norm[0],
+            tis_capped_frac=corr.capped / norm[0],
+            mis_masked_frac=corr.masked / norm[1],
+        )
 
     @contextlib.contextmanager
     def policy(self) -> Iterator[torch.nn.Module]:

@@ -31,8 +31,9 @@ def reward_to_go(rewards: Sequence[float], gamma: float) -> list[float]:
     return out
 
 
-def turn_advantages(turn_rewards: Sequence[Sequence[float]], groups: Sequence[int], gamma: float,
-                    scale_by_std: bool = True) -> list[list[float]]:
+def turn_advantages(
+    turn_rewards: Sequence[Sequence[float]], groups: Sequence[int], gamma: float, scale_by_std: bool = True
+) -> list[list[float]]:
     """Per episode, per turn advantages [len(turn_rewards)][turns]. turn_rewards[i]: episode i's turn rewards;
     groups[i]: its GRPO group. Raises ValueError for mismatched lengths or gamma outside (0, 1]."""
     if len(turn_rewards) != len(groups):
@@ -49,12 +50,15 @@ def turn_advantages(turn_rewards: Sequence[Sequence[float]], groups: Sequence[in
     return out
 
 
-def assign_turn_advantages(trajs: list[Trajectory], gamma: float, scale_by_std: bool,
-                           penalties: list[list[float]] | None = None) -> None:
+def assign_turn_advantages(
+    trajs: list[Trajectory], gamma: float, scale_by_std: bool, penalties: list[list[float]] | None = None
+) -> None:
     """Write `turn_advantages` (and `advantage` = the first turn's) onto the trajectories. penalties: per-turn
     overlong penalties added to the turn rewards (`vlmrl.train.overlong.apply_soft_penalty`), or None."""
-    rewards = [[t.reward + (penalties[i][k] if penalties else 0.0) for k, t in enumerate(traj.turns)]
-               for i, traj in enumerate(trajs)]
+    rewards = [
+        [t.reward + (penalties[i][k] if penalties else 0.0) for k, t in enumerate(traj.turns)]
+        for i, traj in enumerate(trajs)
+    ]
     advs = turn_advantages(rewards, [t.group for t in trajs], gamma, scale_by_std)
     for traj, adv in zip(trajs, advs):
         traj.turn_advantages = adv

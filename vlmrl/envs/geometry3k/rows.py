@@ -77,8 +77,10 @@ def _answer_of(row: Row, choices: list[str], f: _Fields) -> tuple[str | None, st
         value = answer  # hiyouga layout: `answer` holds the value
     if choices and letter is None:
         if value not in choices:
-            raise BadRowError(f"{row.where}: answer {answer!r} is neither a choice letter ({letters[0]}-"
-                              f"{letters[-1]}) nor one of the {len(choices)} choices")
+            raise BadRowError(
+                f"{row.where}: answer {answer!r} is neither a choice letter ({letters[0]}-"
+                f"{letters[-1]}) nor one of the {len(choices)} choices"
+            )
         letter = letters[choices.index(value)]
     if not value and letter:
         value = choices[letters.index(letter)]
