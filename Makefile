@@ -69,3 +69,4 @@ lint: setup
 bench: setup
 	$(BIN)/python bench/token_building.py
 	$(BIN)/python bench/rollout.py
+	$(BIN)/python bench/pixel_memory.py

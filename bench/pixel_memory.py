@@ -1,0 +1,155 @@
+"""Peak memory of a long multimodal episode: is each image's `pixel_values` held once? (issue 10)
+
+One episode of N turns through vlmrl's token builder (real Qwen2.5-VL processor) and the tiny Qwen2.5-VL policy, as
+a rollout runs it: the first user message with an image, then per turn the sampled reply (`add_generation`), the
+engine's prompt (`seq.prompt()`, the concatenated `pixel_values` the transformers engine gets) and a feedback message
+with one image (`render_messages`). Two cases:
+
+    new    one NEW image per turn (N images in the trajectory)
+    same   the SAME image object sent again every turn (as a tool returning the same crop would)
+
+Each case runs in a fresh process. Columns: peak RSS during the episode (VmHWM, reset through /proc/self/clear_refs
+once the policy and processor are loaded and a 1-turn episode has warmed up) minus the RSS at that point; Σ
+pixel_values (bytes of `pixel_values` the trajectory holds, its `VisionInputs` parts); that difference over Σ;
+image-processor calls (once per image would be N for `new`, 1 for `same`). The trajectory keeps one `pixel_values`
+tensor per image; `seq.prompt()` concatenates them for the engine, so a peak of about 2 x Σ (the parts + the
+engine's concatenated copy) is the floor for this engine. RSS counts whole pages the allocator keeps, so small
+episodes can show 0: the signal needs ~100 MiB of pixels (the default: 32 turns of 448x448).
+
+    python bench/pixel_memory.py                         # 32 turns, 448x448 images
+    python bench/pixel_memory.py --turns 8 --size 224 --json
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parents[1]
+COLUMNS = ("case", "turns", "images", "Σ pixel_values", "peak − base", "(peak − base) / Σ", "processor calls")
+
+
+def _status_bytes(field: str) -> int:
+    """`VmRSS` (now) or `VmHWM` (peak since the last reset) of this process, from /proc/self/status (Linux)."""
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+
+def _reset_peak() -> None:
+    """Reset VmHWM to the current RSS (`echo 5 > /proc/self/clear_refs`, Linux >= 4.0)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def run_case(case: str, turns: int, size: int) -> dict:
+    """Build one `turns`-turn episode of `case` ("new" | "same") in this process; its memory row (see module doc)."""
+    from PIL import Image, ImageDraw
+
+    from vlmrl.modeling.loading import load_policy
+    from vlmrl.tokens import get_builder
+    from vlmrl.types import Generation, ImagePart, Message, Role, StopReason, TextPart
+
+    model, processor = load_policy({"name_or_path": "tiny:qwen2_5_vl", "family": "qwen2_5_vl"})
+    calls = {"n": 0}
+    image_processor = processor.image_processor
+    preprocess = image_processor.preprocess
+
+    def counted(*args, **kwargs):
+        calls["n"] += 1
+        return preprocess(*args, **kwargs)
+
+    image_processor.preprocess = counted
+    builder = get_builder("qwen2_5_vl", processor)
+    tok = processor.tokenizer
+    reply = tok.encode("The angles are supplementary, so x = 60. \\boxed{C}", add_special_tokens=False)
+    gen = Generation(reply + [builder.eos_token_id], [-0.5] * (len(reply) + 1), StopReason.EOS, "")
+
+    def image(seed: int) -> Image.Image:
+        img = Image.new("RGB", (size, size), ((37 * seed) % 256, (91 * seed + 40) % 256, 200))
+        ImageDraw.Draw(img).rectangle([10 + seed % 50, 20, size // 2, size // 2 + 30], fill=(255, 255, 255))
+        return img
+
+    def episode(n: int, shared: Image.Image | None):
+        seq = builder.start([Message(Role.USER, [ImagePart(shared or image(0)), TextPart("Find x.")])])
+        for t in range(n):
+            if t:
+                feedback = Message(Role.USER, [TextPart("Look again."), ImagePart(shared or image(t))])
+                builder.extend(seq, builder.render_messages(seq, [feedback]))
+            prompt = seq.prompt()  # what the engine gets this turn (concatenated pixel_values)
+            builder.add_generation(seq, gen)
+            del prompt
+        return seq
+
+    episode(1, None)  # warm-up: lazy imports, caches, allocator pools
+    calls["n"] = 0
+    _reset_peak()
+    base = _status_bytes("VmRSS")
+    seq = episode(turns, image(0) if case == "same" else None)
+    peak = _status_bytes("VmHWM")
+    pixels = sum(part.pixel_values.nbytes for part in seq.vision_parts)
+    del model
+    return {
+        "case": case,
+        "turns": turns,
+        "images": turns,
+        "pixel_bytes": pixels,
+        "peak_minus_base": peak - base,
+        "ratio": (peak - base) / pixels if pixels else float("nan"),
+        "processor_calls": calls["n"],
+    }
+
+
+def measure(case: str, turns: int, size: int) -> dict:
+    """`run_case` in a fresh Python process (nothing of another case in its heap)."""
+    out = subprocess.run(
+        [sys.executable, __file__, "--case", case, "--turns", str(turns), "--size", str(size), "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def table(rows: list[dict]) -> Table:
+    t = Table(title="pixel memory of one episode (tiny Qwen2.5-VL, real processor)")
+    for col in COLUMNS:
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(
+            r["case"],
+            str(r["turns"]),
+            str(r["images"]),
+            f"{r['pixel_bytes'] / 2**20:.1f} MiB",
+            f"{r['peak_minus_base'] / 2**20:.1f} MiB",
+            f"{r['ratio']:.2f}",
+            str(r["processor_calls"]),
+        )
+    return t
+
+
+def main(
+    turns: int = typer.Option(32, help="turns of the episode (one image each)"),
+    size: int = typer.Option(448, help="image side in pixels"),
+    case: str = typer.Option("", help="run one case (new|same) in this process"),
+    json_out: bool = typer.Option(False, "--json", help="print JSON rows"),
+) -> None:
+    if case:
+        rows = [run_case(case, turns, size)]
+    else:
+        rows = [measure(c, turns, size) for c in ("new", "same")]
+    if json_out:
+        print(json.dumps(rows[0] if case else rows))
+    else:
+        Console().print(table(rows))
+
+
+if __name__ == "__main__":
+    typer.run(main)
