@@ -157,15 +157,16 @@ def write_failure(exc: BaseException) -> str | None:
     """Why writing failed, if `exc` (or an exception it was raised from) is a full disk or quota: an OSError with
     errno ENOSPC/EDQUOT, or a library error saying so (safetensors' `SafetensorError ... StorageFull`, torch's
     `PytorchStreamWriter ... file write failed`). None for any other error."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            return "no space left on the device" if exc.errno == errno.ENOSPC else "disk quota exceeded"
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
+            return "no space left on the device" if cause.errno == errno.ENOSPC else "disk quota exceeded"
         for needle, reason in _WRITE_FAILURES:
-            if needle in str(exc):
+            if needle in str(cause):
                 return reason
-        exc = exc.__cause__ or exc.__context__
+        cause = cause.__cause__ or cause.__context__
     return None
 
 

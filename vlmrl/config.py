@@ -291,7 +291,8 @@ def _one_line(exc: BaseException) -> str:
     options = [ln.strip() for ln in lines if ln.startswith("\t") and "=" not in ln]
     if "Could not find" in msg and options:
         msg += f" (available: {', '.join(options)})"
-    chain, cause = [], exc
+    chain: list[Any] = []  # exceptions; OmegaConf ones carry `full_key`
+    cause: BaseException | None = exc
     while cause is not None:
         chain.append(cause)
         cause = cause.__cause__

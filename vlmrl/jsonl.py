@@ -14,7 +14,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, cast
 
 
 @dataclass
@@ -94,7 +94,7 @@ def read_jsonl(path: str | Path) -> JsonlRead:
     out = JsonlRead()
     for line in iter_jsonl(path):
         if line.error is None:
-            out.rows.append(line.row)
+            out.rows.append(cast(dict, line.row))  # a usable line (no error) has its row
             out.numbers.append(line.number)
         else:
             out.bad.append(BadLine(Path(path), line.number, line.error, line.raw))

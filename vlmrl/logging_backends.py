@@ -17,7 +17,7 @@ import math
 import secrets
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 log = logging.getLogger("vlmrl.logging")
 
@@ -180,7 +180,7 @@ def make_loggers(cfg: Any, enabled: bool = True, prefix: str = "train", resume: 
 
         from vlmrl.config import to_yaml
 
-        config = OmegaConf.to_container(OmegaConf.create(to_yaml(cfg)))
+        config = cast(dict, OmegaConf.to_container(OmegaConf.create(to_yaml(cfg))))  # a YAML mapping
         run_id = wandb_run_id(out, resume) if name == "wandb" else None
         sinks.append(ModuleSink(name, getattr(lc, "project", "vlmrl"), out.name, out, config, run_id))
     return MetricLoggers(sinks, prefix)

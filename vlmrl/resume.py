@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, cast
 
 from omegaconf import OmegaConf
 
@@ -88,9 +88,9 @@ def _as_tree(yaml_text: str) -> dict:
 
     raw = OmegaConf.create(yaml_text)
     try:
-        return OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(Config), raw), enum_to_str=True)
+        return cast(dict, OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(Config), raw), enum_to_str=True))
     except Exception:  # keys the schema no longer has: compare as written
-        return OmegaConf.to_container(raw, enum_to_str=True)
+        return cast(dict, OmegaConf.to_container(raw, enum_to_str=True))  # a YAML mapping
 
 
 def config_changes(old_yaml: str, new_yaml: str) -> list[str]:
@@ -232,7 +232,8 @@ def finite(x: Any) -> bool:
 def nonfinite_episodes(trajs: list[Any]) -> list[str]:
     """Ids (`<task_id>/<sample>`, sample = index within its GRPO group) of the episodes whose reward, turn rewards
     or advantage are not finite."""
-    bad, seen = [], {}
+    bad: list[str] = []
+    seen: dict[Any, int] = {}  # episodes so far per GRPO group
     for traj in trajs:
         k = seen[traj.group] = seen.get(traj.group, -1) + 1
         values = [traj.reward, traj.advantage, *(t.reward for t in traj.turns)]

@@ -13,6 +13,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import torch
 from rich.console import Console
@@ -452,7 +453,7 @@ def _train(cfg: Config, console: Console) -> Path:
             except StepAbandoned:  # stopped during rollouts: the state is that of the end of step - 1
                 checkpoint.set_rng_state(rng)
                 path = save(job, step - 1) if step > 1 and job.saved_step != step - 1 else _newest(job)
-                raise TrainingInterrupted(job.stop.requested, step - 1, path) from None
+                raise TrainingInterrupted(cast(int, job.stop.requested), step - 1, path) from None  # a signal came
             progress.update(1, train_line(row))
             loggers.log(row, step)  # TensorBoard / wandb / trackio when configured (logging.*)
             loggers.log_samples(job.records, step)  # wandb: a Table of sample trajectories

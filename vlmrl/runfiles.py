@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from typing import cast
 
 from vlmrl.jsonl import append_jsonl, fsync_path, parse_line, write_atomic
 
@@ -59,7 +60,9 @@ def salvage(raw: bytes) -> tuple[int, dict] | None:
 def _plan_lines(f, step: int) -> tuple[list[tuple[int, int]], list[tuple[int, str, bytes]], int, int]:
     """One pass over an open run file: (byte ranges to keep, bad lines to quarantine, lines dropped, file size)."""
     size = os.fstat(f.fileno()).st_size
-    keep, bad, dropped, offset = [], [], 0, 0
+    keep: list[tuple[int, int]] = []
+    bad: list[tuple[int, str, bytes]] = []
+    dropped, offset = 0, 0
     for number, raw in enumerate(f, 1):
         start, offset = offset, offset + len(raw)
         if not raw.strip():
@@ -73,7 +76,7 @@ def _plan_lines(f, step: int) -> tuple[list[tuple[int, int]], list[tuple[int, st
         if row is None:
             found = salvage(raw)
             if found is None:
-                bad.append((number, error, raw))
+                bad.append((number, cast(str, error), raw))  # parse_line gives a reason with no row
                 continue
             at, row = found
             bad.append(

@@ -71,10 +71,10 @@ def demo_trajectory(builder: TokenBuilder, conv: list[Message], demo_id: str) ->
 def load_demos(cfg: Config) -> list[list[Message]]:
     """The demonstrations of `cfg.sft` (see the module docstring). ValueError/FileNotFoundError naming the file."""
     if cfg.sft.demos == "env":
-        cls = env_class(cfg.env._target_)
-        if not callable(getattr(cls, "make_demos", None)):
+        make_demos = getattr(env_class(cfg.env._target_), "make_demos", None)
+        if not callable(make_demos):
             raise ValueError(f"sft.demos=env: environment {cfg.env._target_!r} has no make_demos(); give a JSONL file")
-        return cls.make_demos(env_config(cfg.env), cfg.sft.num_demos, cfg.seed)
+        return make_demos(env_config(cfg.env), cfg.sft.num_demos, cfg.seed)
     path = Path(cfg.sft.demos)
     if not path.is_file():
         raise FileNotFoundError(f"sft.demos {str(path)!r}: no such file")

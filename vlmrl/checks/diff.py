@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
-from typing import Any
+from typing import AbstractSet, Any
 
 from vlmrl.types import TokenSeq
 
@@ -81,9 +81,9 @@ def diff_tokens(
     *,
     got_offset: int = 0,
     ref_offset: int = 0,
-    got_boundary: set[int] = frozenset(),
+    got_boundary: AbstractSet[int] = frozenset(),
     ref_boundary: set[int] | None = None,
-    rewritable: set[int] = frozenset(),
+    rewritable: AbstractSet[int] = frozenset(),
     trailing: list[int] | None = None,
 ) -> list[Mismatch]:
     """Differences between `got` and the reference `ref`, one per changed run, classified.

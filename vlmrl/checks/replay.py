@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from vlmrl.checks.diff import FAIL, NOTE, Mismatch, _decoder, _vision_of, diff_tokens
 from vlmrl.checks.reference import _segments, compare_tokens, compare_vision, full_reference
@@ -18,6 +19,7 @@ from vlmrl.types import (
     Generation,
     ImagePart,
     Message,
+    Part,
     Role,
     StopReason,
     TextPart,
@@ -56,7 +58,7 @@ class Recorded:
             list(seq.ids),
             list(seq.loss_mask),
             list(seq.logprobs),
-            [tuple(s) for s in seq.turn_spans],
+            [cast("tuple[int, int]", tuple(s)) for s in seq.turn_spans],  # copies of (start, end) pairs
             list(seq.boundary),
             [t.generation.stop_reason.value for t in traj.turns],
             vision.image_grid_thw.tolist() if vision is not None else None,
@@ -76,7 +78,7 @@ class Recorded:
         grids = rec.get("image_grid_thw") or []
         messages, n_img, stand_ins = [], 0, 0
         for m in rec["messages"]:
-            parts = []
+            parts: list[Part] = []
             for p in m["content"]:
                 if p.get("type") == "image":
                     image = _open_image(p.get("ref", ""), run_dir)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from typing import Any
+from typing import Any, cast
 
 from rich.console import Console
 from rich.markup import escape
@@ -191,7 +191,7 @@ def run_table(run: RunAlignment, max_rows: int = 40) -> Table:
         ("mismatch KL", {"justify": "right"}),
         ("note", {}),
     ):
-        table.add_column(col, **kw)
+        table.add_column(col, **cast(dict[str, Any], kw))  # justify="right" is one of its Literals
     for r in run.trajectories[:max_rows]:
         status = "ok" if r.ok else "FAIL"
         note = r.error or (r.logprob_note if r.logprob_note.startswith("skipped") else "")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 
@@ -81,7 +81,7 @@ class _Policies:
     def __init__(self, run_dir: Path, cfg, checkpoint: str | None):
         self.run_dir, self.cfg, self.checkpoint = run_dir, cfg, checkpoint
         self._key: str | None = None
-        self._model = None
+        self._model: Any = None  # the loaded policy (a transformers model)
 
     def source(self, version: int) -> tuple[str | None, str]:
         """(weights key, description) for records sampled by the weights of the end of step `version`."""

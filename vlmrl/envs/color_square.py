@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from PIL import Image
 
@@ -93,7 +93,7 @@ class ColorSquareEnv(Environment):
         colors = self.task.meta["colors"]
         boxed = extract_boxed(assistant_text)
         status = ParseStatus.OK if boxed and boxed.strip() else ParseStatus.NO_ANSWER
-        correct = status is ParseStatus.OK and boxed.strip().lower() == colors[min(turn, 1)]
+        correct = status is ParseStatus.OK and cast(str, boxed).strip().lower() == colors[min(turn, 1)]
         reward = 0.9 * correct + 0.1 * (status is ParseStatus.OK)
         done = last_turn or turn >= 1 or turn + 1 >= self.max_turns
         if done:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from PIL import Image
 
@@ -115,7 +115,7 @@ class ColorsEnv(Environment):
             raise RuntimeError("ColorsEnv.step called before reset")
         boxed = extract_boxed(assistant_text)
         status = ParseStatus.OK if boxed and boxed.strip() else ParseStatus.NO_ANSWER
-        correct = status is ParseStatus.OK and boxed.strip().lower() == self.task.answer
+        correct = status is ParseStatus.OK and cast(str, boxed).strip().lower() == self.task.answer
         formatted = status is ParseStatus.OK
         reward = 0.9 * correct + 0.1 * formatted
         if correct or last_turn or turn + 1 >= self.max_turns:

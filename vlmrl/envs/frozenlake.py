@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import os
 from dataclasses import dataclass
+from typing import Any, cast
 
 os.environ.setdefault("SDL_VIDEODRIVER", "dummy")  # pygame renders off-screen; no display or audio needed
 os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
@@ -86,7 +87,7 @@ def _make_gym(desc: tuple[str, ...] | list[str], slippery: bool) -> gym.Env:
 
 def frame(env: gym.Env) -> Image.Image:
     """The current frame of a gymnasium env (rgb_array) as a PIL image."""
-    return Image.fromarray(env.render())
+    return Image.fromarray(cast(Any, env.render()))  # an array in render_mode="rgb_array"
 
 
 def build_task(row: FrozenLakeRow) -> Task:
@@ -157,7 +158,8 @@ class FrozenLakeEnv(Environment):
         action, status = parse_move(assistant_text)
         reached, fell = False, False
         if action is not None:
-            _, r, terminated, _, _ = self.gym.step(action)
+            _, step_reward, terminated, _, _ = self.gym.step(action)
+            r = cast(float, step_reward)  # FrozenLake's reward is a number (1 at the goal)
             reached, fell = r > 0, bool(terminated) and r <= 0
         fr = self.cfg.format_reward
         reward = (1.0 - fr) * reached + fr * (action is not None)

@@ -11,11 +11,14 @@ from __future__ import annotations
 import importlib
 from collections.abc import Mapping
 from dataclasses import asdict, is_dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
 from vlmrl.config import Config, ConfigError, EnvConfig, _one_line
+
+if TYPE_CHECKING:
+    from vlmrl.envs.base import Environment
 
 
 def import_path(path: str, key: str) -> Any:
@@ -32,7 +35,7 @@ def import_path(path: str, key: str) -> Any:
         raise ConfigError(f"{key}: cannot import {path!r} ({type(err).__name__}: {reason})") from None
 
 
-def env_class(target: str) -> type:
+def env_class(target: str) -> type[Environment]:
     """The environment class at `target` (a subclass of `vlmrl.envs.base.Environment`)."""
     from vlmrl.envs.base import Environment
 
@@ -54,7 +57,7 @@ def env_schema(env_raw: Any) -> DictConfig:
     target = _target_of(env_raw)
     cls = env_class(target)
     try:
-        node = OmegaConf.merge(OmegaConf.structured(cls.config_class), env_raw)
+        node = cast(DictConfig, OmegaConf.merge(OmegaConf.structured(cls.config_class), env_raw))  # a dataclass node
     except Exception as exc:  # noqa: BLE001 - omegaconf validation errors
         key = getattr(exc, "full_key", None) or getattr(exc, "key", None)
         msg = _one_line(exc)
@@ -72,7 +75,7 @@ def env_config(env_cfg: Any) -> EnvConfig:
     cls = env_class(_target_of(env_cfg))
     if type(env_cfg) is cls.config_class:
         return env_cfg
-    raw = OmegaConf.create(asdict(env_cfg) if is_dataclass(env_cfg) else dict(env_cfg))
+    raw = OmegaConf.create(asdict(cast(Any, env_cfg)) if is_dataclass(env_cfg) else dict(env_cfg))  # an instance
     node = env_schema(raw)
     try:
         return OmegaConf.to_object(node)  # type: ignore[return-value]

@@ -9,14 +9,14 @@ import dataclasses
 import inspect
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from vlmrl.envs.base import Environment, StepResult
 from vlmrl.tools.isolation import Sandbox
 from vlmrl.tools.objects import RemoteMethod, RemoteObject, _observation, object_class
 from vlmrl.tools.process import WorkerError
 from vlmrl.tools.spec import Tool, import_object, load_tools, tools_from_object
-from vlmrl.types import Message, Role, Task
+from vlmrl.types import Message, Part, Role, Task
 
 log = logging.getLogger("vlmrl.tools")
 
@@ -37,7 +37,8 @@ class ToolEnvironment(Environment):
         functions: list[Tool] | None = None,
     ):
         self.base, self.obj, self.cls, self.functions = base, obj, cls, list(functions or [])
-        self._shape = cls.__new__(cls) if cls is not None else None  # for signatures and schemas only
+        # for signatures and schemas only; the class's own __new__ (typeshed only knows type.__new__ here)
+        self._shape = cast(Any, cls).__new__(cls) if cls is not None else None
 
     def reset(self, task: Task) -> list[Message]:
         messages = self.base.reset(task)
@@ -54,7 +55,7 @@ class ToolEnvironment(Environment):
             return messages + obs
         if obs and messages and messages[-1].role is Role.USER:
             return messages[:-1] + [Message(Role.USER, [*messages[-1].content, *obs])]
-        return messages + [Message(Role.USER, obs)] if obs else messages
+        return messages + [Message(Role.USER, cast(list[Part], obs))] if obs else messages  # parts, not messages
 
     def tools(self) -> list[Tool]:
         own = (
@@ -114,8 +115,8 @@ class ToolEnvFactory:
         }
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(
-            state["base_factory"], state["functions"], state["environment"], state["sandbox"], state["timeout_s"]
+        type(self).__init__(
+            self, state["base_factory"], state["functions"], state["environment"], state["sandbox"], state["timeout_s"]
         )
 
 

@@ -92,7 +92,8 @@ def _generate(cfg: Config, console: Any) -> GenerateResult:
             remaining=False,
         ) as progress:
             for step, missing in plan.steps:
-                recs, dt = [], 0.0
+                recs: list[dict] = []
+                dt = 0.0
                 if missing:
                     set_seed(cfg.seed + step - 1)  # per chunk: a redone chunk samples as it did uninterrupted
                     recs, dt = rollout_records(runner, [tasks[p] for p in missing], samples, step, rows=missing)

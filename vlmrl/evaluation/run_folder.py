@@ -82,7 +82,9 @@ class GenerateFiles(RunFiles):
     """
 
     def __init__(self, out_dir: str | Path, overwrite: bool, config_yaml: str, samples: int):
-        self.config_yaml, self.samples, self.records, self.rows = config_yaml, samples, [], []
+        self.config_yaml, self.samples = config_yaml, samples
+        self.records: list[dict] = []
+        self.rows: list[dict] = []
         self._unclean: set[Path] = set()  # run files with unusable lines: rewritten by `plan`
         super().__init__(out_dir, overwrite)
 

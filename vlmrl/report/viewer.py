@@ -26,7 +26,8 @@ class ImageInliner:
     """ref -> `data:image/...;base64,...` of the image downscaled to `max_side` px (memoised; None if unreadable)."""
 
     def __init__(self, roots: list[Path], max_side: int = 256):
-        self.roots, self.max_side, self.cache = roots, max_side, {}
+        self.roots, self.max_side = roots, max_side
+        self.cache: dict[str, str | None] = {}
 
     def resolve(self, ref: str) -> Path | None:
         p = Path(ref).expanduser()
@@ -47,7 +48,7 @@ class ImageInliner:
         try:
             with Image.open(path) as im:
                 im.load()
-                img = im.copy()
+                img: Image.Image = im.copy()
         except Exception:  # noqa: BLE001 - an unreadable image becomes a placeholder
             return None
         img.thumbnail((self.max_side, self.max_side))
@@ -57,12 +58,12 @@ class ImageInliner:
             img.paste(rgba, mask=rgba.split()[-1])
         img = img.convert("RGB")
         encoded = []  # the smaller of a 256-colour PNG (line art) and a JPEG (photos)
-        for fmt, mime, im, kw in (
+        for fmt, mime, out, kw in (
             ("PNG", "image/png", img.quantize(256), {"optimize": True}),
             ("JPEG", "image/jpeg", img, {"quality": 85}),
         ):
             buf = io.BytesIO()
-            im.save(buf, format=fmt, **kw)
+            out.save(buf, format=fmt, **kw)
             encoded.append((len(buf.getvalue()), mime, buf.getvalue()))
         _, mime, data = min(encoded)
         return f"data:{mime};base64," + base64.b64encode(data).decode("ascii")
@@ -93,7 +94,8 @@ class TokenText:
     """id -> display text with the tokenizer (memoised), or `#id` without one."""
 
     def __init__(self, tokenizer: Any | None):
-        self.tokenizer, self.cache = tokenizer, {}
+        self.tokenizer = tokenizer
+        self.cache: dict[int, str] = {}
 
     def __call__(self, tok: int) -> str:
         if tok not in self.cache:

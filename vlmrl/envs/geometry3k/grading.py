@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from vlmrl.rewards import _unwrap, extract_boxed, math_equal
 from vlmrl.types import ParseStatus
@@ -58,7 +59,7 @@ def score_choice_answer(
         return AnswerScore(ParseStatus.NO_ANSWER if pred is None else ParseStatus.UNPARSABLE, False, False, pred)
     letter = choice_letter(pred, len(choices)) if answer_letter else None
     if letter is not None:
-        return AnswerScore(ParseStatus.OK, letter == answer_letter.strip().upper(), True, pred)
+        return AnswerScore(ParseStatus.OK, letter == cast(str, answer_letter).strip().upper(), True, pred)
     if not answer_value:
         return AnswerScore(ParseStatus.UNPARSABLE, False, True, pred)
     equal = math_equal(pred, answer_value)
