@@ -18,9 +18,9 @@ from vlmrl import config as config_mod
 from vlmrl.evaluation.during_training import eval_during_training
 from vlmrl.evaluation.generate import generate
 from vlmrl.evaluation.metrics import eval_metrics, pass_at_k, pass_ks
+from vlmrl.evaluation.report.run_data import EVAL_TRAJECTORIES
 from vlmrl.evaluation.rollouts import build_eval_runner
 from vlmrl.evaluation.run_folder import identity_diff
-from vlmrl.report.run_data import EVAL_TRAJECTORIES
 from vlmrl.rollout.engine import Engine
 from vlmrl.runfiles import RunFolderError
 from vlmrl.types import Generation, StopReason

@@ -19,8 +19,8 @@ from typer.testing import CliRunner
 
 from vlmrl import config as config_mod
 from vlmrl.cli import app
-from vlmrl.report import build_report, load_run
-from vlmrl.report.table import columns, markdown
+from vlmrl.evaluation.report import build_report, load_run
+from vlmrl.evaluation.report.table import columns, markdown
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 DATA_URI = re.compile(r'<img[^>]*? src="data:(image/(?:png|jpeg));base64,([A-Za-z0-9+/=]+)"')

@@ -147,7 +147,7 @@ def show_config(overrides: Optional[list[str]] = OVERRIDES) -> None:
 def _print_metrics(row: dict, title: str) -> None:
     from rich.table import Table
 
-    from vlmrl.report.table import columns, fmt
+    from vlmrl.evaluation.report.table import columns, fmt
 
     tab = Table(title=title, show_header=True, header_style="bold")
     tab.add_column("metric")
@@ -187,7 +187,7 @@ def evaluate(
 ) -> None:
     """Report on a run folder: metrics table (metrics.md), PNG plots, and a self-contained HTML trajectory viewer."""
     _setup_logging()
-    from vlmrl.report import ReportError, build_report
+    from vlmrl.evaluation.report import ReportError, build_report
 
     try:
         report = build_report(run_dir, out, max_trajectories=max_trajectories)

@@ -7,9 +7,9 @@ import copy
 from typing import Any
 
 from vlmrl.evaluation.metrics import _summary
+from vlmrl.evaluation.report.run_data import EVAL_TRAJECTORIES
 from vlmrl.evaluation.rollouts import chunks, eval_data_cfg, rollout_records
 from vlmrl.jsonl import read_jsonl, write_jsonl_atomic
-from vlmrl.report.run_data import EVAL_TRAJECTORIES
 
 
 def eval_during_training(job: Any, step: int) -> dict[str, float]:

@@ -9,7 +9,7 @@ from typing import Any
 
 from vlmrl.jsonl import read_jsonl
 
-log = logging.getLogger("vlmrl.report")
+log = logging.getLogger("vlmrl.evaluation.report")
 
 EVAL_TRAJECTORIES = "eval_trajectories.jsonl"
 

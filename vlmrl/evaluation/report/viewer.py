@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
-log = logging.getLogger("vlmrl.report")
+log = logging.getLogger("vlmrl.evaluation.report")
 
 TOOL_CALL_RE = re.compile(r"(<tool_call>.*?(?:</tool_call>|$))", re.S)
 FOLD_MIN = 4  # fold runs of at least this many identical ids

@@ -16,8 +16,8 @@ import html
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vlmrl.report import plots, table, viewer
-from vlmrl.report.run_data import RunData, load_run
+from vlmrl.evaluation.report import plots, table, viewer
+from vlmrl.evaluation.report.run_data import RunData, load_run
 
 __all__ = ["Report", "ReportError", "build_report", "load_run", "RunData", "summary_row"]
 
