@@ -104,6 +104,9 @@ def test_demos_from_jsonl(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"messages": [{"role": "robot", "content": "x"}]}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1"):
         load_demos(load("colors_sft_tiny", [f"sft.demos={tmp_path / 'bad.jsonl'}"]))
+    (tmp_path / "torn.jsonl").write_text(json.dumps(line) + "\n" + '{"messages": [')
+    with pytest.raises(ValueError, match=r"torn.jsonl:2: not JSON"):
+        load_demos(load("colors_sft_tiny", [f"sft.demos={tmp_path / 'torn.jsonl'}"]))
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

@@ -81,7 +81,11 @@ def load_demos(cfg: Config) -> list[list[Message]]:
     demos = []
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if line.strip():
-            demos.append(_conversation(json.loads(line), path.parent, f"{path}:{n}"))
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"sft.demos {path}:{n}: not JSON ({exc.msg} at column {exc.colno})") from None
+            demos.append(_conversation(rec, path.parent, f"{path}:{n}"))
     return demos
 
 
