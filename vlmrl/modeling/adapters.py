@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedModel
 
 log = logging.getLogger("vlmrl.modeling")
 
@@ -109,13 +113,14 @@ def merged_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
         return dict(module.state_dict())
     from peft.tuners.lora import LoraLayer
 
-    base = module.get_base_model()
+    base = cast("PeftModel", module).get_base_model()
     deltas: dict[str, torch.Tensor] = {}
     for name, layer in base.named_modules():
         if isinstance(layer, LoraLayer) and not layer.merged:
             adapters = [a for a in layer.active_adapters if a in layer.lora_A]
             if adapters:
-                deltas[f"{name}.base_layer.weight"] = sum(layer.get_delta_weight(a) for a in adapters)
+                delta = sum(layer.get_delta_weight(a) for a in adapters)  # type: ignore[attr-defined]  # peft defines it on every concrete LoraLayer (Linear, Embedding, Conv)
+                deltas[f"{name}.base_layer.weight"] = cast(torch.Tensor, delta)  # a sum of tensors (0 + tensor ...)
     out = {}
     for key, value in base.state_dict().items():
         if ".lora_" in key:
@@ -130,6 +135,7 @@ def save_pretrained_merged(module: torch.nn.Module, directory: str | Path) -> No
     """`save_pretrained(directory)` of the plain model: for a LoRA model, the merged weights (`merged_state_dict`)
     saved by the base model, loadable with `from_pretrained` like any checkpoint."""
     if not is_peft(module):
-        module.save_pretrained(directory)
+        cast("PreTrainedModel", module).save_pretrained(directory)
         return
-    module.get_base_model().save_pretrained(directory, state_dict=merged_state_dict(module))
+    base = cast("PeftModel", module).get_base_model()
+    cast("PreTrainedModel", base).save_pretrained(directory, state_dict=merged_state_dict(module))

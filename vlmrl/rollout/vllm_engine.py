@@ -65,7 +65,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
 import torch
 
@@ -92,6 +92,10 @@ from vlmrl.rollout.vllm_convert import (
 from vlmrl.rollout.vllm_server import VLLMServer
 from vlmrl.rollout.vllm_weights import _world, full_state_items, write_weights
 from vlmrl.types import EnginePrompt, Generation, Sample
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+    from vllm import LLM
 
 log = logging.getLogger("vlmrl.rollout.vllm")
 
@@ -153,7 +157,7 @@ class VLLMEngine(Engine):
         self._warned: set[str] = set()
         self._syncs = 0
         self.last_sync_metrics: dict[str, float] = {}
-        self.llm = None
+        self.llm: LLM | None = None
         self.server: VLLMServer | None = None
         self._model_dir: tempfile.TemporaryDirectory | None = None
         if config.mode == "colocate":
@@ -279,7 +283,7 @@ class VLLMEngine(Engine):
             # that no checkpoint holds (vLLM 0.32's fused image normaliser keeps the processor's mean/std in
             # them), and a later reload could not repair them
             write_weights(module, Path(self._model_dir.name))
-            config = copy.deepcopy(module.config)
+            config = copy.deepcopy(cast("PreTrainedModel", module).config)
             # vLLM picks its model class from `architectures`; a config built in memory (tiny models) has none,
             # and vLLM would then resolve the bare `*Model` class as a pooling (embedding) model
             config.architectures = config.architectures or [type(module).__name__]

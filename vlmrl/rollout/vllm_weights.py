@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, cast
 
 import torch
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
-def _world() -> tuple[int, Callable[[], None]]:
+
+def _world() -> tuple[int, Callable[[], object]]:
     """(rank, barrier) without importing the trainer (no-ops without a process group)."""
     import torch.distributed as dist
 
@@ -43,5 +46,5 @@ def write_weights(module: torch.nn.Module, directory: Path) -> Path:
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, directory / "model.safetensors")
     if getattr(module, "config", None) is not None:
-        module.config.save_pretrained(directory)
+        cast("PreTrainedModel", module).config.save_pretrained(directory)
     return directory

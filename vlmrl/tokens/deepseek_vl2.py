@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -100,7 +100,7 @@ def select_best_resolution(size: tuple[int, int], candidates) -> tuple[int, int]
         waste = w * h - eff
         if eff > best_eff or (eff == best_eff and waste < best_waste):
             best, best_eff, best_waste = (w, h), eff, waste
-    return best
+    return cast("tuple[int, int]", best)  # None only for no candidates
 
 
 class DeepseekVL2FormatProcessor:
@@ -139,7 +139,7 @@ class DeepseekVL2FormatProcessor:
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
 
     def _tensor(self, image: Image.Image) -> torch.Tensor:
-        arr = np.asarray(image, dtype=np.float32) / 255.0
+        arr: np.ndarray = np.asarray(image, dtype=np.float32) / 255.0
         arr = (arr - np.asarray(self.image_mean, np.float32)) / np.asarray(self.image_std, np.float32)
         return torch.from_numpy(np.ascontiguousarray(arr.transpose(2, 0, 1)))
 

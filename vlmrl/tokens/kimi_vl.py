@@ -87,7 +87,7 @@ class KimiVLImageProcessorSketch:
         p = self.patch_size
         patches, grids = [], []
         for image in images:
-            arr = np.asarray(self._resize_pad(image), dtype=np.float32) / 255.0  # [H, W, 3]
+            arr: np.ndarray = np.asarray(self._resize_pad(image), dtype=np.float32) / 255.0  # [H, W, 3]
             arr = (arr - np.asarray(self.image_mean, np.float32)) / np.asarray(self.image_std, np.float32)
             hh, ww = arr.shape[0] // p, arr.shape[1] // p
             cut = arr.reshape(hh, p, ww, p, 3).transpose(0, 2, 4, 1, 3).reshape(hh * ww, 3, p, p)

@@ -13,7 +13,7 @@ unpadded as [sum of patches, 3, 336, 336] with grid rows [1, 1, patches] and `im
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -35,12 +35,17 @@ class LlavaNextVision(VisionInputs):
         return LlavaNextVision(
             torch.cat([p.pixel_values for p in parts]),
             torch.cat([p.image_grid_thw for p in parts]),
-            torch.cat([p.image_sizes for p in parts]),
+            torch.cat([_image_sizes(p) for p in parts]),
         )
 
     def slice_images(self, n: int) -> "LlavaNextVision":
         base = VisionInputs.slice_images(self, n)
-        return LlavaNextVision(base.pixel_values, base.image_grid_thw, self.image_sizes[:n])
+        return LlavaNextVision(base.pixel_values, base.image_grid_thw, _image_sizes(self)[:n])
+
+
+def _image_sizes(vision: VisionInputs) -> torch.Tensor:
+    """`vision.image_sizes`: LLaVA-NeXT's VisionInputs are LlavaNextVision, built with their image sizes."""
+    return cast(torch.Tensor, cast(LlavaNextVision, vision).image_sizes)
 
 
 class LlavaNextBuilder(TemplateBuilder):
@@ -76,5 +81,5 @@ class LlavaNextBuilder(TemplateBuilder):
         drop_cls = self.processor.vision_feature_select_strategy == "default"  # the CLS feature is not kept
         return sum(
             self.processor._get_number_of_features(int(h), int(w), size, size) - int(drop_cls)
-            for h, w in vision.image_sizes.tolist()
+            for h, w in _image_sizes(vision).tolist()
         )

@@ -81,33 +81,31 @@ _OPERATORS = {
     ast.USub: _unary(operator.neg),
     ast.UAdd: _unary(operator.pos),
 }
-_FUNCTIONS = {
-    name: _fn(f)
-    for name, f in {
-        "sqrt": math.sqrt,
-        "cbrt": lambda x: math.copysign(abs(x) ** (1 / 3), x),
-        "exp": math.exp,
-        "log": math.log,
-        "log10": math.log10,
-        "log2": math.log2,
-        "sin": math.sin,
-        "cos": math.cos,
-        "tan": math.tan,
-        "asin": math.asin,
-        "acos": math.acos,
-        "atan": math.atan,
-        "atan2": math.atan2,
-        "degrees": math.degrees,
-        "radians": math.radians,
-        "hypot": math.hypot,
-        "abs": abs,
-        "round": round,
-        "floor": math.floor,
-        "ceil": math.ceil,
-        "min": min,
-        "max": max,
-    }.items()
+_MATH_FUNCTIONS: dict[str, Callable[..., Any]] = {
+    "sqrt": math.sqrt,
+    "cbrt": lambda x: math.copysign(abs(x) ** (1 / 3), x),
+    "exp": math.exp,
+    "log": math.log,
+    "log10": math.log10,
+    "log2": math.log2,
+    "sin": math.sin,
+    "cos": math.cos,
+    "tan": math.tan,
+    "asin": math.asin,
+    "acos": math.acos,
+    "atan": math.atan,
+    "atan2": math.atan2,
+    "degrees": math.degrees,
+    "radians": math.radians,
+    "hypot": math.hypot,
+    "abs": abs,
+    "round": round,
+    "floor": math.floor,
+    "ceil": math.ceil,
+    "min": min,
+    "max": max,
 }
+_FUNCTIONS = {name: _fn(f) for name, f in _MATH_FUNCTIONS.items()}
 _NAMES = {"pi": math.pi, "e": math.e, "tau": math.tau}
 _ALLOWED_NODES = (ast.Expr, ast.Name, ast.UnaryOp, ast.BinOp, ast.Call, ast.Constant)
 
@@ -117,7 +115,9 @@ class _Calculator(simpleeval.SimpleEval):
 
     def __init__(self) -> None:
         super().__init__(operators=dict(_OPERATORS), functions=dict(_FUNCTIONS), names=dict(_NAMES))
-        self.nodes = {k: v for k, v in self.nodes.items() if k in _ALLOWED_NODES}
+        self.nodes: dict[type[ast.AST], Callable[..., Any]] = {
+            k: v for k, v in self.nodes.items() if k in _ALLOWED_NODES
+        }
         self.nodes[ast.Constant] = self._number_literal
 
     @staticmethod

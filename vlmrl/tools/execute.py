@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import cast
 
 from vlmrl.tools.isolation import Sandbox
 from vlmrl.tools.process import Reply, WorkerError, WorkerPool, WorkerProcess, decode_reply
@@ -53,7 +54,9 @@ class Executor:
         outcomes: dict[int, Outcome] = {}
         pending = list(enumerate(jobs))
         while pending:
-            batch, busy, rest = [], set(), []
+            batch: list[tuple[int, Job]] = []
+            busy: set[object] = set()
+            rest: list[tuple[int, Job]] = []
             for i, job in pending:  # one call per worker at a time; an episode's calls share its worker
                 key = id(job.worker) if job.worker is not None else ("pool", i)
                 (rest if key in busy or len(batch) >= self.max_workers else batch).append((i, job))
@@ -68,10 +71,10 @@ class Executor:
         started: list[tuple[int, Job, WorkerProcess | Outcome, float, Outcome | None]] = []
         for (i, job), worker, early in zip(batch, workers, failed):
             t0 = time.monotonic()
-            started.append((i, job, worker, t0, early or self._send(worker, job)))
+            started.append((i, job, worker, t0, early or self._send(cast(WorkerProcess, worker), job)))
         out = {}
         for i, job, worker, t0, early in started:
-            out[i] = early or self._receive(worker, job.name, t0)
+            out[i] = early or self._receive(cast(WorkerProcess, worker), job.name, t0)
             if job.worker is None and isinstance(worker, WorkerProcess):
                 self.pool.release(worker)
         return out

@@ -30,7 +30,7 @@ import inspect
 import logging
 import typing
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from vlmrl.tools.isolation import Sandbox
 from vlmrl.tools.process import Reply, WorkerError, WorkerProcess, decode_reply
@@ -69,16 +69,17 @@ class RemoteObject:
     def ready(self) -> WorkerProcess:
         """The worker once the object exists (made at the first call); raises WorkerError(CRASH) if it could not
         be made or its worker was lost."""
+        worker = cast(WorkerProcess, self.worker)  # None only with self.error set (not used then)
         if not self._made and not self.error:
             self._made = True
             try:
-                self.worker.wait_started()
-                self.worker.preload(self.factory)
-                decode_reply(self.worker.call(("new", self.factory), self.timeout_s))
+                worker.wait_started()
+                worker.preload(self.factory)
+                decode_reply(worker.call(("new", self.factory), self.timeout_s))
             except WorkerError as err:
                 self.error = f"the tool environment could not be made: {err}"
-                self.worker.kill()
-        if not self.error and self.worker.proc.poll() is not None:
+                worker.kill()
+        if not self.error and worker.proc.poll() is not None:
             self.error = "the tool environment was lost (its worker process ended)"
         if self.error or self.worker is None:
             raise WorkerError(ToolFailure.CRASH, self.error)

@@ -18,7 +18,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any, cast
 
 import cloudpickle
 
@@ -46,7 +46,7 @@ def _kill(proc: subprocess.Popen) -> None:
             proc.kill()
     for stream in (proc.stdin, proc.stdout):
         try:
-            stream.close()
+            cast(IO[bytes], stream).close()  # both are pipes (WorkerProcess opens them)
         except OSError:
             pass
     proc.wait()
@@ -120,15 +120,16 @@ class WorkerProcess:
         self.wait_started()
         data = cloudpickle.dumps(request)
         try:
-            self.proc.stdin.write(HEADER.pack(len(data)) + data)
-            self.proc.stdin.flush()
+            stdin = cast(IO[bytes], self.proc.stdin)  # a pipe (stdin=PIPE)
+            stdin.write(HEADER.pack(len(data)) + data)
+            stdin.flush()
         except (BrokenPipeError, OSError, ValueError):
             self.kill()
             raise WorkerError(*_exit_detail(self.proc.returncode)) from None
         self.calls += 1
 
     def _read(self, n: int, deadline: float, timeout_s: float) -> bytes:
-        fd, chunks, got = self.proc.stdout.fileno(), [], 0
+        fd, chunks, got = cast(IO[bytes], self.proc.stdout).fileno(), [], 0  # a pipe (stdout=PIPE)
         while got < n:
             left = max(0.0, deadline - time.monotonic())  # past the deadline: still take what has arrived
             if not select.select([fd], [], [], left)[0]:

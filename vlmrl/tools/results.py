@@ -12,7 +12,7 @@ import base64
 import json
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from PIL import Image
 
@@ -94,7 +94,7 @@ class TextBudget:
         if ids is None:
             kept = clipped[: keep * 4]
         else:
-            kept = self.tokenizer.decode(ids[:keep])
+            kept = cast(Any, self.tokenizer).decode(ids[:keep])  # ids is not None: the tokenizer is set
         return f"{kept}\n[truncated: the response exceeded {self.max_tokens} tokens]", True
 
 

@@ -9,7 +9,7 @@ Nothing a model writes can raise out of `ToolRuntime.run`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from vlmrl.tools.execute import Executor, Job
 from vlmrl.tools.isolation import Sandbox
@@ -159,7 +159,7 @@ class ToolRuntime:
                 stats.abandoned += out.stopped is False
                 self._fail(turn, stats, i, out.failure, out.detail)
             else:
-                self._accept(turn, stats, i, out.result, f"{ref}:{job.name}")
+                self._accept(turn, stats, i, cast(Reply, out.result), f"{ref}:{job.name}")
         excess = len(calls) - len(allowed)
         if excess:
             stats.fail(ToolFailure.TOO_MANY_CALLS, excess)

@@ -30,7 +30,8 @@ def split_groups(trajs: list[Trajectory]) -> tuple[list[list[Trajectory]], list[
     groups: dict[int, list[Trajectory]] = defaultdict(list)
     for t in trajs:
         groups[t.group].append(t)
-    kept, dropped = [], []
+    kept: list[list[Trajectory]] = []
+    dropped: list[list[Trajectory]] = []
     for members in groups.values():
         rewards = [t.reward for t in members]
         (kept if max(rewards) - min(rewards) > 1e-12 else dropped).append(members)
@@ -100,10 +101,10 @@ def sample_until_full(
         generated += trajs
         tasks += round_tasks
         last = trajs
-        kept, dropped = split_groups(trajs)
-        kept_by_round.append(kept)
-        counts.append(gather(len(kept)))
-        dropped_equal += sum(gather(len(dropped)))
+        round_kept, round_dropped = split_groups(trajs)
+        kept_by_round.append(round_kept)
+        counts.append(gather(len(round_kept)))
+        dropped_equal += sum(gather(len(round_dropped)))
         if sum(map(sum, counts)) >= batch_size:
             break
     rounds = len(counts)

@@ -40,7 +40,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, cast
 
 import torch
 
@@ -61,6 +61,9 @@ from vlmrl.train.settings import (  # noqa: F401 - re-exported
 )
 from vlmrl.train.sft_loss import sft_loss
 from vlmrl.types import Sample
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass
@@ -150,7 +153,9 @@ class GRPOTrainer:
         torch.manual_seed(self.cfg.seed + dist.rank())  # ranks sample different rollouts
         self.ref_model = self._make_reference(model, ref_model) if self.cfg.kl_coef > 0 else None
         if self.cfg.gradient_checkpointing:  # non-reentrant: works with frozen inputs (LoRA, frozen vision)
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            cast("PreTrainedModel", model).gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
         params = [p for p in model.parameters() if p.requires_grad]
         ds_config = load_deepspeed_config(self.cfg)
         stage = int(ds_config.get("zero_optimization", {}).get("stage", self.cfg.zero_stage))
@@ -233,6 +238,7 @@ class GRPOTrainer:
         local, num_tokens, num_samples = self.accumulate_gradients(samples)
         mean = dist.all_reduce(local.double(), "mean").tolist()
         own_norm = self._plain_grad_norm() if self.cfg.zero_stage == 0 else None
+        grad_norm: float | None
         if own_norm is not None and not (math.isfinite(mean[0]) and math.isfinite(own_norm)):
             self.engine.zero_grad()
             applied, grad_norm = False, own_norm
