@@ -65,6 +65,7 @@ test-vllm: $(VLLM_VENV)/.installed
 lint: setup
 	$(BIN)/ruff format --check vlmrl tests bench examples
 	$(BIN)/ruff check vlmrl tests bench examples
+	$(BIN)/mypy
 
 bench: setup
 	$(BIN)/python bench/token_building.py
