@@ -69,7 +69,7 @@ def run_case(case: str, turns: int, size: int) -> dict:
     builder = get_builder("qwen2_5_vl", processor)
     tok = processor.tokenizer
     reply = tok.encode("The angles are supplementary, so x = 60. \\boxed{C}", add_special_tokens=False)
-    gen = Generation(reply + [builder.eos_token_id], [-0.5] * (len(reply) + 1), StopReason.EOS, "")
+    gen = Generation(reply + [builder.close_turn_id], [-0.5] * (len(reply) + 1), StopReason.EOS, "")
 
     def image(seed: int) -> Image.Image:
         img = Image.new("RGB", (size, size), ((37 * seed) % 256, (91 * seed + 40) % 256, 200))

@@ -18,7 +18,7 @@ def engine_and_prompt(qwen25_policy, geometry_images):
     model, processor = qwen25_policy
     builder = get_builder("qwen2_5_vl", processor)
     tok = processor.tokenizer
-    eos = [builder.eos_token_id, tok.convert_tokens_to_ids("<|endoftext|>")]
+    eos = [builder.close_turn_id, tok.convert_tokens_to_ids("<|endoftext|>")]
     engine = TransformersEngine(
         lambda: contextlib.nullcontext(model), tok, eos, tok.pad_token_id, builder.image_token_id
     )

@@ -33,7 +33,7 @@ def test_engine_logprobs_match_trainer_at_temperature_0_7_top_p_0_9(qwen25_polic
     assert trainer.cfg.temperature == 0.7
     builder = get_builder("qwen2_5_vl", processor)
     tok = processor.tokenizer
-    eos = [builder.eos_token_id, tok.convert_tokens_to_ids("<|endoftext|>")]
+    eos = [builder.close_turn_id, tok.convert_tokens_to_ids("<|endoftext|>")]
     engine = TransformersEngine(trainer.policy, tok, eos, tok.pad_token_id, builder.image_token_id)
     seq = builder.start([Message(Role.USER, [ImagePart(geometry_images[0], "a.png"), TextPart("Find x.")])])
     params = SamplingParams(max_new_tokens=16, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, seed=3)

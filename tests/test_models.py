@@ -120,7 +120,7 @@ def test_tiny_policy_is_seeded(qwen25_model, tiny_model_cfg):
 
 def _episode(builder, images):
     seq = builder.start([Message(Role.USER, [ImagePart(images[0]), TextPart("Find x.")])])
-    ids = builder.tokenizer.encode("x = 13, \\boxed{B}", add_special_tokens=False) + [builder.eos_token_id]
+    ids = builder.tokenizer.encode("x = 13, \\boxed{B}", add_special_tokens=False) + [builder.close_turn_id]
     builder.add_generation(seq, Generation(ids, [-0.5] * len(ids), StopReason.EOS, ""))
     builder.extend(seq, builder.render_messages(seq, [Message(Role.USER, [TextPart("Zoom:"), ImagePart(images[1])])]))
     return seq

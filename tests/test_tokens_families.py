@@ -67,7 +67,7 @@ def generation(builder: TemplateBuilder, conv: list[Message], content: str, stop
     text = full[len(prompt) : full.index(builder.close_turn_token, len(prompt))]
     ids = builder.tokenizer.encode(text, add_special_tokens=False)
     if stop == StopReason.EOS:
-        ids = ids + [builder.eos_token_id]
+        ids = ids + [builder.close_turn_id]
     return Generation(ids, [-0.01 * (i + 1) for i in range(len(ids))], stop, text)
 
 
@@ -181,7 +181,7 @@ def test_episode_against_full_render(family, variant, processors, small_images, 
     assert [(b.token_id, b.reason) for b in seq.boundary] == [(t, "template_after_assistant") for t in after] * 3
     assert all(seq.ids[b.position] == b.token_id and seq.loss_mask[b.position] == 0 for b in seq.boundary)
     for (start, end), turn in zip(seq.turn_spans, range(3)):
-        assert seq.ids[end - 1] == builder.eos_token_id and seq.ids[end : end + len(after)] == after
+        assert seq.ids[end - 1] == builder.close_turn_id and seq.ids[end : end + len(after)] == after
 
     full = builder.render_full(conv)
     check_vision(builder, seq, full)
@@ -275,7 +275,7 @@ def test_stop_without_close_token(family, stop, processors, small_images):
     builder = get_builder(family, processors(family))
     first, feedbacks = scenario(small_images[:2], "text")
     seq, conv, snapshots = run_episode(builder, first, feedbacks, stops=(stop, StopReason.EOS, stop))
-    eos = builder.eos_token_id
+    eos = builder.close_turn_id
     (s0, e0), _, (s2, e2) = seq.turn_spans
     assert seq.ids[e0 - 1] != eos and seq.ids[e0] == eos and seq.loss_mask[e0] == 0
     close = [b for b in seq.boundary if b.reason == f"close_turn_after_{stop.value}"]

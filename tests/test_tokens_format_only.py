@@ -91,7 +91,7 @@ def stop_id(builder, next_message: Message | None) -> int:
         and builder.family == "glm4v_moe"
     ):
         return builder.tokenizer.convert_tokens_to_ids("<|observation|>")
-    return builder.eos_token_id
+    return builder.close_turn_id
 
 
 def gen(builder, text: str, stop: int | None, reason: StopReason = StopReason.EOS) -> Generation:
@@ -191,7 +191,7 @@ def test_three_turn_episode_equals_full_render(family, variant, procs, geometry_
         assert seq.ids[s : e - 1] == tok.encode(reply_text(family, k), add_special_tokens=False)
     if family in GLM:
         # the model's stop tokens are the next openers (not repeated); the last one ends the sequence, not the render
-        assert seq.ids == full.ids + [builder.eos_token_id]
+        assert seq.ids == full.ids + [builder.close_turn_id]
         assert [(b.position, b.reason) for b in seq.boundary] == [
             (e - 1, "sampled_stop_is_role_opener") for _, e in seq.turn_spans
         ]
@@ -204,7 +204,7 @@ def test_three_turn_episode_equals_full_render(family, variant, procs, geometry_
             assert inserted == [(198, "template_after_assistant")] * 3
         else:  # Kimi-VL / DeepSeek-VL2: nothing follows the end-of-turn token
             assert inserted == []
-        assert all(seq.ids[e - 1] == builder.eos_token_id for _, e in seq.turn_spans)
+        assert all(seq.ids[e - 1] == builder.close_turn_id for _, e in seq.turn_spans)
 
 
 def test_special_tokens_at_real_ids(procs):
@@ -273,7 +273,7 @@ def test_special_tokens_at_real_ids(procs):
             assert tok.decode([tid]) == token
     # the ids each builder hands the engine
     ids = {
-        f: (b.image_token_id, b.eos_token_id, tuple(b.stop_token_ids))
+        f: (b.image_token_id, b.close_turn_id, tuple(b.stop_token_ids))
         for f in FAMILIES
         for b in [make_builder(procs, f)]
     }
@@ -294,7 +294,7 @@ def test_glm_thinking_rewrites_history(family, procs, geometry_images, small_ima
     first, feedbacks = episode([geometry_images[0], small_images[1]], "tool_image")
     seq, conv, snapshots = run_episode(builder, first, feedbacks, thinking=True)
     full = check_common(builder, seq, conv)
-    assert seq.ids != full.ids + [builder.eos_token_id]
+    assert seq.ids != full.ids + [builder.close_turn_id]
     # turns before the last user message lose their reasoning (GLM-4.1V sends the tool result as a user message)
     stripped_turns = [0, 1] if family == "glm4v" else [0]
     rebuilt = list(seq.ids)
@@ -304,11 +304,11 @@ def test_glm_thinking_rewrites_history(family, procs, geometry_images, small_ima
         text = reply_text(family, k, thinking=True)
         text = re.sub(r"<think>.*?</think>", "<think></think>" if family == "glm4v_moe" else "", text)
         rebuilt[s:e] = tok.encode(text, add_special_tokens=False) + [seq.ids[e - 1]]
-    assert rebuilt == full.ids + [builder.eos_token_id]
+    assert rebuilt == full.ids + [builder.close_turn_id]
     if family == "glm4v":  # the template itself keeps history: rendering it unstripped gives exactly what was seen
         for ids, msgs in snapshots:
             assert ids == builder.render_full(msgs, add_generation_prompt=True, keep_thinking=True).ids
-        assert seq.ids == builder.render_full(conv, keep_thinking=True).ids + [builder.eos_token_id]
+        assert seq.ids == builder.render_full(conv, keep_thinking=True).ids + [builder.close_turn_id]
 
 
 @pytest.mark.parametrize("family", ["kimi_vl", "mimo_vl"])
@@ -328,9 +328,9 @@ def test_glm_stop_string_and_length_bring_the_opener(procs, small_images):
     reasons = (StopReason.STOP_STRING, StopReason.LENGTH, StopReason.EOS)
     seq, conv, snapshots = run_episode(builder, first, feedbacks, reasons=reasons)
     full = check_common(builder, seq, conv)
-    assert seq.ids == full.ids + [builder.eos_token_id]
+    assert seq.ids == full.ids + [builder.close_turn_id]
     (s0, e0), (s1, e1), (_, e2) = seq.turn_spans
-    assert seq.ids[e0] == builder.eos_token_id and seq.loss_mask[e0] == 0  # `<|user|>` opener from the piece
+    assert seq.ids[e0] == builder.close_turn_id and seq.loss_mask[e0] == 0  # `<|user|>` opener from the piece
     assert seq.ids[e1] == builder.tokenizer.convert_tokens_to_ids("<|observation|>") and seq.loss_mask[e1] == 0
     assert [b.position for b in seq.boundary] == [e2 - 1]
     for ids, msgs in snapshots:
@@ -343,13 +343,13 @@ def test_glm_stop_token_that_is_not_the_next_opener(procs, small_images):
     first = [user(small_images[0], "Crop the diagram.")]
     seq = builder.start(first)
     call = "<tool_call>crop\n<arg_key>box</arg_key>\n<arg_value>[0, 0, 28, 28]</arg_value>\n</tool_call>"
-    builder.add_generation(seq, gen(builder, "\n" + call, builder.eos_token_id))  # `<|user|>`, not `<|observation|>`
+    builder.add_generation(seq, gen(builder, "\n" + call, builder.close_turn_id))  # `<|user|>`, not `<|observation|>`
     result = tool("crop result:", small_images[1])
     builder.extend(seq, builder.render_messages(seq, [result]))
     conv = first + [Message.text(Role.ASSISTANT, "\n" + call), result]
     full = builder.render_full(conv, add_generation_prompt=True)
     [b] = seq.boundary
-    assert (seq.ids[b.position], b.reason) == (builder.eos_token_id, "sampled_stop_is_role_opener")
+    assert (seq.ids[b.position], b.reason) == (builder.close_turn_id, "sampled_stop_is_role_opener")
     assert seq.ids[: b.position] + seq.ids[b.position + 1 :] == full.ids
     assert seq.ids[b.position + 1] == builder.tokenizer.convert_tokens_to_ids("<|observation|>")
 
@@ -377,7 +377,7 @@ def test_stop_without_eos_gets_end_of_turn_inserted(family, procs, small_images)
     assert seq.ids == check_common(builder, seq, conv).ids
     for ids, msgs in snapshots:
         assert ids == builder.render_full(msgs, add_generation_prompt=True).ids
-    eos = builder.eos_token_id
+    eos = builder.close_turn_id
     (_, e0), (_, e1), (_, e2) = seq.turn_spans
     closes = [(b.position, b.reason) for b in seq.boundary if b.token_id == eos]
     assert closes == [(e0, "close_turn_after_stop_string"), (e2, "close_turn_after_length")]

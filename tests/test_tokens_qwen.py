@@ -113,7 +113,7 @@ def test_three_turn_episode_equals_full_render(
     assert [id(im) for im in seq.images] == [id(im) for im in all_images]
     tok = builder.tokenizer
     for (start, end), reply in zip(seq.turn_spans, REPLIES):
-        assert seq.ids[start:end] == tok.encode(reply, add_special_tokens=False) + [builder.eos_token_id]
+        assert seq.ids[start:end] == tok.encode(reply, add_special_tokens=False) + [builder.close_turn_id]
         assert seq.ids[end] == 198  # the template's "\n" after <|im_end|>
     assert [(b.token_id, b.reason) for b in seq.boundary] == [(198, "template_after_assistant")] * 3
     assert all(seq.ids[b.position] == b.token_id and seq.loss_mask[b.position] == 0 for b in seq.boundary)
@@ -135,7 +135,7 @@ def test_stop_without_eos_gets_im_end_appended(stop, qwen25_processor, small_ima
     builder = get_builder("qwen2_5_vl", qwen25_processor)
     first, feedbacks = episode_messages(small_images, "feedback_image")
     seq, conv, snapshots = run_episode(builder, first, feedbacks, stops=(stop, StopReason.EOS, stop))
-    eos = builder.eos_token_id
+    eos = builder.close_turn_id
     (s0, e0), (s1, e1), (s2, e2) = seq.turn_spans
     assert seq.ids[e0 - 1] != eos and seq.ids[e0 : e0 + 2] == [eos, 198]
     assert seq.ids[e1 - 1] == eos and seq.ids[e1] == 198

@@ -61,7 +61,7 @@ def demo_trajectory(builder: TokenBuilder, conv: list[Message], demo_id: str) ->
         if pending:
             builder.extend(seq, builder.render_messages(seq, pending))
             pending = []
-        ids = builder.tokenizer.encode(msg.text_content, add_special_tokens=False) + [builder.eos_token_id]
+        ids = builder.tokenizer.encode(msg.text_content, add_special_tokens=False) + [builder.close_turn_id]
         builder.add_generation(seq, Generation(ids, [0.0] * len(ids), StopReason.EOS, msg.text_content))
     if pending:
         raise ValueError(f"demo {demo_id}: ends with a {pending[-1].role.value} message (nothing to learn after it)")

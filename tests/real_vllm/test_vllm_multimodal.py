@@ -165,7 +165,7 @@ def test_tool_image_response_is_sampled_through_vllm(setup):
     b = setup.builder
     seq = b.start([Message(Role.USER, [ImagePart(diagram("2401"), "2401.png"), TextPart("Crop it, then answer.")])])
     call = '<tool_call>\n{"name": "crop", "arguments": {"x0": 0, "y0": 0, "x1": 100, "y1": 100}}\n</tool_call>'
-    ids = b.tokenizer.encode(call, add_special_tokens=False) + [b.eos_token_id]
+    ids = b.tokenizer.encode(call, add_special_tokens=False) + [b.close_turn_id]
     b.add_generation(seq, Generation(ids, [0.0] * len(ids), StopReason.EOS, call))
     crop = diagram("2401").crop((0, 0, 100, 100))
     b.extend(seq, b.render_messages(seq, [Message(Role.TOOL, [ImagePart(crop, "crop.png")])]))

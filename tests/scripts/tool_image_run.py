@@ -75,7 +75,7 @@ def main(out: Path) -> None:
     ]
     runner = EpisodeRunner(
         builder,
-        Scripted(builder.tokenizer, builder.eos_token_id, replies),
+        Scripted(builder.tokenizer, builder.close_turn_id, replies),
         tooling.env_factory,
         EpisodeLimits(4, cfg.rollout.max_context_tokens, cfg.algorithm.turn_discount),
         SamplingParams(max_new_tokens=64),

@@ -4,7 +4,7 @@ For each scenario (scenarios the template cannot render at all, e.g. tool messag
 are reported as not applicable), the processor's full render (`TokenBuilder.render_full`, token ids) of every stage of
 the conversation — the prompt before each assistant turn (generation prompt on), the conversation ending with that
 turn, the whole conversation — must be a token prefix of the next stage's render. A render that ends with an assistant
-turn is compared up to its end-of-turn token (the builder's `eos_token_id`): what a template writes after it (Qwen's
+turn is compared up to its end-of-turn token (the builder's `close_turn_id`): what a template writes after it (Qwen's
 `\n`, LLaVA-NeXT's ` `) is separator text whose tokens may merge with the next message, a boundary rule of the builder.
 Each reply, rendered as the last message, must also contain the reply as the model wrote it (whitespace-insensitive),
 else the template rewrites what the model generated (e.g. it always drops `<think>` blocks) even if its renders extend
@@ -107,7 +107,7 @@ def check_scenario(builder, scenario: Scenario) -> ScenarioPrefix:
         return ScenarioPrefix(
             scenario.name, scenario.description, True, len(plan), error=f"{type(exc).__name__}: {exc}"
         )
-    eos = getattr(builder, "eos_token_id", None)
+    eos = getattr(builder, "close_turn_id", None)
     rendered = dict(zip(plan, renders))
     breaks = []
     for (a, ids_a), (b, ids_b) in zip(zip(plan, renders), zip(plan[1:], renders[1:])):

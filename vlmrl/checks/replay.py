@@ -242,7 +242,7 @@ def replay(builder, rec: Recorded) -> tuple[TokenSeq | None, list[Mismatch]]:
             )
         )
         return None, mismatches
-    eos = builder.eos_token_id
+    eos = builder.close_turn_id
     try:
         seq = builder.start(first)
         for i, ((_, after), (s, e)) in enumerate(zip(plan, rec.turn_spans)):

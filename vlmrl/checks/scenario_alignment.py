@@ -118,7 +118,7 @@ def _build(builder, msgs: list[Message], render_full, rewrites: bool) -> _Build:
     """Build `msgs` with `start`, `add_generation` (the ids the template renders for each reply) and
     `render_messages`."""
     first, plan = turns(msgs)
-    eos = builder.eos_token_id
+    eos = builder.close_turn_id
     seq = builder.start(first)
     out = _Build(seq)
     conv = list(first)

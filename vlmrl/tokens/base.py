@@ -108,7 +108,7 @@ class TokenBuilder(ABC):
     prefix_mode: PrefixMode = PrefixMode.EXTENDS
     control_strings: tuple[str, ...] = ()
     # --- boundary data ---
-    close_turn_token: str = ""  # ends an assistant turn: `eos_token_id`; generation stops on it and keeps it
+    close_turn_token: str = ""  # ends an assistant turn: `close_turn_id`; generation stops on it and keeps it
     stop_tokens: tuple[str, ...] = ()  # more tokens generation stops on (`stop_token_ids`)
     image_token: str = ""  # the image placeholder (`image_token_id`)
     after_assistant_ids: tuple[int, ...] = ()  # what the template writes after `close_turn_token`
@@ -179,8 +179,8 @@ class TokenBuilder(ABC):
         return int(tid)
 
     def _lookup_stop_ids(self) -> tuple[int, ...]:
-        """`eos_token_id`, then the ids of `stop_tokens` (tokens the tokenizer lacks are left out; no repeats)."""
-        ids = [self.eos_token_id]
+        """`close_turn_id`, then the ids of `stop_tokens` (tokens the tokenizer lacks are left out; no repeats)."""
+        ids = [self.close_turn_id]
         for token in self.stop_tokens:
             tid = self.tokenizer.convert_tokens_to_ids(token)
             if isinstance(tid, int) and tid >= 0 and tid != self.tokenizer.unk_token_id and tid not in ids:
@@ -193,13 +193,13 @@ class TokenBuilder(ABC):
         return self._image_id
 
     @property
-    def eos_token_id(self) -> int:
+    def close_turn_id(self) -> int:
         """The id of `close_turn_token`, the token that ends an assistant turn."""
         return self._eos_id
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
-        """Ids that end an assistant turn when sampled (the engine stops on any of them): `eos_token_id` and the
+        """Ids that end an assistant turn when sampled (the engine stops on any of them): `close_turn_id` and the
         family's other `stop_tokens`."""
         return self._stop_ids
 
@@ -266,8 +266,8 @@ class TokenBuilder(ABC):
     def _close_turn(self, seq: TokenSeq, gen: Generation) -> None:
         """After the sampled ids: `close_turn_token` if they do not end with it, then the inserted
         `after_assistant_ids` (mask 0, recorded)."""
-        if not gen.token_ids or gen.token_ids[-1] != self.eos_token_id:
-            self._insert(seq, self.eos_token_id, f"close_turn_after_{gen.stop_reason.value}")
+        if not gen.token_ids or gen.token_ids[-1] != self.close_turn_id:
+            self._insert(seq, self.close_turn_id, f"close_turn_after_{gen.stop_reason.value}")
         if self.after_assistant_inserted:
             for tid in self.after_assistant_ids:
                 self._insert(seq, tid, "template_after_assistant")
@@ -280,7 +280,7 @@ class TokenBuilder(ABC):
 
     def _closed_ids(self) -> list[int]:
         """The ids a closed assistant turn ends with (`_close_turn`'s)."""
-        return [self.eos_token_id, *(self.after_assistant_ids if self.after_assistant_inserted else ())]
+        return [self.close_turn_id, *(self.after_assistant_ids if self.after_assistant_inserted else ())]
 
     def _check_turn_closed(self, seq: TokenSeq) -> None:
         """Raises ValueError unless `seq` ends with a closed assistant turn."""

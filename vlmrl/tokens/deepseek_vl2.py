@@ -210,7 +210,7 @@ class DeepseekVL2Builder(TokenBuilder):
         tokens, or an EOS that is not the processor's `eos_id`."""
         super().__init__(processor, family)
         self.cropping = cropping
-        if self.eos_token_id != processor.eos_id:
+        if self.close_turn_id != processor.eos_id:
             raise ValueError(f"deepseek_vl2: {self.close_turn_token!r} is not the tokenizer's EOS")
         self._warned = False
 

@@ -60,7 +60,7 @@ class Glm4vBuilder(TemplateBuilder):
     families: tuple[str, ...] = ("glm4v", "glm4v_moe")
     prefix_mode = PrefixMode.REWRITES_HISTORY
     # --- boundary data ---
-    # `<|user|>` is the usual end of a reply (`eos_token_id`), but the template does not write it after the message:
+    # `<|user|>` is the usual end of a reply (`close_turn_id`), but the template does not write it after the message:
     # it is the next message's opener, as are the other stop tokens
     close_turn_token = "<|user|>"
     stop_tokens: tuple[str, ...] = ("<|observation|>", "<|endoftext|>")
