@@ -98,7 +98,7 @@ class Setup:
 
 def make_bench_engine(name: str, model, processor, builder) -> Engine:
     """The transformers engine over `model`, or colocated vLLM with `model`'s weights (fp32, eager, 0.5 GiB KV)."""
-    policy = lambda: contextlib.nullcontext(model)  # noqa: E731
+    policy = lambda: contextlib.nullcontext(model)
     if name == "transformers":
         return make_engine(SimpleNamespace(engine="transformers"), policy, processor, builder)
     cfg = RolloutConfig(engine="vllm", max_context_tokens=4096, vllm=VLLMConfig(kv_cache_gb=0.5))

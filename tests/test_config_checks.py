@@ -187,7 +187,8 @@ def _garbage_model_folder(root: Path) -> Path:
 
 
 def test_garbage_model_folder_is_one_line(tmp_path):
-    from vlmrl.modeling.loading import ModelLoadError, load_policy
+    from vlmrl.modeling.loading import load_policy
+    from vlmrl.modeling.sources import ModelLoadError
 
     folder = _garbage_model_folder(tmp_path)
     t0 = time.perf_counter()

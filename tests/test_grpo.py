@@ -79,8 +79,18 @@ def test_micro_batches_add_up_to_the_full_batch():
     full, full_stats = grpo_loss(logprobs, old, adv, mask, ref_logprobs=ref, **kw)
     (full_grad,) = torch.autograd.grad(full, logprobs)
     n = mask.sum()
-    parts = [grpo_loss(logprobs[i : i + 1], old[i : i + 1], adv[i : i + 1], mask[i : i + 1],
-                       ref_logprobs=ref[i : i + 1], num_tokens=n, **kw) for i in range(4)]  # fmt: skip
+    parts = [
+        grpo_loss(
+            logprobs[i : i + 1],
+            old[i : i + 1],
+            adv[i : i + 1],
+            mask[i : i + 1],
+            ref_logprobs=ref[i : i + 1],
+            num_tokens=n,
+            **kw,
+        )
+        for i in range(4)
+    ]
     total = sum(p[0] for p in parts)
     (acc_grad,) = torch.autograd.grad(total, logprobs)
     assert total.item() == pytest.approx(full.item(), abs=1e-12)

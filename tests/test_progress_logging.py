@@ -120,7 +120,7 @@ def test_wandb_resumes_the_run_id_and_logs_a_samples_table(tmp_path, monkeypatch
     assert fake.inits[2]["id"] != run_id and fake.finished == 3  # a fresh run gets a new one
 
 
-def test_generate_accepts_one_sample_per_problem(tmp_path, letter_engine):  # noqa: F811
+def test_generate_accepts_one_sample_per_problem(tmp_path, letter_engine):  # noqa: F811 - the imported fixture, by name
     from conftest import GEOMETRY3K
 
     from vlmrl import config as config_mod

@@ -64,11 +64,20 @@ def test_logprobs_match_generate(qwen25_model):
     ids = prompt.input_ids[None]
     torch.manual_seed(0)
     out = model.generate(
-        input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=prompt.vision.pixel_values,
-        image_grid_thw=prompt.vision.image_grid_thw, mm_token_type_ids=prompt.mm_token_type_ids[None],
-        do_sample=True, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=12, min_new_tokens=12,
-        output_logits=True, return_dict_in_generate=True,
-    )  # fmt: skip
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        pixel_values=prompt.vision.pixel_values,
+        image_grid_thw=prompt.vision.image_grid_thw,
+        mm_token_type_ids=prompt.mm_token_type_ids[None],
+        do_sample=True,
+        temperature=temperature,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=12,
+        min_new_tokens=12,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
     seq, n = out.sequences[0], ids.shape[1]
     steps = zip(out.logits, seq[n:])
     expected = torch.stack([torch.log_softmax(logits[0].float() / temperature, -1)[t] for logits, t in steps])
@@ -88,8 +97,11 @@ def test_logprobs_match_generate(qwen25_model):
 
 def test_batched_logprobs_keep_each_samples_images(qwen25_model):
     """A padded batch of samples with different image counts/grids gives each sample's own logprobs (trl #6274)."""
-    samples = [image_sample(1, ((1, 4, 6),), n_gen=9), image_sample(2, ((1, 4, 4), (1, 6, 4)), n_gen=3),
-               image_sample(3, ((1, 4, 4),), n_gen=5)]  # fmt: skip
+    samples = [
+        image_sample(1, ((1, 4, 6),), n_gen=9),
+        image_sample(2, ((1, 4, 4), (1, 6, 4)), n_gen=3),
+        image_sample(3, ((1, 4, 4),), n_gen=5),
+    ]
     batch = collate(samples)
     assert batch["pixel_values"].shape[0] == 24 + 16 + 24 + 16 and batch["image_grid_thw"].shape == (4, 3)
     with torch.no_grad():
@@ -111,21 +123,32 @@ def test_micro_batches_accumulate_exactly_and_reach_the_vision_tower(fresh_model
     from deepspeed.utils import safe_get_full_grad
 
     reference = copy.deepcopy(fresh_model)
-    samples = [image_sample(10 + i, ((1, 4, 4),) * (1 + i % 2), n_gen=3 + 2 * i, advantage=a)
-               for i, a in enumerate([1.2, -0.7, 0.4, -0.9])]  # fmt: skip
+    samples = [
+        image_sample(10 + i, ((1, 4, 4),) * (1 + i % 2), n_gen=3 + 2 * i, advantage=a)
+        for i, a in enumerate([1.2, -0.7, 0.4, -0.9])
+    ]
     samples = with_old_logprobs(reference, samples, noise=0.3)
     batch = collate(samples)
-    loss, _ = grpo_loss(batch_logprobs(reference, batch, 1.0), batch["old_logprobs"],
-                        torch.tensor([s.advantage for s in samples]), batch["loss_mask"], 0.2, 0.28)  # fmt: skip
+    loss, _ = grpo_loss(
+        batch_logprobs(reference, batch, 1.0),
+        batch["old_logprobs"],
+        torch.tensor([s.advantage for s in samples]),
+        batch["loss_mask"],
+        0.2,
+        0.28,
+    )
     loss.backward()
     trainer = _trainer(fresh_model, micro_batch_size=1, clip_eps_high=0.28)
     local, num_tokens, num_samples = trainer.accumulate_gradients(samples)
     assert num_tokens == int(sum(s.loss_mask.sum() for s in samples)) and num_samples == 4
     assert local[0].item() == pytest.approx(loss.item(), abs=1e-6)
     assert local[1].item() > 0  # [loss, clip_frac, ...]: some tokens are clipped, so clipping is covered too
-    names = ["model.visual.patch_embed.proj.weight", "model.visual.blocks.1.mlp.down_proj.weight",
-             "model.language_model.layers.0.self_attn.q_proj.weight",
-             "model.language_model.embed_tokens.weight"]  # tied to lm_head  # fmt: skip
+    names = [
+        "model.visual.patch_embed.proj.weight",
+        "model.visual.blocks.1.mlp.down_proj.weight",
+        "model.language_model.layers.0.self_attn.q_proj.weight",
+        "model.language_model.embed_tokens.weight",
+    ]  # tied to lm_head
     for name in names:
         param = dict(trainer.module.named_parameters())[name]
         ds_grad, ref_grad = safe_get_full_grad(param), dict(reference.named_parameters())[name].grad
@@ -137,8 +160,11 @@ def test_micro_batches_accumulate_exactly_and_reach_the_vision_tower(fresh_model
 
 def test_zero2_step_moves_loss_and_updates_language_and_vision(fresh_model):
     trainer = _trainer(fresh_model, zero_stage=2, micro_batch_size=2)
-    samples = with_old_logprobs(fresh_model, [image_sample(20 + i, n_gen=5, advantage=a)
-                                              for i, a in enumerate([1.0, -1.0, 0.5, -0.5])], noise=0.0)  # fmt: skip
+    samples = with_old_logprobs(
+        fresh_model,
+        [image_sample(20 + i, n_gen=5, advantage=a) for i, a in enumerate([1.0, -1.0, 0.5, -0.5])],
+        noise=0.0,
+    )
     before = {k: v.clone() for k, v in trainer.full_state_dict().items()}
     first = trainer.train_step(samples)
     second = trainer.train_step(samples)
@@ -172,9 +198,15 @@ def test_zero3_step_kl_policy_and_checkpoint_roundtrip(fresh_model, tmp_path):
     prompt = image_sample(0, n_gen=0)
     with trainer.policy() as policy:
         ids = prompt.input_ids[None]
-        out = policy.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=True,
-                              pixel_values=prompt.vision.pixel_values, image_grid_thw=prompt.vision.image_grid_thw,
-                              mm_token_type_ids=prompt.mm_token_type_ids[None])  # fmt: skip
+        out = policy.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=4,
+            do_sample=True,
+            pixel_values=prompt.vision.pixel_values,
+            image_grid_thw=prompt.vision.image_grid_thw,
+            mm_token_type_ids=prompt.mm_token_type_ids[None],
+        )
     assert out.shape[1] > ids.shape[1]
     saved = trainer.full_state_dict()
     trainer.save_checkpoint(tmp_path / "ckpt")
@@ -198,24 +230,43 @@ def test_grpo_learns_a_toy_reward():
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, eos_token_id=None, pad_token_id=0,
-                         bos_token_id=None, tie_word_embeddings=False)  # fmt: skip
+    config = Qwen2Config(
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        eos_token_id=None,
+        pad_token_id=0,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
     model = AutoModelForCausalLM.from_config(config)
     trainer = _trainer(model, zero_stage=2, micro_batch_size=8, lr=1e-2, max_grad_norm=1.0)
     prompt, rewards = torch.tensor([[1, 2, 3, 4]]), []
     for _ in range(20):
         with trainer.policy() as policy, torch.no_grad():
-            out = policy.generate(prompt.repeat(8, 1), attention_mask=torch.ones(8, 4, dtype=torch.long),
-                                  do_sample=True, top_k=0, top_p=1.0, max_new_tokens=8, min_new_tokens=8,
-                                  output_logits=True, return_dict_in_generate=True)  # fmt: skip
+            out = policy.generate(
+                prompt.repeat(8, 1),
+                attention_mask=torch.ones(8, 4, dtype=torch.long),
+                do_sample=True,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=8,
+                min_new_tokens=8,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
         gen = out.sequences[:, 4:]
         logprobs = torch.stack(out.logits, 1).float().log_softmax(-1).gather(2, gen[..., None]).squeeze(-1)
         reward = (gen < 8).float().mean(1)
         adv = (reward - reward.mean()) / (reward.std() + 1e-6)
         mask = torch.cat([torch.zeros(4), torch.ones(8)])
-        samples = [Sample(seq, mask, torch.cat([torch.zeros(4), lp]), float(a), None, torch.zeros(12, dtype=torch.long))
-                   for seq, lp, a in zip(out.sequences, logprobs, adv)]  # fmt: skip
+        samples = [
+            Sample(seq, mask, torch.cat([torch.zeros(4), lp]), float(a), None, torch.zeros(12, dtype=torch.long))
+            for seq, lp, a in zip(out.sequences, logprobs, adv)
+        ]
         stats = trainer.train_step(samples)
         assert abs(stats.policy_kl) < 1e-5  # the trainer recomputes the sampler's logprobs
         rewards.append(reward.mean().item())

@@ -16,10 +16,24 @@ SCRIPT = ROOT / "tests" / "scripts" / "two_rank_step.py"
 
 
 def test_two_ranks_take_identical_exact_steps():
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "OMP_NUM_THREADS": "1"}  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT),
-           "--stages", "2", "3"]  # fmt: skip
+    env = {
+        **os.environ,
+        "DS_ACCELERATOR": "cpu",
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "OMP_NUM_THREADS": "1",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(SCRIPT),
+        "--stages",
+        "2",
+        "3",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
@@ -31,11 +45,26 @@ def test_two_ranks_take_identical_exact_steps():
 def test_two_ranks_stay_exact_with_loss_aggregation_and_rollout_correction():
     """seq-mean-token-mean and TIS + MIS (noisy rollout logprobs: tokens capped, a sequence masked): the two-rank
     step's gradient equals the plain-torch full-batch one (vlmrl.train.loss_agg / rollout_correction)."""
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "OMP_NUM_THREADS": "1"}  # fmt: skip
+    env = {
+        **os.environ,
+        "DS_ACCELERATOR": "cpu",
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "OMP_NUM_THREADS": "1",
+    }
     options = '{"loss_agg": "seq-mean-token-mean", "rollout_correction": "tis+mis", "tis_cap": 1.2, "mis_high": 1.1}'
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT),
-           "--stages", "2", "--options", options]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(SCRIPT),
+        "--stages",
+        "2",
+        "--options",
+        options,
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]

@@ -28,9 +28,18 @@ def _text_model(seed: int = 0):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, eos_token_id=None, pad_token_id=0,
-                         bos_token_id=None, tie_word_embeddings=False)  # fmt: skip
+    config = Qwen2Config(
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        eos_token_id=None,
+        pad_token_id=0,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
     return AutoModelForCausalLM.from_config(config)
 
 
@@ -95,8 +104,9 @@ def test_lr_scheduler_state_is_checkpointed_and_restored(tmp_path):
 
 
 def test_gradient_checkpointing_recomputes_and_gives_the_same_gradients(qwen25_model):
-    samples = with_old_logprobs(qwen25_model, [image_sample(50 + i, n_gen=4, advantage=a)
-                                               for i, a in enumerate([1.0, -0.5])], noise=0.2)  # fmt: skip
+    samples = with_old_logprobs(
+        qwen25_model, [image_sample(50 + i, n_gen=4, advantage=a) for i, a in enumerate([1.0, -0.5])], noise=0.2
+    )
     results = []
     for ckpt in (False, True):
         model = copy.deepcopy(qwen25_model).train()
@@ -142,8 +152,9 @@ def test_frozen_parts_are_unchanged_after_a_step(qwen25_model, vision, projector
         SimpleNamespace(freeze_vision_tower=vision, freeze_projector=projector, lora=None),
     )
     trainer = _trainer(model, zero_stage=2, micro_batch_size=2)
-    samples = with_old_logprobs(qwen25_model, [image_sample(60 + i, n_gen=4, advantage=a)
-                                               for i, a in enumerate([1.0, -1.0])], noise=0.2)  # fmt: skip
+    samples = with_old_logprobs(
+        qwen25_model, [image_sample(60 + i, n_gen=4, advantage=a) for i, a in enumerate([1.0, -1.0])], noise=0.2
+    )
     before = _weights(trainer)
     trainer.train_step(samples)
     after = _weights(trainer)
@@ -198,8 +209,9 @@ def test_lora_trains_only_adapters_and_exports_merged_weights(qwen25_model, tmp_
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
     assert len(trainable) == 2 * 2 * qwen25_model.config.text_config.num_hidden_layers  # q, v x A, B x layers
     trainer = _trainer(model, zero_stage=2, micro_batch_size=2, lr=1e-2)
-    samples = with_old_logprobs(qwen25_model, [image_sample(70 + i, n_gen=4, advantage=a)
-                                               for i, a in enumerate([1.0, -1.0])], noise=0.2)  # fmt: skip
+    samples = with_old_logprobs(
+        qwen25_model, [image_sample(70 + i, n_gen=4, advantage=a) for i, a in enumerate([1.0, -1.0])], noise=0.2
+    )
     before = {n: p.detach().clone() for n, p in trainer.module.named_parameters()}
     trainer.train_step(samples)
     trainer.train_step(samples)  # B starts at zero: after two steps both A and B have moved

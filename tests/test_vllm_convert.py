@@ -288,7 +288,7 @@ def test_nested_vllm_config_reaches_the_engine_as_it_is(monkeypatch):
 
 def test_make_engine_without_vllm_is_a_clear_error():
     try:
-        import vllm  # noqa: F401
+        import vllm  # noqa: F401 - only whether it imports
     except ImportError:
         pass
     else:

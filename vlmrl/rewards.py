@@ -134,7 +134,7 @@ def math_equal(pred: str, gold: str) -> bool | None:
             alt = _math_parse(stripped)
             return bool(alt is not None and verify(gold_p, alt, timeout_seconds=timeout))
         return False
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - math-verify/sympy errors on model output grade as wrong
         return False
 
 

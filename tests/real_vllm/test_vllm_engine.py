@@ -27,20 +27,20 @@ import torch
 pytest.importorskip("vllm")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-from served import vllm_server  # noqa: E402 - tests/real_vllm/served.py
+from served import vllm_server  # tests/real_vllm/served.py
 
-from vlmrl.config import ExportStyle, RolloutConfig, VLLMConfig  # noqa: E402
-from vlmrl.envs.base import Environment, StepResult  # noqa: E402
-from vlmrl.export import to_samples  # noqa: E402
-from vlmrl.modeling.families import chat_template  # noqa: E402
-from vlmrl.modeling.qwen_bpe import qwen_tokenizer  # noqa: E402
-from vlmrl.rollout import make_engine  # noqa: E402
-from vlmrl.rollout.engine import SamplingParams  # noqa: E402
-from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner  # noqa: E402
-from vlmrl.rollout.vllm_engine import METRIC, VLLMEngine  # noqa: E402
-from vlmrl.tokens.qwen_vl import QwenVLBuilder  # noqa: E402
-from vlmrl.train.logprobs import sequence_logprobs  # noqa: E402
-from vlmrl.types import EnginePrompt, Message, ParseStatus, Role, StopReason, Task  # noqa: E402
+from vlmrl.config import ExportStyle, RolloutConfig, VLLMConfig
+from vlmrl.envs.base import Environment, StepResult
+from vlmrl.export import to_samples
+from vlmrl.modeling.families import chat_template
+from vlmrl.modeling.qwen_bpe import qwen_tokenizer
+from vlmrl.rollout import make_engine
+from vlmrl.rollout.engine import SamplingParams
+from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner
+from vlmrl.rollout.vllm_engine import METRIC, VLLMEngine
+from vlmrl.tokens.qwen_vl import QwenVLBuilder
+from vlmrl.train.logprobs import sequence_logprobs
+from vlmrl.types import EnginePrompt, Message, ParseStatus, Role, StopReason, Task
 
 EOS = 151645  # <|im_end|>
 TEMPERATURE = 0.8
@@ -233,7 +233,7 @@ def test_colocated_episode_loop_zero3_sync(processor, builder):
 
 def test_tied_embeddings_stale_head_is_detected(processor, builder):
     model = tiny_qwen2(tied=True).eval()
-    policy = lambda: contextlib.nullcontext(model)  # noqa: E731
+    policy = lambda: contextlib.nullcontext(model)
     engine = make_engine(rollout_cfg(), policy, processor, builder)
     try:
         assert engine.last_sync_metrics[METRIC] < TOL
@@ -269,7 +269,7 @@ def served_model(tmp_path_factory, processor):
 
 def test_server_mode_generate_and_sync(served_model, processor, builder):
     url, model, directory = served_model
-    policy = lambda: contextlib.nullcontext(model)  # noqa: E731
+    policy = lambda: contextlib.nullcontext(model)
     cfg = rollout_cfg(mode="server", url=url, sync_dir=str(directory / "sync"))
     engine = make_engine(cfg, policy, processor, builder)
     assert engine.served_model == "policy"

@@ -34,21 +34,21 @@ import torch
 pytest.importorskip("vllm")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-from PIL import Image  # noqa: E402 - after the importorskip: this module only runs in the vLLM venv
-from served import vllm_server  # noqa: E402 - tests/real_vllm/served.py
-from tiny_head32 import tiny_qwen25_vl_head32  # noqa: E402 - tests/real_vllm/tiny_head32.py
+from PIL import Image  # after the importorskip: this module only runs in the vLLM venv
+from served import vllm_server  # tests/real_vllm/served.py
+from tiny_head32 import tiny_qwen25_vl_head32  # tests/real_vllm/tiny_head32.py
 
-from vlmrl.config import ExportStyle, RolloutConfig, VLLMConfig  # noqa: E402
-from vlmrl.envs.base import Environment, StepResult  # noqa: E402
-from vlmrl.export import to_samples  # noqa: E402
-from vlmrl.modeling.loading import load_processor  # noqa: E402
-from vlmrl.rollout import make_engine  # noqa: E402
-from vlmrl.rollout.engine import SamplingParams  # noqa: E402
-from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner  # noqa: E402
-from vlmrl.rollout.vllm_engine import METRIC  # noqa: E402
-from vlmrl.tokens.qwen_vl import QwenVLBuilder  # noqa: E402
-from vlmrl.train.logprobs import collate, sequence_logprobs  # noqa: E402
-from vlmrl.types import (  # noqa: E402
+from vlmrl.config import ExportStyle, RolloutConfig, VLLMConfig
+from vlmrl.envs.base import Environment, StepResult
+from vlmrl.export import to_samples
+from vlmrl.modeling.loading import load_processor
+from vlmrl.rollout import make_engine
+from vlmrl.rollout.engine import SamplingParams
+from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner
+from vlmrl.rollout.vllm_engine import METRIC
+from vlmrl.tokens.qwen_vl import QwenVLBuilder
+from vlmrl.train.logprobs import collate, sequence_logprobs
+from vlmrl.types import (
     EnginePrompt,
     Generation,
     ImagePart,

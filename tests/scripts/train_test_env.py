@@ -5,7 +5,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vlmrl.cli import main  # noqa: E402
+from vlmrl.cli import main
 
 if __name__ == "__main__":
     main()

@@ -22,17 +22,20 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for the sample helpers
-from test_trainer import image_sample, with_old_logprobs  # noqa: E402
+from test_trainer import image_sample, with_old_logprobs
 
-from vlmrl.modeling.loading import load_policy  # noqa: E402
-from vlmrl.train.grpo import grpo_loss  # noqa: E402
-from vlmrl.train.logprobs import batch_logprobs, collate  # noqa: E402
-from vlmrl.train.loss_agg import token_weights  # noqa: E402
-from vlmrl.train.rollout_correction import correction_weights  # noqa: E402
-from vlmrl.train.trainer import GRPOTrainer, TrainerSettings  # noqa: E402
+from vlmrl.modeling.loading import load_policy
+from vlmrl.train.grpo import grpo_loss
+from vlmrl.train.logprobs import batch_logprobs, collate
+from vlmrl.train.loss_agg import token_weights
+from vlmrl.train.rollout_correction import correction_weights
+from vlmrl.train.trainer import GRPOTrainer, TrainerSettings
 
-CHECKED = ["model.visual.patch_embed.proj.weight", "model.language_model.layers.1.mlp.up_proj.weight",
-           "model.language_model.embed_tokens.weight"]  # fmt: skip
+CHECKED = [
+    "model.visual.patch_embed.proj.weight",
+    "model.language_model.layers.1.mlp.up_proj.weight",
+    "model.language_model.embed_tokens.weight",
+]
 
 
 def reference_grads(model: torch.nn.Module, samples, options: dict | None = None) -> dict[str, torch.Tensor]:
@@ -98,14 +101,23 @@ def run_stage(stage: int, options: dict) -> None:
     prompt = image_sample(0, n_gen=0)
     ids = prompt.input_ids[None]
     with trainer.policy() as policy, torch.no_grad():
-        policy.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                        max_new_tokens=3 + 4 * trainer.rank, min_new_tokens=3 + 4 * trainer.rank,
-                        pixel_values=prompt.vision.pixel_values, image_grid_thw=prompt.vision.image_grid_thw,
-                        mm_token_type_ids=prompt.mm_token_type_ids[None])  # fmt: skip
+        policy.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=True,
+            max_new_tokens=3 + 4 * trainer.rank,
+            min_new_tokens=3 + 4 * trainer.rank,
+            pixel_values=prompt.vision.pixel_values,
+            image_grid_thw=prompt.vision.image_grid_thw,
+            mm_token_type_ids=prompt.mm_token_type_ids[None],
+        )
     stats = trainer.train_step(mine)  # training resumes correctly after the policy block (ZeRO-3 hooks back)
     digests = trainer.gather(params_digest(trainer))
-    print(f"rank {trainer.rank} stage {stage} step {trainer.step} loss {stats.loss:.6f} tokens {stats.num_tokens} "
-          f"digests {digests}", flush=True)  # fmt: skip
+    print(
+        f"rank {trainer.rank} stage {stage} step {trainer.step} loss {stats.loss:.6f} tokens {stats.num_tokens} "
+        f"digests {digests}",
+        flush=True,
+    )
     assert trainer.step == 3 and len(set(digests)) == 1, digests
     print(f"OK rank {trainer.rank} stage {stage}", flush=True)
 

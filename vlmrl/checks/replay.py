@@ -256,7 +256,7 @@ def replay(builder, rec: Recorded) -> tuple[TokenSeq | None, list[Mismatch]]:
             builder.add_generation(seq, Generation(ids, rec.logprobs[s:e], stop, ""))
             if after:
                 builder.extend(seq, builder.render_messages(seq, after))
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - the builder failing on a record is a reported mismatch
         mismatches.append(
             Mismatch("replay", -1, FAIL, "the builder re-renders the messages", f"{type(exc).__name__}: {exc}")
         )

@@ -136,7 +136,7 @@ def _run_builder(cfg, processor):
         tools = tool_setup(cfg, processor, make_env_factory(cfg.env)).schemas or None
     except ImportError:
         pass
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - user tool code failing to import is a note
         notes.append(f"tool schemas not rebuilt ({type(exc).__name__}: {exc}); prompts with tools may differ")
     return make_builder(cfg.model.family, processor, tools), notes
 

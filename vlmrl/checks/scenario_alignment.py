@@ -85,7 +85,7 @@ def _vision_checks(
             if a is None and b is None or not isinstance(a if a is not None else b, torch.Tensor):
                 continue
             if a is None or b is None or a.shape != b.shape or not torch.equal(a, b):
-                shape = lambda t: "none" if t is None else f"shape {tuple(t.shape)}"  # noqa: E731
+                shape = lambda t: "none" if t is None else f"shape {tuple(t.shape)}"
                 detail = (
                     ""
                     if a is None or b is None or a.shape != b.shape

@@ -22,17 +22,17 @@ from typing import Any, cast
 os.environ.setdefault("SDL_VIDEODRIVER", "dummy")  # pygame renders off-screen; no display or audio needed
 os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
 
-import gymnasium as gym  # noqa: E402
-from gymnasium.envs.toy_text.frozen_lake import generate_random_map  # noqa: E402
-from PIL import Image  # noqa: E402
+import gymnasium as gym
+from gymnasium.envs.toy_text.frozen_lake import generate_random_map
+from PIL import Image
 
 from vlmrl.config import (
     DataConfig,
-    EnvConfig,  # noqa: E402
+    EnvConfig,
 )
-from vlmrl.envs.base import Environment, StepResult  # noqa: E402
-from vlmrl.rewards import extract_boxed  # noqa: E402
-from vlmrl.types import ImagePart, Message, ParseStatus, Role, Task, TextPart  # noqa: E402
+from vlmrl.envs.base import Environment, StepResult
+from vlmrl.rewards import extract_boxed
+from vlmrl.types import ImagePart, Message, ParseStatus, Role, Task, TextPart
 
 ACTIONS = {"left": 0, "down": 1, "right": 2, "up": 3}
 MOVE_NAMES = {v: k for k, v in ACTIONS.items()}

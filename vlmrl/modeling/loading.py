@@ -15,7 +15,7 @@ import torch
 from vlmrl.families import InputStyle, get_family
 from vlmrl.modeling.cache import cache_dir
 from vlmrl.modeling.families import _ASSETS, FAMILIES, _check_family, chat_template
-from vlmrl.modeling.sources import ModelLoadError, _check_hub, _check_path, _check_weight_files, model_load_errors  # noqa: F401
+from vlmrl.modeling.sources import _check_hub, _check_path, _check_weight_files, model_load_errors
 from vlmrl.modeling.tokenizer_fetch import family_tokenizer_json
 
 

@@ -91,11 +91,21 @@ def sampling_kwargs(params: SamplingParams, n: int, stop_token_ids: Sequence[int
     """Keyword arguments of `vllm.SamplingParams` for one prompt: n samples, the sampled token's logprob
     (`logprobs=0`), no top-k/min-p/penalties (our logprobs are of logits / temperature only), our stop ids."""
     return {
-        "n": n, "temperature": params.temperature, "top_p": params.top_p, "top_k": 0, "min_p": 0.0,
-        "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-        "max_tokens": params.max_new_tokens, "stop": list(params.stop) or None,
-        "stop_token_ids": list(stop_token_ids), "seed": seed, "logprobs": 0, "include_stop_str_in_output": True,
-    }  # fmt: skip
+        "n": n,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": 0,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "max_tokens": params.max_new_tokens,
+        "stop": list(params.stop) or None,
+        "stop_token_ids": list(stop_token_ids),
+        "seed": seed,
+        "logprobs": 0,
+        "include_stop_str_in_output": True,
+    }
 
 
 def image_data_url(image: Any) -> str:

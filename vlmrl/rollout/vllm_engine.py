@@ -100,13 +100,28 @@ if TYPE_CHECKING:
 log = logging.getLogger("vlmrl.rollout.vllm")
 
 __all__ = [  # the engine, and the names that moved to vllm_convert/vllm_weights (re-exported)
-    "METRIC", "VLLMEngine", "choose_logprobs_mode", "collapse_image_placeholders",
-    "generate_body", "full_state_items", "generation_from_generate_choice", "generation_from_vllm",
-    "image_data_url", "image_token_counts",
-    "logprobs_exact", "max_abs_delta", "prompt_logprobs_list", "sampled_logprobs", "sampling_kwargs",
-    "to_stop_reason", "to_vllm_prompt", "write_weights",
-    "_finish", "_logprob_value", "_world",
-]  # fmt: skip
+    "METRIC",
+    "VLLMEngine",
+    "choose_logprobs_mode",
+    "collapse_image_placeholders",
+    "generate_body",
+    "full_state_items",
+    "generation_from_generate_choice",
+    "generation_from_vllm",
+    "image_data_url",
+    "image_token_counts",
+    "logprobs_exact",
+    "max_abs_delta",
+    "prompt_logprobs_list",
+    "sampled_logprobs",
+    "sampling_kwargs",
+    "to_stop_reason",
+    "to_vllm_prompt",
+    "write_weights",
+    "_finish",
+    "_logprob_value",
+    "_world",
+]
 
 METRIC = "vllm_sync_max_abs_dlogprob"
 _PROBE_TEXT = (
@@ -291,10 +306,17 @@ class VLLMEngine(Engine):
             dtype = _vllm_dtype(module)
         self.processor.save_pretrained(self._model_dir.name)
         kwargs: dict[str, Any] = dict(
-            model=self._model_dir.name, load_format="safetensors", dtype=dtype, max_model_len=self.max_model_len,
-            tensor_parallel_size=s.tensor_parallel_size, gpu_memory_utilization=s.gpu_memory_utilization,
-            logprobs_mode=self.logprobs_mode, generation_config="vllm", seed=s.seed, enable_sleep_mode=False,
-        )  # fmt: skip
+            model=self._model_dir.name,
+            load_format="safetensors",
+            dtype=dtype,
+            max_model_len=self.max_model_len,
+            tensor_parallel_size=s.tensor_parallel_size,
+            gpu_memory_utilization=s.gpu_memory_utilization,
+            logprobs_mode=self.logprobs_mode,
+            generation_config="vllm",
+            seed=s.seed,
+            enable_sleep_mode=False,
+        )
         kv_gb = s.kv_cache_gb if s.kv_cache_gb is not None else (None if torch.cuda.is_available() else 1.0)
         if kv_gb is not None:
             kwargs["kv_cache_memory_bytes"] = int(kv_gb * (1 << 30))

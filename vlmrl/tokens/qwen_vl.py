@@ -139,7 +139,7 @@ class QwenVLBuilder(TemplateBuilder):
         """`text -> ids` through the `tokenizers` backend when it gives the HF tokenizer's ids (checked on a probe),
         else the HF tokenizer call (whose per-call argument handling costs as much as encoding a turn)."""
         backend = getattr(self.tokenizer, "_tokenizer", None)
-        slow = lambda text: self.tokenizer(text)["input_ids"]  # noqa: E731
+        slow = lambda text: self.tokenizer(text)["input_ids"]
         if backend is None or not hasattr(backend, "encode") or getattr(self.tokenizer, "split_special_tokens", False):
             return slow
         probe = (
@@ -150,7 +150,7 @@ class QwenVLBuilder(TemplateBuilder):
         try:
             if backend.encode(probe).ids == slow(probe):
                 return lambda text: backend.encode(text).ids
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - any backend failure: use the slow tokenizer
             pass
         return slow
 

@@ -114,7 +114,7 @@ def grpo_loss(
     with torch.no_grad():
         low = ((ratio < 1.0 - clip_eps_low) & (adv < 0)).to(mask.dtype) * mask
         high = ((ratio > 1.0 + clip_eps_high) & (adv > 0)).to(mask.dtype) * mask
-        mean = lambda x: float((x * mask).sum() / denom)  # noqa: E731
+        mean = lambda x: float((x * mask).sum() / denom)
         stats = LossStats(
             clip_frac=float((low + high).sum() / denom),
             clip_low_frac=float(low.sum() / denom),

@@ -248,11 +248,16 @@ class GRPOTrainer:
             grad_norm = self.engine.get_global_grad_norm()
             grad_norm = own_norm if grad_norm is None else grad_norm
         return StepStats(
-            step=self.step, loss=mean[0], grad_norm=float(grad_norm) if grad_norm is not None else math.nan,
+            step=self.step,
+            loss=mean[0],
+            grad_norm=float(grad_norm) if grad_norm is not None else math.nan,
             **{f.name: v for f, v in zip(fields(LossStats), mean[1:])},
-            num_tokens=num_tokens, num_samples=num_samples, lr=lr,
-            time_s=time.perf_counter() - start, skipped=not applied,
-        )  # fmt: skip
+            num_tokens=num_tokens,
+            num_samples=num_samples,
+            lr=lr,
+            time_s=time.perf_counter() - start,
+            skipped=not applied,
+        )
 
     def _plain_grad_norm(self) -> float:
         """L2 norm of the (already averaged) gradients, before clipping: ZeRO-0 with a torch optimizer reports none."""
@@ -311,10 +316,18 @@ class GRPOTrainer:
             old = logprobs.detach()  # PPO's old policy: the trainer's own, under the behaviour (pre-update) weights
             weights = weights if corr.keep is None else weights * corr.keep[:, None]
         loss, stats = grpo_loss(
-            logprobs, old, advantages, mask, clip_eps_low=self.cfg.clip_eps_low, clip_eps_high=self.cfg.clip_eps_high,
-            ref_logprobs=ref_logprobs, kl_coef=self.cfg.kl_coef, num_tokens=norm[0], is_weights=corr.is_weights,
+            logprobs,
+            old,
+            advantages,
+            mask,
+            clip_eps_low=self.cfg.clip_eps_low,
+            clip_eps_high=self.cfg.clip_eps_high,
+            ref_logprobs=ref_logprobs,
+            kl_coef=self.cfg.kl_coef,
+            num_tokens=norm[0],
+            is_weights=corr.is_weights,
             token_weights=weights,
-        )  # fmt: skip
+        )
         return loss, dataclasses.replace(
             stats,
             mismatch_kl=corr.mismatch_kl / norm[0],

@@ -77,7 +77,7 @@ def load_tokenizer(run: Any) -> Any | None:
             from transformers import AutoTokenizer
 
             return AutoTokenizer.from_pretrained(str(ckpt))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - any load failure: the viewer falls back to ids
             log.info("no tokenizer in %s: %s", ckpt, exc)
     family, path = run.cfg("model.family"), run.cfg("model.name_or_path")
     if family and path:
@@ -85,7 +85,7 @@ def load_tokenizer(run: Any) -> Any | None:
             from vlmrl.modeling.loading import load_processor
 
             return load_processor(family, path).tokenizer
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - any load failure: the viewer falls back to ids
             log.info("tokenizer of %s did not load (%s); showing token ids", path, exc)
     return None
 
@@ -103,7 +103,7 @@ class TokenText:
             if self.tokenizer is not None:
                 try:
                     text = self.tokenizer.decode([tok], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-                except Exception:  # noqa: BLE001
+                except Exception:  # noqa: BLE001 - an id the tokenizer cannot decode is shown as the id
                     pass
             self.cache[tok] = text
         return self.cache[tok]
@@ -293,7 +293,7 @@ def section_html(
             body.append(trajectory_html(rec, idx, section, inline, text_of))
             index_html([(idx, rec)], section)
             shown.append((idx, rec))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - a malformed record is listed as a problem, not fatal
             if problems is not None:
                 problems.append(f"{title}: record #{idx} cannot be shown ({type(exc).__name__}: {exc})")
             body.append(f'<p class="noimg">record #{idx} cannot be shown ({_esc(type(exc).__name__)})</p>')
