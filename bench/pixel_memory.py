@@ -10,11 +10,11 @@ with one image (`render_messages`). Two cases:
 
 Each case runs in a fresh process. Columns: peak RSS during the episode (VmHWM, reset through /proc/self/clear_refs
 once the policy and processor are loaded and a 1-turn episode has warmed up) minus the RSS at that point; Σ
-pixel_values (bytes of `pixel_values` the trajectory holds, its `VisionInputs` parts); that difference over Σ;
-image-processor calls (once per image would be N for `new`, 1 for `same`). The trajectory keeps one `pixel_values`
-tensor per image; `seq.prompt()` concatenates them for the engine, so a peak of about 2 x Σ (the parts + the
-engine's concatenated copy) is the floor for this engine. RSS counts whole pages the allocator keeps, so small
-episodes can show 0: the signal needs ~100 MiB of pixels (the default: 32 turns of 448x448).
+pixel_values (bytes of the `pixel_values` storage the trajectory holds: a re-sent image's part is a view of the
+first, counted once); that difference over Σ; image-processor calls (once per image: N for `new`, 1 for `same`).
+`seq.prompt()` concatenates the parts for the transformers engine, one block per image occurrence (the model sees
+every occurrence), so its copy adds ~Σ over occurrences: ~2 x Σ for `new` is the floor. RSS counts whole pages the
+allocator keeps, so small episodes can show 0: the signal needs ~100 MiB of pixels (the default: 32 x 448x448).
 
     python bench/pixel_memory.py                         # 32 turns, 448x448 images
     python bench/pixel_memory.py --turns 8 --size 224 --json
@@ -93,7 +93,8 @@ def run_case(case: str, turns: int, size: int) -> dict:
     base = _status_bytes("VmRSS")
     seq = episode(turns, image(0) if case == "same" else None)
     peak = _status_bytes("VmHWM")
-    pixels = sum(part.pixel_values.nbytes for part in seq.vision_parts)
+    storages = {p.pixel_values.untyped_storage().data_ptr(): p.pixel_values.untyped_storage() for p in seq.vision_parts}
+    pixels = sum(s.nbytes() for s in storages.values())  # what the trajectory holds: a re-sent image's view is free
     del model
     return {
         "case": case,

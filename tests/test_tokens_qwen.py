@@ -151,6 +151,32 @@ def test_stop_without_eos_gets_im_end_appended(stop, qwen25_processor, small_ima
     check_invariants(builder, seq, conv, snapshots)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_image_sent_again_is_processed_and_held_once(
+    family, qwen_processors, geometry_images, small_images, monkeypatch
+):
+    """The same image objects sent again (the diagram re-sent beside a new crop, then a tool returning that crop):
+    each distinct object goes through the image processor once, the re-sent crop's pixel_values are the very tensor
+    the trajectory already holds, and ids / pixel_values / grids still equal the processor's full render (which
+    processes every occurrence: the independent reference)."""
+    processor = qwen_processors[family]
+    builder = get_builder(family, processor)
+    diagram, crop = geometry_images[1], small_images[2]
+    first = [user(diagram, "Find x. Choices: A 12, B 13, C 14, D 15. Put the letter in \\boxed{}.")]
+    feedbacks = [
+        user("Compare the two:", diagram, crop, "Try again."),
+        Message(Role.TOOL, [TextPart("crop result:"), ImagePart(crop)]),
+    ]
+    counter = ImageCounter(monkeypatch, processor)
+    seq, conv, snapshots = run_episode(builder, first, feedbacks)
+    assert sorted(counter.seen) == sorted([id(diagram), id(crop)])  # 4 occurrences, 2 objects, each processed once
+    assert [id(im) for im in seq.images] == [id(diagram), id(diagram), id(crop), id(crop)]
+    _, second, third = seq.vision_parts
+    diagram_rows = int(second.image_grid_thw[0].prod())
+    assert third.pixel_values.data_ptr() == second.pixel_values[diagram_rows:].data_ptr()  # held once
+    check_invariants(builder, seq, conv, snapshots)
+
+
 def test_feedback_piece_is_only_the_new_message(qwen3vl_processor, small_images, monkeypatch):
     builder = get_builder("qwen3_vl", qwen3vl_processor)
     seq = builder.start([user(small_images[0], "What is this?")])

@@ -102,7 +102,7 @@ class Glm4vBuilder(TemplateBuilder):
         return out
 
     def _process(
-        self, text: str, images: list, add_special_tokens: bool | None
+        self, text: str, images: list, add_special_tokens: bool | None, seq: TokenSeq | None = None
     ) -> tuple[list[int], VisionInputs | None]:
         """Tokenize `text` with each `<|image|>` expanded to its image's feature count; images processed once (the
         processor's own steps, without its per-call overhead; `render_full` keeps the processor call)."""

@@ -17,9 +17,9 @@ from __future__ import annotations
 from typing import Any
 
 from vlmrl.tokens.base import PrefixMode
-from vlmrl.tokens.grid import expand_grid_placeholders
+from vlmrl.tokens.grid import expand_grid_placeholders, known_images
 from vlmrl.tokens.template_builder import MARKER, TemplateBuilder
-from vlmrl.types import Message, Role, VisionInputs
+from vlmrl.types import Message, Role, TokenSeq, VisionInputs
 
 # A fixed conversation the new messages are rendered behind; system first, the marker assistant turn last.
 _SYNTHETIC = (Message.text(Role.SYSTEM, "S"), Message.text(Role.USER, "U"), Message.text(Role.ASSISTANT, MARKER))
@@ -155,9 +155,10 @@ class QwenVLBuilder(TemplateBuilder):
         return slow
 
     def _process(
-        self, text: str, images: list, add_special_tokens: bool | None
+        self, text: str, images: list, add_special_tokens: bool | None, seq: TokenSeq | None = None
     ) -> tuple[list[int], VisionInputs | None]:
-        """Tokenize `text` and process `images` (once); `<|image_pad|>` is expanded per image grid.
+        """Tokenize `text` and process `images` (once); `<|image_pad|>` is expanded per image grid. An image object
+        `seq` already holds (sent again, e.g. by a tool) is not processed again: its `pixel_values` are reused.
 
         The same steps as the processor's `__call__` (image processor, then each `<|image_pad|>` repeated
         grid.prod() // merge_size**2 times, then the tokenizer) without its per-call kwargs merging and validation,
@@ -166,6 +167,7 @@ class QwenVLBuilder(TemplateBuilder):
         reference, and the tests compare the two.
         """
         if not self._fast:
-            return super()._process(text, images, add_special_tokens)
-        text, vision = expand_grid_placeholders(text, images, self.processor)
+            return super()._process(text, images, add_special_tokens, seq)
+        known = known_images(seq, images) if seq is not None else None
+        text, vision = expand_grid_placeholders(text, images, self.processor, known)
         return self._encode(text), vision

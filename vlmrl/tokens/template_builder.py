@@ -99,10 +99,11 @@ class TemplateBuilder(TokenBuilder):
         return [images] if images else None
 
     def _process(
-        self, text: str, images: list, add_special_tokens: bool | None
+        self, text: str, images: list, add_special_tokens: bool | None, seq: TokenSeq | None = None
     ) -> tuple[list[int], VisionInputs | None]:
         """Ids of `text` with its image placeholders expanded, and `images` processed once (`VisionInputs` or None):
-        the processor's call (`add_special_tokens` None: the processor's default)."""
+        the processor's call (`add_special_tokens` None: the processor's default). seq: the trajectory the text is
+        appended to (None for its first messages), for families that reuse an image sent again (QwenVL)."""
         kwargs = dict(self._processor_kwargs())
         if add_special_tokens is not None:
             kwargs["add_special_tokens"] = add_special_tokens
@@ -215,7 +216,7 @@ class TemplateBuilder(TokenBuilder):
         start = self._tail_start(text, at + len(MARKER))
         self._check_split(text, start)
         images = self._images(messages)
-        ids, vision = self._process(text[start:], images, False)
+        ids, vision = self._process(text[start:], images, False, seq)
         return Piece(ids=self._join(seq, ids), images=images, vision=vision)
 
     def render_full(self, messages: list[Message], add_generation_prompt: bool = False) -> Rendered:
