@@ -39,6 +39,26 @@ def image_sample(seed: int, grids=((1, 4, 4),), n_gen: int = 6, advantage: float
     return Sample(input_ids, mask, -11.9 * mask, advantage, vision, (input_ids == IMAGE_PAD).long())
 
 
+def text_model(seed: int = 0):
+    """A tiny text-only Qwen2 (32-token vocabulary): the trainer's cheapest path (torch seeded with `seed`)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        eos_token_id=None,
+        pad_token_id=0,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    return AutoModelForCausalLM.from_config(config)
+
+
 def with_old_logprobs(model, samples: list[Sample], noise: float, seed: int = 0) -> list[Sample]:
     """Set old_logprobs to the model's own logprobs plus noise (so ratios differ from 1 and some tokens clip)."""
     g = torch.Generator().manual_seed(seed)
@@ -227,22 +247,7 @@ def test_grpo_learns_a_toy_reward():
     A tiny text-only Qwen2 (the trainer's text path: no images, no mm_token_type_ids). The group's mean reward starts
     near 1/4 and rises above 0.6 within 20 GRPO steps (lr 1e-2; about 0.9 for seeds 0-3).
     """
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=32,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        eos_token_id=None,
-        pad_token_id=0,
-        bos_token_id=None,
-        tie_word_embeddings=False,
-    )
-    model = AutoModelForCausalLM.from_config(config)
+    model = text_model(0)
     trainer = _trainer(model, zero_stage=2, micro_batch_size=8, lr=1e-2, max_grad_norm=1.0)
     prompt, rewards = torch.tensor([[1, 2, 3, 4]]), []
     for _ in range(20):

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_trainer import image_sample, with_old_logprobs
+from test_trainer import image_sample, text_model, with_old_logprobs
 
 from vlmrl.types import Sample
 
@@ -21,26 +21,6 @@ def _trainer(model, **kw):
     from vlmrl.train.trainer import GRPOTrainer, TrainerSettings
 
     return GRPOTrainer(model, TrainerSettings(**{"lr": 1e-3, "max_grad_norm": 0.0, "clip_eps_high": 0.2, **kw}))
-
-
-def _text_model(seed: int = 0):
-    """A tiny text-only Qwen2 (32-token vocabulary): the trainer's cheapest path."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=32,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        eos_token_id=None,
-        pad_token_id=0,
-        bos_token_id=None,
-        tie_word_embeddings=False,
-    )
-    return AutoModelForCausalLM.from_config(config)
 
 
 def _text_samples() -> list[Sample]:
@@ -75,7 +55,7 @@ def _changed(before: dict, after: dict, key: str) -> bool:
 )
 def test_lr_schedule_per_step_matches_hand_values(scheduler, kw, expected):
     steps = len(expected)
-    trainer = _trainer(_text_model(), zero_stage=2, lr_scheduler=scheduler, steps=steps, **kw)
+    trainer = _trainer(text_model(), zero_stage=2, lr_scheduler=scheduler, steps=steps, **kw)
     samples, lrs = _text_samples(), []
     for i in range(steps):
         before = _weights(trainer)
@@ -89,12 +69,12 @@ def test_lr_schedule_per_step_matches_hand_values(scheduler, kw, expected):
 def test_lr_scheduler_state_is_checkpointed_and_restored(tmp_path):
     """Save after 3 of 6 linear steps; a new trainer that loads it uses the LR of step 4, not of step 1."""
     kw = dict(zero_stage=2, lr_scheduler="linear", warmup_steps=2, steps=6)
-    trainer, samples = _trainer(_text_model(), **kw), _text_samples()
+    trainer, samples = _trainer(text_model(), **kw), _text_samples()
     for _ in range(3):
         trainer.train_step(samples)
     trainer.save_checkpoint(tmp_path / "ckpt")
     step4 = trainer.train_step(samples).lr
-    resumed = _trainer(_text_model(seed=5), **kw)
+    resumed = _trainer(text_model(seed=5), **kw)
     resumed.load_checkpoint(tmp_path / "ckpt")
     assert resumed.step == 3 and resumed.scheduler.last_epoch == 3
     assert resumed.train_step(samples).lr == pytest.approx(step4) == pytest.approx(0.75e-3)
@@ -276,7 +256,7 @@ def test_user_deepspeed_json_takes_effect_in_the_engine(tmp_path):
             }
         )
     )
-    trainer = _trainer(_text_model(), zero_stage=2, lr=2e-3, max_grad_norm=1.0, deepspeed_config=str(path))
+    trainer = _trainer(text_model(), zero_stage=2, lr=2e-3, max_grad_norm=1.0, deepspeed_config=str(path))
     assert trainer.engine.zero_optimization_stage() == 1 and trainer.cfg.zero_stage == 1
     assert trainer.engine.gradient_clipping() == 0.5
     group = trainer.engine.optimizer.param_groups[0]
@@ -285,4 +265,4 @@ def test_user_deepspeed_json_takes_effect_in_the_engine(tmp_path):
     assert math.isfinite(stats.loss) and stats.step == 1
     path.write_text("{not json")
     with pytest.raises(ValueError, match="trainer.deepspeed_config"):
-        _trainer(_text_model(), deepspeed_config=str(path))
+        _trainer(text_model(), deepspeed_config=str(path))
