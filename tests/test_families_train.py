@@ -96,7 +96,7 @@ def test_family_rollout_logprobs_and_update(family):
 
     if family not in ZERO2:
         loss, stats = grpo_loss(lp, old, torch.ones(3), mask, 0.2, 0.2, num_tokens=float(mask.sum()))
-        assert torch.isfinite(loss) and abs(stats.policy_kl) < 1e-6
+        assert torch.isfinite(loss) and abs(stats.mismatch_kl) < 1e-6
         loss.backward()
         grads = [p.grad for n, p in model.named_parameters() if p.grad is not None and ("vision" in n or "visual" in n)]
         assert grads and any(float(g.abs().sum()) > 0 for g in grads)  # the images reached the loss
@@ -111,7 +111,7 @@ def test_family_rollout_logprobs_and_update(family):
     before = {n: p.detach().clone() for n, p in trainer.module.named_parameters() if "vision" in n}
     stats = trainer.train_step(samples)
     assert not stats.skipped and torch.isfinite(torch.tensor(stats.loss))
-    assert abs(stats.policy_kl) < 1e-6 and abs(stats.ratio_mean - 1.0) < 1e-4
+    assert abs(stats.mismatch_kl) < 1e-6 and abs(stats.ratio_mean - 1.0) < 1e-4
     assert stats.num_samples == 3 and stats.num_tokens == int(mask.sum())
     after = dict(trainer.module.named_parameters())
     assert any(not torch.equal(before[n], after[n].detach()) for n in before)  # the vision tower was updated

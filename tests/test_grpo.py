@@ -61,7 +61,7 @@ def test_k3_kl_value_gradient_and_stats():
     old, mask = logprobs.detach(), torch.ones(1, 2)
     loss, stats = grpo_loss(logprobs, old, torch.zeros(1), mask, ref_logprobs=ref, kl_coef=0.1)
     assert loss.item() == pytest.approx(0.1 * k3.mean().item())
-    assert stats.kl == pytest.approx(k3.mean().item()) and stats.policy_kl == 0.0
+    assert stats.kl == pytest.approx(k3.mean().item()) and stats.mismatch_kl == 0.0
     loss.backward()
     torch.testing.assert_close(logprobs.grad, 0.1 * (1 - torch.exp(d)) / 2)
     assert (k3_kl(torch.randn(100), torch.randn(100)) >= 0).all()

@@ -130,7 +130,7 @@ def test_one_micro_batch_equals_two_through_the_trainer(qwen25_model, options):
     from deepspeed.utils import safe_get_full_grad
     from test_trainer import image_sample, with_old_logprobs
 
-    from vlmrl.train.trainer import GRPOTrainer, TrainerSettings
+    from vlmrl.train.trainer import GRPOTrainer, TrainerSettings, named_stats
 
     samples = [image_sample(50 + i, n_gen=2 + 2 * i, advantage=a) for i, a in enumerate([1.0, -0.6, 0.3, -1.1])]
     samples = with_old_logprobs(qwen25_model, samples, noise=0.2, seed=1)
@@ -149,12 +149,11 @@ def test_one_micro_batch_equals_two_through_the_trainer(qwen25_model, options):
     for a, b in zip(*grads):
         assert a.abs().max() > 0
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
-    # [loss, clip x3, kl, ratio_mean, policy_kl, mismatch_kl, tis_capped_frac, mis_masked_frac]: the correction
-    # capped tokens / masked sequences in this batch
+    # the correction capped tokens / masked sequences in this batch
     if "tis" in options.get("rollout_correction", ""):
-        assert locals_[0][8].item() > 0
+        assert named_stats(locals_[0])["tis_capped_frac"] > 0
     if "mis" in options.get("rollout_correction", ""):
-        assert locals_[0][9].item() > 0
+        assert named_stats(locals_[0])["mis_masked_frac"] > 0
 
 
 def test_run_resolves_auto_correction_and_the_dr_grpo_constant():

@@ -123,7 +123,7 @@ class VLLMConfig:
     logprobs_mode: str = "auto"  # auto | processed_logprobs | raw_logprobs
     sync_check_seqs: int = 2  # sequences compared with the trainer after each weight sync (0: off)
     sync_check_tokens: int = 256  # text probes are cut to this many tokens
-    sync_warn_dlogprob: float = 0.1  # warn when the metric vllm_sync_max_abs_dlogprob exceeds it
+    sync_warn_dlogprob: float = 0.1  # warn when the metric sync/max_abs_dlogprob exceeds it
     timeout_s: float = 600.0  # server mode: seconds per HTTP request
     seed: int = 0  # vLLM's engine seed (colocated, several ranks: seed + rank)
 

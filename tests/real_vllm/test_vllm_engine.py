@@ -7,7 +7,7 @@ tokenizer, fp32:
 - colocate + DeepSpeed ZeRO-3 trainer: a multi-turn episode loop, the rollout logprobs equal the trainer's
   recomputation, one update, one weight sync (gathered under ZeRO-3), the next rollouts match the updated trainer;
 - a tied-embedding model: a reload without the tied `lm_head.weight` leaves vLLM's LM head stale, the check catches it
-  (`vllm_sync_max_abs_dlogprob` O(1)) and a full sync clears it;
+  (`sync/max_abs_dlogprob` O(1)) and a full sync clears it;
 - server mode: vLLM's own server in a subprocess (tests/real_vllm/served.py), token-in/token-out through
   `/inference/v1/generate`, a weight sync through `/collective_rpc reload_weights` from a written checkpoint.
 Images through vLLM (colocated and server): tests/real_vllm/test_vllm_multimodal.py.

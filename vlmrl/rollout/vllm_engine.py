@@ -123,7 +123,7 @@ __all__ = [  # the engine, and the names that moved to vllm_convert/vllm_weights
     "_world",
 ]
 
-METRIC = "vllm_sync_max_abs_dlogprob"
+METRIC = "sync/max_abs_dlogprob"  # max |Δ logprob| trainer vs engine after a sync (cf. align/max_abs_dlogprob)
 _PROBE_TEXT = (
     "<|im_start|>user\nWhat is the sum of the interior angles of a triangle?<|im_end|>\n<|im_start|>assistant\n"
 )

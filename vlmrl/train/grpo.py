@@ -36,9 +36,12 @@ class LossStats:
     clip_frac = clip_low_frac + clip_high_frac: fraction of tokens whose clipped term is active (the gradient is 0);
     clip_low_frac: r < 1 - eps_low with A < 0; clip_high_frac: r > 1 + eps_high with A > 0.
     kl: mean k3 KL(pi || pi_ref) (0 without a reference); ratio_mean: mean r;
-    policy_kl: mean k3 KL(pi_old || pi) -- the train/rollout mismatch, ~0 on the first update of a step.
-    mismatch_kl / tis_capped_frac (token means), mis_masked_frac (share of sequences): the rollout/trainer
-    mismatch correction's (`vlmrl.train.rollout_correction`; filled by the trainer, 0 when it is off).
+    mismatch_kl: mean k3 KL(pi_old || pi), the rollout/trainer mismatch (~0 on the first update of a step; the name
+    of verl's rollout-IS metric). `grpo_loss` computes it against its own `old_logprobs`; the trainer replaces it
+    with the correction's fp64 value against the rollout's logprobs (`vlmrl.train.rollout_correction`), which stay
+    the rollout's when the correction makes PPO's old logprobs the trainer's own.
+    tis_capped_frac (token mean), mis_masked_frac (share of sequences): the rollout/trainer mismatch correction's
+    (filled by the trainer, 0 when it is off).
     """
 
     clip_frac: float = 0.0
@@ -46,7 +49,6 @@ class LossStats:
     clip_high_frac: float = 0.0
     kl: float = 0.0
     ratio_mean: float = 0.0
-    policy_kl: float = 0.0
     mismatch_kl: float = 0.0
     tis_capped_frac: float = 0.0
     mis_masked_frac: float = 0.0
@@ -121,6 +123,6 @@ def grpo_loss(
             clip_high_frac=float(high.sum() / denom),
             kl=mean(kl),
             ratio_mean=mean(ratio),
-            policy_kl=mean(ratio - log_ratio - 1.0),  # k3 of KL(pi_old || pi), samples from pi_old
+            mismatch_kl=mean(ratio - log_ratio - 1.0),  # k3 of KL(pi_old || pi), samples from pi_old
         )
     return loss, stats

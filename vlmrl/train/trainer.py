@@ -66,9 +66,24 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
+STEP_VECTOR: tuple[str, ...] = ("loss", *(f.name for f in fields(LossStats)))
+"""The names of the entries of `GRPOTrainer.accumulate_gradients`' vector, in order: the loss, then `LossStats`."""
+
+
+def named_stats(vector: torch.Tensor | list[float]) -> dict[str, float]:
+    """{name: value} of an `accumulate_gradients` vector ([len(STEP_VECTOR)]), named by `STEP_VECTOR`.
+
+    Raises ValueError when the vector does not have one entry per name.
+    """
+    values = vector.tolist() if isinstance(vector, torch.Tensor) else list(vector)
+    if len(values) != len(STEP_VECTOR):
+        raise ValueError(f"a step vector has {len(STEP_VECTOR)} entries {STEP_VECTOR}, got {len(values)}")
+    return dict(zip(STEP_VECTOR, (float(v) for v in values)))
+
+
 @dataclass
 class StepStats:
-    """What one `train_step` did. loss/kl/clip fractions/ratio_mean/policy_kl are token means over all ranks."""
+    """What one `train_step` did. loss/kl/clip fractions/ratio_mean/mismatch_kl are token means over all ranks."""
 
     step: int
     loss: float
@@ -78,7 +93,6 @@ class StepStats:
     clip_low_frac: float
     clip_high_frac: float
     ratio_mean: float
-    policy_kl: float
     mismatch_kl: float
     tis_capped_frac: float
     mis_masked_frac: float
@@ -236,10 +250,10 @@ class GRPOTrainer:
         self.engine.train()
         lr = float(self.engine.get_lr()[0])  # the LR this update uses (the scheduler steps after it)
         local, num_tokens, num_samples = self.accumulate_gradients(samples)
-        mean = dist.all_reduce(local.double(), "mean").tolist()
+        mean = named_stats(dist.all_reduce(local.double(), "mean"))
         own_norm = self._plain_grad_norm() if self.cfg.zero_stage == 0 else None
         grad_norm: float | None
-        if own_norm is not None and not (math.isfinite(mean[0]) and math.isfinite(own_norm)):
+        if own_norm is not None and not (math.isfinite(mean["loss"]) and math.isfinite(own_norm)):
             self.engine.zero_grad()
             applied, grad_norm = False, own_norm
         else:
@@ -249,9 +263,9 @@ class GRPOTrainer:
             grad_norm = own_norm if grad_norm is None else grad_norm
         return StepStats(
             step=self.step,
-            loss=mean[0],
+            loss=mean["loss"],
             grad_norm=float(grad_norm) if grad_norm is not None else math.nan,
-            **{f.name: v for f, v in zip(fields(LossStats), mean[1:])},
+            **{f.name: mean[f.name] for f in fields(LossStats)},
             num_tokens=num_tokens,
             num_samples=num_samples,
             lr=lr,
@@ -268,7 +282,8 @@ class GRPOTrainer:
 
     def accumulate_gradients(self, samples: list[Sample]) -> tuple[torch.Tensor, int, int]:
         """Forward/backward every micro-batch of the step without stepping (gradients: `deepspeed.utils.
-        safe_get_full_grad`). Returns ([loss, *LossStats] of this rank, loss tokens and samples over all ranks).
+        safe_get_full_grad`). Returns (this rank's [loss, *LossStats] vector, its entries named by `STEP_VECTOR`
+        (`named_stats`), loss tokens and samples over all ranks).
         """
         if not samples:
             raise ValueError("a training step needs at least one sample on every rank")
