@@ -28,7 +28,7 @@ def test_tiny_fixture_config_is_a_model_type_of_its_family(name):
 def test_builder_and_parser_resolve(name):
     family = FAMILIES[name]
     cls = family.builder_class()
-    assert issubclass(cls, TokenBuilder) and name in cls.families
+    assert issubclass(cls, TokenBuilder) and FAMILIES[cls.family].builder_class() is cls  # its default family
     if family.tool_parser is not None:
         assert family.tool_parser in parser_names() and get_parser(name) is not None
 
@@ -43,14 +43,21 @@ def test_lookups_name_what_is_wrong():
         get_parser("gemma3")
 
 
-def test_register_family_reaches_every_consumer():
+def test_register_family_reaches_every_consumer(qwen25_processor):
     from vlmrl.modeling.inputs import input_style
-    from vlmrl.tokens import builder_families
+    from vlmrl.tokens import builder_families, get_builder
+    from vlmrl.tokens.mimo_vl import MiMoVLBuilder
+    from vlmrl.tokens.qwen_vl import QwenVLBuilder
 
     mine = Family("my_vl", "vlmrl.tokens.qwen_vl:QwenVLBuilder", "<|image_pad|>", ("my_vl",), InputStyle.qwen, "hermes")
     register_family(mine)
     try:
         assert "my_vl" in builder_families() and input_style("my_vl") == "qwen"
         assert family_of_model_type("my_vl") == "my_vl" and type(get_parser("my_vl")).__name__ == "HermesParser"
+        builder = get_builder("my_vl", qwen25_processor)  # the builder reads the registry, not a list of its own
+        assert type(builder) is QwenVLBuilder and builder.family == "my_vl"
+        for cls, other in [(QwenVLBuilder, "gemma3"), (MiMoVLBuilder, "my_vl")]:  # a subclass builds only its own
+            with pytest.raises(ValueError, match=f"{cls.__name__} does not build family '{other}'"):
+                cls(qwen25_processor, other)
     finally:
         del FAMILIES["my_vl"]

@@ -104,7 +104,6 @@ class TokenBuilder(ABC):
     family-specific part is the `_close_turn` hook)."""
 
     family: str = ""
-    families: tuple[str, ...] = ()  # the families this class builds (`family` is the default)
     prefix_mode: PrefixMode = PrefixMode.EXTENDS
     control_strings: tuple[str, ...] = ()
     # --- boundary data ---
@@ -151,15 +150,18 @@ class TokenBuilder(ABC):
 
     # --- construction and token ids ------------------------------------------------------------------------------
     def __init__(self, processor: Any, family: str | None = None):
-        """processor: the family's processor (its `tokenizer` attribute is used); family: one of `families` (None:
-        the class's default `family`).
+        """processor: the family's processor (its `tokenizer` attribute is used); family: a registered family whose
+        `Family.builder` is this class (`vlmrl.families`; None: the class's default `family`).
 
         Raises ValueError for a family this class does not build, or when `close_turn_token` / `image_token` is not a
         single token of the tokenizer.
         """
         if family is not None:
-            if family not in self.families:
-                raise ValueError(f"{type(self).__name__} supports families {self.families}; got {family!r}")
+            from vlmrl.families import get_family  # the registry names each family's builder class
+
+            cls, named = type(self), get_family(family).builder
+            if named != f"{cls.__module__}:{cls.__qualname__}":
+                raise ValueError(f"{cls.__name__} does not build family {family!r} (vlmrl.families names {named})")
             self.family = family
         self.processor = processor
         self.tokenizer = processor.tokenizer

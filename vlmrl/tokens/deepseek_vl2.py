@@ -192,7 +192,6 @@ class DeepseekVL2Builder(TokenBuilder):
     """
 
     family = "deepseek_vl2"
-    families: tuple[str, ...] = ("deepseek_vl2", "deepseek_vl_v2")
     prefix_mode = PrefixMode.EXTENDS
     # --- format / boundary data ---
     user_role, assistant_role = "<|User|>", "<|Assistant|>"
@@ -206,7 +205,7 @@ class DeepseekVL2Builder(TokenBuilder):
     def __init__(
         self, processor: Any, family: str | None = None, cropping: bool | None = None, tools: list[dict] | None = None
     ):
-        """Raises ValueError for a family not in `families`, a tokenizer without `<image>` / the EOS as single
+        """Raises ValueError for a family it does not build, a tokenizer without `<image>` / the EOS as single
         tokens, or an EOS that is not the processor's `eos_id`."""
         super().__init__(processor, family)
         self.cropping = cropping

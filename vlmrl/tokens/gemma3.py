@@ -20,7 +20,6 @@ from vlmrl.types import VisionInputs
 
 class Gemma3Builder(TemplateBuilder):
     family = "gemma3"
-    families = ("gemma3",)
     prefix_mode = PrefixMode.EXTENDS
     close_turn_token = "<end_of_turn>"
     after_assistant_text = "\n"

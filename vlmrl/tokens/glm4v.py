@@ -57,7 +57,6 @@ class Glm4vBuilder(TemplateBuilder):
     """
 
     family = "glm4v"
-    families: tuple[str, ...] = ("glm4v", "glm4v_moe")
     prefix_mode = PrefixMode.REWRITES_HISTORY
     # --- boundary data ---
     # `<|user|>` is the usual end of a reply (`close_turn_id`), but the template does not write it after the message:
@@ -82,7 +81,7 @@ class Glm4vBuilder(TemplateBuilder):
         False -> `EXTENDS` (GLM-4.5V: passes `enable_thinking=False` to the template). tools: JSON schemas for the
         template (GLM-4.5V lists them in a system block; GLM-4.1V's template ignores them).
 
-        Raises ValueError for a family not in `families`, or a tokenizer without `<|user|>` or the processor's image
+        Raises ValueError for a family it does not build, or a tokenizer without `<|user|>` or the processor's image
         token as single tokens.
         """
         self.image_token = getattr(processor, "image_token", None) or self.image_token

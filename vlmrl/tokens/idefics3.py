@@ -22,7 +22,6 @@ from vlmrl.types import VisionInputs
 
 class Idefics3Builder(TemplateBuilder):
     family = "idefics3"
-    families = ("idefics3", "smolvlm")
     prefix_mode = PrefixMode.EXTENDS
     close_turn_token = "<end_of_utterance>"
     after_assistant_text = "\n"

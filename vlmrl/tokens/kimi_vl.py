@@ -161,7 +161,6 @@ class KimiVLFormatProcessor:
 
 class KimiVLBuilder(TemplateBuilder):
     family = "kimi_vl"
-    families = ("kimi_vl",)
     prefix_mode = PrefixMode.EXTENDS
     close_turn_token = "<|im_end|>"
     after_assistant_text = ""

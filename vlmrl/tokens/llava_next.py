@@ -50,7 +50,6 @@ def _image_sizes(vision: VisionInputs) -> torch.Tensor:
 
 class LlavaNextBuilder(TemplateBuilder):
     family = "llava_next"
-    families = ("llava_next",)
     prefix_mode = PrefixMode.EXTENDS
     close_turn_token = "</s>"
     after_assistant_text = " "

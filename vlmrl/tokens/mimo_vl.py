@@ -31,5 +31,4 @@ def load_processor(path: str, **kwargs: Any):
 
 class MiMoVLBuilder(QwenVLBuilder):
     family = "mimo_vl"
-    families: tuple[str, ...] = ("mimo_vl",)
     prefix_mode = PrefixMode.EXTENDS  # Qwen's boundary data and fast paths; stops on `<|im_end|>`, `<|endoftext|>`

@@ -23,7 +23,6 @@ from vlmrl.tokens.template_builder import TemplateBuilder
 
 class Qwen35Builder(TemplateBuilder):
     family = "qwen3_5_think"
-    families = ("qwen3_5_think", "qwen3_5_nothink", "qwen3_6")
     prefix_mode = PrefixMode.REWRITES_HISTORY
     close_turn_token = "<|im_end|>"
     after_assistant_text = "\n"
@@ -43,7 +42,7 @@ class Qwen35Builder(TemplateBuilder):
         render every earlier `<think>` block, which makes the template prefix-preserving.
 
         Raises ValueError for preserve_thinking with another family, and as `TemplateBuilder.__init__` (a family not
-        in `families`, a close / image token that is not one token, a `\\n` after `<|im_end|>` that is not its own
+        built by this class, a close / image token that is not one token, a `\\n` after `<|im_end|>` that is not its own
         token).
         """
         kwargs: dict = {}

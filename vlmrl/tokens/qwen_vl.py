@@ -45,7 +45,6 @@ class QwenVLBuilder(TemplateBuilder):
     """
 
     family = "qwen2_5_vl"
-    families: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
     prefix_mode = PrefixMode.EXTENDS
     close_turn_token = "<|im_end|>"
     after_assistant_text = "\n"
@@ -60,7 +59,7 @@ class QwenVLBuilder(TemplateBuilder):
         in every render (Qwen3-VL lists them in its system block; the Qwen2/2.5-VL template ignores them);
         template_kwargs: extra chat-template variables, fixed for the builder.
 
-        Raises ValueError for a family not in `families`, or a tokenizer without `<|im_end|>` / `<|image_pad|>` as
+        Raises ValueError for a family it does not build, or a tokenizer without `<|im_end|>` / `<|image_pad|>` as
         single tokens or whose `\\n` after `<|im_end|>` is not its own token.
         """
         super().__init__(processor, family, tools, **template_kwargs)

@@ -40,7 +40,6 @@ class TemplateBuilder(TokenBuilder):
     overrides hooks only (module docstring)."""
 
     family: str = ""
-    families: tuple[str, ...] = ()
     prefix_mode: PrefixMode = PrefixMode.EXTENDS
     after_assistant_text: str = ""
     # the synthetic conversation the new messages are rendered behind (ends with the marker assistant turn)
