@@ -61,3 +61,27 @@ def test_register_family_reaches_every_consumer(qwen25_processor):
                 cls(qwen25_processor, other)
     finally:
         del FAMILIES["my_vl"]
+
+
+def test_a_family_registered_after_import_reaches_the_tiny_fixture_loader(monkeypatch):
+    """`vlmrl.modeling.families.tiny_families()` reads the registry at each call: a copy of qwen2_5_vl registered
+    now loads as `tiny:<name>` with Qwen2.5-VL's processor (151643 base + 22 added tokens) and is fetched by
+    `python -m vlmrl.modeling fetch`."""
+    import dataclasses
+
+    from vlmrl.modeling import tokenizer_fetch
+    from vlmrl.modeling.families import chat_template, tiny_families, tiny_family
+    from vlmrl.modeling.loading import load_processor
+
+    register_family(dataclasses.replace(FAMILIES["qwen2_5_vl"], name="late_vl", model_types=("late_vl",)))
+    try:
+        assert tiny_family("late_vl").assets == "qwen2_5_vl" and "late_vl" in tiny_families()
+        assert chat_template("late_vl") == chat_template("qwen2_5_vl")
+        processor = load_processor("late_vl", "tiny:late_vl")
+        assert type(processor).__name__ == "Qwen2_5_VLProcessor" and len(processor.tokenizer) == 151643 + 22
+        monkeypatch.setattr(tokenizer_fetch, "family_tokenizer_json", lambda family: Path(family))
+        assert tokenizer_fetch.fetch_all()["late_vl"] == Path("late_vl")
+    finally:
+        del FAMILIES["late_vl"]
+    with pytest.raises(ValueError, match="model.family must be one of .*; got 'late_vl'"):
+        tiny_family("late_vl")

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from vlmrl.modeling.families import FAMILIES
+from vlmrl.modeling.families import tiny_family
 from vlmrl.modeling.inputs import mm_token_type_ids, policy_inputs
 from vlmrl.modeling.loading import load_policy, load_processor
 from vlmrl.modeling.qwen_bpe import qwen_tokenizer, qwen_tokenizer_json
@@ -71,7 +71,7 @@ def test_processors(family, size, qwen_processors, qwen_tok, small_images):
         type(processor).__name__
         == {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor"}[family]
     )
-    assert len(processor.tokenizer) == size == 151643 + FAMILIES[family][0]
+    assert len(processor.tokenizer) == size == 151643 + tiny_family(family).num_added
     assert processor.tokenizer.encode(MIXED_TEXT) == qwen_tok.encode(MIXED_TEXT)
     assert processor.image_token_id == 151655
     out = processor(text=["<|vision_start|><|image_pad|><|vision_end|>"], images=[small_images[0]], return_tensors="pt")

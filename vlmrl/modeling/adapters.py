@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("vlmrl.modeling")
 
 # Module names (components of parameter names) of the vision encoder and of the vision-to-language projector, over
-# the families of `FAMILIES` (transformers 5 layouts): Qwen-VL `model.visual` with its `merger` (+ Qwen3-VL's
+# the families of `tiny_families()` (transformers 5 layouts): Qwen-VL `model.visual` with its `merger` (+ Qwen3-VL's
 # `deepstack_merger_list`), Gemma3 / LLaVA-NeXT `vision_tower` + `multi_modal_projector` (+ `image_newline`),
 # Idefics3 / SmolVLM `vision_model` + `connector`.
 VISION_PARTS = ("visual", "vision_tower", "vision_model")

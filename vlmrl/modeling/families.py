@@ -1,5 +1,5 @@
-"""The families with an offline tiny fixture (`FAMILIES`: a view of the `vlmrl.families` registry, one `FamilySpec`
-row each) and each family's original chat template."""
+"""The families with an offline tiny fixture (`tiny_families()`: read from the `vlmrl.families` registry at each
+call, one `FamilySpec` row each) and each family's original chat template."""
 
 from __future__ import annotations
 
@@ -29,23 +29,34 @@ class FamilySpec(NamedTuple):
     image_token: str
 
 
-FAMILIES: dict[str, FamilySpec] = {  # the registry's families with an offline tiny fixture (`vlmrl.families`)
-    f.name: FamilySpec(
-        f.tiny.num_added, f.tiny.template, f.tiny.vocab, f.model_types, f.tiny.assets, f.tiny.real, f.image_token
-    )
-    for f in _REGISTRY.values()
-    if f.tiny is not None
-}
 _ASSETS = Path(__file__).parent.parent / "assets" / "tiny"
 
 
-def _check_family(family: str) -> str:
-    if family not in FAMILIES:
-        raise ValueError(f"model.family must be one of {sorted(FAMILIES)}; got {family!r}")
-    return family
+def tiny_families() -> dict[str, FamilySpec]:
+    """The `vlmrl.families` registry's families with an offline tiny fixture (`Family.tiny`), one `FamilySpec` each.
+
+    Read from the registry on every call, so a family added by `register_family` after import is included.
+    """
+    return {
+        f.name: FamilySpec(
+            f.tiny.num_added, f.tiny.template, f.tiny.vocab, f.model_types, f.tiny.assets, f.tiny.real, f.image_token
+        )
+        for f in _REGISTRY.values()
+        if f.tiny is not None
+    }
+
+
+def tiny_family(family: str) -> FamilySpec:
+    """The `FamilySpec` of `family` (`tiny_families`). Raises ValueError when `family` is not registered or has no
+    tiny fixture, listing the families that have one."""
+    specs = tiny_families()
+    if family not in specs:
+        raise ValueError(f"model.family must be one of {sorted(specs)}; got {family!r}")
+    return specs[family]
 
 
 def chat_template(family: str) -> str:
-    """The family's original chat template, read from the installed `trl` package."""
-    name = FAMILIES[_check_family(family)].template
+    """The family's original chat template, read from the installed `trl` package. Raises ValueError as
+    `tiny_family`."""
+    name = tiny_family(family).template
     return (resources.files("trl") / "chat_templates" / name).read_text()

