@@ -1,6 +1,6 @@
-"""The one JSON-lines reader and the one atomic writer of run files (`metrics.jsonl`, `trajectories.jsonl`,
-`eval_trajectories.jsonl`, checkpoint `state.json`/`latest`), used by resume, `vlmrl generate`, the report and the
-checks.
+"""The one JSON-lines reader and the one atomic writer (`atomic_path`, `write_atomic`): of run files
+(`metrics.jsonl`, `trajectories.jsonl`, `eval_trajectories.jsonl`, checkpoint `state.json`/`latest`), used by
+resume, `vlmrl generate`, the report and the checks, and of the cached tokenizers/processors and synced weights.
 
 A line is *usable* when it is whole (ends with a newline), valid UTF-8, strict JSON, and a JSON object. Anything else
 is a `BadLine` naming file, 1-based line number and reason; readers decide whether to skip, quarantine or refuse it.
@@ -9,12 +9,17 @@ Writes are strict JSON: NaN/inf floats become `null`.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import math
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, cast
+
+_TMP_IDS = itertools.count()  # temporary names unique within the process (threads included)
 
 
 @dataclass
@@ -126,20 +131,48 @@ def fsync_path(path: str | Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: str | Path, data: str | bytes) -> None:
-    """Write `data` to `path` through `.<name>.tmp<pid>` + fsync + rename: readers see the old or the new content,
-    never a part. The temporary file is removed if the write fails (e.g. ENOSPC, re-raised)."""
+@contextlib.contextmanager
+def atomic_path(path: str | Path, directory: bool = False, durable: bool = True) -> Iterator[Path]:
+    """Yield a temporary path next to `path` (`.<name>.tmp<pid>-<n>`, same folder, so the rename is atomic) for the
+    caller to write a file to (or, with `directory`, to fill as a folder, created empty); on a normal exit it is
+    fsynced and renamed to `path`: readers see the old content or the new, never a part. On an exception
+    (e.g. ENOSPC) the temporary file or folder is removed and the exception re-raised; `path` is untouched.
+
+    A file replaces an existing `path`. A folder cannot replace an existing non-empty one: if `path` is already a
+    folder at the rename (another writer won the race), it is kept and ours removed; other rename errors (OSError)
+    are raised. durable=False skips the fsyncs (a crash may then lose the new content, but never shows a part):
+    for files only a live process reads, e.g. the weights a vLLM server reloads.
+    """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}-{next(_TMP_IDS)}")
     try:
-        with open(tmp, "wb") as f:
-            f.write(data.encode("utf-8") if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        if directory:
+            tmp.mkdir()
+        yield tmp
+        if durable:
+            for file in [p for p in tmp.rglob("*") if p.is_file()] if directory else [tmp]:
+                fsync_path(file)
+        try:
+            os.replace(tmp, path)
+        except OSError:
+            if not (directory and path.is_dir()):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # another writer's complete folder is there: keep it
+        if durable:
+            fsync_path(path.parent)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        if tmp.is_dir() and not tmp.is_symlink():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
         raise
+
+
+def write_atomic(path: str | Path, data: str | bytes) -> None:
+    """Write `data` (str: UTF-8) to `path` atomically and durably (`atomic_path`): readers see the old or the new
+    content, never a part. Raises what the write raises (OSError, e.g. ENOSPC), leaving `path` as it was."""
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
 
 
 def write_jsonl_atomic(path: str | Path, rows: list[dict]) -> None:

@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 from typing import cast
 
-from vlmrl.jsonl import append_jsonl, fsync_path, parse_line, write_atomic
+from vlmrl.jsonl import append_jsonl, atomic_path, parse_line, write_atomic
 
 log = logging.getLogger("vlmrl.runfiles")
 
@@ -112,18 +112,13 @@ def truncate_after(path: Path, step: int) -> int:
             f.flush()
             os.fsync(f.fileno())
             return dropped + len(bad)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        with open(tmp, "wb") as out:
+        with atomic_path(path) as tmp, open(tmp, "wb") as out:  # renamed over `path` once `out` is closed
             for a, b in keep:
                 f.seek(a)
                 while a < b:
                     chunk = f.read(min(b - a, 1 << 20))
                     out.write(chunk)
                     a += len(chunk)
-            out.flush()
-            os.fsync(out.fileno())
-    os.replace(tmp, path)
-    fsync_path(path.parent)
     return dropped + len(bad)
 
 

@@ -4,15 +4,13 @@ architecture with the family's real processor, built from `vlmrl/assets/tiny/<as
 from __future__ import annotations
 
 import hashlib
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from vlmrl.families import InputStyle, get_family
+from vlmrl.jsonl import atomic_path
 from vlmrl.modeling.cache import cache_dir
 from vlmrl.modeling.families import _ASSETS, chat_template, tiny_families, tiny_family
 from vlmrl.modeling.sources import _check_hub, _check_path, _check_weight_files, model_load_errors
@@ -31,18 +29,11 @@ def tiny_processor_dir(family: str) -> Path:
     }
     key = hashlib.sha256("\0".join(f"{k}\0{v}" for k, v in sorted(files.items())).encode()).hexdigest()[:16]
     out = cache_dir() / "processors" / f"{family}-{key}"
-    if not (out / "chat_template.jinja").exists():  # written last
+    if not out.is_dir():  # whole or absent: the folder appears by one rename (another process may win the race)
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
-        tmp.chmod(0o755)
-        for name, text in files.items():
-            (tmp / name).write_text(text)
-        try:
-            os.replace(tmp, out)
-        except OSError:  # another process won the race
-            shutil.rmtree(tmp, ignore_errors=True)
-            if not (out / "chat_template.jinja").exists():
-                raise
+        with atomic_path(out, directory=True) as tmp:
+            for name, text in files.items():
+                (tmp / name).write_text(text)
     return out
 
 

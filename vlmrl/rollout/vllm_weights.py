@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Callable, cast
 
 import torch
 
+from vlmrl.jsonl import atomic_path
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
@@ -42,9 +44,8 @@ def write_weights(module: torch.nn.Module, directory: Path) -> Path:
         key = t.untyped_storage().data_ptr()
         tensors[name] = t.clone() if key in seen else t  # safetensors refuses shared storage (tied weights)
         seen.add(key)
-    tmp = directory / ".model.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, directory / "model.safetensors")
+    with atomic_path(directory / "model.safetensors", durable=False) as tmp:  # only the live server reads it
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
     if getattr(module, "config", None) is not None:
         cast("PreTrainedModel", module).config.save_pretrained(directory)
     return directory
