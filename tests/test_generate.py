@@ -15,7 +15,7 @@ import pytest
 from conftest import GEOMETRY3K
 
 from vlmrl import config as config_mod
-from vlmrl.evaluation.during_training import eval_during_training
+from vlmrl.evaluation.during_training import EvalSetup, eval_during_training
 from vlmrl.evaluation.generate import generate
 from vlmrl.evaluation.metrics import eval_metrics, pass_at_k, pass_ks
 from vlmrl.evaluation.report.run_data import EVAL_TRAJECTORIES
@@ -317,12 +317,10 @@ def test_eval_during_training_with_a_stand_in_trainer(tmp_path, letter_engine):
 
     trainer = SimpleNamespace(rank=0, world_size=1, policy=policy, gather=lambda obj: [obj])
     files = RunFiles(tmp_path / "train", overwrite=True)
-    job = SimpleNamespace(
-        cfg=cfg, trainer=trainer, runner=runner, builder=builder, processor=processor, files=files, eval_tasks=None
-    )
+    setup = EvalSetup(cfg, trainer, runner, builder, processor, files)
     for step in (2, 4, 2):  # the last one: a resumed run redoing step 2 replaces the later eval lines
-        row = eval_during_training(job, step)
-    assert len(entered) == 3 and len(job.eval_tasks) == 2
+        row = eval_during_training(setup, step)
+    assert len(entered) == 3 and setup.tasks is not None and len(setup.tasks) == 2
     assert row["eval/accuracy"] == 0.25 and row["eval/pass@4"] == 1.0 and row["eval/episodes"] == 8
     assert all(k.startswith("eval/") for k in row)
     recs = _lines(tmp_path / "train" / EVAL_TRAJECTORIES)

@@ -23,7 +23,7 @@ from vlmrl import checkpoint, runlock
 from vlmrl.checks.alignment import sampled_alignment
 from vlmrl.config import AlgorithmConfig, Config, ExportStyle, to_yaml
 from vlmrl.envs import load_env_tasks
-from vlmrl.evaluation.during_training import eval_during_training
+from vlmrl.evaluation.during_training import EvalSetup, eval_during_training
 from vlmrl.export import to_samples, trajectory_record
 from vlmrl.logging_backends import make_loggers
 from vlmrl.metrics import rollout_metrics
@@ -197,7 +197,7 @@ class Job:
     stop: StopSignals = field(default_factory=StopSignals)  # Ctrl-C / SIGTERM (vlmrl.resume)
     guard: BadStepGuard = field(default_factory=BadStepGuard)  # updates skipped for non-finite numbers
     saved_step: int = -1  # step of the newest checkpoint of this run
-    eval_tasks: list[Task] | None = None  # the eval split, loaded at the first trainer.eval_every (vlmrl.evaluation)
+    evaluation: EvalSetup | None = None  # trainer.eval_every: made at the first eval, keeps the eval split's tasks
     position: int = 0  # data position: prompts consumed by all ranks so far (the next step starts there)
     records: list[dict] = field(default_factory=list)  # the last step's trajectory records (all ranks; rank 0)
     # async rollouts (algorithm.off_policy_steps=1, vlmrl.train.async_rollout): the next step's batch sampled during
@@ -308,7 +308,9 @@ def run_step(job: Job, step: int) -> dict:
     }
     row["step"] = step
     if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
-        row.update(eval_during_training(job, step))  # eval/* metrics: the eval split with the current policy
+        if job.evaluation is None:
+            job.evaluation = EvalSetup(cfg, trainer, job.runner, job.builder, job.processor, job.files)
+        row.update(eval_during_training(job.evaluation, step))  # eval/* metrics: the eval split with the policy
     store = ImageStore(cfg.logging.output_dir)  # tool/env images without a file are saved under <run>/images/
     records = [
         r for part in trainer.gather([trajectory_record(t, step, store) for t in sampled.generated]) for r in part

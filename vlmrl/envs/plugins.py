@@ -45,13 +45,13 @@ def env_class(target: str) -> type[Environment]:
     return cls
 
 
-def _target_of(env_cfg: Any) -> str:
+def _target_of(env_cfg: Mapping[str, Any] | EnvConfig) -> str:
     """`env._target_` of a raw node (dict, DictConfig) or a dataclass; the default environment's if unset."""
     target = env_cfg.get("_target_") if isinstance(env_cfg, Mapping) else getattr(env_cfg, "_target_", None)
     return str(target or EnvConfig._target_)
 
 
-def env_schema(env_raw: Any) -> DictConfig:
+def env_schema(env_raw: Mapping[str, Any]) -> DictConfig:
     """`env_raw` (a config node) merged into the structured config of its environment's `config_class`: unknown
     keys and wrong types are ConfigErrors naming `env.<key>`."""
     target = _target_of(env_raw)
@@ -69,7 +69,7 @@ def env_schema(env_raw: Any) -> DictConfig:
     return node
 
 
-def env_config(env_cfg: Any) -> EnvConfig:
+def env_config(env_cfg: EnvConfig | Mapping[str, Any]) -> EnvConfig:
     """The typed config (an instance of the environment's `config_class`) of `env_cfg`: a dataclass, a dict or
     a DictConfig. Raises ConfigError."""
     cls = env_class(_target_of(env_cfg))

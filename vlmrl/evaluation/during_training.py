@@ -4,28 +4,69 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
+from vlmrl.config import Config
 from vlmrl.evaluation.metrics import _summary
 from vlmrl.evaluation.report.run_data import EVAL_TRAJECTORIES
 from vlmrl.evaluation.rollouts import chunks, eval_data_cfg, rollout_records
 from vlmrl.jsonl import read_jsonl, write_jsonl_atomic
 
+if TYPE_CHECKING:
+    import torch
 
-def eval_during_training(job: Any, step: int) -> dict[str, float]:
+    from vlmrl.rollout.episode import EpisodeRunner
+    from vlmrl.runfiles import RunFiles
+    from vlmrl.tokens.base import TokenBuilder
+    from vlmrl.types import Task
+
+
+class PolicyHolder(Protocol):
+    """What the eval needs of the trainer (`vlmrl.train.trainer.GRPOTrainer`): this rank, the rank count, the
+    current policy as a module (collective under ZeRO-3) and an all-gather of Python objects."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def policy(self) -> AbstractContextManager[torch.nn.Module]: ...
+
+    def gather(self, obj: Any) -> list[Any]: ...
+
+
+@dataclass
+class EvalSetup:
+    """What `eval_during_training` uses of the run: its config, trainer, episode runner, token builder, processor and
+    run files (None: nothing is written); tasks: the eval split, loaded at the first call and kept."""
+
+    cfg: Config
+    trainer: PolicyHolder
+    runner: EpisodeRunner
+    builder: TokenBuilder
+    processor: Any
+    files: RunFiles | None
+    tasks: list[Task] | None = None
+
+
+def eval_during_training(setup: EvalSetup, step: int) -> dict[str, float]:
     """`trainer.eval_every`: run the eval split with the current policy; return `eval/<metric>` keys.
 
     Every rank runs its share of the problems inside one `trainer.policy()` block (collective under ZeRO-3, entered
     once per rank), records are gathered, and rank 0 keeps them in `eval_trajectories.jsonl` (lines of this step or
-    later from an earlier attempt are replaced). The tasks are loaded once and kept on the job. Sampling uses a
+    later from an earlier attempt are replaced). The tasks are loaded once and kept on `setup`. Sampling uses a
     torch RNG stream of its own (seeded by seed, step and rank), so evaluating does not change the training rollouts.
+    Raises what loading the eval split raises (e.g. ConfigError, FileNotFoundError).
     """
-    cfg, trainer = job.cfg, job.trainer
-    if getattr(job, "eval_tasks", None) is None:
+    cfg, trainer = setup.cfg, setup.trainer
+    if setup.tasks is None:
         from vlmrl.envs import load_env_tasks
 
-        job.eval_tasks = load_env_tasks(cfg.env, eval_data_cfg(cfg.data))
-    mine = job.eval_tasks[trainer.rank :: trainer.world_size]
+        setup.tasks = load_env_tasks(cfg.env, eval_data_cfg(cfg.data))
+    mine = setup.tasks[trainer.rank :: trainer.world_size]
     samples = cfg.algorithm.group_size
     recs: list[dict] = []
     seconds = 0.0
@@ -35,12 +76,14 @@ def eval_during_training(job: Any, step: int) -> dict[str, float]:
     # the eval samples from its own seeded stream: the training rollouts stay those of a run without eval
     with torch.random.fork_rng(devices=devices), trainer.policy() as module:
         torch.manual_seed(cfg.seed + 7919 * step + trainer.rank)
-        runner = job.runner
+        runner = setup.runner
         if cfg.rollout.engine == "transformers":  # one gathered block for the whole eval, not one per generate call
             from vlmrl.rollout import make_engine
 
-            runner = copy.copy(job.runner)
-            runner.engine = make_engine(cfg.rollout, lambda: contextlib.nullcontext(module), job.processor, job.builder)
+            runner = copy.copy(setup.runner)
+            runner.engine = make_engine(
+                cfg.rollout, lambda: contextlib.nullcontext(module), setup.processor, setup.builder
+            )
         for batch in chunks(mine, cfg.trainer.batch_size):
             part, dt = rollout_records(runner, batch, samples, step)
             recs += part
@@ -48,8 +91,8 @@ def eval_during_training(job: Any, step: int) -> dict[str, float]:
     parts = trainer.gather((recs, seconds))
     records = [r for part, _ in parts for r in part]
     seconds = max(s for _, s in parts)
-    if job.files:
-        path = job.files.dir / EVAL_TRAJECTORIES
+    if setup.files:
+        path = setup.files.dir / EVAL_TRAJECTORIES
         keep = [r for r in read_jsonl(path).rows if isinstance(r.get("step"), int) and r["step"] < step]
         write_jsonl_atomic(path, keep + records)
     return {f"eval/{k}": v for k, v in _summary(records, records, seconds).items()}

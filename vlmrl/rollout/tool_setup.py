@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vlmrl.config import Config, DataConfig
 from vlmrl.envs.base import Environment
 from vlmrl.envs.tool_env import with_configured_tools
 from vlmrl.tools.isolation import Sandbox, isolation_mode
@@ -34,29 +35,29 @@ class ToolSetup:
         return {"tools": self.schemas} if self.schemas else {}
 
 
-def _dataset_dir(cfg: Any) -> Path | None:
+def _dataset_dir(data: DataConfig) -> Path | None:
     """The local folder of `data.path` (itself when a folder, its folder when a file), else None."""
-    path = Path(str(getattr(cfg.data, "path", "") or "")).expanduser()
+    path = Path(data.path or "").expanduser()
     if path.is_dir():
         return path.resolve()
     return path.resolve().parent if path.is_file() else None
 
 
-def tools_data_dir(cfg: Any) -> Path | None:
+def tools_data_dir(cfg: Config) -> Path | None:
     """The folder tools may read: `tools.data_dir`, else the dataset's `images/` folder when there is one (never
     the folder holding the answers), else None (no data files at all)."""
-    explicit = getattr(cfg.tools, "data_dir", None)
+    explicit = cfg.tools.data_dir
     if explicit:
         return Path(explicit).expanduser().resolve()
-    dataset = _dataset_dir(cfg)
+    dataset = _dataset_dir(cfg.data)
     images = dataset / "images" if dataset is not None else None
     return images if images is not None and images.is_dir() else None
 
 
-def tools_sandbox(cfg: Any) -> Sandbox:
+def tools_sandbox(cfg: Config) -> Sandbox:
     """How tool workers are confined, from `tools.*`: the readable folder; the dataset's folder (answers) and the
     run folder (rewards of past episodes) hidden even where they lie in a bound code folder; limits."""
-    dataset = _dataset_dir(cfg)
+    dataset = _dataset_dir(cfg.data)
     read = tools_data_dir(cfg)
     run_dir = Path(str(cfg.logging.output_dir)).expanduser().resolve()
     hide = ((str(dataset),) if dataset else ()) + (str(run_dir),)
@@ -70,7 +71,7 @@ def tools_sandbox(cfg: Any) -> Sandbox:
     )
 
 
-def tool_setup(cfg: Any, processor: Any, env_factory: Callable[[], Environment]) -> ToolSetup:
+def tool_setup(cfg: Config, processor: Any, env_factory: Callable[[], Environment]) -> ToolSetup:
     """Tools of the run: those of the environment (probed once: schemas must not depend on the task) plus
     `tools.functions` / `tools.environment`. Raises ToolSpecError for an undocumented tool or a name clash."""
     sandbox = tools_sandbox(cfg)
