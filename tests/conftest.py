@@ -15,6 +15,15 @@ from PIL import Image, ImageDraw
 GEOMETRY3K = Path(__file__).resolve().parents[1] / "vlmrl" / "assets" / "data" / "geometry3k"  # in-repo sample
 
 
+def load_tasks(fields: dict, build_task):
+    """`vlmrl.data.load_tasks` of the typed data config `fields`; unset: no path, split train, file order (no
+    shuffle)."""
+    from vlmrl import data
+    from vlmrl.config import DataConfig
+
+    return data.load_tasks(DataConfig(**{"path": "", "split": "train", "shuffle_seed": None, **fields}), build_task)
+
+
 def _tiny_cfg(family: str, **extra) -> dict:
     return {"name_or_path": f"tiny:{family}", "family": family, "dtype": "float32", "seed": 0, **extra}
 

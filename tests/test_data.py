@@ -9,23 +9,11 @@ import logging
 from pathlib import Path
 
 import pytest
+from conftest import GEOMETRY3K, load_tasks
 from PIL import Image
 
-from vlmrl import data
-from vlmrl.config import DataConfig
 from vlmrl.data import BadRowError, to_rgb
 from vlmrl.envs.geometry3k import GeometryRow, geometry_row
-
-GEOMETRY3K = Path(__file__).resolve().parents[1] / "vlmrl" / "assets" / "data" / "geometry3k"  # in-repo sample
-
-
-def data_config(fields: dict) -> DataConfig:
-    """The typed data config of `fields`; unset: no path, split train, file order (no shuffle)."""
-    return DataConfig(**{"path": "", "split": "train", "shuffle_seed": None, **fields})
-
-
-def load_tasks(fields: dict, build_task):
-    return data.load_tasks(data_config(fields), build_task)
 
 
 def load_rows(fields: dict):

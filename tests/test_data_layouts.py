@@ -8,20 +8,14 @@ import logging
 from pathlib import Path
 
 import pytest
+from conftest import load_tasks
 from PIL import Image
 
-from vlmrl import data
-from vlmrl.config import DataConfig
 from vlmrl.data import BadRowError
 from vlmrl.envs.geometry3k import geometry_row
 from vlmrl.types import ImagePart, Role, TextPart
 
 COLORS = [(255, 0, 0), (0, 255, 0), (0, 0, 255)]
-
-
-def load_tasks(fields: dict, build_task):
-    """`vlmrl.data.load_tasks` of the data config `fields`; unset: split train, file order (no shuffle)."""
-    return data.load_tasks(DataConfig(**{"path": "", "split": "train", "shuffle_seed": None, **fields}), build_task)
 
 
 def load_rows(fields: dict):
