@@ -266,6 +266,8 @@ def load(trainer: Any, folder: Path) -> dict:
 
     Collective. Returns the run state saved with it (`state.json`). Call it after everything that draws random
     numbers at start-up (model init, engine set-up), so the next step samples as the uninterrupted run did.
+    Raises FileNotFoundError when `folder` is not a complete checkpoint, ValueError when it was saved by another number
+    of ranks.
     """
     folder = Path(folder)
     state = read_state(folder)

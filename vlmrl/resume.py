@@ -209,7 +209,8 @@ class StopSignals:
 
     @contextlib.contextmanager
     def abandonable(self, allowed: bool = True) -> Iterator[None]:
-        """A block that a stop signal may interrupt (rollouts: nothing is changed until the update)."""
+        """A block that a stop signal may interrupt (rollouts: nothing is changed until the update).
+        Raises StepAbandoned on entry when `allowed` and a stop was already requested."""
         if allowed and self.requested is not None:
             raise StepAbandoned()
         self._abandon = allowed

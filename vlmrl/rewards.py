@@ -143,6 +143,7 @@ def episode_reward(turn_rewards: Sequence[float], gamma: float) -> float:
 
     AReaL #931 multi-turn reward. Indexes turns with enumerate rather than slicing from the end: Python's
     `seq[-0:]` is the whole list, the bug AReaL hit.
+    Raises ValueError when gamma is outside (0, 1].
     """
     if not 0.0 < gamma <= 1.0:
         raise ValueError(f"turn discount gamma must be in (0, 1], got {gamma}")

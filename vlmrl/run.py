@@ -211,6 +211,8 @@ def build_job(cfg: Config, plan: ResumePlan | None = None) -> Job:
     """Load everything the loop needs; fail on an unusable output folder before any rollout.
 
     plan (`vlmrl.resume.plan_resume`): continue the folder's run files after `plan.step` instead of starting them.
+    Raises RunFolderError for an unusable output folder (e.g. a resumed run with another export style), ValueError
+    when the data split has no usable row.
     """
     set_seed(cfg.seed)  # python, numpy and torch RNGs (transformers.set_seed)
     main_rank = int(os.environ.get("RANK", "0")) == 0  # known before torch.distributed starts
@@ -364,7 +366,8 @@ def save(job: Job, step: int) -> Path:
 
 
 def resume(job: Job, plan: ResumePlan) -> int:
-    """Load the plan's checkpoint (weights, optimizer, RNG states, skip counters); returns the steps already done."""
+    """Load the plan's checkpoint (weights, optimizer, RNG states, skip counters); returns the steps already done.
+    Raises RuntimeError when the ranks disagree on the checkpoint to resume from."""
     steps = set(job.trainer.gather(plan.step))
     if len(steps) > 1:
         raise RuntimeError(f"ranks disagree on the checkpoint to resume from (steps {sorted(steps)})")

@@ -44,7 +44,8 @@ def family_source(family: str) -> str:
 
 
 def load_family_processor(family: str) -> Any:
-    """The processor the checks use for a family name (see `family_source`)."""
+    """The processor the checks use for a family name (see `family_source`).
+    Raises CheckError when no processor loader is registered for the family (and what the loader raises)."""
     if family in _PROCESSOR_LOADERS:
         return _PROCESSOR_LOADERS[family]()
     from vlmrl.families import get_family

@@ -135,7 +135,8 @@ def check_scenario(builder, scenario: Scenario) -> ScenarioPrefix:
 
 
 def check_prefix(family: str, processor, model: str = "", only: list[str] | None = None) -> PrefixReport:
-    """Check every scenario (or those named in `only`) with `family`'s builder around `processor`."""
+    """Check every scenario (or those named in `only`) with `family`'s builder around `processor`.
+    Raises ValueError when no scenario matches `only`."""
     results = []
     builder = None
     for sc in scenarios():

@@ -161,6 +161,7 @@ def scenarios() -> list[Scenario]:
 
 
 def get_scenario(name: str) -> Scenario:
+    """The scenario named `name`. Raises KeyError listing the known scenarios when there is none."""
     for sc in scenarios():
         if sc.name == name:
             return sc

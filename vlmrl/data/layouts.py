@@ -27,7 +27,8 @@ _IMAGE_KEYS = ("image", "images")
 
 def apply_columns(record: dict, columns: Mapping[str, str], where: str) -> dict:
     """`data.columns` (`{prompt: question, images: pics, answer: gt}`): the record with its columns renamed to the
-    trl names; the record's other columns are kept. A mapped column the record lacks is a row error."""
+    trl names; the record's other columns are kept. A mapped column the record lacks is a row error.
+    Raises BadRowError naming the row and the `data.columns` key when a mapped column is missing."""
     out = {k: v for k, v in record.items() if k not in columns.values()}
     for std, col in columns.items():
         if col not in record:
@@ -102,6 +103,7 @@ class _Queue:
         self.images, self.where, self.used = images, where, 0
 
     def next(self) -> ImagePart:
+        """The next image of the row. Raises BadRowError when the prompt places more images than the row has."""
         if self.used >= len(self.images):
             raise BadRowError(f"{self.where}: the prompt places more images than the row's {len(self.images)}")
         self.used += 1

@@ -84,6 +84,7 @@ def image_kwargs(family: str, vision: Any, image_mask: torch.Tensor) -> dict:
       all-zero crops anyway, so one row of every crop of the batch fills the placeholders in order for any B;
     - llava_next: pixel_values [N, max patches, 3, 336, 336] (zero-padded per image), image_sizes [N, 2] (from the
       builder's `LlavaNextVision`: a plain VisionInputs has lost them).
+    Raises ValueError for llava_next vision inputs without their image sizes.
     """
     style = input_style(family)
     mask = image_mask.long()

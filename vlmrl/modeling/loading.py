@@ -108,6 +108,8 @@ def load_policy(model_cfg: Any):
     Fields: name_or_path (hub id, local dir, or `tiny:<family>`), family (a family of `tiny_families()`), dtype
     (float32 | bfloat16), seed (random init of tiny models), min_pixels/max_pixels (optional, Qwen-VL families),
     attn_implementation (optional). The model is returned in train mode on the CPU.
+    Raises ValueError for an unknown family or dtype, or a checkpoint whose model_type is not the family's (and what
+    `load_processor` raises).
     """
     from transformers import AutoConfig, AutoModelForImageTextToText
 

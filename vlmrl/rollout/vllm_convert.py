@@ -76,7 +76,8 @@ def collapse_image_placeholders(
 
 def to_vllm_prompt(prompt: EnginePrompt, image_token_id: int | None, merge_size: int | None) -> dict:
     """A vLLM token prompt: `{"prompt_token_ids": ids}` (+ `"multi_modal_data": {"image": [PIL, ...]}` with images,
-    each image's placeholder run collapsed to one token, see `vlmrl.rollout.vllm_engine`'s docstring)."""
+    each image's placeholder run collapsed to one token, see `vlmrl.rollout.vllm_engine`'s docstring).
+    Raises ValueError for a prompt with images but no `image_token_id`."""
     if not prompt.images:
         return {"prompt_token_ids": list(prompt.token_ids)}
     if image_token_id is None:
@@ -142,7 +143,8 @@ def generate_body(
 
 # --- conversions from vLLM --------------------------------------------------------------------------------------
 def to_stop_reason(finish_reason: str | None, stop_reason: int | str | None) -> StopReason:
-    """vLLM's (finish_reason, stop_reason) -> StopReason (see `vlmrl.rollout.vllm_engine`'s docstring)."""
+    """vLLM's (finish_reason, stop_reason) -> StopReason (see `vlmrl.rollout.vllm_engine`'s docstring).
+    Raises RuntimeError for any other finish_reason (e.g. an aborted request)."""
     if finish_reason == "length":
         return StopReason.LENGTH
     if finish_reason == "stop":
@@ -156,7 +158,8 @@ def _logprob_value(entry: Any) -> float:
 
 def sampled_logprobs(token_ids: Sequence[int], logprobs: Any) -> list[float]:
     """The logprob of each sampled token from vLLM's per-position `{token_id: Logprob}` dicts (a list, or 0.32's
-    `FlatLogprobs`, which indexes the same way)."""
+    `FlatLogprobs`, which indexes the same way).
+    Raises RuntimeError when vLLM returned no logprobs or not one per sampled token."""
     if logprobs is None:
         raise RuntimeError("vLLM returned no logprobs (the request must set logprobs=0)")
     if len(logprobs) != len(token_ids):
@@ -202,7 +205,8 @@ def generation_from_generate_choice(
 
 def prompt_logprobs_list(ids: Sequence[int], prompt_logprobs: Sequence[Any]) -> list[float]:
     """vLLM `prompt_logprobs` (None at position 0, then `{token_id: Logprob}` dicts, string keys from the server) ->
-    [T] floats, 0.0 at position 0 (the layout of `sequence_logprobs`)."""
+    [T] floats, 0.0 at position 0 (the layout of `sequence_logprobs`).
+    Raises RuntimeError when there is not one entry per prompt token."""
     if len(prompt_logprobs) != len(ids):
         raise RuntimeError(f"vLLM returned {len(prompt_logprobs)} prompt logprobs for {len(ids)} prompt tokens")
     out = [0.0]
@@ -214,7 +218,8 @@ def prompt_logprobs_list(ids: Sequence[int], prompt_logprobs: Sequence[Any]) -> 
 
 
 def max_abs_delta(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]]) -> float:
-    """max |a - b| over all positions >= 1 of paired sequences (0.0 when there are none)."""
+    """max |a - b| over all positions >= 1 of paired sequences (0.0 when there are none).
+    Raises ValueError for paired sequences of different lengths."""
     worst = 0.0
     for x, y in zip(a, b):
         if len(x) != len(y):

@@ -80,6 +80,7 @@ class VLLMServer:
         return json.loads(text) if text else None
 
     def first_served_model(self) -> str:
+        """The name of the first model the server lists. Raises RuntimeError when it serves none."""
         models = self.post("/v1/models", method="GET")["data"]
         if not models:
             raise RuntimeError(f"vLLM server at {self.url} serves no model")

@@ -79,7 +79,8 @@ CANDIDATE_RESOLUTIONS: tuple[tuple[int, int], ...] = (
 
 def load_processor(path: str, **kwargs: Any):
     """The real `DeepseekVLV2Processor` of a checkpoint (needs the `deepseek_vl2` package from deepseek-ai/DeepSeek-VL2;
-    transformers has no DeepSeek-VL2 processor)."""
+    transformers has no DeepSeek-VL2 processor).
+    Raises ImportError naming the package when `deepseek_vl2` is not installed."""
     try:
         from deepseek_vl2.models import DeepseekVLV2Processor
     except ImportError as exc:  # pragma: no cover - depends on an optional package
@@ -147,7 +148,8 @@ class DeepseekVL2FormatProcessor:
         self, conversation: str, images: list, bos: bool = True, eos: bool = True, cropping: bool = True
     ):
         """(ids, tiles, images_seq_mask, images_spatial_crop [[nw, nh]], num_image_tokens) for `conversation` whose
-        `<image>` tags are `images` in order; text between images tokenized piece by piece."""
+        `<image>` tags are `images` in order; text between images tokenized piece by piece.
+        Raises ValueError when the number of image tags is not the number of images."""
         splits = conversation.split(self.image_token)
         if len(splits) - 1 != len(images):
             raise ValueError(f"{len(splits) - 1} {self.image_token} tags in the text but {len(images)} images")

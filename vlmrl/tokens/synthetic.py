@@ -233,6 +233,7 @@ def offline_processor(family: str) -> Any:
     glm4v / glm4v_moe: transformers' real `Glm4vProcessor` (+ `Glm4vImageProcessor` defaults = GLM-4.1V's published
     values); mimo_vl: transformers' `Qwen2_5_VLProcessor` with Qwen2.5-VL's published image values; kimi_vl:
     `kimi_vl.KimiVLFormatProcessor`; deepseek_vl2: `deepseek_vl2.DeepseekVL2FormatProcessor`.
+    Raises ValueError for a family without an offline processor.
     """
     tok = family_tokenizer(family)
     if family in ("glm4v", "glm4v_moe"):

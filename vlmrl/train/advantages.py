@@ -15,6 +15,7 @@ def group_advantages(
     std is the *sample* (unbiased, n-1) standard deviation, as verl (`torch.std` in
     `compute_grpo_outcome_advantage`) and trl (`nanstd`, Bessel-corrected) use. A group whose rewards are all equal
     (including a group of one) gets 0 for every member. `scale_by_std=False` gives r - mean (Dr. GRPO).
+    Raises ValueError when rewards and group ids differ in length.
     """
     if len(rewards) != len(group_ids):
         raise ValueError(f"{len(rewards)} rewards but {len(group_ids)} group ids")

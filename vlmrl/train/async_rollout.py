@@ -114,6 +114,8 @@ class Prefetcher(Generic[T]):
         return self._job is not None
 
     def start(self, fn: Callable[[], T]) -> None:
+        """Start running `fn` (sampling the next batch) in the background. Raises RuntimeError when an earlier job
+        is still pending."""
         if self._job is not None:
             raise RuntimeError("a prefetched batch is still pending")
         self._job = self._pool.submit(fn)
@@ -123,6 +125,8 @@ class Prefetcher(Generic[T]):
             self._job.exception()  # blocks; the exception (if any) is raised by take()
 
     def take(self) -> T:
+        """The started job's result (waits for it; re-raises its exception). Raises RuntimeError when none was
+        started."""
         job, self._job = self._job, None
         if job is None:
             raise RuntimeError("no prefetched batch")

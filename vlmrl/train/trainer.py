@@ -284,6 +284,7 @@ class GRPOTrainer:
         """Forward/backward every micro-batch of the step without stepping (gradients: `deepspeed.utils.
         safe_get_full_grad`). Returns (this rank's [loss, *LossStats] vector, its entries named by `STEP_VECTOR`
         (`named_stats`), loss tokens and samples over all ranks).
+        Raises ValueError when this rank has no sample.
         """
         if not samples:
             raise ValueError("a training step needs at least one sample on every rank")
