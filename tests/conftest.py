@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from PIL import Image, ImageDraw
 
+from vlmrl.config import ModelConfig
+
 GEOMETRY3K = Path(__file__).resolve().parents[1] / "vlmrl" / "assets" / "data" / "geometry3k"  # in-repo sample
 
 
@@ -24,13 +26,13 @@ def load_tasks(fields: dict, build_task):
     return data.load_tasks(DataConfig(**{"path": "", "split": "train", "shuffle_seed": None, **fields}), build_task)
 
 
-def _tiny_cfg(family: str, **extra) -> dict:
-    return {"name_or_path": f"tiny:{family}", "family": family, "dtype": "float32", "seed": 0, **extra}
+def _tiny_cfg(family: str, **extra) -> ModelConfig:
+    return ModelConfig(**{"name_or_path": f"tiny:{family}", "family": family, "dtype": "float32", **extra})
 
 
 @pytest.fixture(scope="session")
 def tiny_model_cfg():
-    """`tiny_model_cfg(family, **extra)` -> a model config dict for a tiny fp32 seeded model of `family`."""
+    """`tiny_model_cfg(family, **extra)` -> the `model` config node of a tiny fp32 seeded model of `family`."""
     return _tiny_cfg
 
 

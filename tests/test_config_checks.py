@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from vlmrl.config import ConfigError, load
+from vlmrl.config import ConfigError, ModelConfig, load
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -193,7 +193,7 @@ def test_garbage_model_folder_is_one_line(tmp_path):
     folder = _garbage_model_folder(tmp_path)
     t0 = time.perf_counter()
     with pytest.raises(ModelLoadError) as info:
-        load_policy({"name_or_path": str(folder), "family": "qwen2_5_vl"})
+        load_policy(ModelConfig(name_or_path=str(folder), family="qwen2_5_vl"))
     assert time.perf_counter() - t0 < 10  # the header check comes before the processor and the model are built
     msg = str(info.value)
     assert "\n" not in msg and str(folder) in msg and "config.json" in msg

@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from vlmrl.config import ModelConfig
 from vlmrl.modeling.families import tiny_family
 from vlmrl.modeling.inputs import mm_token_type_ids, policy_inputs
 from vlmrl.modeling.loading import load_policy, load_processor
@@ -96,7 +97,7 @@ def test_pixel_limits_are_fixed_per_processor(small_images):
 
 def test_config_errors(tmp_path):
     with pytest.raises(ValueError, match="model.family"):
-        load_policy({"name_or_path": "tiny:qwen2_5_vl", "family": "qwen9"})
+        load_policy(ModelConfig(name_or_path="tiny:qwen2_5_vl", family="qwen9"))
     with pytest.raises(ValueError, match="does not match model.family"):
         load_processor("qwen2_vl", "tiny:qwen2_5_vl")
     with pytest.raises(ValueError, match="unknown tiny family"):
@@ -104,7 +105,7 @@ def test_config_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="model.name_or_path"):
         load_processor("qwen2_vl", str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="model.dtype"):
-        load_policy({"name_or_path": "tiny:qwen2_5_vl", "family": "qwen2_5_vl", "dtype": "float8"})
+        load_policy(ModelConfig(name_or_path="tiny:qwen2_5_vl", family="qwen2_5_vl", dtype="float8"))
 
 
 def test_tiny_policy_is_seeded(qwen25_model, tiny_model_cfg):
@@ -113,7 +114,7 @@ def test_tiny_policy_is_seeded(qwen25_model, tiny_model_cfg):
     assert all(torch.equal(p, ref[n]) for n, p in model.named_parameters())
     assert model.config.text_config.vocab_size == 151936 and model.training
     assert next(model.parameters()).dtype == torch.float32
-    other, _ = load_policy(tiny_model_cfg("qwen2_5_vl", seed=1, dtype="bfloat16"))
+    other, _ = load_policy(tiny_model_cfg("qwen2_5_vl", dtype="bfloat16"), seed=1)
     assert next(other.parameters()).dtype == torch.bfloat16
     assert not torch.equal(other.lm_head.weight.float(), qwen25_model.lm_head.weight.bfloat16().float())
 

@@ -607,7 +607,7 @@ def test_limits_from_config_and_json_stats():
     from vlmrl.config import load
 
     cfg = load("geometry3k_tools_tiny", ["tools.parallel=true", "tools.max_workers=3"])
-    limits = ToolLimits.from_cfg(cfg.tools)
+    limits = ToolLimits.from_config(cfg.tools)
     assert limits.parallel and limits.max_workers == 3 and limits.timeout_s == 5.0 and limits.max_tool_calls == 4
     stats = ToolStats()
     stats.fail(ToolFailure.TIMEOUT)

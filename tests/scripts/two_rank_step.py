@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for the sample helpers
 from test_trainer import image_sample, with_old_logprobs
 
+from vlmrl.config import ModelConfig
 from vlmrl.modeling.loading import load_policy
 from vlmrl.train.grpo import grpo_loss
 from vlmrl.train.logprobs import batch_logprobs, collate
@@ -76,7 +77,7 @@ def params_digest(trainer: GRPOTrainer) -> str:
 def run_stage(stage: int, options: dict) -> None:
     from deepspeed.utils import safe_get_full_grad
 
-    model, _ = load_policy({"name_or_path": "tiny:qwen2_5_vl", "family": "qwen2_5_vl", "dtype": "float32", "seed": 0})
+    model, _ = load_policy(ModelConfig(name_or_path="tiny:qwen2_5_vl", family="qwen2_5_vl"))
     model.train()
     everything = [image_sample(50 + i, n_gen=2 + 3 * i, advantage=a) for i, a in enumerate([1.0, -0.5, 0.8, -1.2])]
     everything = with_old_logprobs(model, everything, noise=0.3)

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from vlmrl.config import ModelConfig
 from vlmrl.families import InputStyle, get_family
 from vlmrl.jsonl import atomic_path
 from vlmrl.modeling.cache import cache_dir
@@ -95,32 +96,26 @@ def _tiny_family(path: str, family: str) -> str:
     return tiny
 
 
-def _cfg(cfg: Any, key: str, default: Any = None) -> Any:
-    return cfg.get(key, default) if isinstance(cfg, dict) else getattr(cfg, key, default)
-
-
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
-def load_policy(model_cfg: Any):
-    """Load `(model, processor)` from a model config (dataclass, DictConfig or dict).
+def load_policy(model_cfg: ModelConfig, seed: int = 0):
+    """Load `(model, processor)` from the `model` config node.
 
-    Fields: name_or_path (hub id, local dir, or `tiny:<family>`), family (a family of `tiny_families()`), dtype
-    (float32 | bfloat16), seed (random init of tiny models), min_pixels/max_pixels (optional, Qwen-VL families),
-    attn_implementation (optional). The model is returned in train mode on the CPU.
+    Reads name_or_path (hub id, local dir, or `tiny:<family>`), family (a family of `tiny_families()`), dtype
+    (float32 | bfloat16), min_pixels/max_pixels (Qwen-VL families) and attn_implementation; `seed` is the random
+    init of a tiny model. The model is returned in train mode on the CPU.
     Raises ValueError for an unknown family or dtype, or a checkpoint whose model_type is not the family's (and what
     `load_processor` raises).
     """
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    path = _cfg(model_cfg, "name_or_path")
-    family = _cfg(model_cfg, "family")
+    path, family, dtype_name = model_cfg.name_or_path, model_cfg.family, model_cfg.dtype
     spec = tiny_family(family)
-    dtype_name = str(_cfg(model_cfg, "dtype", "float32"))
     if dtype_name not in _DTYPES:
         raise ValueError(f"model.dtype must be one of {sorted(_DTYPES)}; got {dtype_name!r}")
     dtype = _DTYPES[dtype_name]
-    attn = _cfg(model_cfg, "attn_implementation")
+    attn = model_cfg.attn_implementation
     extra = {"attn_implementation": attn} if attn else {}
     tiny = path.startswith("tiny:")
     if not tiny:  # config and weight-file headers first: a bad folder fails before the (slow) processor loads
@@ -134,9 +129,9 @@ def load_policy(model_cfg: Any):
                 f"expected one of {spec.model_types})"
             )
         _check_weight_files(path)
-    processor = load_processor(family, path, _cfg(model_cfg, "min_pixels"), _cfg(model_cfg, "max_pixels"))
+    processor = load_processor(family, path, model_cfg.min_pixels, model_cfg.max_pixels)
     if tiny:
-        model = tiny_model(family, int(_cfg(model_cfg, "seed", 0) or 0), dtype, **extra)
+        model = tiny_model(family, seed, dtype, **extra)
     else:
         with model_load_errors(path, "weights"):
             model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, **extra)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from vlmrl.config import ToolsConfig
 from vlmrl.tools.execute import Executor, Job
 from vlmrl.tools.isolation import Sandbox
 from vlmrl.tools.objects import RemoteMethod
@@ -35,32 +36,27 @@ _PARSE_FAILURE = {
 }
 
 
-def _get(cfg: Any, key: str, default: Any) -> Any:
-    value = cfg.get(key, default) if isinstance(cfg, dict) else getattr(cfg, key, default)
-    return default if value is None else value
-
-
 @dataclass(frozen=True)
 class ToolLimits:
     """The `tools` config section's limits (see `vlmrl.config.ToolsConfig`)."""
 
-    timeout_s: float = 10.0
-    max_tool_calls: int = 8
-    max_tool_response_tokens: int = 1024
-    parallel: bool = False
-    max_workers: int = 4
-    max_call_chars: int = 8192
+    timeout_s: float = ToolsConfig.timeout_s
+    max_tool_calls: int = ToolsConfig.max_tool_calls
+    max_tool_response_tokens: int = ToolsConfig.max_tool_response_tokens
+    parallel: bool = ToolsConfig.parallel
+    max_workers: int = ToolsConfig.max_workers
+    max_call_chars: int = ToolsConfig.max_call_chars
 
     @staticmethod
-    def from_cfg(cfg: Any) -> "ToolLimits":
-        d = ToolLimits()
+    def from_config(cfg: ToolsConfig) -> "ToolLimits":
+        """The limits of the `tools` config node."""
         return ToolLimits(
-            float(_get(cfg, "timeout_s", d.timeout_s)),
-            int(_get(cfg, "max_tool_calls", d.max_tool_calls)),
-            int(_get(cfg, "max_tool_response_tokens", d.max_tool_response_tokens)),
-            bool(_get(cfg, "parallel", d.parallel)),
-            int(_get(cfg, "max_workers", d.max_workers)),
-            int(_get(cfg, "max_call_chars", d.max_call_chars)),
+            cfg.timeout_s,
+            cfg.max_tool_calls,
+            cfg.max_tool_response_tokens,
+            cfg.parallel,
+            cfg.max_workers,
+            cfg.max_call_chars,
         )
 
 
@@ -97,12 +93,13 @@ class ToolRuntime:
         self.opts = (bounds, limits.max_tool_response_tokens * _CHARS_PER_TOKEN_BOUND + 1, "blocks")
 
     @staticmethod
-    def from_config(tools_cfg: Any, family: str, processor: Any, sandbox: Sandbox = Sandbox()) -> "ToolRuntime":
-        """The runtime for `family`'s parser (or `tools.parser`), the processor's image bounds and tokenizer."""
-        limits = ToolLimits.from_cfg(tools_cfg)
-        parser_name = str(_get(tools_cfg, "parser", "auto"))
+    def from_config(tools_cfg: ToolsConfig, family: str, processor: Any, sandbox: Sandbox = Sandbox()) -> "ToolRuntime":
+        """The runtime for `family`'s parser (or `tools.parser`), the processor's image bounds and tokenizer.
+        Raises ValueError for an unknown `tools.parser`."""
+        limits = ToolLimits.from_config(tools_cfg)
+        parser_name = tools_cfg.parser
         parser = get_parser(family if parser_name == "auto" else parser_name, limits.max_call_chars)
-        describe = str(_get(tools_cfg, "describe", "auto"))
+        describe = tools_cfg.describe
         show = describe == "always" or (describe == "auto" and not template_renders_tools(processor))
         return ToolRuntime(
             parser, limits, ImageBounds.of_processor(processor), getattr(processor, "tokenizer", None), sandbox, show
