@@ -17,7 +17,13 @@ from __future__ import annotations
 from typing import Any
 
 from vlmrl.tokens.base import PrefixMode
-from vlmrl.tokens.grid import expand_grid_placeholders, known_images
+from vlmrl.tokens.grid import (
+    check_placeholders,
+    expand_grid_placeholders,
+    expand_placeholder_ids,
+    known_images,
+    process_grid_images,
+)
 from vlmrl.tokens.template_builder import MARKER, TemplateBuilder
 from vlmrl.types import Message, Role, TokenSeq, VisionInputs
 
@@ -75,6 +81,7 @@ class QwenVLBuilder(TemplateBuilder):
         self._compiled: tuple | None = None  # (template source, compiled template or None)
         self._render_vars: dict = {}
         self._encode = self._fast_encoder()
+        self._expand_ids = self._fast and self._placeholder_ids_expand()
 
     @property
     def placeholder_token_ids(self) -> tuple[int, ...]:
@@ -154,6 +161,30 @@ class QwenVLBuilder(TemplateBuilder):
             pass
         return slow
 
+    def _placeholder_ids_expand(self) -> bool:
+        """Is repeating the placeholder's id in the ids the same as tokenizing the text with the placeholder string
+        repeated? Yes when it is the builder's `image_token`, an added token the tokenizer cuts the text at and that
+        strips nothing around it (then the text around it tokenizes alone), checked once on a probe."""
+        token = getattr(self.processor, "image_token", None)
+        added = {t.content: t for t in (getattr(self.tokenizer, "added_tokens_decoder", None) or {}).values()}
+        spec = added.get(str(token))
+        if (
+            token != self.image_token
+            or spec is None
+            or spec.lstrip
+            or spec.rstrip
+            or spec.single_word
+            or spec.normalized
+        ):
+            return False
+        probe = "a <|vision_start|>{}<|vision_end|> b{}\n{}c"
+        try:
+            one = self._encode(probe.format(token, token, token))
+            many = self._encode(probe.format(token * 3, token * 2, token))
+            return expand_placeholder_ids(one, self.image_token_id, [3, 2, 1]) == many
+        except ValueError:
+            return False
+
     def _process(
         self, text: str, images: list, add_special_tokens: bool | None, seq: TokenSeq | None = None
     ) -> tuple[list[int], VisionInputs | None]:
@@ -162,12 +193,20 @@ class QwenVLBuilder(TemplateBuilder):
 
         The same steps as the processor's `__call__` (image processor, then each `<|image_pad|>` repeated
         grid.prod() // merge_size**2 times, then the tokenizer) without its per-call kwargs merging and validation,
-        which cost more than tokenizing a turn (bench/token_building.py). `add_special_tokens` changes nothing: the
-        fast path is taken only for a tokenizer that adds none. `render_full` keeps the processor's own call as the
+        which cost more than tokenizing a turn (bench/token_building.py). When `_placeholder_ids_expand` holds, the
+        text is tokenized with one placeholder per image and its id is repeated in the ids (tokenizing hundreds of
+        placeholders costs more than the rest of the turn's text). `add_special_tokens` changes nothing: the fast
+        path is taken only for a tokenizer that adds none. `render_full` keeps the processor's own call as the
         reference, and the tests compare the two.
+
+        Raises ValueError when the text's placeholders do not match the images.
         """
         if not self._fast:
             return super()._process(text, images, add_special_tokens, seq)
         known = known_images(seq, images) if seq is not None else None
-        text, vision = expand_grid_placeholders(text, images, self.processor, known)
-        return self._encode(text), vision
+        if not self._expand_ids:
+            text, vision = expand_grid_placeholders(text, images, self.processor, known)
+            return self._encode(text), vision
+        check_placeholders(text, self.image_token, len(images))
+        vision, counts = process_grid_images(images, self.processor, known)
+        return expand_placeholder_ids(self._encode(text), self.image_token_id, counts), vision
