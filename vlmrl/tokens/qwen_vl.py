@@ -8,8 +8,9 @@ Qwen2/2.5-VL's default system prompt is never injected) and ends with an assista
 tokenized and its images processed once, exactly as the processor would expand them in a full render.
 
 Speed (bench/token_building.py, column (a)): two hooks skip the processor's per-call overhead, each checked once
-against the slow path it replaces: `_template` renders the compiled Jinja template directly, `_process` expands
-`<|image_pad|>` by the image grid and encodes with the `tokenizers` backend (`_fast_encoder`).
+against the slow path it replaces: `_template` renders the compiled Jinja template directly, `_process` encodes with
+the `tokenizers` backend (`_fast_encoder`) one `<|image_pad|>` per image and repeats its id by the image grid
+(`_placeholder_ids_expand`), so the text side costs about what tokenizing the new text alone does.
 """
 
 from __future__ import annotations
