@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from vlmrl.tokens import get_builder
+from vlmrl.tokens.grid import expand_placeholder_ids
 from vlmrl.tokens.qwen_vl import QwenVLBuilder
-from vlmrl.types import Generation, ImagePart, Message, Role, StopReason, TextPart, TokenSeq
+from vlmrl.types import Generation, ImagePart, Message, Role, StopReason, TextPart, TokenSeq, VisionInputs
 
 FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 REPLIES = [
@@ -175,6 +176,64 @@ def test_an_image_sent_again_is_processed_and_held_once(
     diagram_rows = int(second.image_grid_thw[0].prod())
     assert third.pixel_values.data_ptr() == second.pixel_values[diagram_rows:].data_ptr()  # held once
     check_invariants(builder, seq, conv, snapshots)
+
+
+@pytest.mark.parametrize("expand_ids", [True, False])
+def test_placeholders_expanded_in_ids_or_in_text(expand_ids, qwen25_processor, geometry_images, small_images):
+    """Both ways of expanding `<|image_pad|>` (repeating its id after tokenizing one per image: the fast path; or
+    repeating the string before tokenizing) give the processor's full render, with two images in one message."""
+    builder = get_builder("qwen2_5_vl", qwen25_processor)
+    assert builder._expand_ids  # the real Qwen2.5-VL tokenizer qualifies for the fast path
+    builder._expand_ids = expand_ids
+    first = [user(geometry_images[0], "Find x.", small_images[1])]
+    feedbacks = [user("Two crops:", small_images[0], small_images[2], "again"), user("No image.")]
+    seq, conv, snapshots = run_episode(builder, first, feedbacks)
+    check_invariants(builder, seq, conv, snapshots)
+
+
+def test_expand_placeholder_ids():
+    """Hand-written: the i-th placeholder id repeated counts[i] times, the rest kept; a count mismatch raises."""
+    assert expand_placeholder_ids([1, 9, 2, 9, 9, 3], 9, [2, 0, 3]) == [1, 9, 9, 2, 9, 9, 9, 3]
+    assert expand_placeholder_ids([1, 2], 9, []) == [1, 2]
+    with pytest.raises(ValueError, match="2 placeholder ids 9 but 1 images"):
+        expand_placeholder_ids([9, 9], 9, [4])
+
+
+def test_per_image_views_equal_each_image_processed_alone(qwen25_processor, small_images):
+    """`VisionInputs.per_image` of a batch of images: each view equals that image processed on its own (the
+    independent reference), shares the batch's storage (no copy), and `slice_images` agrees with it."""
+    ip = qwen25_processor.image_processor
+    out = ip(images=small_images, return_tensors="pt")
+    batch = VisionInputs(out["pixel_values"], out["image_grid_thw"])
+    views = batch.per_image()
+    assert len(views) == len(small_images) == batch.num_images
+    for image, view in zip(small_images, views):
+        alone = ip(images=[image], return_tensors="pt")
+        assert torch.equal(view.pixel_values, alone["pixel_values"])
+        assert torch.equal(view.image_grid_thw, alone["image_grid_thw"])
+        assert view.pixel_values.untyped_storage().data_ptr() == batch.pixel_values.untyped_storage().data_ptr()
+    two = batch.slice_images(2)
+    assert torch.equal(two.pixel_values, torch.cat([v.pixel_values for v in views[:2]]))
+
+
+def test_held_vision_follows_appends_and_forks(qwen25_processor, small_images):
+    """`TokenSeq.held_vision` answers by identity from parts appended since the last call; a fork keeps the answers
+    for what it shares and tracks its own appends. Reference: each image processed on its own."""
+    builder = get_builder("qwen2_5_vl", qwen25_processor)
+    a, b, c = small_images
+    seq = builder.start([user(a, "first")])
+    assert seq.held_vision(b) is None
+    builder.add_generation(seq, gen(builder.tokenizer, "ok"))
+    builder.extend(seq, builder.render_messages(seq, [user(b, c, "two more")]))
+    fork = seq.fork()
+    builder.add_generation(fork, gen(builder.tokenizer, "ok"))
+    d = a.copy()  # equal pixels, another object: not held
+    builder.extend(fork, builder.render_messages(fork, [user(d, "a copy")]))
+    for s, held in ((seq, (a, b, c)), (fork, (a, b, c, d))):
+        for image in held:
+            alone = qwen25_processor.image_processor(images=[image], return_tensors="pt")["pixel_values"]
+            assert torch.equal(s.held_vision(image).pixel_values, alone)
+    assert seq.held_vision(d) is None
 
 
 def test_feedback_piece_is_only_the_new_message(qwen3vl_processor, small_images, monkeypatch):

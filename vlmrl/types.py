@@ -258,10 +258,22 @@ class VisionInputs:
     def num_images(self) -> int:
         return int(self.image_grid_thw.shape[0])
 
+    def image_rows(self) -> list[int]:
+        """Rows of `pixel_values` per image: prod(grid_i) = t·h·w, in image order (ints)."""
+        return [t * h * w for t, h, w in self.image_grid_thw.tolist()]
+
     def slice_images(self, n: int) -> "VisionInputs":
         """The first `n` images: pixel_values rows sum_i<n prod(grid_i) (whole grids, never cut), grid rows [:n]."""
-        rows = int(self.image_grid_thw[:n].prod(dim=-1).sum())
-        return VisionInputs(self.pixel_values[:rows], self.image_grid_thw[:n])
+        return VisionInputs(self.pixel_values[: sum(self.image_rows()[:n])], self.image_grid_thw[:n])
+
+    def per_image(self) -> list["VisionInputs"]:
+        """One `VisionInputs` per image, in order: views (no copy) of pixel_values rows prod(grid_i) and grid row i.
+        Like `cat` and `slice_images`, a subclass with more per-image fields overrides it."""
+        out, start = [], 0
+        for i, rows in enumerate(self.image_rows()):
+            out.append(VisionInputs(self.pixel_values[start : start + rows], self.image_grid_thw[i : i + 1]))
+            start += rows
+        return out
 
 
 @dataclass
@@ -303,6 +315,12 @@ class TokenSeq:
     vision_parts: list[VisionInputs] = field(default_factory=list)
     turn_spans: list[tuple[int, int]] = field(default_factory=list)
     boundary: list[BoundaryEdit] = field(default_factory=list)
+    # derived from images / vision_parts, kept up to date as they grow (`held_vision`): id(image) -> its first index
+    # in `images`, how many of `images` are indexed, and the per-image views of the first `_split_parts` parts
+    _image_index: dict[int, int] = field(default_factory=dict, repr=False, compare=False)
+    _indexed: int = field(default=0, repr=False, compare=False)
+    _per_image: list[VisionInputs] = field(default_factory=list, repr=False, compare=False)
+    _split_parts: int = field(default=0, repr=False, compare=False)
 
     def append(self, ids: list[int], mask: int, logprobs: list[float] | None = None) -> None:
         self.ids.extend(ids)
@@ -324,6 +342,26 @@ class TokenSeq:
             list(self.turn_spans),
             list(self.boundary),
         )
+
+    def held_vision(self, image: Image.Image) -> VisionInputs | None:
+        """The processed `VisionInputs` of `image` when this sequence already holds that very object (`is`), else None.
+
+        For layouts with one `per_image` view per entry of `images` (the grid families). Cost O(1) per call plus
+        O(new images) since the last call: the identity index and the per-image views are extended as `images` and
+        `vision_parts` grow (views: no pixel copy). The held images are alive, so their ids are stable.
+        """
+        if self._indexed > len(self.images) or self._split_parts > len(self.vision_parts):  # lists were cut: rebuild
+            self._image_index, self._indexed, self._per_image, self._split_parts = {}, 0, [], 0
+        for i in range(self._indexed, len(self.images)):
+            self._image_index.setdefault(id(self.images[i]), i)
+        self._indexed = len(self.images)
+        at = self._image_index.get(id(image))
+        if at is None:
+            return None
+        for part in self.vision_parts[self._split_parts :]:  # split only when an image is found: amortised O(1)
+            self._per_image.extend(part.per_image())
+        self._split_parts = len(self.vision_parts)
+        return self._per_image[at]
 
     def prompt(self) -> EnginePrompt:
         return EnginePrompt(list(self.ids), list(self.images), self.vision)

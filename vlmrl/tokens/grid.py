@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import Any, cast
 
-import torch
-
 from vlmrl.types import TokenSeq, VisionInputs
 
 
@@ -17,53 +15,84 @@ def grid_features(vision: VisionInputs | None, merge_size: int) -> int:
     return int((vision.image_grid_thw.prod(-1) // int(merge_size) ** 2).sum())
 
 
-def split_images(vision: VisionInputs) -> list[VisionInputs]:
-    """One `VisionInputs` per image of `vision` (views: pixel_values rows prod(grid_i) each, no copy)."""
-    rows = [int(t * h * w) for t, h, w in vision.image_grid_thw.tolist()]
-    pixels = torch.split(vision.pixel_values, rows)
-    return [VisionInputs(p, vision.image_grid_thw[i : i + 1]) for i, p in enumerate(pixels)]
+def known_images(seq: TokenSeq, images: list) -> dict[int, VisionInputs]:
+    """id(image) -> its processed `VisionInputs`, for each image of `images` that `seq` already holds (the same
+    object, `is`; `TokenSeq.held_vision`, O(1) per image): empty when none is."""
+    found = {}
+    for im in images:
+        vision = seq.held_vision(im)
+        if vision is not None:
+            found[id(im)] = vision
+    return found
 
 
-def known_images(seq: TokenSeq, images: list) -> list[tuple[Any, VisionInputs]]:
-    """(image, its processed `VisionInputs`) for each image of `seq` that `images` sends again (the same object,
-    `is`): an empty list when none is. The images of `seq` are alive (it holds them), so their ids are stable."""
-    if not any(im is old for im in images for old in seq.images):
-        return []
-    per_image = [v for part in seq.vision_parts for v in split_images(part)]
-    return [(im, v) for im, v in zip(seq.images, per_image) if any(im is new for new in images)]
+def process_grid_images(
+    images: list, processor: Any, known: dict[int, VisionInputs] | None = None
+) -> tuple[VisionInputs | None, list[int]]:
+    """Process `images` once with `processor.image_processor`: their `VisionInputs` in order (None for no images) and
+    each image's feature count t·h·w / merge_size² (ints, one per entry of `images`).
+
+    known: id(image) -> VisionInputs of images already processed in this trajectory (`known_images`). An image object
+    among them, or sent twice in `images`, is processed once and its `pixel_values` tensor is reused (a single re-sent
+    image: the very tensor the trajectory already holds). Images are taken as immutable once sent.
+    """
+    if not images:
+        return None, []
+    done = dict(known or {})
+    todo = list({id(im): im for im in images if id(im) not in done}.values())  # first occurrences, in order
+    fresh = None
+    if todo:
+        out = processor.image_processor(images=todo, return_tensors="pt")
+        fresh = VisionInputs(out["pixel_values"], out["image_grid_thw"])
+    if fresh is not None and len(todo) == len(images):  # every image new and distinct: the processor's output
+        vision = fresh
+    else:
+        if fresh is not None:
+            done.update(zip(map(id, todo), fresh.per_image()))
+        parts = [done[id(im)] for im in images]
+        vision = parts[0] if len(parts) == 1 else cast(VisionInputs, VisionInputs.cat(parts))  # parts: not empty
+    merge = int(processor.image_processor.merge_size) ** 2
+    return vision, [rows // merge for rows in vision.image_rows()]
+
+
+def check_placeholders(text: str, token: str, n_images: int) -> None:
+    """Raises ValueError when `text` holds another number of `token` placeholders than `n_images`."""
+    found = text.count(token)
+    if found != n_images:
+        raise ValueError(f"{found} {token} placeholders in the text but {n_images} images")
 
 
 def expand_grid_placeholders(
-    text: str, images: list, processor: Any, known: list[tuple[Any, VisionInputs]] | None = None
+    text: str, images: list, processor: Any, known: dict[int, VisionInputs] | None = None
 ) -> tuple[str, VisionInputs | None]:
-    """Process `images` once with `processor.image_processor` and repeat each `processor.image_token` in `text` by
-    its image's feature count (the steps of the processor's `__call__`, without its per-call overhead).
-
-    known: (image, VisionInputs) of images already processed in this trajectory (`known_images`). An image object
-    among them, or sent twice in `images`, is processed once and its `pixel_values` tensor is reused (a single
-    re-sent image: the very tensor the trajectory already holds). Images are taken as immutable once sent.
+    """`images` processed once (`process_grid_images`) and each `processor.image_token` in `text` repeated by its
+    image's feature count (the steps of the processor's `__call__`, without its per-call overhead).
 
     Raises ValueError when the number of placeholders in `text` differs from len(images).
     """
     token = processor.image_token
+    check_placeholders(text, token, len(images))
     pieces = text.split(token)
-    if len(pieces) - 1 != len(images):
-        raise ValueError(f"{len(pieces) - 1} {token} placeholders in the text but {len(images)} images")
-    if not images:
-        return text, None
-    repeated = len({id(im) for im in images}) < len(images)
-    if known or repeated:
-        done = {id(im): v for im, v in known or []}
-        todo = [im for i, im in enumerate(images) if id(im) not in done and all(im is not o for o in images[:i])]
-        if todo:
-            out = processor.image_processor(images=todo, return_tensors="pt")
-            fresh = split_images(VisionInputs(out["pixel_values"], out["image_grid_thw"]))
-            done.update({id(im): v for im, v in zip(todo, fresh)})
-        parts = [done[id(im)] for im in images]
-        vision = parts[0] if len(parts) == 1 else cast(VisionInputs, VisionInputs.cat(parts))  # parts: not empty
-    else:
-        out = processor.image_processor(images=images, return_tensors="pt")
-        vision = VisionInputs(out["pixel_values"], out["image_grid_thw"])
-    merge = int(processor.image_processor.merge_size) ** 2
-    counts = [t * h * w // merge for t, h, w in vision.image_grid_thw.tolist()]  # ints: no torch op per turn
+    vision, counts = process_grid_images(images, processor, known)
     return pieces[0] + "".join(token * n + rest for n, rest in zip(counts, pieces[1:])), vision
+
+
+def expand_placeholder_ids(ids: list[int], token_id: int, counts: list[int]) -> list[int]:
+    """`ids` with the i-th occurrence of `token_id` repeated counts[i] times (placeholders expanded in the ids).
+
+    Equals tokenizing the text with each placeholder string repeated when the placeholder is an added token the
+    tokenizer always cuts the text at, stripping nothing around it (the caller checks that).
+
+    Raises ValueError when `ids` holds another number of `token_id` than len(counts).
+    """
+    at = [i for i, t in enumerate(ids) if t == token_id]
+    if len(at) != len(counts):
+        raise ValueError(f"{len(at)} placeholder ids {token_id} but {len(counts)} images")
+    out: list[int] = []
+    start = 0
+    for i, n in zip(at, counts):
+        out += ids[start:i]
+        out += [token_id] * n
+        start = i + 1
+    out += ids[start:]
+    return out

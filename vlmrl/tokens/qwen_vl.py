@@ -8,8 +8,9 @@ Qwen2/2.5-VL's default system prompt is never injected) and ends with an assista
 tokenized and its images processed once, exactly as the processor would expand them in a full render.
 
 Speed (bench/token_building.py, column (a)): two hooks skip the processor's per-call overhead, each checked once
-against the slow path it replaces: `_template` renders the compiled Jinja template directly, `_process` expands
-`<|image_pad|>` by the image grid and encodes with the `tokenizers` backend (`_fast_encoder`).
+against the slow path it replaces: `_template` renders the compiled Jinja template directly, `_process` encodes with
+the `tokenizers` backend (`_fast_encoder`) one `<|image_pad|>` per image and repeats its id by the image grid
+(`_placeholder_ids_expand`), so the text side costs about what tokenizing the new text alone does.
 """
 
 from __future__ import annotations
@@ -17,7 +18,13 @@ from __future__ import annotations
 from typing import Any
 
 from vlmrl.tokens.base import PrefixMode
-from vlmrl.tokens.grid import expand_grid_placeholders, known_images
+from vlmrl.tokens.grid import (
+    check_placeholders,
+    expand_grid_placeholders,
+    expand_placeholder_ids,
+    known_images,
+    process_grid_images,
+)
 from vlmrl.tokens.template_builder import MARKER, TemplateBuilder
 from vlmrl.types import Message, Role, TokenSeq, VisionInputs
 
@@ -74,6 +81,7 @@ class QwenVLBuilder(TemplateBuilder):
         self._compiled: tuple | None = None  # (template source, compiled template or None)
         self._render_vars: dict = {}
         self._encode = self._fast_encoder()
+        self._expand_ids = self._fast and self._placeholder_ids_expand()
 
     @property
     def placeholder_token_ids(self) -> tuple[int, ...]:
@@ -153,6 +161,30 @@ class QwenVLBuilder(TemplateBuilder):
             pass
         return slow
 
+    def _placeholder_ids_expand(self) -> bool:
+        """Is repeating the placeholder's id in the ids the same as tokenizing the text with the placeholder string
+        repeated? Yes when it is the builder's `image_token`, an added token the tokenizer cuts the text at and that
+        strips nothing around it (then the text around it tokenizes alone), checked once on a probe."""
+        token = getattr(self.processor, "image_token", None)
+        added = {t.content: t for t in (getattr(self.tokenizer, "added_tokens_decoder", None) or {}).values()}
+        spec = added.get(str(token))
+        if (
+            token != self.image_token
+            or spec is None
+            or spec.lstrip
+            or spec.rstrip
+            or spec.single_word
+            or spec.normalized
+        ):
+            return False
+        probe = "a <|vision_start|>{}<|vision_end|> b{}\n{}c"
+        try:
+            one = self._encode(probe.format(token, token, token))
+            many = self._encode(probe.format(token * 3, token * 2, token))
+            return expand_placeholder_ids(one, self.image_token_id, [3, 2, 1]) == many
+        except ValueError:
+            return False
+
     def _process(
         self, text: str, images: list, add_special_tokens: bool | None, seq: TokenSeq | None = None
     ) -> tuple[list[int], VisionInputs | None]:
@@ -161,12 +193,20 @@ class QwenVLBuilder(TemplateBuilder):
 
         The same steps as the processor's `__call__` (image processor, then each `<|image_pad|>` repeated
         grid.prod() // merge_size**2 times, then the tokenizer) without its per-call kwargs merging and validation,
-        which cost more than tokenizing a turn (bench/token_building.py). `add_special_tokens` changes nothing: the
-        fast path is taken only for a tokenizer that adds none. `render_full` keeps the processor's own call as the
+        which cost more than tokenizing a turn (bench/token_building.py). When `_placeholder_ids_expand` holds, the
+        text is tokenized with one placeholder per image and its id is repeated in the ids (tokenizing hundreds of
+        placeholders costs more than the rest of the turn's text). `add_special_tokens` changes nothing: the fast
+        path is taken only for a tokenizer that adds none. `render_full` keeps the processor's own call as the
         reference, and the tests compare the two.
+
+        Raises ValueError when the text's placeholders do not match the images.
         """
         if not self._fast:
             return super()._process(text, images, add_special_tokens, seq)
         known = known_images(seq, images) if seq is not None else None
-        text, vision = expand_grid_placeholders(text, images, self.processor, known)
-        return self._encode(text), vision
+        if not self._expand_ids:
+            text, vision = expand_grid_placeholders(text, images, self.processor, known)
+            return self._encode(text), vision
+        check_placeholders(text, self.image_token, len(images))
+        vision, counts = process_grid_images(images, self.processor, known)
+        return expand_placeholder_ids(self._encode(text), self.image_token_id, counts), vision
