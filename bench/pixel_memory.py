@@ -52,11 +52,12 @@ def run_case(case: str, turns: int, size: int) -> dict:
     """Build one `turns`-turn episode of `case` ("new" | "same") in this process; its memory row (see module doc)."""
     from PIL import Image, ImageDraw
 
+    from vlmrl.config import ModelConfig
     from vlmrl.modeling.loading import load_policy
     from vlmrl.tokens import get_builder
     from vlmrl.types import Generation, ImagePart, Message, Role, StopReason, TextPart
 
-    model, processor = load_policy({"name_or_path": "tiny:qwen2_5_vl", "family": "qwen2_5_vl"})
+    model, processor = load_policy(ModelConfig(name_or_path="tiny:qwen2_5_vl", family="qwen2_5_vl"))
     calls = {"n": 0}
     image_processor = processor.image_processor
     preprocess = image_processor.preprocess

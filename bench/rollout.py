@@ -39,7 +39,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from vlmrl.config import DataConfig, EnvConfig, RolloutConfig, VLLMConfig
+from vlmrl.config import DataConfig, EnvConfig, ModelConfig, RolloutConfig, VLLMConfig
 from vlmrl.envs import load_env_tasks, make_env_factory
 from vlmrl.modeling.loading import load_policy
 from vlmrl.rollout import make_engine
@@ -107,9 +107,7 @@ def make_bench_engine(name: str, model, processor, builder) -> Engine:
 
 def load_bench_model(engine: str):
     """(model, processor): the tiny Qwen2.5-VL (fp32, random weights); head size 32 for vLLM."""
-    model, processor = load_policy(
-        {"name_or_path": "tiny:qwen2_5_vl", "family": "qwen2_5_vl", "dtype": "float32", "seed": 0}
-    )
+    model, processor = load_policy(ModelConfig(name_or_path="tiny:qwen2_5_vl", family="qwen2_5_vl"))
     if engine == "vllm":
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "real_vllm"))
         from tiny_head32 import tiny_qwen25_vl_head32

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vlmrl.config import ExportStyle, load
+from vlmrl.config import ExportStyle, ModelConfig, load
 from vlmrl.envs import colors
 from vlmrl.export import to_samples
 from vlmrl.sft import demo_trajectory, load_demos
@@ -132,7 +132,7 @@ def test_sft_checkpoint_loads_in_train_and_generate(tmp_path):
     assert len(losses) == 2 and losses[1] < losses[0]
     from vlmrl.modeling.loading import load_policy, tiny_model
 
-    model, _ = load_policy({"name_or_path": str(out / "hf"), "family": "qwen2_5_vl"})
+    model, _ = load_policy(ModelConfig(name_or_path=str(out / "hf"), family="qwen2_5_vl"))
     init = tiny_model("qwen2_5_vl", 0)
     name, weight = next((n, p) for n, p in model.named_parameters() if "embed_tokens" in n)
     assert not torch.equal(weight, dict(init.named_parameters())[name])  # the SFT update is in the saved weights
