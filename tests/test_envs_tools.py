@@ -13,8 +13,9 @@ from PIL import Image
 
 from vlmrl.config import ConfigError, DataConfig, ExportStyle, load
 from vlmrl.envs import load_env_tasks, make_env_factory
-from vlmrl.export import count_images, to_samples, trajectory_record
+from vlmrl.export import count_images, to_samples
 from vlmrl.metrics import rollout_metrics
+from vlmrl.record import TrajectoryRecord
 from vlmrl.rollout.engine import Engine, SamplingParams
 from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner
 from vlmrl.rollout.tool_setup import tool_setup
@@ -125,7 +126,7 @@ def test_geometry3k_tools_crop_image_reaches_engine_and_trajectory(family, qwen_
     assert [s.vision.image_grid_thw.shape[0] for s in indiv] == [1, 2, 2]
     for s, (start, end) in zip(indiv, traj.tokens.turn_spans):
         assert s.loss_mask.nonzero().flatten().tolist() == list(range(start, end))
-    record = trajectory_record(traj, step=1)
+    record = TrajectoryRecord.from_trajectory(traj, step=1).to_json()
     assert record["tool_calls"][0][0]["name"] == "crop" and record["tool_errors"] == [[""], [""], []]
     assert any(p.get("ref", "").endswith(":crop#0") for m in record["messages"] for p in m["content"])
     metrics = rollout_metrics([traj])

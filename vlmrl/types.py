@@ -103,6 +103,15 @@ class EndReason(str, Enum):
     TOOL_RESPONSE_TOO_LONG = "tool_response_too_long"  # an image tool response over max_tool_response_tokens
 
 
+# Conventional per-turn metric keys: what an environment reports for a graded turn (`StepResult.metrics`, kept on
+# `Turn.metrics` and in a record's `turn_metrics`), as floats (1.0 / 0.0 for flags). The run metrics
+# (`vlmrl.metrics.episode_metrics`) read:
+CORRECT = "correct"  # the answer is right: accuracy, first/second_turn_accuracy, pass@k; `Turn.correct` is > 0
+FORMATTED = "formatted"  # the answer has the format asked for (e.g. a \boxed{}): format_rate
+PARSE_FAIL = "parse_fail"  # the answer could not be read: parse_fail_rate
+ENV_METRIC_PREFIX = "env_"  # any other key k: `env_<k>`, its mean over the graded turns that report it
+
+
 class ParseStatus(str, Enum):
     OK = "ok"
     NO_ANSWER = "no_answer"  # no \\boxed{...} found
