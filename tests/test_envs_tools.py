@@ -14,7 +14,7 @@ from PIL import Image
 from vlmrl.config import ConfigError, DataConfig, ExportStyle, load
 from vlmrl.envs import load_env_tasks, make_env_factory
 from vlmrl.export import count_images, to_samples
-from vlmrl.metrics import rollout_metrics
+from vlmrl.metrics import episode_metrics
 from vlmrl.record import TrajectoryRecord
 from vlmrl.rollout.engine import Engine, SamplingParams
 from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner
@@ -129,7 +129,7 @@ def test_geometry3k_tools_crop_image_reaches_engine_and_trajectory(family, qwen_
     record = TrajectoryRecord.from_trajectory(traj, step=1).to_json()
     assert record["tool_calls"][0][0]["name"] == "crop" and record["tool_errors"] == [[""], [""], []]
     assert any(p.get("ref", "").endswith(":crop#0") for m in record["messages"] for p in m["content"])
-    metrics = rollout_metrics([traj])
+    metrics = episode_metrics([TrajectoryRecord.from_trajectory(traj, step=1)])
     assert metrics["tool_calls_per_episode"] == 2 and metrics["tool_images_per_episode"] == 1
     assert metrics["images_per_episode"] == 2 and metrics["tool_failure_rate"] == 0.0
 

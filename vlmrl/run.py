@@ -26,7 +26,7 @@ from vlmrl.envs import load_env_tasks
 from vlmrl.evaluation.during_training import eval_during_training
 from vlmrl.export import to_samples
 from vlmrl.logging_backends import make_loggers
-from vlmrl.metrics import rollout_metrics
+from vlmrl.metrics import episode_metrics
 from vlmrl.modeling.adapters import prepare_policy
 from vlmrl.modeling.loading import load_policy
 from vlmrl.progress import StepProgress, train_line
@@ -285,9 +285,11 @@ def run_step(job: Job, step: int) -> dict:
         job.prefetch.wait()  # the sampler's weights change only between its batches
     sync = publish_weights(job, step, changed=stats is not None)  # vLLM: push weights + stale-head check
     skipped = job.guard.check(step, bad, stats, [t.id for t in sampled.tasks])
-    gen_tokens = sum(len(t.generation.token_ids) for traj in sampled.generated for t in traj.turns)
+    store = ImageStore(cfg.logging.output_dir)  # tool/env images without a file are saved under <run>/images/
+    mine = [TrajectoryRecord.from_trajectory(t, step, store) for t in sampled.generated]
+    gen_tokens = sum(r.generated_tokens for r in mine)
     rollout = {
-        **rollout_metrics(sampled.generated),
+        **episode_metrics(mine),
         **option_metrics(cfg, sampled),
         "samples": float(len(samples)),
         "rollout_tokens_per_s": gen_tokens / max(sampled.rollout_s, 1e-9),
@@ -310,8 +312,6 @@ def run_step(job: Job, step: int) -> dict:
     row["step"] = step
     if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
         row.update(eval_during_training(job, step))  # eval/* metrics: the eval split with the current policy
-    store = ImageStore(cfg.logging.output_dir)  # tool/env images without a file are saved under <run>/images/
-    mine = [TrajectoryRecord.from_trajectory(t, step, store) for t in sampled.generated]
     records = [r for part in trainer.gather(mine) for r in part]
     if job.files:
         job.files.append(job.files.trajectories, [r.to_json() for r in records])
