@@ -180,7 +180,10 @@ def test_frozenlake_new_frame_each_turn(qwen25_processor):
     (traj,), engine = run(builder, make_env_factory(cfg.env), [task], replies, 12)
     turns = traj.turns
     assert len(turns) == len(path) + 1 and turns[-1].correct and traj.end_reason == "env_done"
-    assert [t.parse_status.value for t in turns[:2]] == ["unparsable", "ok"]
+    # "sideways": boxed but not a move (a parse failure); then a readable move
+    assert [(t.metrics["boxed"], t.metrics["parse_fail"]) for t in turns[:2]] == [(1.0, 1.0), (1.0, 0.0)]
+    line = TrajectoryRecord.from_trajectory(traj, step=1).to_json()  # the record keeps the per-turn metrics
+    assert line["turn_metrics"][0] == turns[0].metrics and line["correct"][-1] is True
     assert [t.reward for t in turns] == pytest.approx([0.0] + [0.1] * (len(path) - 1) + [1.0])
     assert traj.reward == pytest.approx(0.95 ** len(path))
     frames = traj.tokens.images

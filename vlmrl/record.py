@@ -42,7 +42,6 @@ from vlmrl.types import (
     ToolCallStatus,
     ToolStats,
     Trajectory,
-    Turn,
 )
 
 KNOWN_KEYS = frozenset(
@@ -85,17 +84,6 @@ class TurnRecord:
         if self.metrics.get(PARSE_FAIL, 0.0) > 0:
             return "unparsable" if self.formatted else "no_answer"
         return "ok"
-
-
-def turn_metrics_of(turn: Turn) -> dict[str, float]:
-    """The per-turn metrics of a `Turn` (empty for a tool turn)."""
-    if turn.is_tool_turn:
-        return {}
-    return {
-        CORRECT: float(turn.correct),
-        FORMATTED: float(turn.formatted),
-        PARSE_FAIL: float(turn.parse_status.value != "ok"),
-    }
 
 
 @dataclass
@@ -171,12 +159,10 @@ class TrajectoryRecord:
             boundary=list(seq.boundary),
             image_grid_thw=seq.vision.image_grid_thw.tolist() if seq.vision is not None else [],
             turns=[
-                TurnRecord(
-                    t.reward, turn_metrics_of(t), t.generation.stop_reason, list(t.tool_calls), list(t.tool_errors)
-                )
+                TurnRecord(t.reward, dict(t.metrics), t.generation.stop_reason, list(t.tool_calls), list(t.tool_errors))
                 for t in traj.turns
             ],
-            end_reason=EndReason(traj.end_reason) if traj.end_reason else None,
+            end_reason=traj.end_reason,
             policy_version=traj.policy_version,
             turn_advantages=list(traj.turn_advantages),
             tool_stats=traj.tool_stats,

@@ -91,7 +91,7 @@ def main(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(to_yaml(cfg))
     (out / "trajectories.jsonl").write_text(json.dumps(TrajectoryRecord.from_trajectory(traj, step=1).to_json()) + "\n")
-    print(f"run folder {out}: 1 trajectory, end {traj.end_reason}, reward {traj.reward:.3f}")
+    print(f"run folder {out}: 1 trajectory, end {traj.end_reason.value}, reward {traj.reward:.3f}")
     for k, ((s, e), turn) in enumerate(zip(traj.tokens.turn_spans, traj.turns)):
         kind = (
             f"tool turn {[c.name for c in turn.tool_calls]} errors {turn.tool_errors}"
