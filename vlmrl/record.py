@@ -42,6 +42,7 @@ from vlmrl.types import (
     ToolCallStatus,
     ToolStats,
     Trajectory,
+    TurnOutcome,
 )
 
 KNOWN_KEYS = frozenset(
@@ -53,7 +54,7 @@ REQUIRED_KEYS = ("step", "task_id", "reward")  # every writer of trajectories.js
 
 
 @dataclass
-class TurnRecord:
+class TurnRecord(TurnOutcome):
     """One assistant turn of a record. reward: r_t (before the turn discount; 0 for a tool turn); metrics: what the
     environment reported (`vlmrl.types` conventional keys; empty for a tool turn, which is not graded); tool_calls
     and tool_errors (the ToolFailure value of each call, "" when it returned a result)."""
@@ -63,18 +64,6 @@ class TurnRecord:
     stop_reason: StopReason | None  # None: an older record without stop reasons
     tool_calls: list[ToolCall] = field(default_factory=list)
     tool_errors: list[str] = field(default_factory=list)
-
-    @property
-    def is_tool_turn(self) -> bool:
-        return bool(self.tool_calls)
-
-    @property
-    def correct(self) -> bool:
-        return self.metrics.get(CORRECT, 0.0) > 0
-
-    @property
-    def formatted(self) -> bool:
-        return self.metrics.get(FORMATTED, 0.0) > 0
 
     def legacy_parse_status(self) -> str:
         """The `parse_status` value older readers expect: "ok", "unparsable" (a parse failure of a formatted answer)

@@ -333,8 +333,29 @@ class TokenSeq:
         return EnginePrompt(list(self.ids), list(self.images), self.vision)
 
 
+class TurnOutcome:
+    """What `Turn` and `vlmrl.record.TurnRecord` derive from their `metrics` and `tool_calls`."""
+
+    metrics: dict[str, float]
+    tool_calls: list[ToolCall]
+
+    @property
+    def is_tool_turn(self) -> bool:
+        return bool(self.tool_calls)
+
+    @property
+    def correct(self) -> bool:
+        """The environment reported the answer right (metric CORRECT > 0)."""
+        return self.metrics.get(CORRECT, 0.0) > 0
+
+    @property
+    def formatted(self) -> bool:
+        """The environment reported the answer in the format asked for (metric FORMATTED > 0)."""
+        return self.metrics.get(FORMATTED, 0.0) > 0
+
+
 @dataclass
-class Turn:
+class Turn(TurnOutcome):
     """One assistant turn of an episode and what the environment made of it.
 
     metrics: what the environment reported for it (`StepResult.metrics`; conventional keys CORRECT, FORMATTED,
@@ -347,15 +368,6 @@ class Turn:
     metrics: dict[str, float] = field(default_factory=dict)
     tool_calls: list[ToolCall] = field(default_factory=list)
     tool_errors: list[str] = field(default_factory=list)
-
-    @property
-    def is_tool_turn(self) -> bool:
-        return bool(self.tool_calls)
-
-    @property
-    def correct(self) -> bool:
-        """The environment reported the answer right (metric CORRECT > 0)."""
-        return self.metrics.get(CORRECT, 0.0) > 0
 
 
 @dataclass
