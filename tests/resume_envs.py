@@ -31,4 +31,4 @@ class ScoredEnv(Geometry3KEnv):
 
     def step(self, assistant_text: str, turn: int, last_turn: bool) -> StepResult:
         reward = float("nan") if self.nan else (sum(assistant_text.encode()) % 7) / 6
-        return StepResult(reward, True, [], formatted=False)
+        return StepResult(reward, True, [], {"formatted": 0.0})

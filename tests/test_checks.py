@@ -157,7 +157,7 @@ def _write_run(out: Path, model, processor, builder=None):
     tiny seeded Qwen2.5-VL (the config's model); returns (folder, in-memory trajectories, builder)."""
     from vlmrl.config import load, to_yaml
     from vlmrl.envs import load_env_tasks, make_env_factory
-    from vlmrl.export import trajectory_record
+    from vlmrl.record import TrajectoryRecord
     from vlmrl.rollout import make_engine
     from vlmrl.rollout.engine import SamplingParams
     from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner
@@ -184,7 +184,7 @@ def _write_run(out: Path, model, processor, builder=None):
     )
     trajs = runner_.run(tasks, 2)
     (out / "config.yaml").write_text(to_yaml(cfg))
-    lines = [json.dumps(trajectory_record(t, 1)) for t in trajs]
+    lines = [json.dumps(TrajectoryRecord.from_trajectory(t, 1).to_json()) for t in trajs]
     (out / "trajectories.jsonl").write_text("\n".join(lines) + "\n")
     return out, trajs, builder
 

@@ -11,7 +11,7 @@ from PIL import Image
 from vlmrl.config import ConfigError, DataConfig
 from vlmrl.envs import load_env_tasks, make_env_factory
 from vlmrl.envs.geometry3k import Geometry3KConfig, Geometry3KEnv, GeometryRow, build_task
-from vlmrl.types import ImagePart, Message, ParseStatus, Role, Task, TextPart
+from vlmrl.types import ImagePart, Message, Role, Task, TextPart
 
 GEOMETRY3K = Path(__file__).resolve().parents[1] / "vlmrl" / "assets" / "data" / "geometry3k"  # in-repo sample
 ENV_CFG = {
@@ -56,13 +56,13 @@ def test_feedback_flow_over_three_turns():
     env.reset(build_task(_row()))
 
     r0 = env.step("The area is 60.", turn=0, last_turn=False)  # no box
-    assert (r0.reward, r0.done, r0.parse_status, r0.formatted) == (0.0, False, ParseStatus.NO_ANSWER, False)
+    assert (r0.reward, r0.done, r0.metrics) == (0.0, False, {"correct": 0.0, "formatted": 0.0, "parse_fail": 1.0})
     (fb,) = r0.messages
     assert isinstance(fb, Message) and fb.role is Role.USER  # a Message, not a bare string (AReaL #931)
     assert "not in \\boxed{}" in fb.text_content and "try again" in fb.text_content
 
     r1 = env.step("\\boxed{C}", turn=1, last_turn=False)  # wrong letter
-    assert r1.reward == pytest.approx(0.1) and not r1.done and not r1.correct and r1.formatted
+    assert r1.reward == pytest.approx(0.1) and not r1.done and not r1.correct and r1.metrics["formatted"] == 1.0
     assert "incorrect" in r1.messages[0].text_content
 
     r2 = env.step("So it is \\boxed{B}", turn=2, last_turn=True)

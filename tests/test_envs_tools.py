@@ -13,8 +13,9 @@ from PIL import Image
 
 from vlmrl.config import ConfigError, DataConfig, ExportStyle, load
 from vlmrl.envs import load_env_tasks, make_env_factory
-from vlmrl.export import count_images, to_samples, trajectory_record
-from vlmrl.metrics import rollout_metrics
+from vlmrl.export import count_images, to_samples
+from vlmrl.metrics import episode_metrics
+from vlmrl.record import TrajectoryRecord
 from vlmrl.rollout.engine import Engine, SamplingParams
 from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner
 from vlmrl.rollout.tool_setup import tool_setup
@@ -125,10 +126,10 @@ def test_geometry3k_tools_crop_image_reaches_engine_and_trajectory(family, qwen_
     assert [s.vision.image_grid_thw.shape[0] for s in indiv] == [1, 2, 2]
     for s, (start, end) in zip(indiv, traj.tokens.turn_spans):
         assert s.loss_mask.nonzero().flatten().tolist() == list(range(start, end))
-    record = trajectory_record(traj, step=1)
+    record = TrajectoryRecord.from_trajectory(traj, step=1).to_json()
     assert record["tool_calls"][0][0]["name"] == "crop" and record["tool_errors"] == [[""], [""], []]
     assert any(p.get("ref", "").endswith(":crop#0") for m in record["messages"] for p in m["content"])
-    metrics = rollout_metrics([traj])
+    metrics = episode_metrics([TrajectoryRecord.from_trajectory(traj, step=1)])
     assert metrics["tool_calls_per_episode"] == 2 and metrics["tool_images_per_episode"] == 1
     assert metrics["images_per_episode"] == 2 and metrics["tool_failure_rate"] == 0.0
 
@@ -179,7 +180,10 @@ def test_frozenlake_new_frame_each_turn(qwen25_processor):
     (traj,), engine = run(builder, make_env_factory(cfg.env), [task], replies, 12)
     turns = traj.turns
     assert len(turns) == len(path) + 1 and turns[-1].correct and traj.end_reason == "env_done"
-    assert [t.parse_status.value for t in turns[:2]] == ["unparsable", "ok"]
+    # "sideways": boxed but not a move (a parse failure); then a readable move
+    assert [(t.metrics["boxed"], t.metrics["parse_fail"]) for t in turns[:2]] == [(1.0, 1.0), (1.0, 0.0)]
+    line = TrajectoryRecord.from_trajectory(traj, step=1).to_json()  # the record keeps the per-turn metrics
+    assert line["turn_metrics"][0] == turns[0].metrics and line["correct"][-1] is True
     assert [t.reward for t in turns] == pytest.approx([0.0] + [0.1] * (len(path) - 1) + [1.0])
     assert traj.reward == pytest.approx(0.95 ** len(path))
     frames = traj.tokens.images

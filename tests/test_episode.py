@@ -62,7 +62,8 @@ def test_retry_with_feedback_and_discounted_reward(setup, qwen25_processor):
     assert engine.calls[0][1] == 2 and all(c[1] == 1 for c in engine.calls[1:])
     a, b = trajs
     assert [t.reward for t in a.turns] == pytest.approx([0.1, 0.0, 0.1])  # boxed-but-wrong gets the 0.1 format
-    assert [t.parse_status.value for t in a.turns] == ["ok", "no_answer", "ok"]
+    # parse status ok, no_answer, ok: (formatted, parse_fail) per turn
+    assert [(t.metrics["formatted"], t.metrics["parse_fail"]) for t in a.turns] == [(1.0, 0.0), (0.0, 1.0), (1.0, 0.0)]
     assert a.end_reason == "max_turns" and a.reward == pytest.approx(0.1)  # max(0.1, 0, 0.1*0.81)
     assert [t.reward for t in b.turns] == pytest.approx([1.0])  # right at turn 0: episode ends
     assert b.end_reason == "env_done" and b.reward == pytest.approx(1.0)

@@ -21,6 +21,7 @@ from vlmrl.evaluation.metrics import eval_metrics, pass_at_k, pass_ks
 from vlmrl.evaluation.report.run_data import EVAL_TRAJECTORIES
 from vlmrl.evaluation.rollouts import build_eval_runner
 from vlmrl.evaluation.run_folder import identity_diff
+from vlmrl.record import TrajectoryRecord
 from vlmrl.rollout.engine import Engine
 from vlmrl.runfiles import RunFolderError
 from vlmrl.types import Generation, StopReason
@@ -81,8 +82,9 @@ def record(
     formatted: list[bool] | None = None,
     tool_calls: list[list[dict]] | None = None,
     tool_stats: dict | None = None,
-) -> dict:
-    """A trajectories.jsonl line with the fields the metrics read."""
+) -> TrajectoryRecord:
+    """A trajectories.jsonl line (the older layout: per-turn `correct` / `parse_status`, no `turn_metrics`) with the
+    fields the metrics read, as the record `TrajectoryRecord.from_json` reads from it."""
     turns = len(correct)
     rec = {
         "step": step,
@@ -107,7 +109,7 @@ def record(
         rec["tool_calls"] = tool_calls
     if tool_stats is not None:
         rec["tool_stats"] = tool_stats
-    return rec
+    return TrajectoryRecord.from_json(rec)
 
 
 def test_eval_metrics_exact():

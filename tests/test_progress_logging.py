@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from vlmrl.cli import app
 from vlmrl.evaluation.generate import generate
 from vlmrl.progress import StepProgress, train_line
+from vlmrl.record import TrajectoryRecord
 
 ROW = {"step": 2, "reward_mean": 0.625, "accuracy": 0.5, "turns_per_episode": 1.75, "loss": -0.0123, "step_s": 4.25}
 
@@ -85,22 +86,21 @@ def test_wandb_resumes_the_run_id_and_logs_a_samples_table(tmp_path, monkeypatch
     fake = FakeWandb()
     monkeypatch.setitem(sys.modules, "wandb", fake)
     cfg = _logging_cfg(tmp_path / "run")
-    records = [
-        {
-            "step": 1,
-            "task_id": 7,
-            "group": 0,
-            "reward": 1.0,
-            "advantage": 0.5,
-            "correct": [False, True],
-            "turn_spans": [[1, 2], [3, 4]],
-            "end_reason": "correct",
-            "messages": [
-                {"role": "user", "content": [{"type": "text", "text": "q"}]},
-                {"role": "assistant", "content": [{"type": "text", "text": "\\boxed{B}"}]},
-            ],
-        }
-    ]
+    line = {
+        "step": 1,
+        "task_id": 7,
+        "group": 0,
+        "reward": 1.0,
+        "advantage": 0.5,
+        "correct": [False, True],
+        "turn_spans": [[1, 2], [3, 4]],
+        "end_reason": "env_done",
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "q"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "\\boxed{B}"}]},
+        ],
+    }
+    records = [TrajectoryRecord.from_json(line)]
     with logging_backends.make_loggers(cfg, resume=False) as loggers:
         loggers.log({"reward_mean": 0.5, "step": 1}, 1)
         loggers.log_samples(records, 1)
@@ -111,7 +111,7 @@ def test_wandb_resumes_the_run_id_and_logs_a_samples_table(tmp_path, monkeypatch
     assert fake.logs[0] == ({"train/reward_mean": 0.5}, 1)
     table = fake.logs[1][0]["train/samples"]
     assert table.columns == logging_backends.SAMPLE_COLUMNS
-    assert table.data == [[1, "7", 0, 1.0, 0.5, True, 2, "correct", "\\boxed{B}"]]
+    assert table.data == [[1, "7", 0, 1.0, 0.5, True, 2, "env_done", "\\boxed{B}"]]
     with logging_backends.make_loggers(cfg, resume=True):
         pass
     assert fake.inits[1]["id"] == run_id  # a resumed run continues the same wandb run

@@ -229,7 +229,7 @@ def test_html_has_every_turn_and_the_images_as_data_uris(report, run_dir):
     page = _page(report)
     recs = load_run(run_dir).trajectories
     for rec in recs:
-        for msg in rec["messages"]:
+        for msg in rec.messages:
             for part in msg["content"]:
                 if part["type"] == "text":
                     assert html.escape(part["text"]) in page, part["text"]
@@ -257,7 +257,7 @@ def test_html_has_rewards_tool_calls_and_the_masked_token_sequence(report, run_d
     assert "tools: 1 call(s), 1 failed" in page
     recs = load_run(run_dir).trajectories
     m1 = len(re.findall(r'<span class="m1(?: bd)?" title=', page))
-    assert m1 == sum(sum(r["loss_mask"]) for r in recs)  # one span per sampled token
+    assert m1 == sum(sum(r.loss_mask) for r in recs)  # one span per sampled token
     assert page.count("&lt;|image_pad|&gt; ×16") == 2  # placeholder runs folded
     assert page.count('class="m0 bd"') + page.count('class="m1 bd"') == 2  # boundary tokens outlined
     assert "&lt;|im_start|&gt;" in page and "logprob -0.500" in page  # decoded with the run's tokenizer

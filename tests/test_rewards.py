@@ -8,10 +8,9 @@ import time
 
 import pytest
 
-from vlmrl.envs.geometry3k.grading import AnswerScore, choice_letter, geometry_reward, score_choice_answer
+from vlmrl.envs.geometry3k.grading import AnswerScore, ParseStatus, choice_letter, geometry_reward, score_choice_answer
 from vlmrl.rewards import episode_reward, extract_boxed
 from vlmrl.train.advantages import group_advantages
-from vlmrl.types import ParseStatus
 
 CHOICES = ["30", "60", "120", "240"]  # Geometry3K test row 2401: answer B = 60
 

@@ -13,7 +13,7 @@ from vlmrl.export import to_samples
 from vlmrl.train.dynamic_sampling import sample_until_full, split_groups
 from vlmrl.train.overlong import apply_soft_penalty, length_penalty, overlong_metrics
 from vlmrl.train.turn_advantages import assign_turn_advantages, reward_to_go, turn_advantages
-from vlmrl.types import Generation, ParseStatus, StopReason, Task, TokenSeq, Trajectory, Turn
+from vlmrl.types import Generation, StopReason, Task, TokenSeq, Trajectory, Turn
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is deprecated.*:FutureWarning")
 
@@ -27,7 +27,13 @@ def _traj(turns: list[tuple[int, StopReason, float]], group: int = 0, reward: fl
         seq.append(list(range(10, 10 + n)), 1, [-0.5] * n)
         seq.turn_spans.append((start, start + n))
         seq.append([3], 0)
-        out.append(Turn(Generation(list(range(10, 10 + n)), [-0.5] * n, stop, ""), r, ParseStatus.OK, r > 0, True))
+        out.append(
+            Turn(
+                Generation(list(range(10, 10 + n)), [-0.5] * n, stop, ""),
+                r,
+                {"correct": float(r > 0), "formatted": 1.0},
+            )
+        )
     return Trajectory("t", group, [], seq, out, reward=reward)
 
 

@@ -157,7 +157,12 @@ def test_colors_env_retries_with_feedback_until_right():
     env = colors.ColorsEnv(colors.ColorsConfig(max_turns=2))
     assert env.reset(task)[0].images[0].getpixel((0, 0)) == colors.COLORS["green"]
     wrong = env.step("\\boxed{red}", 0, False)
-    assert (wrong.reward, wrong.done, wrong.correct, wrong.formatted) == (pytest.approx(0.1), False, False, True)
+    assert (wrong.reward, wrong.done, wrong.correct, wrong.metrics["formatted"]) == (
+        pytest.approx(0.1),
+        False,
+        False,
+        1,
+    )
     assert wrong.messages[0].text_content == colors.FEEDBACK
     right = env.step("so \\boxed{Green}", 1, True)
     assert (right.reward, right.done, right.correct) == (pytest.approx(1.0), True, True)

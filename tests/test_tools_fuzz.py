@@ -288,7 +288,7 @@ def test_episode_loop_survives_malformed_outputs_and_counts_every_failure(loop):
         totals["calls"] += traj.tool_stats.calls
         totals["ok"] += traj.tool_stats.ok
         totals.update({f"fail_{k}": v for k, v in traj.tool_stats.failures.items()})
-        totals[f"end_{traj.end_reason}"] += 1
+        totals[f"end_{traj.end_reason.value}"] += 1
 
     check()
     print(f"\nepisode-loop fuzz: {dict(totals)}")

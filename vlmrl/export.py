@@ -1,4 +1,4 @@
-"""Trajectory -> training `Sample`s, and trajectories -> JSON lines for `trajectories.jsonl`.
+"""Trajectory -> training `Sample`s (a trajectory's `trajectories.jsonl` line is `vlmrl.record.TrajectoryRecord`).
 
 - `concat`: one sample per trajectory: all its ids, loss mask 1 on every sampled token. Exact only when the
   template is prefix-preserving (the model saw exactly these ids at every turn).
@@ -12,12 +12,10 @@ turns cut at the length budget (`vlmrl.train.overlong`).
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
 from vlmrl.config import ExportStyle
-from vlmrl.types import ImagePart, Sample, StopReason, TokenSeq, Trajectory, VisionInputs
+from vlmrl.types import Sample, StopReason, TokenSeq, Trajectory, VisionInputs
 
 
 def count_images(ids: list[int], image_token_id: int) -> int:
@@ -95,36 +93,3 @@ def to_samples(
             adv = traj.turn_advantages[i] if traj.turn_advantages else traj.advantage
             samples.append(_sample(traj, end, mask, image_token_id, adv))
     return samples
-
-
-def trajectory_record(traj: Trajectory, step: int, image_ref: Callable[[ImagePart], str] | None = None) -> dict:
-    """One `trajectories.jsonl` line: messages (images by reference), token ids, loss mask, rollout logprobs,
-    per-turn rewards and statuses, the final (turn-discounted) reward, the advantage, the sampling weights' version
-    (the step they are the end of) and stop reasons; per turn the
-    tool calls and their failure kinds ("" = ok), and the episode's tool counters."""
-    seq = traj.tokens
-    return {
-        "step": step,
-        "task_id": traj.task_id,
-        "group": traj.group,
-        "messages": [m.to_json(image_ref) for m in traj.messages],
-        "input_ids": seq.ids,
-        "loss_mask": seq.loss_mask,
-        "logprobs": [round(x, 6) for x in seq.logprobs],
-        "turn_spans": seq.turn_spans,
-        "boundary": [{"position": b.position, "token_id": b.token_id, "reason": b.reason} for b in seq.boundary],
-        "image_grid_thw": seq.vision.image_grid_thw.tolist() if seq.vision is not None else [],
-        "turn_rewards": [t.reward for t in traj.turns],
-        "parse_status": [t.parse_status.value for t in traj.turns],
-        "correct": [t.correct for t in traj.turns],
-        "formatted": [t.formatted for t in traj.turns],
-        "stop_reasons": [t.generation.stop_reason.value for t in traj.turns],
-        "end_reason": traj.end_reason,
-        "reward": traj.reward,
-        "advantage": traj.advantage,
-        "policy_version": traj.policy_version,
-        **({"turn_advantages": traj.turn_advantages} if traj.turn_advantages else {}),
-        "tool_calls": [[c.to_json() for c in t.tool_calls] for t in traj.turns],
-        "tool_errors": [list(t.tool_errors) for t in traj.turns],
-        "tool_stats": traj.tool_stats.to_json(),
-    }

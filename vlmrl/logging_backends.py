@@ -17,7 +17,10 @@ import math
 import secrets
 import sys
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    from vlmrl.record import TrajectoryRecord
 
 log = logging.getLogger("vlmrl.logging")
 
@@ -66,29 +69,20 @@ def wandb_run_id(out_dir: Path, resume: bool) -> str:
     return run_id
 
 
-def sample_rows(records: list[dict], max_rows: int) -> list[list]:
+def sample_rows(records: list[TrajectoryRecord], max_rows: int) -> list[list]:
     """Table rows (SAMPLE_COLUMNS) of the first `max_rows` trajectory records: the assistant turns' text joined."""
     rows = []
     for rec in records[:max_rows]:
         text = "\n---\n".join(
             part.get("text", "")
-            for m in rec.get("messages", [])
+            for m in rec.messages
             if m.get("role") == "assistant"
             for part in m.get("content", [])
             if part.get("type") == "text"
         )
+        end = rec.end_reason.value if rec.end_reason is not None else ""
         rows.append(
-            [
-                rec.get("step"),
-                str(rec.get("task_id")),
-                rec.get("group"),
-                rec.get("reward"),
-                rec.get("advantage"),
-                any(rec.get("correct", [])),
-                len(rec.get("turn_spans", [])),
-                rec.get("end_reason"),
-                text,
-            ]
+            [rec.step, rec.task_id, rec.group, rec.reward, rec.advantage, rec.correct, len(rec.turns), end, text]
         )
     return rows
 
@@ -110,7 +104,7 @@ class ModuleSink:
     def log(self, values: dict[str, float], step: int) -> None:
         self.module.log(values, step=step)
 
-    def log_samples(self, key: str, records: list[dict], step: int, max_rows: int) -> None:
+    def log_samples(self, key: str, records: list[TrajectoryRecord], step: int, max_rows: int) -> None:
         """wandb only: the records as a `wandb.Table` under `key`."""
         table_cls = getattr(self.module, "Table", None)
         if table_cls is None or not records:
@@ -132,7 +126,7 @@ class MetricLoggers:
         for sink in self.sinks:
             sink.log(values, step)
 
-    def log_samples(self, records: list[dict], step: int, max_rows: int = 8) -> None:
+    def log_samples(self, records: list[TrajectoryRecord], step: int, max_rows: int = 8) -> None:
         """Sample trajectories (`trajectories.jsonl` records) as a table, in the sinks that support it (wandb)."""
         for sink in self.sinks:
             if hasattr(sink, "log_samples"):

@@ -1,51 +1,79 @@
-"""Per-step rollout metrics computed from trajectories (pure functions, no torch)."""
+"""Run metrics of episodes, one implementation over `TrajectoryRecord`s (pure functions, no torch): a training
+step's rollout metrics (`vlmrl.run`, over the records it writes to `trajectories.jsonl`) and the evaluation's
+(`vlmrl.evaluation.metrics.eval_metrics` adds `problems` and pass@k). What the per-turn metric keys mean:
+`vlmrl.types` (CORRECT, FORMATTED, PARSE_FAIL, ENV_METRIC_PREFIX)."""
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections import Counter
+from collections import Counter, defaultdict
 
-from vlmrl.types import ParseStatus, ToolFailure, ToolStats, Trajectory
+from vlmrl.record import TrajectoryRecord
+from vlmrl.types import CORRECT, ENV_METRIC_PREFIX, FORMATTED, PARSE_FAIL, ToolFailure, ToolStats
+
+CONVENTIONAL = (CORRECT, FORMATTED, PARSE_FAIL)
 
 
-def rollout_metrics(trajs: list[Trajectory]) -> dict[str, float]:
-    """reward mean/std, accuracy (any turn correct), format rate (share of graded turns with a boxed answer), turns
-    and generated tokens per episode, images per episode, second_turn_accuracy (share of correct second graded turns
-    among the episodes that reached one: retries after feedback; only when some did), parse failures and end
-    reasons (shares of episodes), and the tool metrics of `tool_metrics`. Tool turns are not graded: format/parse
-    rates count graded turns only."""
-    if not trajs:
+def episode_metrics(records: list[TrajectoryRecord]) -> dict[str, float]:
+    """The metrics of a set of episodes (empty for none). Graded turns: turns that did not call a tool.
+
+    reward_mean; reward_std (population; NaN when some reward is not finite, so a broken reward shows);
+    accuracy (an episode is correct if any turn is); first_turn_accuracy (its first graded turn is correct; an
+    episode without one counts as wrong); second_turn_accuracy (the second graded turn, a retry after feedback, over
+    the episodes that reached one; only when some did); format_rate and parse_fail_rate (shares of graded turns; 0
+    without any); `env_<key>` for every other per-turn key an environment reports (its mean over the graded turns
+    that report it); turns_per_episode; response_length (sampled tokens per episode); sequence_length (ids per
+    episode); images_per_episode; episodes; end_<reason> (shares of episodes; one without an end reason is not
+    counted); stop_<reason> (shares of turns); and, when some episode called a tool, `tool_metrics`.
+    """
+    if not records:
         return {}
-    rewards = [t.reward for t in trajs]
-    turns = [t for traj in trajs for t in traj.turns]
-    graded = [t for t in turns if not t.is_tool_turn]
-    gen_tokens = [sum(len(t.generation.token_ids) for t in traj.turns) for traj in trajs]
-    first = [next((t for t in traj.turns if not t.is_tool_turn), None) for traj in trajs]
+    n = len(records)
+    rewards = [r.reward for r in records]
+    graded = [r.graded for r in records]
+    turns = [t for g in graded for t in g]
     out = {
         "reward_mean": statistics.fmean(rewards),
-        "reward_std": statistics.pstdev(rewards) if all(map(math.isfinite, rewards)) else math.nan,  # NaN-safe
-        "accuracy": statistics.fmean(float(t.correct) for t in trajs),
-        "first_turn_accuracy": statistics.fmean(float(t is not None and t.correct) for t in first),
-        "format_rate": statistics.fmean(float(t.formatted) for t in graded) if graded else 0.0,
-        "parse_fail_rate": statistics.fmean(float(t.parse_status is not ParseStatus.OK) for t in graded)
-        if graded
-        else 0.0,
-        "turns_per_episode": statistics.fmean(len(t.turns) for t in trajs),
-        "response_length": statistics.fmean(gen_tokens),
-        "sequence_length": statistics.fmean(len(t.tokens.ids) for t in trajs),
-        "images_per_episode": statistics.fmean(len(t.tokens.images) for t in trajs),
-        "episodes": float(len(trajs)),
+        "reward_std": statistics.pstdev(rewards) if all(map(math.isfinite, rewards)) else math.nan,
+        "accuracy": statistics.fmean(float(r.correct) for r in records),
+        "first_turn_accuracy": statistics.fmean(float(bool(g) and g[0].correct) for g in graded),
+        "format_rate": _share(turns, FORMATTED),
+        "parse_fail_rate": _share(turns, PARSE_FAIL),
+        "turns_per_episode": statistics.fmean(len(r.turns) for r in records),
+        "response_length": statistics.fmean(r.generated_tokens for r in records),
+        "sequence_length": statistics.fmean(len(r.input_ids) for r in records),
+        "images_per_episode": statistics.fmean(r.images for r in records),
+        "episodes": float(n),
     }
-    retried = [g[1] for g in ([t for t in traj.turns if not t.is_tool_turn] for traj in trajs) if len(g) > 1]
-    if retried:  # second graded turn (a retry after feedback): accuracy over the episodes that reached one
+    retried = [g[1] for g in graded if len(g) > 1]
+    if retried:
         out["second_turn_accuracy"] = statistics.fmean(float(t.correct) for t in retried)
-    for reason, n in Counter(t.end_reason for t in trajs).items():
-        out[f"end_{reason}"] = n / len(trajs)
-    for reason, n in Counter(t.generation.stop_reason.value for t in turns).items():
-        out[f"stop_{reason}"] = n / max(len(turns), 1)
-    out.update(tool_metrics([t.tool_stats for t in trajs]))
+    out.update(env_metrics(turns))
+    for reason, k in sorted(Counter(r.end_reason.value for r in records if r.end_reason is not None).items()):
+        out[f"end_{reason}"] = k / n
+    stops = [t.stop_reason.value for r in records for t in r.turns if t.stop_reason is not None]
+    for reason, k in sorted(Counter(stops).items()):
+        out[f"stop_{reason}"] = k / len(stops)
+    stats = [r.tool_stats for r in records]
+    if any(s.calls for s in stats):
+        out.update(tool_metrics(stats))
     return out
+
+
+def _share(turns, key: str) -> float:
+    """Share of `turns` whose metric `key` is > 0 (0 for no turns)."""
+    return statistics.fmean(float(t.metrics.get(key, 0.0) > 0) for t in turns) if turns else 0.0
+
+
+def env_metrics(turns) -> dict[str, float]:
+    """`env_<key>`: the mean of each non-conventional per-turn metric over the (graded) `turns` that report it."""
+    values: dict[str, list[float]] = defaultdict(list)
+    for t in turns:
+        for key, value in t.metrics.items():
+            if key not in CONVENTIONAL:
+                values[key].append(value)
+    return {f"{ENV_METRIC_PREFIX}{key}": statistics.fmean(v) for key, v in sorted(values.items())}
 
 
 def tool_metrics(stats: list[ToolStats], episodes: int | None = None) -> dict[str, float]:

@@ -24,12 +24,13 @@ from vlmrl.checks.alignment import sampled_alignment
 from vlmrl.config import AlgorithmConfig, Config, ExportStyle, to_yaml
 from vlmrl.envs import load_env_tasks
 from vlmrl.evaluation.during_training import EvalSetup, eval_during_training
-from vlmrl.export import to_samples, trajectory_record
+from vlmrl.export import to_samples
 from vlmrl.logging_backends import make_loggers
-from vlmrl.metrics import rollout_metrics
+from vlmrl.metrics import episode_metrics
 from vlmrl.modeling.adapters import prepare_policy
 from vlmrl.modeling.loading import load_policy
 from vlmrl.progress import StepProgress, train_line
+from vlmrl.record import TrajectoryRecord
 from vlmrl.resume import (
     STYLE_FALLBACK,
     BadStepGuard,
@@ -199,7 +200,7 @@ class Job:
     saved_step: int = -1  # step of the newest checkpoint of this run
     evaluation: EvalSetup | None = None  # trainer.eval_every: made at the first eval, keeps the eval split's tasks
     position: int = 0  # data position: prompts consumed by all ranks so far (the next step starts there)
-    records: list[dict] = field(default_factory=list)  # the last step's trajectory records (all ranks; rank 0)
+    records: list[TrajectoryRecord] = field(default_factory=list)  # the last step's records (all ranks; rank 0)
     # async rollouts (algorithm.off_policy_steps=1, vlmrl.train.async_rollout): the next step's batch sampled during
     # the update; the transformers engine's own copy of the weights; the step whose end the sampler's weights are
     prefetch: Prefetcher | None = None
@@ -286,9 +287,11 @@ def run_step(job: Job, step: int) -> dict:
         job.prefetch.wait()  # the sampler's weights change only between its batches
     sync = publish_weights(job, step, changed=stats is not None)  # vLLM: push weights + stale-head check
     skipped = job.guard.check(step, bad, stats, [t.id for t in sampled.tasks])
-    gen_tokens = sum(len(t.generation.token_ids) for traj in sampled.generated for t in traj.turns)
+    store = ImageStore(cfg.logging.output_dir)  # tool/env images without a file are saved under <run>/images/
+    mine = [TrajectoryRecord.from_trajectory(t, step, store) for t in sampled.generated]
+    gen_tokens = sum(r.generated_tokens for r in mine)
     rollout = {
-        **rollout_metrics(sampled.generated),
+        **episode_metrics(mine),
         **option_metrics(cfg, sampled),
         "samples": float(len(samples)),
         "rollout_tokens_per_s": gen_tokens / max(sampled.rollout_s, 1e-9),
@@ -313,12 +316,9 @@ def run_step(job: Job, step: int) -> dict:
         if job.evaluation is None:
             job.evaluation = EvalSetup(cfg, trainer, job.runner, job.builder, job.processor, job.files)
         row.update(eval_during_training(job.evaluation, step))  # eval/* metrics: the eval split with the policy
-    store = ImageStore(cfg.logging.output_dir)  # tool/env images without a file are saved under <run>/images/
-    records = [
-        r for part in trainer.gather([trajectory_record(t, step, store) for t in sampled.generated]) for r in part
-    ]
+    records = [r for part in trainer.gather(mine) for r in part]
     if job.files:
-        job.files.append(job.files.trajectories, records)
+        job.files.append(job.files.trajectories, [r.to_json() for r in records])
         job.files.append(job.files.metrics, [row])
     job.records = records
     return row

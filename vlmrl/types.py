@@ -95,7 +95,7 @@ class StopReason(str, Enum):
 
 
 class EndReason(str, Enum):
-    """Why an episode ended (`Trajectory.end_reason` holds its value)."""
+    """Why an episode ended (`Trajectory.end_reason`)."""
 
     ENV_DONE = "env_done"  # the environment ended the episode (e.g. a correct answer)
     MAX_TURNS = "max_turns"
@@ -103,10 +103,14 @@ class EndReason(str, Enum):
     TOOL_RESPONSE_TOO_LONG = "tool_response_too_long"  # an image tool response over max_tool_response_tokens
 
 
-class ParseStatus(str, Enum):
-    OK = "ok"
-    NO_ANSWER = "no_answer"  # no \\boxed{...} found
-    UNPARSABLE = "unparsable"  # a boxed answer that the checker could not read
+# Conventional per-turn metric keys, the one place they are defined: what an environment reports for a graded turn
+# (`vlmrl.envs.StepResult.metrics`, kept on `Turn.metrics` and in a record's `turn_metrics`), as floats (1.0 / 0.0 for
+# flags; an environment reports the ones that apply to it, others of its own). The run metrics
+# (`vlmrl.metrics.episode_metrics`) read:
+CORRECT = "correct"  # the answer is right: accuracy, first/second_turn_accuracy, pass@k; `Turn.correct` is > 0
+FORMATTED = "formatted"  # the answer has the format asked for (e.g. a \boxed{}): format_rate
+PARSE_FAIL = "parse_fail"  # the answer could not be read: parse_fail_rate
+ENV_METRIC_PREFIX = "env_"  # any other key k: `env_<k>`, its mean over the graded turns that report it
 
 
 class ToolCallStatus(str, Enum):
@@ -367,25 +371,41 @@ class TokenSeq:
         return EnginePrompt(list(self.ids), list(self.images), self.vision)
 
 
+class TurnOutcome:
+    """What `Turn` and `vlmrl.record.TurnRecord` derive from their `metrics` and `tool_calls`."""
+
+    metrics: dict[str, float]
+    tool_calls: list[ToolCall]
+
+    @property
+    def is_tool_turn(self) -> bool:
+        return bool(self.tool_calls)
+
+    @property
+    def correct(self) -> bool:
+        """The environment reported the answer right (metric CORRECT > 0)."""
+        return self.metrics.get(CORRECT, 0.0) > 0
+
+    @property
+    def formatted(self) -> bool:
+        """The environment reported the answer in the format asked for (metric FORMATTED > 0)."""
+        return self.metrics.get(FORMATTED, 0.0) > 0
+
+
 @dataclass
-class Turn:
+class Turn(TurnOutcome):
     """One assistant turn of an episode and what the environment made of it.
 
-    A tool turn (`tool_calls` non-empty) is not graded by the environment: reward 0, not correct, not formatted;
+    metrics: what the environment reported for it (`StepResult.metrics`; conventional keys CORRECT, FORMATTED,
+    PARSE_FAIL above). A tool turn (`tool_calls` non-empty) is not graded by the environment: reward 0, no metrics;
     `tool_errors[i]` is the ToolFailure value of call i ("" when it returned a result).
     """
 
     generation: Generation
     reward: float
-    parse_status: ParseStatus
-    correct: bool
-    formatted: bool
+    metrics: dict[str, float] = field(default_factory=dict)
     tool_calls: list[ToolCall] = field(default_factory=list)
     tool_errors: list[str] = field(default_factory=list)
-
-    @property
-    def is_tool_turn(self) -> bool:
-        return bool(self.tool_calls)
 
 
 @dataclass
@@ -399,7 +419,7 @@ class Trajectory:
     turns: list[Turn]
     reward: float = 0.0
     advantage: float = 0.0
-    end_reason: str = ""  # an EndReason value ("" for trajectories not sampled by the episode loop, e.g. SFT demos)
+    end_reason: EndReason | None = None  # None for trajectories not sampled by the episode loop (e.g. SFT demos)
     tool_stats: ToolStats = field(default_factory=ToolStats)
     turn_advantages: list[float] = field(default_factory=list)  # per turn (algorithm.advantage=turn), else empty
     policy_version: int = 0  # it was sampled by the weights of the end of this step (vlmrl.train.async_rollout)

@@ -40,7 +40,7 @@ from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner
 from vlmrl.rollout.vllm_engine import METRIC, VLLMEngine
 from vlmrl.tokens.qwen_vl import QwenVLBuilder
 from vlmrl.train.logprobs import sequence_logprobs
-from vlmrl.types import EnginePrompt, Message, ParseStatus, Role, StopReason, Task
+from vlmrl.types import EnginePrompt, Message, Role, StopReason, Task
 
 EOS = 151645  # <|im_end|>
 TEMPERATURE = 0.8
@@ -79,14 +79,8 @@ class SumEnv(Environment):
     def step(self, assistant_text, turn, last_turn):
         correct = f"\\boxed{{{self.task.answer}}}" in assistant_text
         more = [] if correct or last_turn else [Message.text(Role.USER, "Not quite. Try again.")]
-        return StepResult(
-            1.0 if correct else 0.0,
-            correct,
-            more,
-            ParseStatus.OK if correct else ParseStatus.NO_ANSWER,
-            correct,
-            correct,
-        )
+        flag = float(correct)
+        return StepResult(flag, correct, more, {"correct": flag, "formatted": flag, "parse_fail": 1.0 - flag})
 
 
 def tiny_qwen2(tied: bool, seed: int = 0):

@@ -53,7 +53,6 @@ from vlmrl.types import (
     Generation,
     ImagePart,
     Message,
-    ParseStatus,
     Role,
     Sample,
     StopReason,
@@ -82,7 +81,7 @@ class FeedbackImageEnv(Environment):
         more = (
             [] if last_turn else [Message(Role.USER, [TextPart("Look again:"), ImagePart(diagram("2403"), "2403.png")])]
         )
-        return StepResult(0.0, False, more, ParseStatus.NO_ANSWER, False, False)
+        return StepResult(0.0, False, more, {"correct": 0.0, "formatted": 0.0, "parse_fail": 1.0})
 
 
 def rollout_cfg(**vllm) -> RolloutConfig:

@@ -20,8 +20,9 @@ import torch
 
 from vlmrl.config import ExportStyle, load, to_yaml
 from vlmrl.envs import load_env_tasks, make_env_factory
-from vlmrl.export import to_samples, trajectory_record
+from vlmrl.export import to_samples
 from vlmrl.modeling.loading import load_policy
+from vlmrl.record import TrajectoryRecord
 from vlmrl.rollout.engine import Engine, SamplingParams
 from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner
 from vlmrl.rollout.tool_setup import tool_setup
@@ -89,8 +90,8 @@ def main(out: Path) -> None:
     traj.messages = save_tool_images(traj.messages, out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(to_yaml(cfg))
-    (out / "trajectories.jsonl").write_text(json.dumps(trajectory_record(traj, step=1)) + "\n")
-    print(f"run folder {out}: 1 trajectory, end {traj.end_reason}, reward {traj.reward:.3f}")
+    (out / "trajectories.jsonl").write_text(json.dumps(TrajectoryRecord.from_trajectory(traj, step=1).to_json()) + "\n")
+    print(f"run folder {out}: 1 trajectory, end {traj.end_reason.value}, reward {traj.reward:.3f}")
     for k, ((s, e), turn) in enumerate(zip(traj.tokens.turn_spans, traj.turns)):
         kind = (
             f"tool turn {[c.name for c in turn.tool_calls]} errors {turn.tool_errors}"

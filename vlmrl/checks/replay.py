@@ -13,6 +13,7 @@ from typing import cast
 from vlmrl.checks.diff import FAIL, NOTE, Mismatch, _decoder, _vision_of, diff_tokens
 from vlmrl.checks.reference import _segments, compare_tokens, compare_vision, full_reference
 from vlmrl.checks.scenarios import turns
+from vlmrl.record import TrajectoryRecord
 from vlmrl.tokens.base import PrefixMode
 from vlmrl.types import (
     BoundaryEdit,
@@ -71,13 +72,12 @@ class Recorded:
         )
 
     @staticmethod
-    def from_record(rec: dict, index: int, run_dir: Path | None, patch_size: int | None) -> "Recorded":
-        """A `trajectories.jsonl` record (`vlmrl.export.trajectory_record`). Raises KeyError / ValueError /
-        TypeError naming the missing or malformed field."""
-        _check_fields(rec)
-        grids = rec.get("image_grid_thw") or []
+    def from_record(rec: TrajectoryRecord, index: int, run_dir: Path | None, patch_size: int | None) -> "Recorded":
+        """A `trajectories.jsonl` record (`TrajectoryRecord.from_json` checked its fields). Images are re-read from
+        their ref, else stood in for by the recorded grid's size. Raises ValueError for an image with neither."""
+        grids = rec.image_grid_thw
         messages, n_img, stand_ins = [], 0, 0
-        for m in rec["messages"]:
+        for m in rec.messages:
             parts: list[Part] = []
             for p in m["content"]:
                 if p.get("type") == "image":
@@ -95,58 +95,22 @@ class Recorded:
                 else:
                     parts.append(TextPart(p.get("text", "")))
             messages.append(Message(Role(m["role"]), parts))
-        boundary = [BoundaryEdit(b["position"], b["token_id"], b.get("reason", "")) for b in rec.get("boundary", [])]
         return Recorded(
             messages,
-            list(rec["input_ids"]),
-            list(rec["loss_mask"]),
-            [float(x) for x in rec["logprobs"]],
-            [tuple(s) for s in rec["turn_spans"]],
-            boundary,
-            list(rec.get("stop_reasons") or []),
+            list(rec.input_ids),
+            list(rec.loss_mask),
+            list(rec.logprobs),
+            list(rec.turn_spans),
+            list(rec.boundary),
+            [t.stop_reason.value if t.stop_reason else "" for t in rec.turns],
             grids or None,
-            int(rec.get("step", 0)),
-            str(rec.get("task_id", "")),
+            rec.step,
+            rec.task_id,
             index,
             None,
             stand_ins,
-            policy_version=_int_or_none(rec.get("policy_version")),
+            policy_version=rec.policy_version,
         )
-
-
-def _int_or_none(value) -> int | None:
-    if value is None:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"field 'policy_version' is not a non-negative integer: {value!r}")
-    return value
-
-
-def _check_fields(rec: dict) -> None:
-    """Types of the fields `from_record` reads: lists of ints / numbers / [start, end] pairs, messages as objects."""
-
-    def ints(name: str) -> None:
-        value = rec[name]
-        if not isinstance(value, list) or not all(
-            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value
-        ):
-            raise ValueError(f"field {name!r} is not a list of non-negative integers")
-
-    ints("input_ids")
-    ints("loss_mask")
-    if not isinstance(rec["logprobs"], list) or not all(isinstance(x, (int, float)) for x in rec["logprobs"]):
-        raise ValueError("field 'logprobs' is not a list of numbers")
-    spans = rec["turn_spans"]
-    if not isinstance(spans, list) or not all(
-        isinstance(sp, list) and len(sp) == 2 and all(isinstance(x, int) for x in sp) for sp in spans
-    ):
-        raise ValueError("field 'turn_spans' is not a list of [start, end] integer pairs")
-    msgs = rec["messages"]
-    if not isinstance(msgs, list) or not all(
-        isinstance(m, dict) and isinstance(m.get("content"), list) and all(isinstance(p, dict) for p in m["content"])
-        for m in msgs
-    ):
-        raise ValueError("field 'messages' is not a list of {role, content: [parts]} objects")
 
 
 def _open_image(ref: str, run_dir: Path | None):
@@ -275,7 +239,7 @@ def replay(builder, rec: Recorded) -> tuple[TokenSeq | None, list[Mismatch]]:
             )
         )
         mismatches += _against_rerender(rec, seq, rec_b, decode)
-    vision = seq.vision  # the recorded grid is `seq.vision`'s (vlmrl.export.trajectory_record)
+    vision = seq.vision  # the recorded grid is `seq.vision`'s (vlmrl.record.TrajectoryRecord)
     grid = vision.image_grid_thw.tolist() if vision is not None else None
     if (rec.image_grid_thw or None) != (grid or None):
         mismatches.append(Mismatch("image_grid_thw", -1, FAIL, str(grid), str(rec.image_grid_thw)))

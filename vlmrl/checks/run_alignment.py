@@ -14,6 +14,7 @@ from vlmrl.checks import make_builder
 from vlmrl.checks.diff import BOUNDARY, FAIL, Mismatch, _vision_of
 from vlmrl.checks.logprobs import LogprobStats, logprob_deltas
 from vlmrl.checks.replay import Recorded, replay
+from vlmrl.record import TrajectoryRecord
 
 
 @dataclass
@@ -222,7 +223,11 @@ def _check_one(index: int, raw: dict, run: Path, patch, builder, score) -> Traje
     """One `trajectories.jsonl` record: replay vs the reference, then `score(res, rec, seq)` (logprobs)."""
     where = f"{run / 'trajectories.jsonl'} line {index + 1}"
     try:
-        rec = Recorded.from_record(raw, index, run, patch if isinstance(patch, int) else None)
+        record = TrajectoryRecord.from_json(raw, where)
+    except ValueError as exc:  # the message names file, line and field
+        return _unreadable(index, raw, where, f"ValueError: {str(exc).removeprefix(where + ': ')}")
+    try:
+        rec = Recorded.from_record(record, index, run, patch if isinstance(patch, int) else None)
     except (KeyError, ValueError, TypeError, AttributeError, IndexError) as exc:
         return _unreadable(index, raw, where, f"{type(exc).__name__}: {exc}")
     seq, mismatches = replay(builder, rec)

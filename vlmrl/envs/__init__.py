@@ -13,10 +13,10 @@ trl-style reward functions (`env.rewards`); `colors.ColorsEnv` (the learning dem
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from vlmrl.config import DataConfig
+from vlmrl.config import DataConfig, EnvConfig
 from vlmrl.data import load_tasks
 from vlmrl.envs.base import Environment, StepResult
 from vlmrl.envs.plugins import env_class, env_config
@@ -25,7 +25,7 @@ from vlmrl.types import Task
 __all__ = ["Environment", "StepResult", "env_config", "make_env_factory", "load_env_tasks"]
 
 
-def make_env_factory(env_cfg: Any) -> Callable[[], Environment]:
+def make_env_factory(env_cfg: EnvConfig | Mapping[str, Any]) -> Callable[[], Environment]:
     """A picklable zero-argument factory of fresh environments: `hydra.utils.instantiate` of `env._target_` with
     `_partial_=True`, given the typed config. Raises ConfigError for a bad target, key or value."""
     from hydra.utils import instantiate
@@ -34,7 +34,7 @@ def make_env_factory(env_cfg: Any) -> Callable[[], Environment]:
     return instantiate({"_target_": cfg._target_, "_partial_": True}, cfg)
 
 
-def load_env_tasks(env_cfg: Any, data_cfg: DataConfig) -> list[Task]:
+def load_env_tasks(env_cfg: EnvConfig | Mapping[str, Any], data_cfg: DataConfig) -> list[Task]:
     """The environment's generated tasks (`make_tasks`), else the rows of `data_cfg` (`vlmrl.data.load_tasks`)
     turned into tasks by its `build_task`."""
     cfg = env_config(env_cfg)

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar, Generic, TypeVar
 
 from vlmrl.config import DataConfig, EnvConfig
 from vlmrl.data import Row, task_of
-from vlmrl.types import Message, ParseStatus, Role, Task
+from vlmrl.types import CORRECT, Message, Role, Task
 
 
 @dataclass
@@ -22,15 +22,21 @@ class StepResult:
     """What an environment makes of one assistant turn.
 
     reward: this turn's reward r_t in [0, 1] (before the turn discount); done: stop the episode now;
-    messages: what to show the model next if the episode goes on (feedback, observations, tool results).
+    messages: what to show the model next if the episode goes on (feedback, observations, tool results);
+    metrics: what the environment measured of the turn, as floats: the conventional keys of `vlmrl.types`
+    (CORRECT drives accuracy and pass@k, FORMATTED format_rate, PARSE_FAIL parse_fail_rate) where they apply, and any
+    of its own (reported as `env_<key>`, `vlmrl.metrics.episode_metrics`).
     """
 
     reward: float
     done: bool
     messages: list[Message] = field(default_factory=list)
-    parse_status: ParseStatus = ParseStatus.OK
-    correct: bool = False
-    formatted: bool = False
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def correct(self) -> bool:
+        """The metric CORRECT is > 0 (the episode loop ends an episode at max_turns unless so)."""
+        return self.metrics.get(CORRECT, 0.0) > 0
 
 
 def with_system_prompt(task: Task, system_prompt: str | None) -> list[Message]:
@@ -41,18 +47,24 @@ def with_system_prompt(task: Task, system_prompt: str | None) -> list[Message]:
     return messages
 
 
-class Environment(ABC):
-    """One episode's environment, created per episode by the env factory (`vlmrl.envs.make_env_factory`)."""
+C = TypeVar("C", bound=EnvConfig)
+
+
+class Environment(ABC, Generic[C]):
+    """One episode's environment, created per episode by the env factory (`vlmrl.envs.make_env_factory`).
+
+    C: its typed config (`config_class`, an `EnvConfig` subclass), e.g. `class MyEnv(Environment[MyConfig])`; the
+    classmethods get the config as that type."""
 
     config_class: ClassVar[type[EnvConfig]] = EnvConfig
 
     @classmethod
-    def build_task(cls, row: Row, cfg: Any) -> Task:
+    def build_task(cls, row: Row, cfg: C) -> Task:
         """The task of one dataset row (default: the row's prompt messages, answer and columns as they are)."""
         return task_of(row)
 
     @classmethod
-    def make_tasks(cls, cfg: Any, data_cfg: DataConfig) -> list[Task] | None:
+    def make_tasks(cls, cfg: C, data_cfg: DataConfig) -> list[Task] | None:
         """The environment's own generated tasks, or None to read `data.path` (the default)."""
         return None
 

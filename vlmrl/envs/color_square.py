@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import cast
 
 from PIL import Image
 
 from vlmrl.config import DataConfig, EnvConfig
 from vlmrl.envs.base import Environment, StepResult
 from vlmrl.rewards import extract_boxed
-from vlmrl.types import ImagePart, Message, ParseStatus, Role, Task, TextPart
+from vlmrl.types import CORRECT, FORMATTED, PARSE_FAIL, ImagePart, Message, Role, Task, TextPart
 
 COLORS = {
     "red": (220, 40, 40),
@@ -53,7 +53,7 @@ def build_task(row: ColorRow) -> Task:
     )
 
 
-def make_tasks(cfg: Any, data_cfg: DataConfig) -> list[Task]:
+def make_tasks(cfg: EnvConfig, data_cfg: DataConfig) -> list[Task]:
     """`data.limit` (default 16) tasks with seeded colour pairs."""
     n = data_cfg.limit or 16
     base = data_cfg.shuffle_seed or 0
@@ -70,7 +70,7 @@ class ColorSquareConfig(EnvConfig):
     _target_: str = "vlmrl.envs.color_square.ColorSquareEnv"
 
 
-class ColorSquareEnv(Environment):
+class ColorSquareEnv(Environment[ColorSquareConfig]):
     """Two questions, one image each (one if `max_turns` is 1)."""
 
     config_class = ColorSquareConfig
@@ -92,12 +92,13 @@ class ColorSquareEnv(Environment):
             raise RuntimeError("ColorSquareEnv.step called before reset")
         colors = self.task.meta["colors"]
         boxed = extract_boxed(assistant_text)
-        status = ParseStatus.OK if boxed and boxed.strip() else ParseStatus.NO_ANSWER
-        correct = status is ParseStatus.OK and cast(str, boxed).strip().lower() == colors[min(turn, 1)]
-        reward = 0.9 * correct + 0.1 * (status is ParseStatus.OK)
+        formatted = bool(boxed and boxed.strip())
+        correct = formatted and cast(str, boxed).strip().lower() == colors[min(turn, 1)]
+        reward = 0.9 * correct + 0.1 * formatted
+        metrics = {CORRECT: float(correct), FORMATTED: float(formatted), PARSE_FAIL: float(not formatted)}
         done = last_turn or turn >= 1 or turn + 1 >= self.max_turns
         if done:
-            return StepResult(reward, True, [], status, correct, status is ParseStatus.OK)
+            return StepResult(reward, True, [], metrics)
         ref = f"color_square:{self.task.meta['seed']}#1"
         msg = Message(Role.USER, [TextPart(SECOND), ImagePart(square(colors[1]), ref), TextPart(QUESTION)])
-        return StepResult(reward, False, [msg], status, correct, status is ParseStatus.OK)
+        return StepResult(reward, False, [msg], metrics)

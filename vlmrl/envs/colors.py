@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import cast
 
 from PIL import Image
 
 from vlmrl.config import DataConfig, EnvConfig
 from vlmrl.envs.base import Environment, StepResult
 from vlmrl.rewards import extract_boxed
-from vlmrl.types import ImagePart, Message, ParseStatus, Role, Task, TextPart
+from vlmrl.types import CORRECT, FORMATTED, PARSE_FAIL, ImagePart, Message, Role, Task, TextPart
 
 COLORS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255), "white": (255, 255, 255)}
 SIZE = 112
@@ -47,7 +47,7 @@ def build_task(seed: int, color: str) -> Task:
     )
 
 
-def make_tasks(env_cfg: Any, data_cfg: DataConfig) -> list[Task]:
+def make_tasks(env_cfg: EnvConfig, data_cfg: DataConfig) -> list[Task]:
     """`data.limit` (default 64) tasks with balanced colours: task i (seed data.shuffle_seed + i) shows
     sorted(COLORS)[i % len(COLORS)], so every colour is equally frequent (the training loop shuffles the order)."""
     n = data_cfg.limit or 64
@@ -88,7 +88,7 @@ class ColorsConfig(EnvConfig):
     max_turns: int = 1
 
 
-class ColorsEnv(Environment):
+class ColorsEnv(Environment[ColorsConfig]):
     """One square; a wrong answer with turns left gets FEEDBACK and another try."""
 
     config_class = ColorsConfig
@@ -114,10 +114,10 @@ class ColorsEnv(Environment):
         if self.task is None:
             raise RuntimeError("ColorsEnv.step called before reset")
         boxed = extract_boxed(assistant_text)
-        status = ParseStatus.OK if boxed and boxed.strip() else ParseStatus.NO_ANSWER
-        correct = status is ParseStatus.OK and cast(str, boxed).strip().lower() == self.task.answer
-        formatted = status is ParseStatus.OK
+        formatted = bool(boxed and boxed.strip())
+        correct = formatted and cast(str, boxed).strip().lower() == self.task.answer
         reward = 0.9 * correct + 0.1 * formatted
+        metrics = {CORRECT: float(correct), FORMATTED: float(formatted), PARSE_FAIL: float(not formatted)}
         if correct or last_turn or turn + 1 >= self.max_turns:
-            return StepResult(reward, True, [], status, correct, formatted)
-        return StepResult(reward, False, [Message.text(Role.USER, FEEDBACK)], status, correct, formatted)
+            return StepResult(reward, True, [], metrics)
+        return StepResult(reward, False, [Message.text(Role.USER, FEEDBACK)], metrics)

@@ -32,7 +32,7 @@ from vlmrl.config import (
 )
 from vlmrl.envs.base import Environment, StepResult
 from vlmrl.rewards import extract_boxed
-from vlmrl.types import ImagePart, Message, ParseStatus, Role, Task, TextPart
+from vlmrl.types import CORRECT, FORMATTED, PARSE_FAIL, ImagePart, Message, Role, Task, TextPart
 
 ACTIONS = {"left": 0, "down": 1, "right": 2, "up": 3}
 MOVE_NAMES = {v: k for k, v in ACTIONS.items()}
@@ -117,16 +117,15 @@ def make_tasks(cfg: FrozenLakeConfig, data_cfg: DataConfig) -> list[Task]:
     return [build_task(r) for r in rows]
 
 
-def parse_move(text: str) -> tuple[int | None, ParseStatus]:
-    """(gymnasium action, status) from the reply's last `\\boxed{}`."""
+def parse_move(text: str) -> tuple[int | None, bool]:
+    """(gymnasium action or None, whether the reply has a non-empty `\\boxed{}`) from its last `\\boxed{}`."""
     boxed = extract_boxed(text)
     if boxed is None or not boxed.strip():
-        return None, ParseStatus.NO_ANSWER
-    action = _ALIASES.get(boxed.strip().strip(".").lower())
-    return action, ParseStatus.OK if action is not None else ParseStatus.UNPARSABLE
+        return None, False
+    return _ALIASES.get(boxed.strip().strip(".").lower()), True
 
 
-class FrozenLakeEnv(Environment):
+class FrozenLakeEnv(Environment[FrozenLakeConfig]):
     """One FrozenLake episode on the task's map; `seed` drives slips (slippery maps only: the factory's episodes
     get seeds 1, 2, ... from a shared counter, so the episodes of one GRPO group slip differently)."""
 
@@ -155,7 +154,7 @@ class FrozenLakeEnv(Environment):
     def step(self, assistant_text: str, turn: int, last_turn: bool) -> StepResult:
         if self.gym is None or self.task is None:
             raise RuntimeError("FrozenLakeEnv.step called before reset")
-        action, status = parse_move(assistant_text)
+        action, boxed = parse_move(assistant_text)
         reached, fell = False, False
         if action is not None:
             _, step_reward, terminated, _, _ = self.gym.step(action)
@@ -164,10 +163,16 @@ class FrozenLakeEnv(Environment):
         fr = self.cfg.format_reward
         reward = (1.0 - fr) * reached + fr * (action is not None)
         done = reached or fell or last_turn or turn + 1 >= self.cfg.max_turns
+        metrics = {  # and its own key "boxed" (env_boxed): a boxed answer, readable as a move or not
+            CORRECT: float(reached),
+            FORMATTED: float(action is not None),
+            PARSE_FAIL: float(action is None),
+            "boxed": float(boxed),
+        }
         if done:
             self.gym.close()
-            return StepResult(reward, True, [], status, reached, action is not None)
+            return StepResult(reward, True, [], metrics)
         ref = f"frozenlake:{self.task.meta['seed']}#{turn + 1}"
         lead = f"You chose {MOVE_NAMES[action]}." if action is not None else UNREADABLE
         msg = Message(Role.USER, [TextPart(lead), ImagePart(frame(self.gym), ref), TextPart(NEXT)])
-        return StepResult(reward, False, [msg], status, reached, action is not None)
+        return StepResult(reward, False, [msg], metrics)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from vlmrl.config import EnvConfig
 from vlmrl.envs.base import Environment, StepResult, with_system_prompt
 from vlmrl.envs.reward_funcs import RewardSpec, load_reward_funcs, weighted_reward
-from vlmrl.types import Message, Role, Task
+from vlmrl.types import CORRECT, FORMATTED, Message, Role, Task
 
 DEFAULT_FEEDBACK = "Your answer is not correct. Please try again and put your final answer in \\boxed{}."
 
@@ -46,7 +46,7 @@ class SingleTurnConfig(MultiTurnConfig):
     max_turns: int = 1
 
 
-class MultiTurnEnv(Environment):
+class MultiTurnEnv(Environment[MultiTurnConfig]):
     """One episode of a dataset row: reply, reward functions, feedback while below the threshold."""
 
     config_class = MultiTurnConfig
@@ -81,7 +81,7 @@ class MultiTurnEnv(Environment):
         turns_left = self.cfg.max_turns - (turn + 1)
         done = correct or last_turn or turns_left <= 0
         messages = [] if done else [self.feedback(reward, turns_left)]
-        return StepResult(reward, done, messages, correct=correct, formatted=reward > 0)
+        return StepResult(reward, done, messages, {CORRECT: float(correct), FORMATTED: float(reward > 0)})
 
 
 class SingleTurnEnv(MultiTurnEnv):

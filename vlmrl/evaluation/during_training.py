@@ -68,7 +68,7 @@ def eval_during_training(setup: EvalSetup, step: int) -> dict[str, float]:
         setup.tasks = load_env_tasks(cfg.env, eval_data_cfg(cfg.data))
     mine = setup.tasks[trainer.rank :: trainer.world_size]
     samples = cfg.algorithm.group_size
-    recs: list[dict] = []
+    recs: list = []  # TrajectoryRecords
     seconds = 0.0
     import torch
 
@@ -94,5 +94,5 @@ def eval_during_training(setup: EvalSetup, step: int) -> dict[str, float]:
     if setup.files:
         path = setup.files.dir / EVAL_TRAJECTORIES
         keep = [r for r in read_jsonl(path).rows if isinstance(r.get("step"), int) and r["step"] < step]
-        write_jsonl_atomic(path, keep + records)
+        write_jsonl_atomic(path, keep + [r.to_json() for r in records])
     return {f"eval/{k}": v for k, v in _summary(records, records, seconds).items()}

@@ -26,6 +26,7 @@ from vlmrl.config import Config, to_yaml
 from vlmrl.evaluation.metrics import _summary
 from vlmrl.evaluation.rollouts import build_eval_runner, eval_data_cfg, rollout_records
 from vlmrl.evaluation.run_folder import GenerateFiles
+from vlmrl.record import TrajectoryRecord
 
 log = logging.getLogger("vlmrl.generate")
 
@@ -70,7 +71,7 @@ def _generate(cfg: Config, console: Any) -> GenerateResult:
     todo = [p for _, missing in plan.steps for p in missing]
     if plan.done:
         log.info("resuming %s: %d of %d problems already done", files.dir, len(plan.done), len(tasks))
-    records = [r for r in plan.records if r["row"] is not None and r["row"] < len(tasks)]
+    records = [r for r in plan.records if r.row is not None and r.row < len(tasks)]
     metrics = _summary(records, [], 0.0)
     if not plan.steps:
         return GenerateResult(files.dir, metrics, 0, len(plan.done))
@@ -92,15 +93,18 @@ def _generate(cfg: Config, console: Any) -> GenerateResult:
             remaining=False,
         ) as progress:
             for step, missing in plan.steps:
-                recs: list[dict] = []
+                recs: list[TrajectoryRecord] = []
                 dt = 0.0
                 if missing:
                     set_seed(cfg.seed + step - 1)  # per chunk: a redone chunk samples as it did uninterrupted
                     recs, dt = rollout_records(runner, [tasks[p] for p in missing], samples, step, rows=missing)
-                    files.append(files.trajectories, recs)
+                    files.append(files.trajectories, [r.to_json() for r in recs])
                 records += recs
                 end = min(step * max(cfg.trainer.batch_size, 1), len(tasks))
-                metrics = {"step": step, **_summary([r for r in records if r["row"] < end], recs, dt)}
+                metrics = {
+                    "step": step,
+                    **_summary([r for r in records if r.row is not None and r.row < end], recs, dt),
+                }
                 files.append(files.metrics, [metrics])
                 loggers.log(metrics, step)
                 top = metrics.get(f"pass@{samples}", 0.0)

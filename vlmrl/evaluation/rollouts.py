@@ -1,5 +1,6 @@
 """Eval-only rollouts with a plain module (no trainer): the eval split's data config, the runner, and the records
-(`full_record`) `vlmrl generate` and `trainer.eval_every` write."""
+(`vlmrl.record.TrajectoryRecord`, with each episode's sample index) `vlmrl generate` and `trainer.eval_every`
+write."""
 
 from __future__ import annotations
 
@@ -9,24 +10,8 @@ import time
 from typing import Any, Iterable
 
 from vlmrl.config import Config, DataConfig
-from vlmrl.export import trajectory_record
-from vlmrl.types import Task, Trajectory
-
-
-def full_record(traj: Trajectory, step: int, sample: int) -> dict:
-    """`trajectory_record` plus what the evaluation reads: the sample index within its problem, per-turn `formatted`,
-    tool calls and tool statistics (kept as given if the record already has them)."""
-    rec = trajectory_record(traj, step)
-    rec["sample"] = sample
-    rec.setdefault("formatted", [t.formatted for t in traj.turns])
-    tool_calls = [[c.to_json() for c in getattr(t, "tool_calls", [])] for t in traj.turns]
-    if any(tool_calls):
-        rec.setdefault("tool_calls", tool_calls)
-        rec.setdefault("tool_errors", [list(getattr(t, "tool_errors", [])) for t in traj.turns])
-    stats = getattr(traj, "tool_stats", None)
-    if stats is not None and stats.calls:
-        rec.setdefault("tool_stats", stats.to_json())
-    return rec
+from vlmrl.record import TrajectoryRecord
+from vlmrl.types import Task
 
 
 def eval_data_cfg(data: DataConfig) -> DataConfig:
@@ -51,14 +36,15 @@ def chunks(items: list, size: int) -> Iterable[list]:
 
 def rollout_records(
     runner: Any, tasks: list[Task], samples: int, step: int, rows: list[int] | None = None
-) -> tuple[list[dict], float]:
-    """Run `samples` episodes of every task; returns (records in task order, wall seconds). rows: each task's position
-    in the eval task list, recorded as `row` (`vlmrl generate` keys problems by it: ids may repeat)."""
+) -> tuple[list[TrajectoryRecord], float]:
+    """Run `samples` episodes of every task; returns (records in task order, each with its `sample` index within
+    its problem, wall seconds). rows: each task's position in the eval task list, recorded as `row` (`vlmrl
+    generate` keys problems by it: ids may repeat)."""
     t0 = time.perf_counter()
     trajs = runner.run(tasks, samples)
     seconds = time.perf_counter() - t0
-    recs = [full_record(traj, step, i % samples) for i, traj in enumerate(trajs)]
-    if rows is not None:
-        for i, rec in enumerate(recs):
-            rec["row"] = rows[i // samples]
+    recs = [TrajectoryRecord.from_trajectory(traj, step) for traj in trajs]
+    for i, rec in enumerate(recs):
+        rec.sample = i % samples
+        rec.row = rows[i // samples] if rows is not None else None
     return recs, seconds

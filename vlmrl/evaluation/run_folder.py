@@ -18,7 +18,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from vlmrl.jsonl import BadLine, read_jsonl, write_jsonl_atomic
+from vlmrl.jsonl import BadLine, dump_lines, read_jsonl, write_jsonl_atomic
+from vlmrl.record import TrajectoryRecord
 from vlmrl.runfiles import RunFiles, RunFolderError, quarantine
 from vlmrl.types import Task
 
@@ -51,10 +52,28 @@ def identity_diff(old_yaml: str, new_yaml: str) -> list[str]:
 def _readable(path: Path) -> tuple[list[dict], list[BadLine]]:
     """The usable rows of a run file; unusable lines other than a torn last line are quarantined (`quarantine`)."""
     got = read_jsonl(path)
-    middle = [b for b in got.bad if b.raw.endswith(b"\n")]
+    _quarantine(path, got.bad)
+    return got.rows, got.bad
+
+
+def _quarantine(path: Path, bad: list[BadLine]) -> None:
+    middle = [b for b in bad if b.raw.endswith(b"\n")]
     if middle:
         quarantine(path, [(b.number, b.reason, b.raw) for b in middle])
-    return got.rows, got.bad
+
+
+def _readable_records(path: Path) -> tuple[list[TrajectoryRecord], list[BadLine]]:
+    """The valid records of a `trajectories.jsonl`; unusable lines (`_readable`) and lines that are no valid record
+    (`TrajectoryRecord.from_json`) other than a torn last line are quarantined."""
+    got = read_jsonl(path)
+    records, bad = [], list(got.bad)
+    for number, row in zip(got.numbers, got.rows):
+        try:
+            records.append(TrajectoryRecord.from_json(row, f"{path}:{number}"))
+        except ValueError as exc:
+            bad.append(BadLine(path, number, str(exc).removeprefix(f"{path}:{number}: "), dump_lines([row]).encode()))
+    _quarantine(path, bad)
+    return records, bad
 
 
 @dataclass
@@ -62,15 +81,14 @@ class GeneratePlan:
     """What a (resumed) generate run does. records: the kept records, each of a done problem; done: positions of
     done problems; steps: (step, positions still to sample) for every step from the first one to (re)write."""
 
-    records: list[dict]
+    records: list[TrajectoryRecord]
     done: set[int]
     steps: list[tuple[int, list[int]]] = field(default_factory=list)
 
 
-def record_row(rec: dict, first_of: dict[str, int]) -> int | None:
+def record_row(rec: TrajectoryRecord, first_of: dict[str, int]) -> int | None:
     """A record's problem position: its `row`, else (records written before `row` existed) its id's first position."""
-    row = rec.get("row")
-    return row if isinstance(row, int) else first_of.get(str(rec.get("task_id")))
+    return rec.row if rec.row is not None else first_of.get(rec.task_id)
 
 
 class GenerateFiles(RunFiles):
@@ -83,7 +101,7 @@ class GenerateFiles(RunFiles):
 
     def __init__(self, out_dir: str | Path, overwrite: bool, config_yaml: str, samples: int):
         self.config_yaml, self.samples = config_yaml, samples
-        self.records: list[dict] = []
+        self.records: list[TrajectoryRecord] = []
         self.rows: list[dict] = []
         self._unclean: set[Path] = set()  # run files with unusable lines: rewritten by `plan`
         super().__init__(out_dir, overwrite)
@@ -99,7 +117,7 @@ class GenerateFiles(RunFiles):
                 "or set logging.overwrite=true"
             )
         old_config = self.dir / "config.yaml"
-        records, bad = _readable(self.trajectories)
+        records, bad = _readable_records(self.trajectories)
         if records and old_config.exists():
             diff = identity_diff(old_config.read_text(), self.config_yaml)
             if diff:
@@ -122,10 +140,10 @@ class GenerateFiles(RunFiles):
         for i, t in enumerate(tasks):
             first_of.setdefault(t.id, i)
         for rec in self.records:
-            rec["row"] = record_row(rec, first_of)  # in memory (and in the file if it is rewritten)
-        counts = Counter(r["row"] for r in self.records)
+            rec.row = record_row(rec, first_of)  # in memory (and in the file if it is rewritten)
+        counts = Counter(r.row for r in self.records)
         done = {p for p, n in counts.items() if p is not None and n == self.samples}
-        kept = [r for r in self.records if r["row"] in done | {None}]  # None: a problem not in this task list
+        kept = [r for r in self.records if r.row in done | {None}]  # None: a problem not in this task list
         batch = max(batch_size, 1)
         by_step = {r.get("step"): r for r in self.rows}
         plan, valid = GeneratePlan(kept, {p for p in done if p < len(tasks)}), []
@@ -148,7 +166,7 @@ class GenerateFiles(RunFiles):
                     self.trajectories,
                     len(self.records) - len(kept),
                 )
-            write_jsonl_atomic(self.trajectories, kept)
+            write_jsonl_atomic(self.trajectories, [r.to_json() for r in kept])
         if plan.steps and valid != self.rows:
             log.info(
                 "%s: kept the rows of steps 1-%d; the rest is redone from step %d",

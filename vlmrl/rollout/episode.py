@@ -39,7 +39,6 @@ from vlmrl.types import (
     EndReason,
     Generation,
     Message,
-    ParseStatus,
     Role,
     StopReason,
     Task,
@@ -230,7 +229,7 @@ class EpisodeRunner:
         result = await self.batcher.offload(self.tools.run, ep.calls, ep.tools, ep.tool_stats, ref)
         piece = self.builder.render_messages(ep.seq, result.messages)
         dropped = self.tools.drop_oversized(result, piece.ids, self.builder.image_token_id, ep.tool_stats)
-        ep.turns.append(Turn(ep.pending, 0.0, ParseStatus.NO_ANSWER, False, False, result.calls, result.errors))
+        ep.turns.append(Turn(ep.pending, 0.0, {}, result.calls, result.errors))  # a tool turn: not graded
         if dropped:
             self._end(ep, EndReason.TOOL_RESPONSE_TOO_LONG)
             return
@@ -243,7 +242,7 @@ class EpisodeRunner:
         turn = len(ep.turns)
         last = turn + 1 >= self.limits.max_turns
         result = await self.batcher.offload(ep.env.step, gen.text, turn, last)
-        ep.turns.append(Turn(gen, result.reward, result.parse_status, result.correct, result.formatted))
+        ep.turns.append(Turn(gen, result.reward, dict(result.metrics)))
         if result.done or last or not result.messages:
             self._end(ep, EndReason.MAX_TURNS if last and not result.correct else EndReason.ENV_DONE)
         else:
@@ -276,7 +275,7 @@ class EpisodeRunner:
             tokens=ep.seq,
             turns=ep.turns,
             reward=episode_reward(rewards, self.limits.turn_discount) if rewards else 0.0,
-            end_reason=ep.end_reason.value if ep.end_reason else "",
+            end_reason=ep.end_reason,
             tool_stats=ep.tool_stats,
         )
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from vlmrl.config import EnvConfig
 from vlmrl.data.row import Row
 from vlmrl.envs.base import Environment, StepResult, with_system_prompt
-from vlmrl.envs.geometry3k.grading import AnswerScore, geometry_reward, score_choice_answer
+from vlmrl.envs.geometry3k.grading import AnswerScore, ParseStatus, geometry_reward, score_choice_answer
 from vlmrl.envs.geometry3k.rows import GeometryRow, geometry_row
-from vlmrl.types import ImagePart, Message, ParseStatus, Role, Task, TextPart
+from vlmrl.types import ImagePart, Message, Role, Task, TextPart
 
 INSTRUCTION = (
     "Reason step by step, briefly, then give your final answer as the letter of the correct choice "
@@ -79,7 +79,7 @@ def feedback_text(template: str, score: AnswerScore, turns_left: int) -> str:
     return template.replace("{reason}", reason).replace("{turns_left}", str(turns_left))
 
 
-class Geometry3KEnv(Environment):
+class Geometry3KEnv(Environment[Geometry3KConfig]):
     """One Geometry3K episode: up to `max_turns` answers, feedback after each wrong one."""
 
     config_class = Geometry3KConfig
@@ -124,4 +124,4 @@ class Geometry3KEnv(Environment):
         turns_left = self.cfg.max_turns - (turn + 1)
         done = reward >= 1.0 or last_turn or turns_left <= 0
         messages = [] if done else [Message.text(Role.USER, feedback_text(self.cfg.feedback, score, turns_left))]
-        return StepResult(reward, done, messages, score.parse_status, score.correct, score.formatted)
+        return StepResult(reward, done, messages, score.metrics())

@@ -6,12 +6,21 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import cast
 
 from vlmrl.rewards import _unwrap, extract_boxed, math_equal
-from vlmrl.types import ParseStatus
+from vlmrl.types import CORRECT, FORMATTED, PARSE_FAIL
 
 _LETTER_RE = re.compile(r"^\(?\s*([A-Za-z])\s*\)?\s*(?:[.:)]\s*(?:.*))?$", re.DOTALL)
+
+
+class ParseStatus(str, Enum):
+    """How a reply's final `\\boxed{}` answer parsed."""
+
+    OK = "ok"
+    NO_ANSWER = "no_answer"  # no \\boxed{...} found
+    UNPARSABLE = "unparsable"  # a boxed answer that the checker could not read
 
 
 @dataclass(frozen=True)
@@ -27,6 +36,14 @@ class AnswerScore:
     correct: bool
     formatted: bool
     pred: str | None = None
+
+    def metrics(self) -> dict[str, float]:
+        """The turn's metrics (`vlmrl.types` conventional keys): correct, formatted, parse_fail (not OK)."""
+        return {
+            CORRECT: float(self.correct),
+            FORMATTED: float(self.formatted),
+            PARSE_FAIL: float(self.parse_status is not ParseStatus.OK),
+        }
 
 
 def choice_letter(content: str, n_choices: int) -> str | None:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmrl.jsonl import read_jsonl
+from vlmrl.record import TrajectoryRecord, read_records
 
 log = logging.getLogger("vlmrl.evaluation.report")
 
@@ -16,6 +17,19 @@ EVAL_TRAJECTORIES = "eval_trajectories.jsonl"
 
 class RunFolderUnreadable(OSError):
     """A run folder file cannot be read at all (permissions, a folder where a file should be); one line."""
+
+
+def _records(path: Path, problems: list[str]) -> list[TrajectoryRecord]:
+    """The valid trajectory records of `path`; each unusable line or invalid record is noted in `problems` as
+    `file:line: reason (skipped)`."""
+    try:
+        records, bad = read_records(path)
+    except OSError as exc:
+        raise RunFolderUnreadable(f"cannot read {path}: {exc.strerror or exc}") from None
+    for why in bad:
+        problems.append(f"{why} (skipped)")
+        log.debug("%s (skipped)", why)
+    return records
 
 
 def _rows(path: Path, problems: list[str]) -> list[dict]:
@@ -40,8 +54,8 @@ class RunData:
     config_text: str
     config: dict
     metrics: list[dict]
-    trajectories: list[dict]
-    eval_trajectories: list[dict] = field(default_factory=list)
+    trajectories: list[TrajectoryRecord]
+    eval_trajectories: list[TrajectoryRecord] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # `file:line: reason` of every line that could not be used
 
     def cfg(self, dotted: str, default: Any = None) -> Any:
@@ -91,7 +105,11 @@ def load_run(run_dir: str | Path) -> RunData:
         raise FileNotFoundError(f"{d} is not a run folder (no metrics.jsonl or trajectories.jsonl)")
     problems: list[str] = []
     config_text, config = _config(d / "config.yaml", problems)
-    trajs = _rows(d / "trajectories.jsonl", problems)
+    trajs = _records(d / "trajectories.jsonl", problems)
     metrics = _rows(d / "metrics.jsonl", problems)
-    kind = "generate" if trajs and all("sample" in t for t in trajs) and not (d / "checkpoints").exists() else "train"
-    return RunData(d, kind, config_text, config, metrics, trajs, _rows(d / EVAL_TRAJECTORIES, problems), problems)
+    kind = (
+        "generate"
+        if trajs and all(t.sample is not None for t in trajs) and not (d / "checkpoints").exists()
+        else "train"
+    )
+    return RunData(d, kind, config_text, config, metrics, trajs, _records(d / EVAL_TRAJECTORIES, problems), problems)

@@ -16,6 +16,9 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
+from vlmrl.record import TrajectoryRecord
+from vlmrl.types import CORRECT, FORMATTED, PARSE_FAIL
+
 log = logging.getLogger("vlmrl.evaluation.report")
 
 TOOL_CALL_RE = re.compile(r"(<tool_call>.*?(?:</tool_call>|$))", re.S)
@@ -134,45 +137,42 @@ def _image_html(ref: str, inline: Callable[[str], str | None]) -> str:
     return f'<figure><img src="{uri}" alt="{_esc(ref)}"><figcaption>{_esc(Path(ref).name)}</figcaption></figure>'
 
 
-def _turn_info(rec: dict, a: int) -> str:
-    """The badge line of assistant turn `a`: reward, correct, parse status, stop reason, tool calls."""
-
-    def at(key: str):
-        vals = rec.get(key) or []
-        return vals[a] if a < len(vals) else None
-
-    bits = []
-    reward, correct = at("turn_rewards"), at("correct")
-    if reward is not None:
-        bits.append(f'<span class="badge">reward {reward:.3g}</span>')
-    if correct is not None:
-        bits.append(f'<span class="badge {"ok" if correct else "bad"}">{"correct" if correct else "wrong"}</span>')
-    for key in ("parse_status", "stop_reasons"):
-        if at(key) is not None:
-            bits.append(f'<span class="badge">{_esc(key.split("_")[0])}: {_esc(str(at(key)))}</span>')
-    if at("formatted") is not None:
-        bits.append(f'<span class="badge">{"boxed" if at("formatted") else "no box"}</span>')
-    spans = rec.get("turn_spans") or []
-    if a < len(spans):
-        bits.append(f'<span class="badge">{spans[a][1] - spans[a][0]} tokens</span>')
-    calls = at("tool_calls") or []
-    errors = at("tool_errors") or []
+def _turn_info(rec: TrajectoryRecord, a: int) -> str:
+    """The badge line of assistant turn `a`: reward, correct, parse status, stop reason, format, tool calls, and the
+    other metrics the environment reported."""
+    if a >= len(rec.turns):
+        return ""
+    turn = rec.turns[a]
+    bits = [f'<span class="badge">reward {turn.reward:.3g}</span>']
+    if not turn.is_tool_turn:
+        ok = turn.correct
+        bits.append(f'<span class="badge {"ok" if ok else "bad"}">{"correct" if ok else "wrong"}</span>')
+        bits.append(f'<span class="badge">parse: {_esc(turn.legacy_parse_status())}</span>')
+    if turn.stop_reason is not None:
+        bits.append(f'<span class="badge">stop: {_esc(turn.stop_reason.value)}</span>')
+    if FORMATTED in turn.metrics:
+        bits.append(f'<span class="badge">{"boxed" if turn.formatted else "no box"}</span>')
+    for key, value in turn.metrics.items():
+        if key not in (CORRECT, FORMATTED, PARSE_FAIL):
+            bits.append(f'<span class="badge">{_esc(key)}: {value:.3g}</span>')
+    if a < len(rec.turn_spans):
+        start, end = rec.turn_spans[a]
+        bits.append(f'<span class="badge">{end - start} tokens</span>')
     html_calls = ""
-    for i, call in enumerate(calls):
-        err = (errors[i] if i < len(errors) else "") or call.get("error", "")
-        status = call.get("status", "ok")
-        css = "bad" if err or status != "ok" else "ok"
-        args = _esc(str(call.get("arguments", {})))
+    for i, call in enumerate(turn.tool_calls):
+        err = (turn.tool_errors[i] if i < len(turn.tool_errors) else "") or call.error
+        css = "bad" if err or not call.ok else "ok"
+        args = _esc(str(call.arguments))
         html_calls += (
-            f'<div class="call {css}">tool call <b>{_esc(str(call.get("name", "")))}</b>({args})'
-            f" · {_esc(status)}{' · ' + _esc(str(err)) if err else ''}</div>"
+            f'<div class="call {css}">tool call <b>{_esc(call.name)}</b>({args})'
+            f" · {_esc(call.status.value)}{' · ' + _esc(str(err)) if err else ''}</div>"
         )
     return f'<div class="info">{" ".join(bits)}</div>{html_calls}'
 
 
-def messages_html(rec: dict, inline: Callable[[str], str | None]) -> str:
+def messages_html(rec: TrajectoryRecord, inline: Callable[[str], str | None]) -> str:
     out, a = [], 0
-    for msg in rec.get("messages", []):
+    for msg in rec.messages:
         role = str(msg.get("role", "?"))
         body = []
         for part in msg.get("content", []):
@@ -191,13 +191,13 @@ def messages_html(rec: dict, inline: Callable[[str], str | None]) -> str:
     return "".join(out)
 
 
-def tokens_html(rec: dict, text_of: Callable[[int], str]) -> str:
+def tokens_html(rec: TrajectoryRecord, text_of: Callable[[int], str]) -> str:
     """The trajectory's ids, one span per token (runs of a repeated id folded), class by loss mask; boundary tokens
     inserted by the builder are outlined. Hover: id, mask, rollout logprob."""
-    ids = rec.get("input_ids") or []
-    mask = rec.get("loss_mask") or [0] * len(ids)
-    lps = rec.get("logprobs") or [0.0] * len(ids)
-    boundary = {int(b["position"]): b.get("reason", "") for b in rec.get("boundary", []) if "position" in b}
+    ids = rec.input_ids
+    mask = rec.loss_mask or [0] * len(ids)
+    lps = rec.logprobs or [0.0] * len(ids)
+    boundary = {b.position: b.reason for b in rec.boundary}
     out, i = [], 0
     while i < len(ids):
         j = i + 1
@@ -223,32 +223,35 @@ def tokens_html(rec: dict, text_of: Callable[[int], str]) -> str:
     )
 
 
-def trajectory_id(rec: dict, idx: int, section: str) -> str:
+def trajectory_id(rec: TrajectoryRecord, idx: int, section: str) -> str:
     return f"{section}-{idx}"
 
 
-def trajectory_html(rec: dict, idx: int, section: str, inline, text_of) -> str:
-    correct = any(rec.get("correct") or [])
-    where = f"step {rec.get('step', '?')} · task {rec.get('task_id', '?')}"
-    where += f" · sample {rec['sample']}" if "sample" in rec else f" · group {rec.get('group', '?')}"
+def _end(rec: TrajectoryRecord) -> str:
+    return rec.end_reason.value if rec.end_reason is not None else ""
+
+
+def trajectory_html(rec: TrajectoryRecord, idx: int, section: str, inline, text_of) -> str:
+    correct = rec.correct
+    where = f"step {rec.step} · task {rec.task_id}"
+    where += f" · sample {rec.sample}" if rec.sample is not None else f" · group {rec.group}"
     head = (
-        f'<span class="badge">reward {float(rec.get("reward", 0.0)):.3g}</span>'
-        f'<span class="badge">advantage {float(rec.get("advantage", 0.0)):+.3g}</span>'
+        f'<span class="badge">reward {rec.reward:.3g}</span>'
+        f'<span class="badge">advantage {rec.advantage:+.3g}</span>'
         f'<span class="badge {"ok" if correct else "bad"}">{"correct" if correct else "wrong"}</span>'
-        f'<span class="badge">{len(rec.get("parse_status") or [])} turn(s)</span>'
-        f'<span class="badge">end: {_esc(str(rec.get("end_reason", "")))}</span>'
+        f'<span class="badge">{len(rec.turns)} turn(s)</span>'
+        f'<span class="badge">end: {_esc(_end(rec))}</span>'
     )
-    stats = rec.get("tool_stats")
-    if isinstance(stats, dict) and stats.get("calls"):
-        failed = sum((stats.get("failures") or {}).values())
-        head += f'<span class="badge">tools: {stats["calls"]} call(s), {failed} failed</span>'
+    stats = rec.tool_stats
+    if stats.calls:
+        head += f'<span class="badge">tools: {stats.calls} call(s), {stats.failed} failed</span>'
     return (
         f'<section class="traj" id="{trajectory_id(rec, idx, section)}"><h3>#{idx} · {_esc(where)}</h3>'
         f'<div class="info">{head}</div>{messages_html(rec, inline)}{tokens_html(rec, text_of)}</section>'
     )
 
 
-def select(records: list[dict], limit: int) -> list[tuple[int, dict]]:
+def select(records: list[TrajectoryRecord], limit: int) -> list[tuple[int, TrajectoryRecord]]:
     """(index, record) of at most `limit` records spread evenly over the run (all if limit <= 0)."""
     indexed = list(enumerate(records))
     if limit <= 0 or len(indexed) <= limit:
@@ -256,17 +259,17 @@ def select(records: list[dict], limit: int) -> list[tuple[int, dict]]:
     return [indexed[round(i * (len(indexed) - 1) / (limit - 1))] for i in range(limit)] if limit > 1 else indexed[:1]
 
 
-def index_html(chosen: list[tuple[int, dict]], section: str) -> str:
+def index_html(chosen: list[tuple[int, TrajectoryRecord]], section: str) -> str:
     rows = []
     for idx, rec in chosen:
-        correct = any(rec.get("correct") or [])
-        who = rec.get("sample", rec.get("group", ""))
+        correct = rec.correct
+        who = rec.sample if rec.sample is not None else rec.group
         rows.append(
-            f'<tr><td><a href="#{trajectory_id(rec, idx, section)}">#{idx}</a></td><td>{_esc(str(rec.get("step", "")))}'
-            f"</td><td>{_esc(str(rec.get('task_id', '')))}</td><td>{_esc(str(who))}</td>"
-            f'<td>{float(rec.get("reward", 0.0)):.3g}</td><td class="{"ok" if correct else "bad"}">'
-            f"{'yes' if correct else 'no'}</td><td>{len(rec.get('parse_status') or [])}</td>"
-            f"<td>{_esc(str(rec.get('end_reason', '')))}</td></tr>"
+            f'<tr><td><a href="#{trajectory_id(rec, idx, section)}">#{idx}</a></td><td>{rec.step}'
+            f"</td><td>{_esc(rec.task_id)}</td><td>{who}</td>"
+            f'<td>{rec.reward:.3g}</td><td class="{"ok" if correct else "bad"}">'
+            f"{'yes' if correct else 'no'}</td><td>{len(rec.turns)}</td>"
+            f"<td>{_esc(_end(rec))}</td></tr>"
         )
     head = (
         "<tr><th>#</th><th>step</th><th>task</th><th>sample/group</th><th>reward</th><th>correct</th>"
@@ -277,7 +280,13 @@ def index_html(chosen: list[tuple[int, dict]], section: str) -> str:
 
 
 def section_html(
-    title: str, section: str, records: list[dict], limit: int, inline, text_of, problems: list[str] | None = None
+    title: str,
+    section: str,
+    records: list[TrajectoryRecord],
+    limit: int,
+    inline,
+    text_of,
+    problems: list[str] | None = None,
 ) -> str:
     """The viewer section of `records` (at most `limit`, `select`); a record that cannot be rendered becomes a note
     on the page and a line in `problems`."""
