@@ -161,7 +161,9 @@ class RolloutConfig:
     max_new_tokens: int = 64
     stop: list[str] = field(default_factory=list)
     max_context_tokens: int = 4096  # also vLLM's max_model_len
-    batch_wait_s: float = 0.05  # an idle engine waits this long for episodes in env steps / tool calls
+    # batch engines (transformers, vllm colocate_engine=sync): an idle engine waits this long for episodes in env
+    # steps / tool calls (concurrent engines never wait: each request is sent as soon as it is ready)
+    batch_wait_s: float = 0.05
     vllm: VLLMConfig = field(default_factory=VLLMConfig)  # rollout.engine=vllm
 
 

@@ -42,20 +42,6 @@ def engine(processor, builder):
     gc.collect()
 
 
-@pytest.fixture(scope="module")
-def processor():
-    from test_vllm_engine import TextProcessor
-
-    return TextProcessor()
-
-
-@pytest.fixture(scope="module")
-def builder(processor):
-    from vlmrl.tokens.qwen_vl import QwenVLBuilder
-
-    return QwenVLBuilder(processor, family="qwen2_5_vl")
-
-
 def test_default_colocated_engine_is_async_llm(engine):
     assert isinstance(engine, ConcurrentEngine) and isinstance(engine.backend, AsyncColocated)
     assert type(engine.backend.llm).__name__ == "AsyncLLM"

@@ -39,7 +39,6 @@ from vlmrl.rollout import make_engine
 from vlmrl.rollout.engine import SamplingParams
 from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner
 from vlmrl.rollout.vllm_engine import METRIC, BatchedVLLMEngine, ConcurrentVLLMEngine, VLLMEngine
-from vlmrl.tokens.qwen_vl import QwenVLBuilder
 from vlmrl.train.logprobs import sequence_logprobs
 from vlmrl.types import EnginePrompt, Message, ParseStatus, Role, StopReason, Task
 
@@ -147,16 +146,6 @@ def recompute(model, trajs, temperature=TEMPERATURE) -> float:
             mask = sample.loss_mask.bool()
             worst = max(worst, float((lp[mask] - sample.old_logprobs[mask]).abs().max()))
     return worst
-
-
-@pytest.fixture(scope="module")
-def processor():
-    return TextProcessor()
-
-
-@pytest.fixture(scope="module")
-def builder(processor):
-    return QwenVLBuilder(processor, family="qwen2_5_vl")
 
 
 def _free(engine):

@@ -8,6 +8,8 @@ then). Routes used (vLLM 0.32):
   the placeholders again; `return_token_ids` gives the expanded ids back and they must equal ours), and
   `sampling_params`; the response holds each sample's `token_ids`, the sampled token's logprob per token and the
   finish/stop reasons. Prompt logprobs (the weight check) come from the same route with `prompt_logprobs=0`.
+  Each engine request is one HTTP request, sent as soon as its episode submits it (`agenerate`, one client thread
+  per request in flight), so the server's continuous batching sees every pending episode.
 - Weight sync: rank 0 writes the full state dict as `model.safetensors` into `rollout.vllm.sync_dir` (a folder the
   server can read), POST `/collective_rpc` `{"method": "reload_weights", "kwargs": {"weights_path": DIR}}`, then
   POST `/reset_prefix_cache` and `/reset_encoder_cache` (cached KV blocks and vision-encoder outputs were computed
