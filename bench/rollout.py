@@ -15,8 +15,12 @@ warm-up run that also records the requests.
 
 `--engine vllm` (the vLLM venv of `make test-vllm`; colocated, `VLLM_ENABLE_V1_MULTIPROCESSING=0` on CPU): the
 tiny Qwen2.5-VL widened to head size 32 (tests/real_vllm/tiny_head32.py: vLLM's CPU attention needs it), its weights
-synced from the in-process model as in training. vLLM's batched forward is not bit-identical to its one-request
-forward, so (s) may sample other tokens than (r) and (f): its token count is reported, and tokens/s compared.
+synced from the in-process model as in training. `--colocate-engine` (rollout.vllm.colocate_engine): `async`
+(AsyncLLM, the default on one rank: each episode's request is submitted as soon as it is ready; (f) submits a turn's
+requests together, (s) one at a time) or `sync` (vllm.LLM: (r) batches pending requests per call). vLLM's batched
+forward is not bit-identical to its one-request forward, so (s) may sample other tokens than (r) and (f): its token
+count is reported, and tokens/s compared. Last column: the (r) batch sizes (a batch engine) or the most requests in
+flight at once (a concurrent engine).
 
     python bench/rollout.py                          # 16 and 64 episodes, 2 turns, 24 new tokens, 3 repeats
     python bench/rollout.py --episodes 8 --turns 3 --json
@@ -43,7 +47,8 @@ from vlmrl.config import DataConfig, EnvConfig, ModelConfig, RolloutConfig, VLLM
 from vlmrl.envs import load_env_tasks, make_env_factory
 from vlmrl.modeling.loading import load_policy
 from vlmrl.rollout import make_engine
-from vlmrl.rollout.engine import Engine, GenerateRequest, SamplingParams
+from vlmrl.rollout.batcher import ConcurrentDispatcher, EngineBatcher
+from vlmrl.rollout.engine import ConcurrentEngine, Engine, GenerateRequest, SamplingParams
 from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner
 from vlmrl.tokens import get_builder
 from vlmrl.types import Trajectory
@@ -61,7 +66,7 @@ COLUMNS = (
     "(r) wall s",
     "(f) wall s",
     "(s) wall s",
-    "batches (r)",
+    "batches / in flight (r)",
 )
 
 
@@ -82,6 +87,23 @@ class Recorder(Engine):
         return self.engine.session()
 
 
+class ConcurrentRecorder(Recorder, ConcurrentEngine):
+    """A concurrent engine, recording every request it is sent (in order)."""
+
+    engine: ConcurrentEngine
+
+    async def agenerate(self, request):
+        self.requests.append(request)
+        return await self.engine.agenerate(request)
+
+    def generate_batch(self, requests):
+        return ConcurrentEngine.generate_batch(self, requests)
+
+
+def recorder(engine: Engine) -> Recorder:
+    return ConcurrentRecorder(engine) if isinstance(engine, ConcurrentEngine) else Recorder(engine)
+
+
 @dataclass
 class Setup:
     """What one size needs: the runner over a recording engine, the tasks, and the recorded requests by turn."""
@@ -96,12 +118,14 @@ class Setup:
     replay_tokens: dict[bool, int] = field(default_factory=dict)  # tokens of the last (f) [True] / (s) [False] run
 
 
-def make_bench_engine(name: str, model, processor, builder) -> Engine:
-    """The transformers engine over `model`, or colocated vLLM with `model`'s weights (fp32, eager, 0.5 GiB KV)."""
+def make_bench_engine(name: str, model, processor, builder, colocate_engine: str = "auto") -> Engine:
+    """The transformers engine over `model`, or colocated vLLM with `model`'s weights (fp32, eager, 0.5 GiB KV;
+    `colocate_engine` as rollout.vllm.colocate_engine)."""
     policy = lambda: contextlib.nullcontext(model)
     if name == "transformers":
         return make_engine(SimpleNamespace(engine="transformers"), policy, processor, builder)
-    cfg = RolloutConfig(engine="vllm", max_context_tokens=4096, vllm=VLLMConfig(kv_cache_gb=0.5))
+    vllm = VLLMConfig(kv_cache_gb=0.5, colocate_engine=colocate_engine)
+    cfg = RolloutConfig(engine="vllm", max_context_tokens=4096, vllm=vllm)
     return make_engine(cfg, policy, processor, builder)
 
 
@@ -121,12 +145,12 @@ def build(engine_name: str, model, processor, episodes: int, turns: int, max_new
     requests, grouped by turn. `engine`: reuse one (vLLM starts once)."""
     builder = get_builder("qwen2_5_vl", processor)
     engine = engine or make_bench_engine(engine_name, model, processor, builder)
-    recorder = Recorder(engine)
+    recording = recorder(engine)
     env_cfg = EnvConfig(max_turns=turns)
     tasks = load_env_tasks(env_cfg, DataConfig(split="test", limit=max(1, episodes // GROUP)))
     runner = EpisodeRunner(
         builder,
-        recorder,
+        recording,
         make_env_factory(env_cfg),
         EpisodeLimits(turns, 8192, 0.95),
         SamplingParams(max_new_tokens=max_new),
@@ -135,7 +159,7 @@ def build(engine_name: str, model, processor, episodes: int, turns: int, max_new
     setup = Setup(engine, runner, tasks, tokens=_tokens(trajs), ids=[t.tokens.ids for t in trajs])
     turn_of = {tuple(t.tokens.ids[:start]): k for t in trajs for k, (start, _) in enumerate(t.tokens.turn_spans)}
     setup.by_turn = [[] for _ in range(turns)]
-    for req in recorder.requests:
+    for req in recording.requests:
         setup.by_turn[turn_of[tuple(req.prompt.token_ids)]].append(req)
     runner.engine = engine  # timed runs go straight to the engine
     return setup
@@ -199,8 +223,17 @@ def measure(
         **{f"{k}_wall_s": med[k] for k in methods},
         "r/f": rate["r"] / rate["f"],
         "r/s": rate["r"] / rate["s"],
-        "batches": s.runner.batcher.batch_sizes if s.runner.batcher else [],
+        "batches": dispatch_summary(s.runner),
     }
+
+
+def dispatch_summary(runner: EpisodeRunner) -> str:
+    """The last run's batch sizes (EngineBatcher) or its most requests in flight (ConcurrentDispatcher)."""
+    if isinstance(runner.batcher, EngineBatcher):
+        return ",".join(map(str, runner.batcher.batch_sizes))
+    if isinstance(runner.batcher, ConcurrentDispatcher):
+        return f"<={runner.batcher.peak_in_flight} in flight"
+    return ""
 
 
 def table(rows: list[dict], title: str) -> Table:
@@ -216,7 +249,7 @@ def table(rows: list[dict], title: str) -> Table:
             f"{r['r/f']:.2f}",
             f"{r['r/s']:.2f}",
             *(f"{r[k]:.2f}" for k in ("r_wall_s", "f_wall_s", "s_wall_s")),
-            ",".join(map(str, r["batches"])),
+            r["batches"],
         )
     return t
 
@@ -228,6 +261,7 @@ def main(
     max_new_tokens: int = typer.Option(24, help="new tokens per turn"),
     repeats: int = typer.Option(3, help="interleaved repetitions (median reported)"),
     threads: int = typer.Option(0, help="torch threads (0: torch's default)"),
+    colocate_engine: str = typer.Option("auto", help="vllm: rollout.vllm.colocate_engine (auto | async | sync)"),
     as_json: bool = typer.Option(False, "--json", help="print JSON rows instead of a table"),
 ) -> None:
     if threads:
@@ -236,14 +270,20 @@ def main(
     shared = (
         None
         if engine == "transformers"
-        else make_bench_engine(engine, model, processor, get_builder("qwen2_5_vl", processor))
+        else make_bench_engine(engine, model, processor, get_builder("qwen2_5_vl", processor), colocate_engine)
     )
-    rows = [measure(engine, model, processor, n, turns, max_new_tokens, repeats, shared) for n in episodes]
+    try:
+        rows = [measure(engine, model, processor, n, turns, max_new_tokens, repeats, shared) for n in episodes]
+    finally:
+        close = getattr(shared, "close", None)  # vLLM: its engine (AsyncLLM: the engine-core process)
+        if callable(close):
+            close()
     if as_json:
         print(json.dumps(rows, indent=2))
         return
+    kind = engine if shared is None else f"{engine} ({type(shared).__name__})"
     title = (
-        f"Rollout tokens/s, {engine} engine, tiny Qwen2.5-VL, Geometry3K x group {GROUP}, {turns} turns x "
+        f"Rollout tokens/s, {kind} engine, tiny Qwen2.5-VL, Geometry3K x group {GROUP}, {turns} turns x "
         f"{max_new_tokens} new tokens, median of {repeats}"
     )
     Console(width=170).print(table(rows, title))

@@ -244,7 +244,7 @@ def test_prompt_logprobs_layout_and_delta():
 # --- settings, factory, weights --------------------------------------------------------------------------------
 def test_nested_vllm_config_reaches_the_engine_as_it_is(monkeypatch):
     """`make_engine` hands `rollout.vllm` (the typed node from the config, not a copy) and the rollout's context
-    length, temperature and top_p to `VLLMEngine` (a recording stand-in: runs without vllm)."""
+    length, temperature and top_p to `make_vllm_engine` (a recording stand-in: runs without vllm)."""
     import importlib.util
     import sys
     import types
@@ -259,7 +259,7 @@ def test_nested_vllm_config_reaches_the_engine_as_it_is(monkeypatch):
             seen.update(config=config, eos_ids=eos_ids, image_token_id=image_token_id, **kwargs)
 
     fake = types.ModuleType("vlmrl.rollout.vllm_engine")
-    fake.VLLMEngine = RecordingEngine
+    fake.make_vllm_engine = RecordingEngine
     monkeypatch.setitem(sys.modules, "vlmrl.rollout.vllm_engine", fake)
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(

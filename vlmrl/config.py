@@ -112,7 +112,11 @@ class VLLMConfig:
     """`rollout.vllm`: the vLLM engine's own knobs (`rollout.engine=vllm`; conf/rollout/vllm.yaml, vlmrl/rollout/
     vllm_engine.py). The engine also reads rollout.max_context_tokens (vLLM's max_model_len), temperature and top_p."""
 
-    mode: str = "colocate"  # colocate (vllm.LLM in the trainer process) | server (vLLM's own HTTP server at `url`)
+    mode: str = "colocate"  # colocate (vLLM driven from the trainer process) | server (vLLM's own server at `url`)
+    # colocate: async (vLLM's AsyncLLM, each episode's request sent as it is ready) | sync (vllm.LLM, pending
+    # requests batched per call) | auto (async on one rank, sync with several: AsyncLLM's engine core runs in a
+    # process of its own, which cannot join the trainer ranks' launcher as several colocated engines need)
+    colocate_engine: str = "auto"
     url: Optional[str] = None  # server mode: e.g. http://127.0.0.1:8000
     served_model: Optional[str] = None  # server mode: model name (None: the server's first)
     sync_dir: Optional[str] = None  # server mode: folder (readable by the server) for synced weights
@@ -157,7 +161,9 @@ class RolloutConfig:
     max_new_tokens: int = 64
     stop: list[str] = field(default_factory=list)
     max_context_tokens: int = 4096  # also vLLM's max_model_len
-    batch_wait_s: float = 0.05  # an idle engine waits this long for episodes in env steps / tool calls
+    # batch engines (transformers, vllm colocate_engine=sync): an idle engine waits this long for episodes in env
+    # steps / tool calls (concurrent engines never wait: each request is sent as soon as it is ready)
+    batch_wait_s: float = 0.05
     vllm: VLLMConfig = field(default_factory=VLLMConfig)  # rollout.engine=vllm
 
 
@@ -530,6 +536,10 @@ def _vllm_checks(v: VLLMConfig) -> list[tuple[bool, str]]:
     """The checks of `rollout.vllm` (the only place they are made; `check_vllm_config` raises on the first)."""
     return [
         (v.mode in ("colocate", "server"), f"rollout.vllm.mode={v.mode!r} must be colocate or server"),
+        (
+            v.colocate_engine in ("auto", "async", "sync"),
+            f"rollout.vllm.colocate_engine={v.colocate_engine!r} must be auto, async or sync",
+        ),
         (
             v.mode != "server" or bool(v.url),
             "rollout.vllm.mode=server needs rollout.vllm.url (e.g. http://127.0.0.1:8000)",

@@ -4,7 +4,8 @@ torch 2.13.0 + torchvision 0.28.0; skipped where vllm is not installed, e.g. the
 
 Text-only tiny Qwen2 models (hidden 128, 4 heads: vLLM's CPU attention needs head size >= 32) with the real Qwen
 tokenizer, fp32:
-- colocate + DeepSpeed ZeRO-3 trainer: a multi-turn episode loop, the rollout logprobs equal the trainer's
+- colocate + DeepSpeed ZeRO-3 trainer, with AsyncLLM (`colocate_engine=async`) and with `vllm.LLM` (`sync`): a
+  multi-turn episode loop, the rollout logprobs equal the trainer's
   recomputation, one update, one weight sync (gathered under ZeRO-3), the next rollouts match the updated trainer;
 - a tied-embedding model: a reload without the tied `lm_head.weight` leaves vLLM's LM head stale, the check catches it
   (`sync/max_abs_dlogprob` O(1)) and a full sync clears it;
@@ -37,8 +38,7 @@ from vlmrl.modeling.qwen_bpe import qwen_tokenizer
 from vlmrl.rollout import make_engine
 from vlmrl.rollout.engine import SamplingParams
 from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner
-from vlmrl.rollout.vllm_engine import METRIC, VLLMEngine
-from vlmrl.tokens.qwen_vl import QwenVLBuilder
+from vlmrl.rollout.vllm_engine import METRIC, BatchedVLLMEngine, ConcurrentVLLMEngine, VLLMEngine
 from vlmrl.train.logprobs import sequence_logprobs
 from vlmrl.types import EnginePrompt, Message, Role, StopReason, Task
 
@@ -142,31 +142,24 @@ def recompute(model, trajs, temperature=TEMPERATURE) -> float:
     return worst
 
 
-@pytest.fixture(scope="module")
-def processor():
-    return TextProcessor()
-
-
-@pytest.fixture(scope="module")
-def builder(processor):
-    return QwenVLBuilder(processor, family="qwen2_5_vl")
-
-
 def _free(engine):
     engine.close()
     gc.collect()
 
 
-def test_colocated_episode_loop_zero3_sync(processor, builder):
+@pytest.mark.parametrize("colocate_engine", ["async", "sync"])  # AsyncLLM (the default on one rank), vllm.LLM
+def test_colocated_episode_loop_zero3_sync(processor, builder, colocate_engine):
     from vlmrl.train.trainer import GRPOTrainer, TrainerSettings
 
     trainer = GRPOTrainer(
         tiny_qwen2(tied=False), TrainerSettings(zero_stage=3, lr=3e-3, max_grad_norm=0.0, temperature=TEMPERATURE)
     )
     t0 = time.perf_counter()
-    engine = make_engine(rollout_cfg(), trainer.policy, processor, builder)
+    engine = make_engine(rollout_cfg(colocate_engine=colocate_engine), trainer.policy, processor, builder)
     print(f"\nvLLM colocated engine up in {time.perf_counter() - t0:.1f} s; first sync {engine.last_sync_metrics}")
     assert isinstance(engine, VLLMEngine) and engine.logprobs_mode == "processed_logprobs"
+    expected = {"async": ConcurrentVLLMEngine, "sync": BatchedVLLMEngine}[colocate_engine]
+    assert type(engine) is expected
     assert engine.last_sync_metrics[METRIC] < TOL
     try:
         sampling = SamplingParams(max_new_tokens=10, temperature=TEMPERATURE, seed=11)
@@ -309,7 +302,7 @@ def test_conf_group_config_reaches_the_engine(processor, builder):
     engine = make_engine(cfg.rollout, lambda: contextlib.nullcontext(model), processor, builder)
     try:
         assert engine.config is cfg.rollout.vllm and engine.max_model_len == 512
-        assert engine.llm.llm_engine.vllm_config.model_config.max_model_len == 512
+        assert engine.backend.vllm_config.model_config.max_model_len == 512
         assert engine.logprobs_mode == "processed_logprobs" and engine._recent.maxlen == 1
     finally:
         _free(engine)

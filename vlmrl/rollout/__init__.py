@@ -8,7 +8,8 @@ from vlmrl.rollout.engine import Engine, SamplingParams
 
 def make_engine(rollout_cfg: RolloutConfig, policy, processor, builder) -> Engine:
     """The engine named by `rollout.engine`: `transformers` (in process, shares the trainer's module) or `vllm`
-    (`rollout.vllm.mode`: colocate | server; its `sync_weights()` must follow every update and returns metrics).
+    (`rollout.vllm.mode`: colocate | server, `rollout.vllm.colocate_engine`: async | sync; its `sync_weights()` must
+    follow every update and returns metrics).
 
     Raises ValueError naming `rollout.engine` for an unknown or unavailable engine.
     """
@@ -28,12 +29,12 @@ def make_engine(rollout_cfg: RolloutConfig, policy, processor, builder) -> Engin
                 "rollout.engine=vllm needs vLLM: pip install 'vlmrl[vllm]' (CUDA), or the CPU build "
                 "as in `make test-vllm`"
             )
-        from vlmrl.rollout.vllm_engine import VLLMEngine
+        from vlmrl.rollout.vllm_engine import make_vllm_engine
 
         tok = processor.tokenizer
         eos = sorted(builder.stop_token_ids)
         merge = getattr(getattr(processor, "image_processor", None), "merge_size", None)
-        return VLLMEngine(
+        return make_vllm_engine(
             policy,
             processor,
             eos,

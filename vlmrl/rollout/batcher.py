@@ -1,4 +1,8 @@
-"""Serve the engine requests of concurrently running episodes in batches (asyncio).
+"""Serve the engine requests of concurrently running episodes (asyncio): `make_dispatcher` picks, by engine type,
+`EngineBatcher` (an `Engine`: requests collected into batches) or `ConcurrentDispatcher` (a `ConcurrentEngine`:
+each request goes to the engine at once). Both are `Dispatcher`s: what an episode coroutine awaits.
+
+EngineBatcher:
 
 Every episode is a coroutine (`episode.EpisodeRunner`). When it needs a reply it awaits `EngineBatcher.generate`;
 when it runs blocking work (an environment step, a tool call) it awaits `EngineBatcher.offload`, which runs the work
@@ -17,15 +21,62 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+from abc import ABC, abstractmethod
 from typing import Any, Callable, TypeVar
 
-from vlmrl.rollout.engine import Engine, GenerateRequest
+from vlmrl.rollout.engine import ConcurrentEngine, Engine, GenerateRequest
 from vlmrl.types import Generation
 
 T = TypeVar("T")
 
 
-class EngineBatcher:
+class Dispatcher(ABC):
+    """What episode coroutines await: `generate` (a reply), `offload` (blocking work), `finish` (an episode ended).
+    `serve()` runs alongside the episodes until cancelled."""
+
+    @abstractmethod
+    async def generate(self, request: GenerateRequest, episodes: int = 1, order: tuple = ()) -> list[Generation]:
+        """The request's `request.n` generations; `episodes`: how many episodes wait on it; `order`: its sort key."""
+
+    async def offload(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) in a worker thread (asyncio's default executor)."""
+        return await asyncio.to_thread(fn, *args)
+
+    def finish(self, episodes: int = 1) -> None:
+        """`episodes` episodes ended: they will not ask for another turn."""
+
+    async def serve(self) -> None:
+        """Background work while the episodes run, until cancelled (default: none)."""
+        await asyncio.Event().wait()
+
+
+def make_dispatcher(engine: Engine, live: int, max_wait_s: float) -> Dispatcher:
+    """`ConcurrentDispatcher` for a `ConcurrentEngine`, else `EngineBatcher(engine, live, max_wait_s)`."""
+    if isinstance(engine, ConcurrentEngine):
+        return ConcurrentDispatcher(engine)
+    return EngineBatcher(engine, live, max_wait_s)
+
+
+class ConcurrentDispatcher(Dispatcher):
+    """Hands each request to `engine.agenerate` the moment its episode asks (continuous batching is the engine's).
+
+    `in_flight`: requests submitted and not yet answered; `peak_in_flight`: its maximum over the run."""
+
+    def __init__(self, engine: ConcurrentEngine):
+        self.engine = engine
+        self.in_flight = self.peak_in_flight = 0
+
+    async def generate(self, request: GenerateRequest, episodes: int = 1, order: tuple = ()) -> list[Generation]:
+        """`engine.agenerate(request)` (engine errors raise); `episodes` and `order` do not matter here."""
+        self.in_flight += 1
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        try:
+            return await self.engine.agenerate(request)
+        finally:
+            self.in_flight -= 1
+
+
+class EngineBatcher(Dispatcher):
     """Batches `generate` requests from episode coroutines into `engine.generate_batch` calls.
 
     live: episodes that may still ask for a turn (`finish()` each as it ends); a request stands for `episodes` of
@@ -55,7 +106,7 @@ class EngineBatcher:
         """fn(*args) in a worker thread (asyncio's default executor), counted as offloaded work."""
         self._offloaded += 1
         try:
-            return await asyncio.to_thread(fn, *args)
+            return await super().offload(fn, *args)
         finally:
             self._offloaded -= 1
             self._changed.set()

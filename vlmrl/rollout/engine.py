@@ -3,14 +3,21 @@
 Engines never see messages or text prompts. Implementations: `hf.TransformersEngine` (CPU/GPU, in process);
 a vLLM engine implements the same interface (only the vllm engine module imports vllm).
 
-The episode loop (`episode.EpisodeRunner`) sends every pending request of all its episodes in one
-`generate_batch` call (through `batcher.EngineBatcher`); each request carries its own seed (`derive_seed`), so an
-engine that samples each request from its own seeded generator gives the same ids whatever the batch holds.
+Two kinds of engine, told apart by type (the episode loop picks its dispatcher by it, `batcher.make_dispatcher`):
+- `Engine`: serves a list of requests per call. The episode loop sends every pending request of all its episodes in
+  one `generate_batch` call (through `batcher.EngineBatcher`, which waits for the episodes to ask).
+- `ConcurrentEngine`: serves each request on its own as soon as it arrives, many in flight at once (continuous
+  batching inside the engine: vLLM's `AsyncLLM`, vLLM's server). Each episode awaits its own `agenerate`
+  (through `batcher.ConcurrentDispatcher`); nothing waits for a batch to fill.
+Each request carries its own seed (`derive_seed`), so an engine that samples each request from its own seeded
+generator gives the same ids whatever the batch holds or the order requests arrive in.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import dataclasses
 import hashlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -57,6 +64,12 @@ def derive_seed(*parts: int | str) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+def per_prompt_requests(prompts: list[EnginePrompt], n: int, params: SamplingParams) -> list[GenerateRequest]:
+    """One request per prompt, n samples each; prompt i gets seed `params.seed + i * n` (None stays None)."""
+    seeds = [None if params.seed is None else params.seed + i * n for i in range(len(prompts))]
+    return [GenerateRequest(p, n, dataclasses.replace(params, seed=s)) for p, s in zip(prompts, seeds)]
+
+
 class Engine(ABC):
     @abstractmethod
     def generate(self, prompts: list[EnginePrompt], n: int, params: SamplingParams) -> list[list[Generation]]:
@@ -85,3 +98,26 @@ class Engine(ABC):
         A no-op returning {} for an engine that shares the trainer's module (the transformers engine).
         """
         return {}
+
+
+class ConcurrentEngine(Engine):
+    """An engine serving each request as soon as it is submitted, concurrently with those in flight (see the module
+    docstring). Subclasses implement `agenerate`; `generate_batch` submits all requests at once and waits for all."""
+
+    @abstractmethod
+    async def agenerate(self, request: GenerateRequest) -> list[Generation]:
+        """The request's `request.n` generations (sample order), awaitable from any event loop, many at once.
+
+        Raises the engine's error for this request (others in flight are unaffected)."""
+
+    def generate(self, prompts: list[EnginePrompt], n: int, params: SamplingParams) -> list[list[Generation]]:
+        """`generate_batch` of `per_prompt_requests(prompts, n, params)`."""
+        return self.generate_batch(per_prompt_requests(prompts, n, params))
+
+    def generate_batch(self, requests: list[GenerateRequest]) -> list[list[Generation]]:
+        """All `requests` submitted together, [len(requests)][request.n]; call outside a running event loop."""
+
+        async def every() -> list[list[Generation]]:
+            return list(await asyncio.gather(*(self.agenerate(r) for r in requests)))
+
+        return asyncio.run(every())

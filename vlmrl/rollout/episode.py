@@ -9,8 +9,10 @@ as error messages) and renders the tool messages (loss mask 0); a tool response 
 `max_tool_response_tokens` is dropped whole and ends the episode (trl #5521). Tool turns get reward 0 and do not
 count in the turn discount (max over graded turns t of r_t * gamma**t, t counting graded turns).
 
-Every episode runs as its own coroutine and awaits the engine; episodes never wait for each other's turns. An
-`EngineBatcher` sends whatever is pending to the engine in one batch; environment steps and tool calls run in worker
+Every episode runs as its own coroutine and awaits the engine; episodes never wait for each other's turns. The
+dispatcher (`batcher.make_dispatcher`, by engine type) either sends whatever is pending to a batch engine in one call
+(`EngineBatcher`) or hands each request to a concurrent engine at once (`ConcurrentDispatcher`: vLLM's AsyncLLM or
+server, whose continuous batching then sees every pending episode); environment steps and tool calls run in worker
 threads while the others sample. At turn 0 the `group_size` episodes of a task share one prompt (built once, its
 images processed once) and one request with `n=group_size`. Each request's seed is
 `derive_seed(run seed, task id, group, sample, turn)`, so a seed gives the same trajectories whatever the batching.
@@ -29,7 +31,7 @@ import torch
 
 from vlmrl.envs.base import Environment
 from vlmrl.rewards import episode_reward
-from vlmrl.rollout.batcher import EngineBatcher
+from vlmrl.rollout.batcher import Dispatcher, make_dispatcher
 from vlmrl.rollout.engine import Engine, GenerateRequest, SamplingParams, derive_seed
 from vlmrl.tokens.base import Piece, TokenBuilder
 from vlmrl.tools.parsers import get_parser
@@ -96,7 +98,8 @@ class EpisodeRunner:
     """Runs GRPO groups of episodes: `run(tasks, group_size) -> [Trajectory]` (group_size per task, task order).
 
     tools: the `ToolRuntime` for environments with tools (default: the builder family's parser, default limits).
-    batch_wait_s: how long an idle engine waits for episodes still in env steps / tool calls (`EngineBatcher`).
+    batch_wait_s: how long an idle batch engine waits for episodes still in env steps / tool calls (`EngineBatcher`;
+    a `ConcurrentEngine` never waits).
     """
 
     def __init__(
@@ -119,7 +122,7 @@ class EpisodeRunner:
             State.ENV_STEP: "_on_env_step",
             State.OBSERVE: "_on_observe",
         }
-        self.batcher: EngineBatcher | None = None  # the current run's (its batch_sizes stay readable afterwards)
+        self.batcher: Dispatcher | None = None  # the current run's (its statistics stay readable afterwards)
         self._seed = 0
 
     @property
@@ -145,7 +148,7 @@ class EpisodeRunner:
         """`run` inside a running event loop (the engine session is the caller's)."""
         self._seed = seed
         episodes = [ep for g, task in enumerate(tasks) for ep in self._start(task, g, group_size)]
-        self.batcher = EngineBatcher(self.engine, len(episodes), self.batch_wait_s)
+        self.batcher = make_dispatcher(self.engine, len(episodes), self.batch_wait_s)
         server = asyncio.create_task(self.batcher.serve())
         try:
             for g in range(len(tasks)):  # turn 0: one request per group, n = its live episodes

@@ -4,6 +4,7 @@ fake vLLM objects). The conventions (image placeholders, logprobs modes, stop re
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from vlmrl.rollout.engine import SamplingParams
@@ -226,3 +227,48 @@ def max_abs_delta(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]]) ->
             raise ValueError(f"logprob sequences of different lengths ({len(x)} vs {len(y)})")
         worst = max([worst, *(abs(float(p) - float(q)) for p, q in zip(x[1:], y[1:]))])
     return worst
+
+
+def check_expanded(prompt: EnginePrompt, vllm_ids: Sequence[int] | None, who: str = "vLLM") -> None:
+    """Raise RuntimeError when vLLM's expanded prompt ids (None: not returned, nothing to check) differ from ours."""
+    if vllm_ids is not None and list(vllm_ids) != list(prompt.token_ids):
+        raise RuntimeError(
+            f"{who} expanded the prompt to {len(vllm_ids)} tokens, ours has {len(prompt.token_ids)}: its image "
+            "processing differs from the token builder's (min/max pixels?); rollouts would be off-policy"
+        )
+
+
+@dataclass(frozen=True)
+class TokenIO:
+    """What converting between our prompts/generations and vLLM's needs (both colocated engines and the server
+    client): the stop ids (`eos_ids`), the image placeholder id, the image processor's merge size, and the
+    tokenizer's decode for `Generation.text`."""
+
+    eos_ids: list[int]
+    image_token_id: int | None
+    merge_size: int | None
+    decode: Callable[[list[int]], str]
+
+    def prompt(self, prompt: EnginePrompt) -> dict:
+        """`to_vllm_prompt(prompt)` (placeholders collapsed, images as `multi_modal_data`)."""
+        return to_vllm_prompt(prompt, self.image_token_id, self.merge_size)
+
+    def sampling(self, params: SamplingParams, n: int) -> dict:
+        """`sampling_kwargs` for n samples with our stop ids and the request's seed."""
+        return sampling_kwargs(params, n, self.eos_ids, params.seed)
+
+    def generations(self, prompt: EnginePrompt, output: Any) -> list[Generation]:
+        """A `vllm.RequestOutput` for `prompt` -> its samples in index order (RuntimeError: see `check_expanded`)."""
+        check_expanded(prompt, output.prompt_token_ids)
+        return [
+            generation_from_vllm(o, self.eos_ids, self.decode) for o in sorted(output.outputs, key=lambda o: o.index)
+        ]
+
+    def prompt_logprobs(self, prompt: EnginePrompt, output: Any) -> list[float]:
+        """A `vllm.RequestOutput` with `prompt_logprobs=0` -> [T] logprobs, 0.0 at t = 0."""
+        check_expanded(prompt, output.prompt_token_ids)
+        return prompt_logprobs_list(prompt.token_ids, output.prompt_logprobs)
+
+
+PROMPT_LOGPROBS = {"max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0, "detokenize": False}
+"""`vllm.SamplingParams` fields of a prompt-logprobs request (the weight check; temperature 1 in every mode)."""

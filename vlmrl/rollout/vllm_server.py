@@ -8,6 +8,8 @@ then). Routes used (vLLM 0.32):
   the placeholders again; `return_token_ids` gives the expanded ids back and they must equal ours), and
   `sampling_params`; the response holds each sample's `token_ids`, the sampled token's logprob per token and the
   finish/stop reasons. Prompt logprobs (the weight check) come from the same route with `prompt_logprobs=0`.
+  Each engine request is one HTTP request, sent as soon as its episode submits it (`agenerate`, one client thread
+  per request in flight), so the server's continuous batching sees every pending episode.
 - Weight sync: rank 0 writes the full state dict as `model.safetensors` into `rollout.vllm.sync_dir` (a folder the
   server can read), POST `/collective_rpc` `{"method": "reload_weights", "kwargs": {"weights_path": DIR}}`, then
   POST `/reset_prefix_cache` and `/reset_encoder_cache` (cached KV blocks and vision-encoder outputs were computed
@@ -16,22 +18,26 @@ then). Routes used (vLLM 0.32):
 
 from __future__ import annotations
 
+import asyncio
 import json
 import tempfile
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
 from vlmrl.config import VLLMConfig
-from vlmrl.rollout.engine import SamplingParams
+from vlmrl.rollout.engine import GenerateRequest
 from vlmrl.rollout.vllm_convert import (
+    PROMPT_LOGPROBS,
+    TokenIO,
+    check_expanded,
     generate_body,
     generation_from_generate_choice,
     prompt_logprobs_list,
-    sampling_kwargs,
 )
 from vlmrl.rollout.vllm_weights import _world, write_weights
 from vlmrl.types import EnginePrompt, Generation
@@ -40,20 +46,23 @@ GENERATE = "/inference/v1/generate"
 _DEV_ROUTES = ("/collective_rpc", "/reset_prefix_cache", "/reset_encoder_cache")
 
 
+MAX_IN_FLIGHT = 256  # concurrent HTTP requests of one client (one thread each)
+
+
 class VLLMServer:
     """vLLM's server at `config.url` (`rollout.vllm`; also reads timeout_s, served_model, sync_dir).
 
-    image_token_id, merge_size: as `to_vllm_prompt` (placeholder collapsing for prompts with images).
+    io: stop ids, placeholder collapsing for prompts with images, decoding (`TokenIO`).
     `served_model`: the given one, else the server's first model. Raises ValueError without `config.url`.
     """
 
-    def __init__(self, config: VLLMConfig, image_token_id: int | None = None, merge_size: int | None = None):
+    def __init__(self, config: VLLMConfig, io: TokenIO):
         if not config.url:
             raise ValueError("rollout.vllm.mode=server needs rollout.vllm.url")
-        self.config = config
+        self.config, self.io = config, io
         self.url = config.url.rstrip("/")
-        self.image_token_id, self.merge_size = image_token_id, merge_size
         self.served_model = config.served_model or self.first_served_model()
+        self._pool = ThreadPoolExecutor(MAX_IN_FLIGHT, thread_name_prefix="vlmrl-vllm-http")
 
     def post(self, path: str, body: dict | None = None, method: str = "POST") -> Any:
         """The decoded JSON response of `method path` with JSON `body` (RuntimeError naming the route on failure)."""
@@ -88,35 +97,30 @@ class VLLMServer:
 
     def _generate(self, prompt: EnginePrompt, sampling: dict) -> dict:
         """The server's response to one prompt; RuntimeError when its expanded prompt ids differ from ours."""
-        out = self.post(
-            GENERATE, generate_body(prompt, sampling, self.served_model, self.image_token_id, self.merge_size)
-        )
-        theirs = out.get("prompt_token_ids")
-        if theirs is not None and list(theirs) != list(prompt.token_ids):
-            raise RuntimeError(
-                f"vLLM server expanded the prompt to {len(theirs)} tokens, ours has "
-                f"{len(prompt.token_ids)}: its image processing differs from the token builder's "
-                "(min/max pixels?); rollouts would be off-policy"
-            )
+        io = self.io
+        out = self.post(GENERATE, generate_body(prompt, sampling, self.served_model, io.image_token_id, io.merge_size))
+        check_expanded(prompt, out.get("prompt_token_ids"), who="vLLM server")
         return out
 
-    def generate(
-        self,
-        prompt: EnginePrompt,
-        n: int,
-        params: SamplingParams,
-        eos_ids: Sequence[int],
-        decode: Callable[[list[int]], str],
-    ) -> list[Generation]:
-        """n samples of `prompt` (seed `params.seed`; None: the server's) in one request."""
-        out = self._generate(prompt, sampling_kwargs(params, n, eos_ids, params.seed))
+    def generate(self, request: GenerateRequest) -> list[Generation]:
+        """`request.n` samples of its prompt (seed `request.params.seed`; None: the server's) in one HTTP request."""
+        out = self._generate(request.prompt, self.io.sampling(request.params, request.n))
         choices = sorted(out["choices"], key=lambda c: c["index"])
-        return [generation_from_generate_choice(c, eos_ids, decode) for c in choices]
+        return [generation_from_generate_choice(c, self.io.eos_ids, self.io.decode) for c in choices]
+
+    async def agenerate(self, request: GenerateRequest) -> list[Generation]:
+        """`generate` in one of the client's threads (up to `MAX_IN_FLIGHT` requests in flight; the server batches
+        them continuously)."""
+        return await asyncio.wrap_future(self._pool.submit(self.generate, request))
 
     def prompt_logprobs(self, prompt: EnginePrompt) -> list[float]:
         """The server's log p(ids[t] | ids[:t]) at temperature 1, images included: [T], 0.0 at t = 0."""
-        out = self._generate(prompt, {"max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0, "detokenize": False})
+        out = self._generate(prompt, dict(PROMPT_LOGPROBS))
         return prompt_logprobs_list(prompt.token_ids, out["prompt_logprobs"])
+
+    def close(self) -> None:
+        """Stop the client's request threads (after the requests in flight)."""
+        self._pool.shutdown(wait=True)
 
     def push_weights(self, module: torch.nn.Module) -> None:
         """Rank 0 writes the module's full state dict into the sync folder, has the server reload it and reset its

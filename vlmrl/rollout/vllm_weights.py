@@ -34,18 +34,25 @@ def full_state_items(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 def write_weights(module: torch.nn.Module, directory: Path) -> Path:
     """Write the module's full state dict as `model.safetensors` (+ config.json) in `directory` (atomically)."""
+    write_items(full_state_items(module), directory)
+    if getattr(module, "config", None) is not None:
+        cast("PreTrainedModel", module).config.save_pretrained(directory)
+    return directory
+
+
+def write_items(items: list[tuple[str, torch.Tensor]], directory: Path) -> Path:
+    """Write (name, tensor) pairs as `directory/model.safetensors` (atomically: written aside, then renamed; tensors
+    sharing storage, e.g. tied weights, are written as copies)."""
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
     seen: set[int] = set()
     tensors = {}
-    for name, tensor in full_state_items(module):
+    for name, tensor in items:
         t = tensor.to("cpu").contiguous()
         key = t.untyped_storage().data_ptr()
         tensors[name] = t.clone() if key in seen else t  # safetensors refuses shared storage (tied weights)
         seen.add(key)
-    with atomic_path(directory / "model.safetensors", durable=False) as tmp:  # only the live server reads it
+    with atomic_path(directory / "model.safetensors", durable=False) as tmp:  # only the live engine reads it
         save_file(tensors, str(tmp), metadata={"format": "pt"})
-    if getattr(module, "config", None) is not None:
-        cast("PreTrainedModel", module).config.save_pretrained(directory)
     return directory

@@ -1,0 +1,172 @@
+"""Colocated vLLM (`rollout.vllm.mode=colocate`): the model folder and engine settings both colocated engines share,
+and the synchronous one, `vllm.LLM` in this process (`rollout.vllm.colocate_engine=sync`). The asynchronous one
+(`AsyncLLM`) is in `vllm_async`. vllm is imported inside functions only.
+
+`vllm.LLM` runs vLLM's engine core in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, set here unless the
+environment says otherwise); weights are pushed in memory with `collective_rpc("reload_weights",
+kwargs={"weights_iterator": [(name, tensor), ...]})` (vLLM 0.32's in-place reload of checkpoint-format weights: the
+HF `state_dict()` names). With several trainer ranks each rank runs its own engine inside the launcher's process
+group (`distributed_executor_backend="external_launcher"`, as trl's colocate mode).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, cast
+
+import torch
+
+from vlmrl.config import VLLMConfig
+from vlmrl.rollout.engine import GenerateRequest
+from vlmrl.rollout.vllm_convert import PROMPT_LOGPROBS, TokenIO
+from vlmrl.rollout.vllm_weights import full_state_items, write_weights
+from vlmrl.types import EnginePrompt, Generation
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+
+def _vllm_dtype(module: torch.nn.Module) -> str:
+    dtype = next(module.parameters()).dtype
+    return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "auto")
+
+
+def model_folder(
+    policy: Callable[[], AbstractContextManager[torch.nn.Module]], processor: Any
+) -> tuple[tempfile.TemporaryDirectory, str]:
+    """(a temporary folder holding the policy's current weights, config and processor, vLLM's dtype name).
+
+    vLLM starts from the policy's real weights: its dummy loader would also randomise persistent buffers that no
+    checkpoint holds (vLLM 0.32's fused image normaliser keeps the processor's mean/std in them), and a later reload
+    could not repair them. `policy()` is entered once (collective under ZeRO-3)."""
+    folder = tempfile.TemporaryDirectory(prefix="vlmrl-vllm-")
+    with policy() as module:
+        write_weights(module, Path(folder.name))
+        config = copy.deepcopy(cast("PreTrainedModel", module).config)
+        # vLLM picks its model class from `architectures`; a config built in memory (tiny models) has none, and
+        # vLLM would then resolve the bare `*Model` class as a pooling (embedding) model
+        config.architectures = config.architectures or [type(module).__name__]
+        config.save_pretrained(folder.name)
+        dtype = _vllm_dtype(module)
+    processor.save_pretrained(folder.name)
+    return folder, dtype
+
+
+def engine_kwargs(config: VLLMConfig, model: str, dtype: str, max_model_len: int, logprobs_mode: str) -> dict:
+    """vLLM engine arguments (`vllm.LLM(**kw)` / `AsyncEngineArgs(**kw)`) for the model folder `model`."""
+    kwargs: dict[str, Any] = dict(
+        model=model,
+        load_format="safetensors",
+        dtype=dtype,
+        max_model_len=max_model_len,
+        tensor_parallel_size=config.tensor_parallel_size,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        logprobs_mode=logprobs_mode,
+        generation_config="vllm",
+        seed=config.seed,
+        enable_sleep_mode=False,
+    )
+    kv_gb = config.kv_cache_gb if config.kv_cache_gb is not None else (None if torch.cuda.is_available() else 1.0)
+    if kv_gb is not None:
+        kwargs["kv_cache_memory_bytes"] = int(kv_gb * (1 << 30))
+    if config.limit_mm_per_prompt is not None:
+        kwargs["limit_mm_per_prompt"] = {"image": config.limit_mm_per_prompt}
+    if not torch.cuda.is_available():
+        kwargs["enforce_eager"] = True  # the CPU build's graph compilation is slow and not needed for tests
+        # a partly prefilled prompt's sampled token is discarded and its seeded generator rewound with `set_offset`,
+        # which CPU generators lack ("CPU Generator does not use offset", vLLM 0.32 gpu_model_runner): on CPU,
+        # prefill whole prompts only
+        kwargs["enable_chunked_prefill"] = False
+    return kwargs
+
+
+def world_size() -> int:
+    """The number of trainer ranks (1 without an initialised process group)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+class ColocatedBackend(ABC):
+    """A vLLM engine driven from this process: weights loaded in place, prompt logprobs, `close`."""
+
+    vllm_config: Any  # vLLM's resolved `VllmConfig`
+
+    @abstractmethod
+    def load_weights(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        """Load (name, tensor) pairs (HF state-dict names) in place, then drop the KV and encoder caches."""
+
+    @abstractmethod
+    def prompt_logprobs(self, prompt: EnginePrompt) -> list[float]:
+        """vLLM's log p(ids[t] | ids[:t]) at temperature 1: [T], 0.0 at t = 0."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Free the engine."""
+
+    def push_weights(self, module: torch.nn.Module) -> None:
+        """`load_weights` of the module's full state dict (tied entries included, see `full_state_items`)."""
+        self.load_weights(full_state_items(module))
+
+
+class SyncColocated(ColocatedBackend):
+    """`vllm.LLM` in this process over the model folder `model` (`engine_kwargs` give its settings); one
+    `LLM.generate` per batch of requests. Raises RuntimeError when VLLM_ENABLE_V1_MULTIPROCESSING is not 0,
+    NotImplementedError for tensor parallelism with several trainer ranks."""
+
+    def __init__(self, kwargs: dict, io: TokenIO, config: VLLMConfig):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
+            raise RuntimeError(
+                "rollout.vllm.colocate_engine=sync needs vLLM's in-process engine: "
+                "unset VLLM_ENABLE_V1_MULTIPROCESSING or set it to 0"
+            )
+        from vllm import LLM
+
+        if world_size() > 1:
+            import torch.distributed as dist
+
+            # one engine per trainer rank inside the launcher's process group; each rank samples its own prompts
+            # (its own seed), so no tensor parallelism across ranks here
+            if config.tensor_parallel_size > 1:
+                raise NotImplementedError(
+                    "rollout.vllm.mode=colocate with several trainer ranks needs "
+                    "rollout.vllm.tensor_parallel_size=1 (or use rollout.vllm.mode=server)"
+                )
+            kwargs = {
+                **kwargs,
+                "distributed_executor_backend": "external_launcher",
+                "seed": config.seed + dist.get_rank(),
+            }
+        self.io = io
+        self.llm: Any = LLM(**kwargs)
+        self.vllm_config = self.llm.llm_engine.vllm_config
+
+    def generate_batch(self, requests: list[GenerateRequest]) -> list[list[Generation]]:
+        """All requests in ONE `LLM.generate` with per-request sampling params (vLLM batches them continuously)."""
+        from vllm import SamplingParams as VSamplingParams
+
+        sps = [VSamplingParams(**self.io.sampling(r.params, r.n)) for r in requests]
+        outs = self.llm.generate([self.io.prompt(r.prompt) for r in requests], sps, use_tqdm=False)
+        return [self.io.generations(r.prompt, out) for r, out in zip(requests, outs)]
+
+    def prompt_logprobs(self, prompt: EnginePrompt) -> list[float]:
+        from vllm import SamplingParams as VSamplingParams
+
+        (out,) = self.llm.generate([self.io.prompt(prompt)], VSamplingParams(**PROMPT_LOGPROBS), use_tqdm=False)
+        return self.io.prompt_logprobs(prompt, out)
+
+    def load_weights(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        # cached vision-encoder outputs too; without this reset vLLM 0.32's scheduler still counts them as cached
+        # after the reload and fails with "Encoder cache miss"
+        self.llm.llm_engine.reset_encoder_cache()
+
+    def close(self) -> None:
+        self.llm = None
