@@ -33,7 +33,7 @@ def test_rollout_bench_small(qwen25_policy):
     model, processor = qwen25_policy
     row = bench.measure("transformers", model, processor, episodes=4, turns=2, max_new=3, repeats=1)
     assert row["episodes"] == 4 and row["turns"] == 2 and 4 < row["tokens"] <= 4 * 2 * 3
-    assert row["batches"] == [1, 4]  # the group's shared turn-0 request, then its four episodes in one call
+    assert row["batches"] == "1,4"  # the group's shared turn-0 request, then its four episodes in one call
     for k in ("r", "f", "s"):
         assert row[f"{k}_wall_s"] > 0 and row[f"{k}_tok_s"] > 0
     assert row["r/f"] > 0 and row["r/s"] > 0

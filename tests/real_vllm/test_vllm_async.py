@@ -23,6 +23,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from test_vllm_engine import TEMPERATURE, SumEnv, make_tasks, rollout_cfg, tiny_qwen2  # tests/real_vllm
+from text_fixtures import *  # noqa: F403 (its pytest fixtures, processor and builder, by name)
 
 from vlmrl.rollout import make_engine
 from vlmrl.rollout.batcher import ConcurrentDispatcher

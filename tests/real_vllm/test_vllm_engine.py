@@ -29,6 +29,7 @@ pytest.importorskip("vllm")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from served import vllm_server  # tests/real_vllm/served.py
+from text_fixtures import *  # noqa: F403 (its pytest fixtures, processor and builder, by name)
 
 from vlmrl.config import ExportStyle, RolloutConfig, VLLMConfig
 from vlmrl.envs.base import Environment, StepResult
