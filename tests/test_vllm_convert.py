@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from vlmrl.rollout.engine import SamplingParams
-from vlmrl.rollout.vllm_engine import (
+from vlmrl.rollout.vllm_convert import (
     choose_logprobs_mode,
     collapse_image_placeholders,
     generate_body,
@@ -23,8 +23,8 @@ from vlmrl.rollout.vllm_engine import (
     sampling_kwargs,
     to_stop_reason,
     to_vllm_prompt,
-    write_weights,
 )
+from vlmrl.rollout.vllm_weights import write_weights
 from vlmrl.types import EnginePrompt, StopReason, VisionInputs
 
 IMG = 151655

@@ -77,55 +77,15 @@ from vlmrl.rollout.vllm_async import AsyncColocated
 from vlmrl.rollout.vllm_colocated import ColocatedBackend, SyncColocated, engine_kwargs, model_folder, world_size
 from vlmrl.rollout.vllm_convert import (
     TokenIO,
-    _finish,
-    _logprob_value,
     choose_logprobs_mode,
-    collapse_image_placeholders,
-    generate_body,
-    generation_from_generate_choice,
-    generation_from_vllm,
-    image_data_url,
-    image_token_counts,
     logprobs_exact,
     max_abs_delta,
-    prompt_logprobs_list,
-    sampled_logprobs,
-    sampling_kwargs,
-    to_stop_reason,
-    to_vllm_prompt,
 )
 from vlmrl.rollout.vllm_server import VLLMServer
-from vlmrl.rollout.vllm_weights import _world, full_state_items, write_weights
 from vlmrl.types import EnginePrompt, Generation, Sample
 
 log = logging.getLogger("vlmrl.rollout.vllm")
 
-__all__ = [  # the engines, and the names that moved to vllm_convert/vllm_weights (re-exported)
-    "METRIC",
-    "BatchedVLLMEngine",
-    "ConcurrentVLLMEngine",
-    "VLLMEngine",
-    "make_vllm_engine",
-    "choose_logprobs_mode",
-    "collapse_image_placeholders",
-    "generate_body",
-    "full_state_items",
-    "generation_from_generate_choice",
-    "generation_from_vllm",
-    "image_data_url",
-    "image_token_counts",
-    "logprobs_exact",
-    "max_abs_delta",
-    "prompt_logprobs_list",
-    "sampled_logprobs",
-    "sampling_kwargs",
-    "to_stop_reason",
-    "to_vllm_prompt",
-    "write_weights",
-    "_finish",
-    "_logprob_value",
-    "_world",
-]
 
 METRIC = "sync/max_abs_dlogprob"  # max |Δ logprob| trainer vs engine after a sync (cf. align/max_abs_dlogprob)
 _PROBE_TEXT = (
