@@ -2,19 +2,25 @@
 
 One episode of N turns through vlmrl's token builder (real Qwen2.5-VL processor) and the tiny Qwen2.5-VL policy, as
 a rollout runs it: the first user message with an image, then per turn the sampled reply (`add_generation`), the
-engine's prompt (`seq.prompt()`, the concatenated `pixel_values` the transformers engine gets) and a feedback message
-with one image (`render_messages`). Two cases:
+engine's prompt (`seq.prompt()`: the trajectory's `pixel_values` parts, shared, no copy) and what the engine reads of
+it, and a feedback message with one image (`render_messages`). Two cases:
 
     new    one NEW image per turn (N images in the trajectory)
     same   the SAME image object sent again every turn (as a tool returning the same crop would)
+
+and two engines:
+
+    transformers   concatenates the prompt's parts into the `pixel_values` it passes to `generate` (`prompt.vision`)
+    vllm           reads only the grids (`prompt.image_grid_thw`: placeholder counts); vLLM processes the raw images
 
 Each case runs in a fresh process. Columns: peak RSS during the episode (VmHWM, reset through /proc/self/clear_refs
 once the policy and processor are loaded and a 1-turn episode has warmed up) minus the RSS at that point; Σ
 pixel_values (bytes of the `pixel_values` storage the trajectory holds: a re-sent image's part is a view of the
 first, counted once); that difference over Σ; image-processor calls (once per image: N for `new`, 1 for `same`).
-`seq.prompt()` concatenates the parts for the transformers engine, one block per image occurrence (the model sees
-every occurrence), so its copy adds ~Σ over occurrences: ~2 x Σ for `new` is the floor. RSS counts whole pages the
-allocator keeps, so small episodes can show 0: the signal needs ~100 MiB of pixels (the default: 32 x 448x448).
+The transformers engine's concatenation holds one block per image occurrence (the model sees every occurrence), so
+its copy adds ~Σ over occurrences: ~2 x Σ for `new` is its floor, ~1 x Σ (what the trajectory holds) vLLM's. RSS
+counts whole pages the allocator keeps, so small episodes can show 0: the signal needs ~100 MiB of pixels (the
+default: 32 x 448x448).
 
     python bench/pixel_memory.py                         # 32 turns, 448x448 images
     python bench/pixel_memory.py --turns 8 --size 224 --json
@@ -32,7 +38,7 @@ from rich.console import Console
 from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
-COLUMNS = ("case", "turns", "images", "Σ pixel_values", "peak − base", "(peak − base) / Σ", "processor calls")
+COLUMNS = ("case", "engine", "turns", "images", "Σ pixel_values", "peak − base", "(peak − base) / Σ", "processor calls")
 
 
 def _status_bytes(field: str) -> int:
@@ -48,8 +54,9 @@ def _reset_peak() -> None:
         f.write("5")
 
 
-def run_case(case: str, turns: int, size: int) -> dict:
-    """Build one `turns`-turn episode of `case` ("new" | "same") in this process; its memory row (see module doc)."""
+def run_case(case: str, turns: int, size: int, engine: str = "transformers") -> dict:
+    """Build one `turns`-turn episode of `case` ("new" | "same") for `engine` ("transformers" | "vllm") in this
+    process; its memory row (see module doc)."""
     from PIL import Image, ImageDraw
 
     from vlmrl.config import ModelConfig
@@ -83,9 +90,10 @@ def run_case(case: str, turns: int, size: int) -> dict:
             if t:
                 feedback = Message(Role.USER, [TextPart("Look again."), ImagePart(shared or image(t))])
                 builder.extend(seq, builder.render_messages(seq, [feedback]))
-            prompt = seq.prompt()  # what the engine gets this turn (concatenated pixel_values)
+            prompt = seq.prompt()  # what the engine gets this turn: the trajectory's parts, shared
+            read = prompt.vision if engine == "transformers" else prompt.image_grid_thw
             builder.add_generation(seq, gen)
-            del prompt
+            del prompt, read
         return seq
 
     episode(1, None)  # warm-up: lazy imports, caches, allocator pools
@@ -99,6 +107,7 @@ def run_case(case: str, turns: int, size: int) -> dict:
     del model
     return {
         "case": case,
+        "engine": engine,
         "turns": turns,
         "images": turns,
         "pixel_bytes": pixels,
@@ -108,10 +117,11 @@ def run_case(case: str, turns: int, size: int) -> dict:
     }
 
 
-def measure(case: str, turns: int, size: int) -> dict:
+def measure(case: str, turns: int, size: int, engine: str = "transformers") -> dict:
     """`run_case` in a fresh Python process (nothing of another case in its heap)."""
     out = subprocess.run(
-        [sys.executable, __file__, "--case", case, "--turns", str(turns), "--size", str(size), "--json"],
+        [sys.executable, __file__, "--case", case, "--engine", engine, "--turns", str(turns), "--size", str(size)]
+        + ["--json"],
         capture_output=True,
         text=True,
         check=True,
@@ -127,6 +137,7 @@ def table(rows: list[dict]) -> Table:
     for r in rows:
         t.add_row(
             r["case"],
+            r["engine"],
             str(r["turns"]),
             str(r["images"]),
             f"{r['pixel_bytes'] / 2**20:.1f} MiB",
@@ -141,12 +152,13 @@ def main(
     turns: int = typer.Option(32, help="turns of the episode (one image each)"),
     size: int = typer.Option(448, help="image side in pixels"),
     case: str = typer.Option("", help="run one case (new|same) in this process"),
+    engine: str = typer.Option("transformers", help="with --case: the engine whose reads are measured"),
     json_out: bool = typer.Option(False, "--json", help="print JSON rows"),
 ) -> None:
     if case:
-        rows = [run_case(case, turns, size)]
+        rows = [run_case(case, turns, size, engine)]
     else:
-        rows = [measure(c, turns, size) for c in ("new", "same")]
+        rows = [measure(c, turns, size, e) for c in ("new", "same") for e in ("transformers", "vllm")]
     if json_out:
         print(json.dumps(rows[0] if case else rows))
     else:

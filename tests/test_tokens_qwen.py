@@ -8,7 +8,7 @@ import torch
 from vlmrl.tokens import get_builder
 from vlmrl.tokens.grid import expand_placeholder_ids
 from vlmrl.tokens.qwen_vl import QwenVLBuilder
-from vlmrl.types import Generation, ImagePart, Message, Role, StopReason, TextPart, TokenSeq, VisionInputs
+from vlmrl.types import EnginePrompt, Generation, ImagePart, Message, Role, StopReason, TextPart, TokenSeq, VisionInputs
 
 FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 REPLIES = [
@@ -234,6 +234,24 @@ def test_held_vision_follows_appends_and_forks(qwen25_processor, small_images):
             alone = qwen25_processor.image_processor(images=[image], return_tensors="pt")["pixel_values"]
             assert torch.equal(s.held_vision(image).pixel_values, alone)
     assert seq.held_vision(d) is None
+
+
+def test_engine_prompt_shares_the_trajectorys_pixel_values(qwen25_processor, geometry_images, small_images):
+    """`seq.prompt()` hands the engine the trajectory's own `pixel_values` parts (the very tensors: no copy per turn);
+    what the engines read of it (all grids; the concatenated pixel_values for the transformers engine) equals the
+    processor's full render of the conversation (the independent reference)."""
+    builder = get_builder("qwen2_5_vl", qwen25_processor)
+    first = [user(geometry_images[0], "Find x.")]
+    feedbacks = [user("Two crops:", small_images[0], small_images[1]), user("No image.")]
+    seq, conv, _ = run_episode(builder, first, feedbacks)
+    prompt = seq.prompt()
+    assert len(prompt.vision_parts) == len(seq.vision_parts) == 2
+    for ours, held in zip(prompt.vision_parts, seq.vision_parts):
+        assert ours.pixel_values.data_ptr() == held.pixel_values.data_ptr()
+    full = builder.render_full(conv).vision
+    assert torch.equal(prompt.image_grid_thw, full.image_grid_thw)
+    assert torch.equal(prompt.vision.pixel_values, full.pixel_values)
+    assert seq.prompt().image_grid_thw is not None and EnginePrompt([1], []).image_grid_thw is None
 
 
 def test_feedback_piece_is_only_the_new_message(qwen3vl_processor, small_images, monkeypatch):

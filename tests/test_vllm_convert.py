@@ -53,7 +53,7 @@ def completion(ids, logprobs, finish, stop_reason=None, index=0):
 
 # --- inputs ---------------------------------------------------------------------------------------------------
 def test_text_prompt_is_token_ids_verbatim():
-    prompt = EnginePrompt([1, 2, 3], [], None)
+    prompt = EnginePrompt([1, 2, 3], [])
     assert to_vllm_prompt(prompt, IMG, 2) == {"prompt_token_ids": [1, 2, 3]}
 
 
@@ -65,7 +65,7 @@ def _vision(grids):
 def test_expanded_placeholders_collapse_to_one_per_image():
     ids = [5, 151652] + [IMG] * 4 + [151653, 6, 151652] + [IMG] * 2 + [151653, 7]
     images = ["a", "b"]
-    prompt = EnginePrompt(ids, images, _vision([[1, 4, 4], [1, 2, 4]]))  # 16 / 4 = 4 and 8 / 4 = 2 tokens
+    prompt = EnginePrompt(ids, images, [_vision([[1, 4, 4], [1, 2, 4]])])  # 16 / 4 = 4 and 8 / 4 = 2 tokens
     out = to_vllm_prompt(prompt, IMG, 2)
     assert out["prompt_token_ids"] == [5, 151652, IMG, 151653, 6, 151652, IMG, 151653, 7]
     assert out["multi_modal_data"] == {"image": images}
@@ -114,9 +114,7 @@ def test_sampling_kwargs_and_generate_body():
     assert kw["logprobs"] == 0 and kw["top_k"] == 0 and kw["min_p"] == 0.0 and kw["repetition_penalty"] == 1.0
     assert kw["stop"] == ["</answer>"] and kw["stop_token_ids"] == [EOS, EOT] and kw["seed"] == 3
     assert sampling_kwargs(SamplingParams(), 1, [EOS], None)["stop"] is None
-    body = generate_body(
-        EnginePrompt([1, 2], [], None), sampling_kwargs(SamplingParams(), 4, [EOS], None), "policy", IMG, 2
-    )
+    body = generate_body(EnginePrompt([1, 2], []), sampling_kwargs(SamplingParams(), 4, [EOS], None), "policy", IMG, 2)
     assert body["token_ids"] == [1, 2] and body["model"] == "policy" and "content_parts" not in body
     sp = body["sampling_params"]
     assert "seed" not in sp and "stop" not in sp and sp["logprobs"] == 0 and sp["n"] == 4
@@ -131,7 +129,7 @@ def test_generate_body_collapses_placeholders_and_sends_lossless_pngs():
     a = Image.new("RGB", (5, 3), (200, 10, 30))
     a.putpixel((1, 2), (1, 2, 3))
     b = Image.new("RGB", (2, 2), (0, 255, 0))
-    prompt = EnginePrompt(ids, [a, b], _vision([[1, 4, 4], [1, 2, 4]]))
+    prompt = EnginePrompt(ids, [a, b], [_vision([[1, 4, 4], [1, 2, 4]])])
     body = generate_body(prompt, {"max_tokens": 1}, "policy", IMG, 2)
     assert body["token_ids"] == [5, 151652, IMG, 151653, 6, 151652, IMG, 151653, 7]
     urls = [part["url"] for part in body["content_parts"]]

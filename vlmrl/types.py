@@ -285,12 +285,30 @@ class EnginePrompt:
     """A prompt for an engine: token ids plus the images whose placeholders those ids already hold.
 
     token_ids: [T]; images: raw images in placeholder order (for engines that process images themselves, e.g. vLLM);
-    vision: the same images already processed once by the token builder (for the transformers engine).
+    vision_parts: the same images already processed once by the token builder, as the trajectory holds them (one
+    `VisionInputs` per rendered piece, shared with `TokenSeq.vision_parts`: no pixel copy). The transformers engine
+    concatenates them once per batch (`vision`, or `VisionInputs.cat` over several prompts' parts); vLLM reads only
+    the grids (`image_grid_thw`).
     """
 
     token_ids: list[int]
     images: list[Image.Image]
-    vision: VisionInputs | None
+    vision_parts: list[VisionInputs] = field(default_factory=list)
+
+    @property
+    def vision(self) -> VisionInputs | None:
+        """All images' processed inputs concatenated in order (a new tensor: pixel_values [num_patches, ...]), or
+        None without images."""
+        return VisionInputs.cat(self.vision_parts)
+
+    @property
+    def image_grid_thw(self) -> torch.Tensor | None:
+        """[num_images, 3] grid rows of all images, in order (no pixel copy), or None without images."""
+        import torch
+
+        if not self.vision_parts:
+            return None
+        return torch.cat([p.image_grid_thw for p in self.vision_parts])
 
 
 @dataclass
@@ -368,7 +386,7 @@ class TokenSeq:
         return self._per_image[at]
 
     def prompt(self) -> EnginePrompt:
-        return EnginePrompt(list(self.ids), list(self.images), self.vision)
+        return EnginePrompt(list(self.ids), list(self.images), list(self.vision_parts))
 
 
 class TurnOutcome:

@@ -184,7 +184,7 @@ def test_colocated_episode_loop_zero3_sync(processor, builder, colocate_engine):
         for t, adv in zip(trajs, [1.0, -1.0] * 4):
             t.advantage = adv
         stats = trainer.train_step(to_samples(trajs, ExportStyle.concat, TextProcessor.image_token_id))
-        probe = EnginePrompt(trajs[0].tokens.ids, [], None)
+        probe = EnginePrompt(trajs[0].tokens.ids, [])
         stale = engine.prompt_logprobs(probe)
         metrics = engine.sync_weights()
         fresh = engine.prompt_logprobs(probe)

@@ -172,7 +172,7 @@ def test_tool_image_response_is_sampled_through_vllm(setup):
     (gens,) = setup.engine.generate([seq.prompt()], n=2, params=SamplingParams(8, TEMPERATURE, seed=5))
     worst = 0.0
     for gen in gens:
-        prompt = EnginePrompt(seq.ids + list(gen.token_ids), seq.images, seq.vision)
+        prompt = EnginePrompt(seq.ids + list(gen.token_ids), seq.images, seq.vision_parts)
         ids = torch.tensor(prompt.token_ids)
         sample = Sample(
             input_ids=ids,

@@ -125,7 +125,7 @@ class TransformersEngine(Engine):
             n = len(row.prompt.token_ids)
             ids[b, width - n :] = torch.tensor(row.prompt.token_ids, dtype=torch.long)
             mask[b, width - n :] = 1
-        visions = [r.prompt.vision for r in rows if r.prompt.vision is not None]
+        visions = [part for r in rows for part in r.prompt.vision_parts]  # concatenated once, below
         device = next(model.parameters()).device
         family = self.family or family_of_model(model)
         if family is None:  # not a known VLM family: a text-only LM, or a Qwen-VL-like model

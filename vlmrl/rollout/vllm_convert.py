@@ -31,9 +31,10 @@ def logprobs_exact(mode: str, temperature: float, top_p: float) -> bool:
 
 def image_token_counts(prompt: EnginePrompt, merge_size: int | None) -> list[int] | None:
     """Placeholder tokens of each image of `prompt` (grid.prod() // merge**2), or None without processed vision."""
-    if prompt.vision is None or not merge_size:
+    grids = prompt.image_grid_thw
+    if grids is None or not merge_size:
         return None
-    return [int(n) for n in (prompt.vision.image_grid_thw.prod(-1) // (merge_size * merge_size)).tolist()]
+    return [int(n) for n in (grids.prod(-1) // (merge_size * merge_size)).tolist()]
 
 
 def collapse_image_placeholders(

@@ -236,7 +236,7 @@ class VLLMEngine(Engine):
         if gens:
             prompt = request.prompt
             self._recent.append(
-                EnginePrompt(list(prompt.token_ids) + list(gens[0].token_ids), prompt.images, prompt.vision)
+                EnginePrompt(list(prompt.token_ids) + list(gens[0].token_ids), prompt.images, prompt.vision_parts)
             )
 
     # --- weight check ----------------------------------------------------------------------------------------
@@ -258,10 +258,10 @@ class VLLMEngine(Engine):
         if self.config.sync_check_seqs <= 0:
             return []
         probes = [
-            p if p.images else EnginePrompt(p.token_ids[: self.config.sync_check_tokens], [], None)
+            p if p.images else EnginePrompt(p.token_ids[: self.config.sync_check_tokens], [])
             for p in list(self._recent)[-self.config.sync_check_seqs :]
         ]
-        return probes or [EnginePrompt(self.tokenizer.encode(_PROBE_TEXT, add_special_tokens=False), [], None)]
+        return probes or [EnginePrompt(self.tokenizer.encode(_PROBE_TEXT, add_special_tokens=False), [])]
 
     def _trainer_logprobs(self, module: torch.nn.Module, prompt: EnginePrompt) -> list[float]:
         from vlmrl.train.logprobs import sequence_logprobs
