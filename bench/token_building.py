@@ -9,13 +9,16 @@
     (t1) (t) the builder's way: one placeholder per image tokenised, its id repeated in the ids (not a target column)
 
 Episode: a first user message with one 224x224 image, then per turn ~40 sampled assistant tokens and a feedback
-user message with one new 224x224 image; real Qwen2.5-VL processor (rebuilt real tokenizer, real template and
+user message with one new 224x224 image (`--feedback same`: the same text every turn, as a retry loop sends, which
+the builder's template render memo serves after the first turn; `distinct`: the text differs every turn, as tool
+results do, so every turn renders the template); real Qwen2.5-VL processor (rebuilt real tokenizer, real template and
 image-processor values). All four build the same final prompt (checked) and keep what they built (ids, pixel
 values), as a rollout must. Times are CPU seconds of this process (`time.process_time`, torch at one thread), the
 minimum over interleaved repeats, since the machine is shared. The builder is created once, as a run does.
 
     python bench/token_building.py                      # 8, 32, 128 turns
     python bench/token_building.py --turns 8 --turns 32 --json
+    python bench/token_building.py --feedback distinct
 """
 
 from __future__ import annotations
@@ -55,14 +58,18 @@ def make_image(seed: int) -> Image.Image:
 class Episode:
     """The episode's inputs: first messages, the sampled ids of each turn, one feedback message per turn."""
 
-    def __init__(self, processor, turns: int):
+    def __init__(self, processor, turns: int, distinct: bool = False):
         tok = processor.tokenizer
         self.turns = turns
         self.first = [Message(Role.USER, [ImagePart(make_image(0)), TextPart(QUESTION)])]
         self.reply_ids = tok.encode(REPLY, add_special_tokens=False)[:39] + [tok.convert_tokens_to_ids("<|im_end|>")]
         self.reply_text = tok.decode(self.reply_ids[:-1])
         self.feedback = [
-            Message(Role.USER, [TextPart(FEEDBACK), ImagePart(make_image(t + 1))]) for t in range(turns - 1)
+            Message(
+                Role.USER,
+                [TextPart(FEEDBACK + (f" Attempt {t + 2}." if distinct else "")), ImagePart(make_image(t + 1))],
+            )
+            for t in range(turns - 1)
         ]
 
     def generation(self) -> Generation:
@@ -134,10 +141,11 @@ class Floor:
         token = processor.image_token
         self.first_one = builder._template([m.to_hf() for m in ep.first], True)  # one placeholder per image
         prefix = builder._template(_SYNTHETIC_PREFIX, False)
-        feedback = builder._template(_SYNTHETIC_PREFIX + [ep.feedback[0].to_hf()], True) if ep.feedback else prefix
-        self.feedback_one = feedback[len(prefix) :]
+        self.feedback_one = [  # per turn, formatted before timing
+            builder._template(_SYNTHETIC_PREFIX + [f.to_hf()], True)[len(prefix) :] for f in ep.feedback
+        ]
         self.first_text = _expand(self.first_one, token, per_image)
-        self.feedback_text = _expand(self.feedback_one, token, per_image)
+        self.feedback_text = [_expand(one, token, per_image) for one in self.feedback_one]
         self.per_image, self.image_id = per_image, builder.image_token_id
         self.close = list(builder.after_assistant_ids)
         self.encode = builder._encode  # the builder's encoder: same backend, no per-call wrapper cost
@@ -154,13 +162,13 @@ class Floor:
             if images:
                 vision.append(ip(images=new_images, return_tensors="pt"))
             if text and one_pad:
-                one = self.encode(self.first_one if t == 0 else self.feedback_one)
+                one = self.encode(self.first_one if t == 0 else self.feedback_one[t - 1])
                 ids += expand_placeholder_ids(one, self.image_id, self.per_image)
                 prompt_len = len(ids)
                 ids += ep.reply_ids
                 ids += self.close
             elif text:
-                ids += self.encode(self.first_text if t == 0 else self.feedback_text)
+                ids += self.encode(self.first_text if t == 0 else self.feedback_text[t - 1])
                 prompt_len = len(ids)
                 ids += ep.reply_ids
                 ids += self.close
@@ -178,11 +186,11 @@ def cpu_time(fn: Callable[[], list[int]]) -> tuple[float, list[int]]:
         gc.enable()
 
 
-def run(turns: list[int], repeats: Optional[int] = None) -> list[dict]:
+def run(turns: list[int], repeats: Optional[int] = None, distinct: bool = False) -> list[dict]:
     processor = load_processor("qwen2_5_vl", "tiny:qwen2_5_vl")
     rows = []
     for n in turns:
-        ep = Episode(processor, n)
+        ep = Episode(processor, n, distinct)
         floor = Floor(processor, ep)
         builder = get_builder("qwen2_5_vl", processor)
         methods = {
@@ -264,10 +272,13 @@ def main(
         help="timed repeats of (a) and (d) (default 15/9/7 by length; (b) and (c) get a third of them beyond 8 turns)",
     ),
     threads: int = typer.Option(1, help="torch threads"),
+    feedback: str = typer.Option("same", help="feedback text each turn: same (a retry loop) | distinct (tool results)"),
     as_json: bool = typer.Option(False, "--json", help="print JSON rows instead of a table"),
 ) -> None:
     torch.set_num_threads(threads)
-    rows = run(turns, repeats)
+    if feedback not in ("same", "distinct"):
+        raise typer.BadParameter(f"--feedback {feedback!r}: same | distinct")
+    rows = run(turns, repeats, feedback == "distinct")
     if as_json:
         print(json.dumps(rows, indent=2))
     else:

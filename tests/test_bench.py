@@ -45,8 +45,10 @@ def test_rollout_bench_small(qwen25_policy):
 @pytest.mark.slow
 def test_token_building_bench_small():
     bench = _load("token_building")
+    distinct = bench.run([3], repeats=1, distinct=True)  # raises if the methods build different prompts
     rows = bench.run([2], repeats=1)
-    assert rows[0]["turns"] == 2 and rows[0]["prompt_tokens"] > 0
+    assert distinct[0]["prompt_tokens"] > rows[0]["prompt_tokens"] > 0
+    assert rows[0]["turns"] == 2
     assert all(rows[0][f"{k}_s"] > 0 for k in ("a", "b", "c", "d", "t", "i", "t1"))
     text = _render(bench.table(rows))
     for col in ("(a) ours", "(d) floor", "(t) text", "(i) images", "(t1) text, 1 pad", "a/d", "(a-i)/t", "(a-i)/t1"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vlmrl.tokens import get_builder
+from vlmrl.tokens import get_builder, template_builder
 from vlmrl.tokens.grid import expand_placeholder_ids
 from vlmrl.tokens.qwen_vl import QwenVLBuilder
 from vlmrl.types import EnginePrompt, Generation, ImagePart, Message, Role, StopReason, TextPart, TokenSeq, VisionInputs
@@ -252,6 +252,31 @@ def test_engine_prompt_shares_the_trajectorys_pixel_values(qwen25_processor, geo
     assert torch.equal(prompt.image_grid_thw, full.image_grid_thw)
     assert torch.equal(prompt.vision.pixel_values, full.pixel_values)
     assert seq.prompt().image_grid_thw is not None and EnginePrompt([1], []).image_grid_thw is None
+
+
+def test_repeated_feedback_is_rendered_by_the_template_once(qwen25_processor, small_images, monkeypatch):
+    """A retry loop's repeated feedback message: the chat template renders it once (memoised), and every prompt still
+    equals the processor's full render (the independent reference). A template that reads the clock is never
+    memoised, and the memo keeps at most RENDER_MEMO renders."""
+    builder = get_builder("qwen2_5_vl", qwen25_processor)
+    calls = []
+    inner = builder._template
+    monkeypatch.setattr(builder, "_template", lambda hf, g: calls.append(len(hf)) or inner(hf, g))
+    again = user("Not correct. Try again.")
+    feedbacks = [again, again]
+    seq, conv, snapshots = run_episode(builder, [user(small_images[0], "Find x.")], feedbacks)
+    assert len(calls) == 1 + 1  # start, then the feedback message once
+    check_invariants(builder, seq, conv, snapshots)
+
+    monkeypatch.setattr(qwen25_processor, "chat_template", qwen25_processor.chat_template + "{# strftime_now #}")
+    calls.clear()
+    run_episode(builder, [user(small_images[0], "Find x.")], feedbacks)
+    assert len(calls) == 1 + 2
+    monkeypatch.undo()  # the template as it was; memo size 1
+    monkeypatch.setattr(template_builder, "RENDER_MEMO", 1)
+    builder._memo.clear()
+    run_episode(builder, [user(small_images[0], "Find x.")], [again, user("Look closer:", small_images[1])])
+    assert len(builder._memo) == 1
 
 
 def test_feedback_piece_is_only_the_new_message(qwen3vl_processor, small_images, monkeypatch):

@@ -22,17 +22,23 @@ Hooks (override only these):
 New non-assistant messages are rendered behind a fixed synthetic conversation (`synthetic_prefix`) whose last
 assistant message is a marker; the text after that assistant turn is the new messages' render plus the generation
 prompt. By default it is taken from the turn's `close_turn_token` on (so the tokenizer splits it exactly where it does
-in a full render) and the close token's ids are dropped again; only the new images are processed, once.
+in a full render) and the close token's ids are dropped again; only the new images are processed, once. That text is
+memoised by the new messages (`RENDER_MEMO` entries): a retry loop's repeated feedback is rendered by the template once.
 """
 
 from __future__ import annotations
 
+import json
+from collections import OrderedDict
 from typing import Any
 
 from vlmrl.tokens.base import Piece, PrefixMode, Rendered, TokenBuilder
 from vlmrl.types import Message, Role, TokenSeq, VisionInputs
 
 MARKER = "VLMRL-SYNTHETIC-ASSISTANT-END"
+RENDER_MEMO = 256  # renders of new messages kept per builder (least recently used dropped)
+# chat-template names whose output is not a function of the messages alone: such templates are never memoised
+_IMPURE = ("strftime_now", "random")
 
 
 class TemplateBuilder(TokenBuilder):
@@ -73,6 +79,7 @@ class TemplateBuilder(TokenBuilder):
         self._split_tokens = tuple(
             t.content for t in added.values() if not t.lstrip and not t.single_word and not t.normalized
         )
+        self._memo: OrderedDict[tuple, str] = OrderedDict()
 
     # --- rendering hooks -------------------------------------------------------------------------------------------
     def _hf_messages(self, messages: list[Message] | tuple[Message, ...]) -> list[dict]:
@@ -208,7 +215,7 @@ class TemplateBuilder(TokenBuilder):
         without a tool role). The control-token guard never raises.
         """
         self._check_new_messages(seq, messages)
-        text = self._template(self._hf_messages([*self.synthetic_prefix, *messages]), True)
+        text = self._render_behind_prefix(messages)
         at = text.find(MARKER)
         if at < 0:
             raise ValueError(f"{self.family}: cannot find the synthetic assistant turn in the template's render")
@@ -217,6 +224,27 @@ class TemplateBuilder(TokenBuilder):
         images = self._images(messages)
         ids, vision = self._process(text[start:], images, False, seq)
         return Piece(ids=self._join(seq, ids), images=images, vision=vision)
+
+    def _render_behind_prefix(self, messages: list[Message]) -> str:
+        """The template's text for `synthetic_prefix` + `messages` with the generation prompt (`_template`).
+
+        Memoised by the messages' template dicts (JSON; images are placeholders there) and the template source, up to
+        `RENDER_MEMO` renders: tools and template kwargs are fixed for the builder, so the text is a function of those
+        unless the template reads the clock or draws at random (`_IMPURE` names in its source: never memoised).
+        """
+        hf = self._hf_messages([*self.synthetic_prefix, *messages])
+        source = getattr(self.processor, "chat_template", None)
+        if not isinstance(source, str) or any(name in source for name in _IMPURE):
+            return self._template(hf, True)
+        key = (source, json.dumps(hf[len(self.synthetic_prefix) :], sort_keys=True, ensure_ascii=False))
+        text = self._memo.get(key)
+        if text is None:
+            text = self._memo[key] = self._template(hf, True)
+            if len(self._memo) > RENDER_MEMO:
+                self._memo.popitem(last=False)
+        else:
+            self._memo.move_to_end(key)
+        return text
 
     def render_full(self, messages: list[Message], add_generation_prompt: bool = False) -> Rendered:
         """The processor's own full render: `processor.apply_chat_template(..., tokenize=True)` with the images (none
