@@ -207,6 +207,29 @@ def test_three_turn_episode_equals_full_render(family, variant, procs, geometry_
         assert all(seq.ids[e - 1] == builder.close_turn_id for _, e in seq.turn_spans)
 
 
+@pytest.mark.parametrize("family", GLM)
+def test_glm_image_sent_again_is_processed_and_held_once(family, procs, geometry_images, small_images, monkeypatch):
+    """GLM-4.1V / GLM-4.5V: the diagram re-sent beside a new crop in user feedback, then a tool result returning that
+    crop: each distinct object is processed once, the re-sent crop's pixel_values are a view of the tensor already
+    held, and ids / pixel_values / grids equal the processor's full render (which processes every occurrence)."""
+    builder = make_builder(procs, family)
+    diagram, crop = geometry_images[1], small_images[2]
+    first = [user(diagram, "Find x. Choices: A 12, B 13, C 14, D 15. Put the letter in \\boxed{}.")]
+    feedbacks = [user("Compare the two:", diagram, crop, "Try again."), tool("crop result:", crop)]
+    counter = ImageCount(monkeypatch, builder)
+    seq, conv, snapshots = run_episode(builder, first, feedbacks)
+    assert sorted(counter.seen) == sorted([id(diagram), id(crop)])  # 4 occurrences, 2 objects, each processed once
+    monkeypatch.undo()
+    assert [id(im) for im in seq.images] == [id(diagram), id(diagram), id(crop), id(crop)]
+    _, second, third = seq.vision_parts
+    diagram_rows = int(second.image_grid_thw[0].prod())
+    assert third.pixel_values.data_ptr() == second.pixel_values[diagram_rows:].data_ptr()  # held once
+    for ids, msgs in snapshots:
+        assert ids == builder.render_full(msgs, add_generation_prompt=True).ids
+    full = check_common(builder, seq, conv)
+    assert seq.ids == full.ids + [builder.close_turn_id]  # GLM: the last stop token ends the sequence, not the render
+
+
 def test_special_tokens_at_real_ids(procs):
     real = {
         "glm4v": {
