@@ -218,7 +218,7 @@ def check_ids(builder, seq: TokenSeq, conv: list[Message], snapshots, full) -> l
     return spans
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_think", "qwen3_6", "gemma3", "llava_next"])
+@pytest.mark.parametrize("family", ["qwen3_5_think", "qwen3_6", "gemma3", "llava_next", "idefics3"])
 def test_an_image_sent_again_is_processed_and_held_once(family, processors, geometry_images, small_images, monkeypatch):
     """The same image objects sent again (the diagram re-sent beside a new crop in user feedback, then a tool result
     returning that crop; a user message for templates without a tool role): each distinct object goes through the
