@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import check_held_once, resend_messages
 
 from vlmrl.config import ExportStyle
 from vlmrl.modeling.families import tiny_family
@@ -228,21 +229,11 @@ def test_an_image_sent_again_is_processed_and_held_once(family, processors, geom
     processor = processors(family)
     builder = get_builder(family, processor)
     diagram, crop = geometry_images[1], small_images[2]
-    first = [user(diagram, "Find x. Choices: A 12, B 13, C 14, D 15. Put the letter in \\boxed{}.")]
-    again = Role.TOOL if family in TOOLS else Role.USER
-    feedbacks = [
-        user("Compare the two:", diagram, crop, "Try again."),
-        Message(again, [TextPart("crop result:"), ImagePart(crop)]),
-    ]
+    first, feedbacks = resend_messages(diagram, crop, "tool" if family in TOOLS else "user")
     counter = ImageCounter(monkeypatch, processor)
     seq, conv, snapshots = run_episode(builder, first, feedbacks)
-    assert sorted(counter.seen) == sorted([id(diagram), id(crop)])  # 4 occurrences, 2 objects, each processed once
+    check_held_once(seq, counter.seen, diagram, crop)
     monkeypatch.undo()
-    assert [id(im) for im in seq.images] == [id(diagram), id(diagram), id(crop), id(crop)]
-    _, second, third = seq.vision_parts
-    diagram_rows = int(second.image_grid_thw[0].prod())
-    assert third.pixel_values.data_ptr() == second.pixel_values[diagram_rows:].data_ptr()  # held once
-    assert third.pixel_values.shape[0] == second.pixel_values.shape[0] - diagram_rows
     check_mask(seq)
     full = builder.render_full(conv)
     check_vision(builder, seq, full)
