@@ -26,6 +26,34 @@ def load_tasks(fields: dict, build_task):
     return data.load_tasks(DataConfig(**{"path": "", "split": "train", "shuffle_seed": None, **fields}), build_task)
 
 
+def resend_messages(diagram: Image.Image, crop: Image.Image, again: str = "tool"):
+    """An episode that sends image objects again: the first messages (the diagram) and two feedback messages (the
+    diagram re-sent beside a new crop, then a message of role `again` returning that crop)."""
+    from vlmrl.types import ImagePart, Message, Role, TextPart
+
+    first = [
+        Message(
+            Role.USER,
+            [ImagePart(diagram), TextPart("Find x. Choices: A 12, B 13, C 14, D 15. Put the letter in \\boxed{}.")],
+        )
+    ]
+    compare = Message(
+        Role.USER, [TextPart("Compare the two:"), ImagePart(diagram), ImagePart(crop), TextPart("Try again.")]
+    )
+    return first, [compare, Message(Role(again), [TextPart("crop result:"), ImagePart(crop)])]
+
+
+def check_held_once(seq, seen: list[int], diagram: Image.Image, crop: Image.Image) -> None:
+    """After `resend_messages`' episode: each image object went through the image processor once (`seen`: ids of the
+    images it was given) and the re-sent crop's pixel_values are a view of the rows the trajectory already holds."""
+    assert sorted(seen) == sorted([id(diagram), id(crop)])  # 4 occurrences, 2 objects, each processed once
+    assert [id(im) for im in seq.images] == [id(diagram), id(diagram), id(crop), id(crop)]
+    _, second, third = seq.vision_parts
+    diagram_rows = int(second.image_grid_thw[0].prod())
+    assert third.pixel_values.data_ptr() == second.pixel_values[diagram_rows:].data_ptr()  # held once: a view
+    assert third.pixel_values.shape[0] == second.pixel_values.shape[0] - diagram_rows
+
+
 def _tiny_cfg(family: str, **extra) -> ModelConfig:
     return ModelConfig(**{"name_or_path": f"tiny:{family}", "family": family, "dtype": "float32", **extra})
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import check_held_once, resend_messages
 
 from vlmrl.config import ExportStyle
 from vlmrl.modeling.families import tiny_family
@@ -185,6 +186,15 @@ def test_episode_against_full_render(family, variant, processors, small_images, 
 
     full = builder.render_full(conv)
     check_vision(builder, seq, full)
+    spans = check_ids(builder, seq, conv, snapshots, full)
+    if builder.prefix_mode is PrefixMode.REWRITES_HISTORY:
+        assert len(spans) == 2  # a user message follows turns 1 and 2: they lose their think block, the last keeps it
+
+
+def check_ids(builder, seq: TokenSeq, conv: list[Message], snapshots, full) -> list[tuple[int, int]]:
+    """Every generation prompt and the final ids against the processor's full renders: equal for prefix-preserving
+    families (LLaVA: but the template's trailing " "), equal but the stripped `<think>` blocks for the thinking
+    templates (returns their spans in `seq.ids`; [] for prefix-preserving families)."""
     if builder.prefix_mode is PrefixMode.EXTENDS:
         for ids, msgs in snapshots:
             assert ids == builder.render_full(msgs, add_generation_prompt=True).ids
@@ -194,20 +204,40 @@ def test_episode_against_full_render(family, variant, processors, small_images, 
             tail = builder.tokenizer.encode("</s> ", add_special_tokens=False)[1:]
             assert full.ids == seq.ids + tail
         assert export_style(ExportStyle.concat, builder) is ExportStyle.concat
-    else:
-        assert family in THINKING and builder.prefix_mode is PrefixMode.REWRITES_HISTORY
-        assert export_style(ExportStyle.concat, builder) is ExportStyle.individual
-        assert snapshots[0][0] == builder.render_full(snapshots[0][1], add_generation_prompt=True).ids
-        spans = stripped_think_spans(builder, seq, conv)
-        # a user message follows turns 1 and 2: they lose their think block, the last turn keeps it
-        assert len(spans) == 2
-        assert seq.ids != full.ids and without(seq.ids, spans) == full.ids
-        for ids, msgs in snapshots[1:]:
-            prompt_spans = stripped_think_spans(builder, _prefix_seq(seq, ids), msgs)
-            assert without(ids, prompt_spans) == builder.render_full(msgs, add_generation_prompt=True).ids
-        for a, b in spans:  # what was stripped is exactly a think block the model saw
-            text = builder.tokenizer.decode(seq.ids[a:b])
-            assert text.startswith("<think>\n") and text.endswith("\n</think>\n\n")
+        return []
+    assert builder.family in THINKING and builder.prefix_mode is PrefixMode.REWRITES_HISTORY
+    assert export_style(ExportStyle.concat, builder) is ExportStyle.individual
+    assert snapshots[0][0] == builder.render_full(snapshots[0][1], add_generation_prompt=True).ids
+    spans = stripped_think_spans(builder, seq, conv)
+    assert spans and seq.ids != full.ids and without(seq.ids, spans) == full.ids
+    for ids, msgs in snapshots[1:]:
+        prompt_spans = stripped_think_spans(builder, _prefix_seq(seq, ids), msgs)
+        assert without(ids, prompt_spans) == builder.render_full(msgs, add_generation_prompt=True).ids
+    for a, b in spans:  # what was stripped is exactly a think block the model saw
+        text = builder.tokenizer.decode(seq.ids[a:b])
+        assert text.startswith("<think>\n") and text.endswith("\n</think>\n\n")
+    return spans
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_think", "qwen3_6", "gemma3", "llava_next", "idefics3"])
+def test_an_image_sent_again_is_processed_and_held_once(family, processors, geometry_images, small_images, monkeypatch):
+    """The same image objects sent again (the diagram re-sent beside a new crop in user feedback, then a tool result
+    returning that crop; a user message for templates without a tool role): each distinct object goes through the
+    image processor once, the re-sent crop's pixel_values are a view of the tensor the trajectory already holds, and
+    ids / pixel_values / grids (LLaVA-NeXT: image_sizes) still equal the processor's full render (which processes
+    every occurrence: the independent reference)."""
+    processor = processors(family)
+    builder = get_builder(family, processor)
+    diagram, crop = geometry_images[1], small_images[2]
+    first, feedbacks = resend_messages(diagram, crop, "tool" if family in TOOLS else "user")
+    counter = ImageCounter(monkeypatch, processor)
+    seq, conv, snapshots = run_episode(builder, first, feedbacks)
+    check_held_once(seq, counter.seen, diagram, crop)
+    monkeypatch.undo()
+    check_mask(seq)
+    full = builder.render_full(conv)
+    check_vision(builder, seq, full)
+    check_ids(builder, seq, conv, snapshots, full)
 
 
 def _prefix_seq(seq: TokenSeq, ids: list[int]) -> TokenSeq:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import check_held_once, resend_messages
 
 from vlmrl.tokens import get_builder, template_builder
 from vlmrl.tokens.grid import expand_placeholder_ids
@@ -163,18 +164,10 @@ def test_an_image_sent_again_is_processed_and_held_once(
     processor = qwen_processors[family]
     builder = get_builder(family, processor)
     diagram, crop = geometry_images[1], small_images[2]
-    first = [user(diagram, "Find x. Choices: A 12, B 13, C 14, D 15. Put the letter in \\boxed{}.")]
-    feedbacks = [
-        user("Compare the two:", diagram, crop, "Try again."),
-        Message(Role.TOOL, [TextPart("crop result:"), ImagePart(crop)]),
-    ]
+    first, feedbacks = resend_messages(diagram, crop)
     counter = ImageCounter(monkeypatch, processor)
     seq, conv, snapshots = run_episode(builder, first, feedbacks)
-    assert sorted(counter.seen) == sorted([id(diagram), id(crop)])  # 4 occurrences, 2 objects, each processed once
-    assert [id(im) for im in seq.images] == [id(diagram), id(diagram), id(crop), id(crop)]
-    _, second, third = seq.vision_parts
-    diagram_rows = int(second.image_grid_thw[0].prod())
-    assert third.pixel_values.data_ptr() == second.pixel_values[diagram_rows:].data_ptr()  # held once
+    check_held_once(seq, counter.seen, diagram, crop)
     check_invariants(builder, seq, conv, snapshots)
 
 

@@ -368,9 +368,11 @@ class TokenSeq:
     def held_vision(self, image: Image.Image) -> VisionInputs | None:
         """The processed `VisionInputs` of `image` when this sequence already holds that very object (`is`), else None.
 
-        For layouts with one `per_image` view per entry of `images` (the grid families). Cost O(1) per call plus
-        O(new images) since the last call: the identity index and the per-image views are extended as `images` and
-        `vision_parts` grow (views: no pixel copy). The held images are alive, so their ids are stable.
+        Needs one `per_image` view per entry of `images` (every `VisionInputs` layout here; subclasses with more
+        per-image fields, LLaVA-NeXT's image_sizes or Idefics3's splits, override `per_image` to carry them). Cost
+        O(1) per call plus O(new images) since the last call: the identity index and the per-image views are extended
+        as `images` and `vision_parts` grow (views: no pixel copy). The held images are alive, so their ids are
+        stable.
         """
         if self._indexed > len(self.images) or self._split_parts > len(self.vision_parts):  # lists were cut: rebuild
             self._image_index, self._indexed, self._per_image, self._split_parts = {}, 0, [], 0

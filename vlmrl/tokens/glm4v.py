@@ -34,9 +34,8 @@ import re
 from typing import Any
 
 from vlmrl.tokens.base import PrefixMode, Rendered
-from vlmrl.tokens.grid import expand_grid_placeholders
 from vlmrl.tokens.template_builder import MARKER, TemplateBuilder
-from vlmrl.types import BoundaryEdit, Generation, Message, Role, TokenSeq, VisionInputs
+from vlmrl.types import BoundaryEdit, Generation, Message, Role, TokenSeq
 
 _THINK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 
@@ -52,8 +51,8 @@ class Glm4vBuilder(TemplateBuilder):
     """Token builder for GLM-4.1V / GLM-4.5V around a `Glm4vProcessor` (or any processor with the same interface).
 
     GLM's turn boundary is its own (module doc): the boundary hooks `_close_turn`, `_check_turn_closed`,
-    `_tail_start` and `_join` are overridden; rendering overrides `_hf_messages` (roles) and `_process` (the grid
-    expansion, without the processor's per-call overhead).
+    `_tail_start` and `_join` are overridden; rendering overrides `_hf_messages` (roles) and takes the processor's
+    steps itself (`expands_images`: the grid expansion, each image object processed once per trajectory).
     """
 
     family = "glm4v"
@@ -65,6 +64,7 @@ class Glm4vBuilder(TemplateBuilder):
     stop_tokens: tuple[str, ...] = ("<|observation|>", "<|endoftext|>")
     after_assistant_text = ""  # nothing after an assistant message: the next opener closes the turn
     image_token = "<|image|>"
+    expands_images = True  # `<|image|>` expanded by the grid rule (`TemplateBuilder._process_steps`)
     # per family: role tool messages are sent as; roles whose content the template needs as a plain string
     tool_role = {"glm4v": "user", "glm4v_moe": "tool"}
     string_roles = {"glm4v": ("system", "assistant"), "glm4v_moe": ()}
@@ -99,15 +99,6 @@ class Glm4vBuilder(TemplateBuilder):
             content = m.text_content if role in self.string_roles[self.family] else m.to_hf()["content"]
             out.append({"role": role, "content": content})
         return out
-
-    def _process(
-        self, text: str, images: list, add_special_tokens: bool | None, seq: TokenSeq | None = None
-    ) -> tuple[list[int], VisionInputs | None]:
-        """Tokenize `text` with each `<|image|>` expanded to its image's feature count; images processed once (the
-        processor's own steps, without its per-call overhead; `render_full` keeps the processor call)."""
-        text, vision = expand_grid_placeholders(text, images, self.processor)
-        kwargs = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
-        return self.tokenizer(text, **kwargs)["input_ids"], vision
 
     def _strip_history(self, hf: list[dict]) -> list[dict]:
         """GLM-4.1V-Thinking's multi-turn rule: drop `<think>…</think>` from assistant messages before the last user

@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
-from vlmrl.types import TokenSeq, VisionInputs
+from vlmrl.tokens.reuse import check_placeholders, expand_placeholders, process_once
+from vlmrl.types import VisionInputs
 
 
 def grid_features(vision: VisionInputs | None, merge_size: int) -> int:
@@ -15,15 +16,16 @@ def grid_features(vision: VisionInputs | None, merge_size: int) -> int:
     return int((vision.image_grid_thw.prod(-1) // int(merge_size) ** 2).sum())
 
 
-def known_images(seq: TokenSeq, images: list) -> dict[int, VisionInputs]:
-    """id(image) -> its processed `VisionInputs`, for each image of `images` that `seq` already holds (the same
-    object, `is`; `TokenSeq.held_vision`, O(1) per image): empty when none is."""
-    found = {}
-    for im in images:
-        vision = seq.held_vision(im)
-        if vision is not None:
-            found[id(im)] = vision
-    return found
+def grid_images(images: list, processor: Any) -> VisionInputs:
+    """`images` (not empty) through `processor.image_processor`: pixel_values [sum of t·h·w, C·T·P·P], grid [N, 3]."""
+    out = processor.image_processor(images=images, return_tensors="pt")
+    return VisionInputs(out["pixel_values"], out["image_grid_thw"])
+
+
+def grid_counts(vision: VisionInputs | None, processor: Any) -> list[int]:
+    """Each image's feature (= placeholder) count t·h·w / merge_size² (ints, image order; [] for None)."""
+    merge = int(processor.image_processor.merge_size) ** 2
+    return [] if vision is None else [rows // merge for rows in vision.image_rows()]
 
 
 def process_grid_images(
@@ -34,32 +36,10 @@ def process_grid_images(
 
     known: id(image) -> VisionInputs of images already processed in this trajectory (`known_images`). An image object
     among them, or sent twice in `images`, is processed once and its `pixel_values` tensor is reused (a single re-sent
-    image: the very tensor the trajectory already holds). Images are taken as immutable once sent.
+    image: the very tensor the trajectory already holds; `vlmrl.tokens.reuse.process_once`).
     """
-    if not images:
-        return None, []
-    done = dict(known or {})
-    todo = list({id(im): im for im in images if id(im) not in done}.values())  # first occurrences, in order
-    fresh = None
-    if todo:
-        out = processor.image_processor(images=todo, return_tensors="pt")
-        fresh = VisionInputs(out["pixel_values"], out["image_grid_thw"])
-    if fresh is not None and len(todo) == len(images):  # every image new and distinct: the processor's output
-        vision = fresh
-    else:
-        if fresh is not None:
-            done.update(zip(map(id, todo), fresh.per_image()))
-        parts = [done[id(im)] for im in images]
-        vision = parts[0] if len(parts) == 1 else cast(VisionInputs, VisionInputs.cat(parts))  # parts: not empty
-    merge = int(processor.image_processor.merge_size) ** 2
-    return vision, [rows // merge for rows in vision.image_rows()]
-
-
-def check_placeholders(text: str, token: str, n_images: int) -> None:
-    """Raises ValueError when `text` holds another number of `token` placeholders than `n_images`."""
-    found = text.count(token)
-    if found != n_images:
-        raise ValueError(f"{found} {token} placeholders in the text but {n_images} images")
+    vision = process_once(images, known, lambda todo: grid_images(todo, processor))
+    return vision, grid_counts(vision, processor)
 
 
 def expand_grid_placeholders(
@@ -72,9 +52,8 @@ def expand_grid_placeholders(
     """
     token = processor.image_token
     check_placeholders(text, token, len(images))
-    pieces = text.split(token)
     vision, counts = process_grid_images(images, processor, known)
-    return pieces[0] + "".join(token * n + rest for n, rest in zip(counts, pieces[1:])), vision
+    return expand_placeholders(text, token, [token * n for n in counts]), vision
 
 
 def expand_placeholder_ids(ids: list[int], token_id: int, counts: list[int]) -> list[int]:

@@ -8,6 +8,9 @@ therefore renders one token more than the continuous ids (the trailing `▁`, ne
 knows system (`<<SYS>>`), user and assistant roles only; the processor adds `<s>` (the template has no BOS).
 Images: each `<image>` expands to the anyres feature count (num_additional_image_tokens=1); pixel_values are kept
 unpadded as [sum of patches, 3, 336, 336] with grid rows [1, 1, patches] and `image_sizes` [N, 2] (`LlavaNextVision`).
+The builder takes the processor's steps itself (`expands_images`): each `<image>` is repeated by its image's feature
+count (`feature_counts`, the processor's rule from the image size) and the whole text tokenized; only new image
+objects go through the processor, one sent again reuses the patches the trajectory holds (`per_image` views).
 """
 
 from __future__ import annotations
@@ -42,6 +45,14 @@ class LlavaNextVision(VisionInputs):
         base = VisionInputs.slice_images(self, n)
         return LlavaNextVision(base.pixel_values, base.image_grid_thw, _image_sizes(self)[:n])
 
+    def per_image(self) -> list["VisionInputs"]:
+        """One `LlavaNextVision` per image: views of its patches [patches_i, 3, S, S], grid row i, image_sizes row i."""
+        sizes = _image_sizes(self)
+        return [
+            LlavaNextVision(v.pixel_values, v.image_grid_thw, sizes[i : i + 1])
+            for i, v in enumerate(VisionInputs.per_image(self))
+        ]
+
 
 def _image_sizes(vision: VisionInputs) -> torch.Tensor:
     """`vision.image_sizes`: LLaVA-NeXT's VisionInputs are LlavaNextVision, built with their image sizes."""
@@ -55,6 +66,7 @@ class LlavaNextBuilder(TemplateBuilder):
     after_assistant_text = " "
     after_assistant_inserted = False
     image_token = "<image>"
+    expands_images = True
     control_strings = ("[INST]", "[/INST]", "<<SYS>>", "<</SYS>>")  # plain text in Mistral's v1 vocabulary
 
     def _vision(self, out: Any, n_images: int) -> LlavaNextVision | None:
@@ -72,13 +84,19 @@ class LlavaNextBuilder(TemplateBuilder):
     def vision(self, seq: TokenSeq) -> LlavaNextVision | None:
         return LlavaNextVision.cat(seq.vision_parts)
 
-    def image_features(self, vision: VisionInputs | None) -> int:
-        if vision is None:
-            return 0
-        ip = self.processor.image_processor
-        size = ip.crop_size["height"]
+    def feature_counts(self, vision: VisionInputs) -> list[int]:
+        """Image features (= `<image>` tokens) of each image of `vision` (ints, image order): the processor's anyres
+        count from the original (height, width), less the CLS feature under the "default" feature selection."""
+        size = self.processor.image_processor.crop_size["height"]
         drop_cls = self.processor.vision_feature_select_strategy == "default"  # the CLS feature is not kept
-        return sum(
+        return [
             self.processor._get_number_of_features(int(h), int(w), size, size) - int(drop_cls)
             for h, w in _image_sizes(vision).tolist()
-        )
+        ]
+
+    def image_features(self, vision: VisionInputs | None) -> int:
+        return 0 if vision is None else sum(self.feature_counts(vision))
+
+    def _expansions(self, vision: VisionInputs) -> list[str]:
+        """`<image>` repeated by each image's `feature_counts`."""
+        return [self.image_token * n for n in self.feature_counts(vision)]

@@ -11,6 +11,10 @@ History: these templates render an assistant turn that precedes the last user qu
 conversation with user feedback is therefore not a prefix of its own full render: the builder keeps the tokens the
 model really saw at every turn and declares `PrefixMode.REWRITES_HISTORY` (export `individual`). Qwen3.6 with
 `preserve_thinking=True` keeps every block and is prefix-preserving.
+
+Images: the processor's steps are taken by the builder (`expands_images`): each image object is processed once per
+trajectory (one sent again by a user or a tool reuses the pixel values already held), each `<|image_pad|>` repeated
+t·h·w / merge_size² times (pixel_values [sum of t·h·w, C·T·P·P], image_grid_thw [N, 3]).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ class Qwen35Builder(TemplateBuilder):
     after_assistant_text = "\n"
     after_assistant_inserted = True
     image_token = "<|image_pad|>"
+    expands_images = True  # `<|image_pad|>` expanded by the grid rule (`TemplateBuilder._process_steps`)
     think_open, think_close = "<think>", "</think>"
 
     def __init__(

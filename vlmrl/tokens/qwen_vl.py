@@ -18,13 +18,8 @@ from __future__ import annotations
 from typing import Any
 
 from vlmrl.tokens.base import PrefixMode
-from vlmrl.tokens.grid import (
-    check_placeholders,
-    expand_grid_placeholders,
-    expand_placeholder_ids,
-    known_images,
-    process_grid_images,
-)
+from vlmrl.tokens.grid import expand_grid_placeholders, expand_placeholder_ids, process_grid_images
+from vlmrl.tokens.reuse import check_placeholders, known_images
 from vlmrl.tokens.template_builder import MARKER, TemplateBuilder
 from vlmrl.types import Message, Role, TokenSeq, VisionInputs
 
