@@ -6,10 +6,10 @@ alternating user/model turns (so it has no tool role: a tool message raises) and
 which the processor expands to `\\n\\n<start_of_image>` + 256 × `<image_soft_token>` + `<end_of_image>\\n\\n`.
 Prefix-preserving. Images: pixel_values [N, 3, 896, 896], one row per image (grid rows [1, 1, 1]).
 
-The builder takes the processor's steps itself (`expands_images`): each `<start_of_image>` of the text is replaced by
+The builder takes the processor's steps itself (`ImageStepsBuilder`): each `<start_of_image>` of the text is replaced by
 the processor's fixed `full_image_sequence` and the whole text tokenized (as the processor does, so the tokenizer
 merges the `\n\n` around it with the text as in a full render); only new image objects go through the processor,
-one sent again reuses the pixel row the trajectory holds (`TemplateBuilder._process_steps`).
+one sent again reuses the pixel row the trajectory holds (`ImageStepsBuilder._process`).
 """
 
 from __future__ import annotations
@@ -19,18 +19,17 @@ from typing import Any
 import torch
 
 from vlmrl.tokens.base import PrefixMode
-from vlmrl.tokens.template_builder import TemplateBuilder
+from vlmrl.tokens.image_steps import ImageStepsBuilder
 from vlmrl.types import VisionInputs
 
 
-class Gemma3Builder(TemplateBuilder):
+class Gemma3Builder(ImageStepsBuilder):
     family = "gemma3"
     prefix_mode = PrefixMode.EXTENDS
     close_turn_token = "<end_of_turn>"
     after_assistant_text = "\n"
     after_assistant_inserted = True
     image_token = "<image_soft_token>"
-    expands_images = True
 
     def _vision(self, out: Any, n_images: int) -> VisionInputs | None:
         if not n_images:

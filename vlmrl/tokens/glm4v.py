@@ -34,7 +34,8 @@ import re
 from typing import Any
 
 from vlmrl.tokens.base import PrefixMode, Rendered
-from vlmrl.tokens.template_builder import MARKER, TemplateBuilder
+from vlmrl.tokens.image_steps import ImageStepsBuilder
+from vlmrl.tokens.template_builder import MARKER
 from vlmrl.types import BoundaryEdit, Generation, Message, Role, TokenSeq
 
 _THINK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
@@ -47,12 +48,12 @@ def load_processor(path: str, **kwargs: Any):
     return AutoProcessor.from_pretrained(path, **kwargs)
 
 
-class Glm4vBuilder(TemplateBuilder):
+class Glm4vBuilder(ImageStepsBuilder):
     """Token builder for GLM-4.1V / GLM-4.5V around a `Glm4vProcessor` (or any processor with the same interface).
 
     GLM's turn boundary is its own (module doc): the boundary hooks `_close_turn`, `_check_turn_closed`,
     `_tail_start` and `_join` are overridden; rendering overrides `_hf_messages` (roles) and takes the processor's
-    steps itself (`expands_images`: the grid expansion, each image object processed once per trajectory).
+    steps itself (`ImageStepsBuilder`: the grid expansion, each image object processed once per trajectory).
     """
 
     family = "glm4v"
@@ -64,7 +65,6 @@ class Glm4vBuilder(TemplateBuilder):
     stop_tokens: tuple[str, ...] = ("<|observation|>", "<|endoftext|>")
     after_assistant_text = ""  # nothing after an assistant message: the next opener closes the turn
     image_token = "<|image|>"
-    expands_images = True  # `<|image|>` expanded by the grid rule (`TemplateBuilder._process_steps`)
     # per family: role tool messages are sent as; roles whose content the template needs as a plain string
     tool_role = {"glm4v": "user", "glm4v_moe": "tool"}
     string_roles = {"glm4v": ("system", "assistant"), "glm4v_moe": ()}

@@ -6,7 +6,7 @@ Boundary rules (data): generation starts after `Assistant:` (the model writes th
 into crops: `<fake_token_around_image><row_i_col_j>` + image_seq_len × `<image>` per crop of the split image, then the
 global image (`<global-img>`). Prefix-preserving.
 Images: pixel_values [crops, 3, S, S] (all crops of all images in order; the model takes them as [1, crops, ...]),
-grid rows [1, 1, crops of the image]. The builder takes the processor's steps itself (`expands_images`): only new
+grid rows [1, 1, crops of the image]. The builder takes the processor's steps itself (`ImageStepsBuilder`): only new
 image objects go through the image processor, which also gives each image's split (rows, cols; `Idefics3Vision`), and
 each `<image>` is replaced by the processor's own expansion of that split (`replace_image_token`) before the whole
 text is tokenized; an image sent again reuses its held crops and split (`per_image` views).
@@ -20,7 +20,7 @@ from typing import Any, cast
 import torch
 
 from vlmrl.tokens.base import PrefixMode
-from vlmrl.tokens.template_builder import TemplateBuilder
+from vlmrl.tokens.image_steps import ImageStepsBuilder
 from vlmrl.types import VisionInputs
 
 
@@ -58,14 +58,13 @@ def _splits(vision: VisionInputs) -> torch.Tensor:
     return cast(torch.Tensor, splits)
 
 
-class Idefics3Builder(TemplateBuilder):
+class Idefics3Builder(ImageStepsBuilder):
     family = "idefics3"
     prefix_mode = PrefixMode.EXTENDS
     close_turn_token = "<end_of_utterance>"
     after_assistant_text = "\n"
     after_assistant_inserted = True
     image_token = "<image>"
-    expands_images = True
 
     def _processor_kwargs(self) -> dict:
         return {"return_text_replacement_offsets": True}

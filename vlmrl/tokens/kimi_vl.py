@@ -15,20 +15,21 @@ Format-only here: the real tokenizer (tiktoken, remote code) is not available of
 `KimiVLImageProcessorSketch` implement the documented format and image rule for the offline checks. With a real
 checkpoint use `load_processor(path)` (its remote-code processor, `trust_remote_code=True`): the builder reads
 `image_grid_hws` and `merge_kernel_size` from it the same way.
-Images: pixel_values [sum of patches, 3, 14, 14]; grid rows (1, h, w) (Kimi's `image_grid_hws` with t = 1).
+Images: pixel_values [sum of patches, 3, 14, 14]; grid rows (1, h, w) (Kimi's `image_grid_hws` with t = 1). The
+builder takes the processor's steps itself (`ImageStepsBuilder`): each image object is processed once per trajectory.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 from PIL import Image
 
 from vlmrl.tokens.base import PrefixMode
-from vlmrl.tokens.template_builder import TemplateBuilder
+from vlmrl.tokens.image_steps import ImageStepsBuilder
 from vlmrl.types import VisionInputs
 
 
@@ -159,7 +160,7 @@ class KimiVLFormatProcessor:
         return out
 
 
-class KimiVLBuilder(TemplateBuilder):
+class KimiVLBuilder(ImageStepsBuilder):
     family = "kimi_vl"
     prefix_mode = PrefixMode.EXTENDS
     close_turn_token = "<|im_end|>"
@@ -177,6 +178,17 @@ class KimiVLBuilder(TemplateBuilder):
             return None
         hws = out["image_grid_hws"]
         return VisionInputs(out["pixel_values"], torch.cat([torch.ones_like(hws[:, :1]), hws], dim=-1))
+
+    def _process_images(self, images: list) -> VisionInputs:
+        """New, distinct `images` through the image processor (`image_grid_hws`), in the builder's layout."""
+        return cast(
+            VisionInputs, self._vision(self.processor.image_processor(images, return_tensors="pt"), len(images))
+        )
+
+    def _expansions(self, vision: VisionInputs) -> list[str]:
+        """`<|media_pad|>` repeated (h · w) / prod(merge_kernel_size) times per image (the processor's rule)."""
+        merge = math.prod(self.processor.image_processor.merge_kernel_size)
+        return [self.processor.image_token * (h * w // merge) for _, h, w in vision.image_grid_thw.tolist()]
 
     def image_features(self, vision: VisionInputs | None) -> int:
         """(h · w) / prod(merge_kernel_size) per image, summed."""

@@ -8,7 +8,7 @@ therefore renders one token more than the continuous ids (the trailing `▁`, ne
 knows system (`<<SYS>>`), user and assistant roles only; the processor adds `<s>` (the template has no BOS).
 Images: each `<image>` expands to the anyres feature count (num_additional_image_tokens=1); pixel_values are kept
 unpadded as [sum of patches, 3, 336, 336] with grid rows [1, 1, patches] and `image_sizes` [N, 2] (`LlavaNextVision`).
-The builder takes the processor's steps itself (`expands_images`): each `<image>` is repeated by its image's feature
+The builder takes the processor's steps itself (`ImageStepsBuilder`): each `<image>` is repeated by its image's feature
 count (`feature_counts`, the processor's rule from the image size) and the whole text tokenized; only new image
 objects go through the processor, one sent again reuses the patches the trajectory holds (`per_image` views).
 """
@@ -21,7 +21,7 @@ from typing import Any, cast
 import torch
 
 from vlmrl.tokens.base import PrefixMode
-from vlmrl.tokens.template_builder import TemplateBuilder
+from vlmrl.tokens.image_steps import ImageStepsBuilder
 from vlmrl.types import TokenSeq, VisionInputs
 
 
@@ -59,14 +59,13 @@ def _image_sizes(vision: VisionInputs) -> torch.Tensor:
     return cast(torch.Tensor, cast(LlavaNextVision, vision).image_sizes)
 
 
-class LlavaNextBuilder(TemplateBuilder):
+class LlavaNextBuilder(ImageStepsBuilder):
     family = "llava_next"
     prefix_mode = PrefixMode.EXTENDS
     close_turn_token = "</s>"
     after_assistant_text = " "
     after_assistant_inserted = False
     image_token = "<image>"
-    expands_images = True
     control_strings = ("[INST]", "[/INST]", "<<SYS>>", "<</SYS>>")  # plain text in Mistral's v1 vocabulary
 
     def _vision(self, out: Any, n_images: int) -> LlavaNextVision | None:

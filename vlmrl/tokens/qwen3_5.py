@@ -12,7 +12,7 @@ conversation with user feedback is therefore not a prefix of its own full render
 model really saw at every turn and declares `PrefixMode.REWRITES_HISTORY` (export `individual`). Qwen3.6 with
 `preserve_thinking=True` keeps every block and is prefix-preserving.
 
-Images: the processor's steps are taken by the builder (`expands_images`): each image object is processed once per
+Images: the processor's steps are taken by the builder (`ImageStepsBuilder`): each image object is processed once per
 trajectory (one sent again by a user or a tool reuses the pixel values already held), each `<|image_pad|>` repeated
 t·h·w / merge_size² times (pixel_values [sum of t·h·w, C·T·P·P], image_grid_thw [N, 3]).
 """
@@ -22,17 +22,16 @@ from __future__ import annotations
 from typing import Any
 
 from vlmrl.tokens.base import PrefixMode
-from vlmrl.tokens.template_builder import TemplateBuilder
+from vlmrl.tokens.image_steps import ImageStepsBuilder
 
 
-class Qwen35Builder(TemplateBuilder):
+class Qwen35Builder(ImageStepsBuilder):
     family = "qwen3_5_think"
     prefix_mode = PrefixMode.REWRITES_HISTORY
     close_turn_token = "<|im_end|>"
     after_assistant_text = "\n"
     after_assistant_inserted = True
     image_token = "<|image_pad|>"
-    expands_images = True  # `<|image_pad|>` expanded by the grid rule (`TemplateBuilder._process_steps`)
     think_open, think_close = "<think>", "</think>"
 
     def __init__(

@@ -15,9 +15,9 @@ Hooks (override only these):
 
 - rendering: `_hf_messages` (messages -> template dicts), `_template` (the chat template's text; Qwen-VL: its compiled
   Jinja fast path), `_process` (text + images -> ids and `VisionInputs`; Qwen-VL: its fast encoder), `_batch_images`,
-  `_processor_kwargs`, `_vision` (the processor's image layout); with `expands_images` the processor's steps are
-  taken here (`_process_steps`) and a family gives `_process_images` and `_expansions` (the text an image's
-  placeholder becomes; default: the grid rule), so that an image object sent again is not processed again;
+  `_processor_kwargs`, `_vision` (the processor's image layout); `vlmrl.tokens.image_steps.ImageStepsBuilder` takes
+  the processor's steps itself (hooks `_process_images`, `_expansions`) so that an image object sent again is not
+  processed again;
 - turn boundaries: `_close_turn` / `_check_turn_closed` (`TokenBuilder`), `_tail_start` (where the new messages' text
   starts in the synthetic render) and `_join` (the piece's ids after what the sequence already holds).
 
@@ -32,11 +32,9 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from typing import Any, cast
+from typing import Any
 
 from vlmrl.tokens.base import Piece, PrefixMode, Rendered, TokenBuilder
-from vlmrl.tokens.grid import grid_counts
-from vlmrl.tokens.reuse import check_placeholders, expand_placeholders, known_images, process_once
 from vlmrl.types import Message, Role, TokenSeq, VisionInputs
 
 MARKER = "VLMRL-SYNTHETIC-ASSISTANT-END"
@@ -54,9 +52,6 @@ class TemplateBuilder(TokenBuilder):
     after_assistant_text: str = ""
     # the synthetic conversation the new messages are rendered behind (ends with the marker assistant turn)
     synthetic_prefix: tuple[Message, ...] = (Message.text(Role.USER, "U"), Message.text(Role.ASSISTANT, MARKER))
-    # True: `_process` takes the processor's steps itself (`_process_steps`; hooks `_process_images`, `_expansions`),
-    # processing each image object once per trajectory; False: it calls the processor with every image of the text
-    expands_images: bool = False
 
     def __init__(
         self, processor: Any, family: str | None = None, tools: list[dict] | None = None, **template_kwargs: Any
@@ -118,54 +113,15 @@ class TemplateBuilder(TokenBuilder):
         `add_special_tokens` None: the processor's default). seq: the trajectory the text is appended to (None for
         its first messages).
 
-        Families with `expands_images` take the processor's steps themselves (`_process_steps`: an image object
-        `seq` already holds is not processed again); the others call the processor with every image of `text`.
-        Raises ValueError when the text's placeholders do not match the images.
+        Here: the processor's call with every image of `text` (any processor works; an image sent again is processed
+        again). `ImageStepsBuilder` takes the processor's steps instead and processes each image object once.
+        Raises what the processor raises when the text's placeholders do not match the images.
         """
-        if self.expands_images:
-            return self._process_steps(text, images, add_special_tokens, seq)
         kwargs = dict(self._processor_kwargs())
         if add_special_tokens is not None:
             kwargs["add_special_tokens"] = add_special_tokens
         out = self.processor(text=[text], images=self._batch_images(images), return_tensors="pt", **kwargs)
         return out["input_ids"][0].tolist(), self._vision(out, len(images))
-
-    def _process_steps(
-        self, text: str, images: list, add_special_tokens: bool | None, seq: TokenSeq | None
-    ) -> tuple[list[int], VisionInputs | None]:
-        """The processor's `__call__` steps for one text, with each image object processed once per trajectory:
-        the new, distinct images through `_process_images`; an image `seq` already holds (the same object, sent
-        again by a user or a tool) is reused (`reuse.process_once`: a single re-sent image is a view of the pixel
-        values `seq` holds, no copy); then each `processor.image_token` in the text replaced by its image's
-        `_expansions` text and the text tokenized, as the processor does. `render_full` keeps the processor's own
-        call: the tests compare the two.
-
-        Raises ValueError when the number of `processor.image_token` in `text` differs from len(images).
-        """
-        token = self.processor.image_token
-        check_placeholders(text, token, len(images))
-        vision = process_once(images, known_images(seq, images) if seq is not None else None, self._process_images)
-        if vision is not None:
-            text = expand_placeholders(text, token, self._expansions(vision))
-        kwargs = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
-        return self.tokenizer(text, **kwargs)["input_ids"], vision
-
-    def _process_images(self, images: list) -> VisionInputs:
-        """New, distinct `images` (not empty) processed by the processor alone (its image kwargs, no text), in the
-        family's layout (`_vision`)."""
-        out = self.processor(images=images, return_tensors="pt")
-        return cast(VisionInputs, self._vision(out, len(images)))
-
-    def _expansions(self, vision: VisionInputs) -> list[str]:
-        """The text each image's placeholder expands to, one per image of `vision` (the processor's rule). Default:
-        the grid rule, `processor.image_token` repeated t·h·w / merge_size² times (Qwen3.5, GLM-4.xV).
-
-        Raises NotImplementedError for a family with another rule that does not override it.
-        """
-        if not isinstance(getattr(self.processor.image_processor, "merge_size", None), int):
-            raise NotImplementedError(f"{self.family}: no placeholder expansion rule")
-        token = self.processor.image_token
-        return [token * n for n in grid_counts(vision, self.processor)]
 
     def _vision(self, out: Any, n_images: int) -> VisionInputs | None:
         """The processor output's images as `VisionInputs` (rows of pixel_values per image = prod(grid row))."""
