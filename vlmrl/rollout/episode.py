@@ -141,8 +141,14 @@ class EpisodeRunner:
         """
         if seed is None:
             seed = self.sampling.seed if self.sampling.seed is not None else int(torch.randint(0, 2**62, ()))
+        out: list[Trajectory] = []
+
+        async def main() -> None:  # returns None: on exit Python 3.11's asyncio.run formats a repr of the main task,
+            out.extend(await self.run_async(tasks, group_size, seed))  # result included (10-20 ms for a rollout)
+
         with self.engine.session():
-            return asyncio.run(self.run_async(tasks, group_size, seed))
+            asyncio.run(main())
+        return out
 
     async def run_async(self, tasks: list[Task], group_size: int, seed: int) -> list[Trajectory]:
         """`run` inside a running event loop (the engine session is the caller's)."""
