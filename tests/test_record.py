@@ -87,6 +87,8 @@ def test_an_older_eval_record_with_formatted_and_a_tool_turn():
         ({"step": "three"}, "step"),
         ({"tool_stats": [1]}, "tool_stats"),
         ({"messages": [{"role": "narrator", "content": []}]}, "messages"),
+        ({"input_ids": [1, "2"]}, "input_ids"),  # no silent coercion of a numeric string (nor a bool)
+        ({"reward": "0.9"}, "reward"),
     ],
 )
 def test_a_malformed_record_names_its_file_line_and_field(tmp_path, edit, field):

@@ -18,7 +18,7 @@ Older records lack `turn_metrics` (their per-turn `correct` / `formatted` / `par
 `formatted` (then: a parse status other than "no_answer"), `policy_version` (None), `turn_advantages`,
 `tool_calls` / `tool_errors` / `tool_stats`, `sample` / `row`; even the token-level lists may be absent (empty).
 Keys this module does not know are kept in `extra` and written back. Non-finite floats are written as `null` and read
-back as NaN.
+back as NaN. Reading checks the line's types with pydantic (`_Line`: strict numbers and strings).
 """
 
 from __future__ import annotations
@@ -26,7 +26,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Annotated, Any, Callable
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    Field,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    model_validator,
+)
 
 from vlmrl.jsonl import read_jsonl
 from vlmrl.types import (
@@ -44,13 +55,6 @@ from vlmrl.types import (
     Trajectory,
     TurnOutcome,
 )
-
-KNOWN_KEYS = frozenset(
-    "step task_id group sample row messages input_ids loss_mask logprobs turn_spans boundary image_grid_thw "
-    "turn_rewards turn_metrics correct formatted parse_status stop_reasons tool_calls tool_errors end_reason reward "
-    "advantage policy_version turn_advantages tool_stats".split()
-)
-REQUIRED_KEYS = ("step", "task_id", "reward")  # every writer of trajectories.jsonl wrote these
 
 
 @dataclass
@@ -194,9 +198,10 @@ class TrajectoryRecord:
     def from_json(cls, d: dict, where: str = "record") -> "TrajectoryRecord":
         """Read one line's object (older layouts too: module doc). `where` names it in errors (e.g. `file:line`).
 
-        Raises ValueError `"<where>: field '<name>' <why>"` for a missing required key (step, task_id, reward), a
-        value of the wrong type, or per-turn lists of different lengths."""
-        return _Reader(d, where).record()
+        Raises ValueError `"<where>: field '<key>' <why>"` (`"... field '<key>' at <path>: <why>"` for a value inside
+        the key's, e.g. `at 0.role`) for a missing required key (step, task_id, reward), a value of the wrong type (no
+        bool or numeric string taken for a number), or per-turn lists of different lengths."""
+        return _read(d, where)
 
 
 def read_records(path: str | Path) -> tuple[list[TrajectoryRecord], list[str]]:
@@ -212,204 +217,132 @@ def read_records(path: str | Path) -> tuple[list[TrajectoryRecord], list[str]]:
     return records, problems
 
 
-_MISSING = object()
+# --- reading: pydantic checks the line as written; `_read` builds the record from it ----------------------------------
+# Scalars are strict (no bool or numeric string for a number, no number for a string); containers and enums are lax
+# (a JSON array reads as a tuple, an enum's value as the enum). An int is fine where a float is expected.
+_Num = Annotated[StrictFloat, BeforeValidator(lambda v: math.nan if v is None else v)]  # null: NaN (strict JSON)
+_Count = Annotated[StrictInt, Field(ge=0)]
+_OrNone = BeforeValidator(lambda v: v or None)  # "" (as written) or null: none
 
 
-class _Reader:
-    """Typed field access to one record's object; every error names `where` and the field."""
+class _Message(BaseModel):
+    role: Role
+    content: list[dict]
 
-    def __init__(self, d: dict, where: str):
-        self.d, self.where = d, where
 
-    def fail(self, name: str, why: str) -> ValueError:
-        return ValueError(f"{self.where}: field {name!r} {why}")
+class _Boundary(BaseModel):
+    position: StrictInt
+    token_id: StrictInt
+    reason: StrictStr = ""
 
-    def get(self, name: str, default: Any = _MISSING) -> Any:
-        if name in self.d and self.d[name] is not None:
-            return self.d[name]
-        if default is _MISSING:
-            raise self.fail(name, "is missing")
-        return default
 
-    def integer(self, name: str, default: Any = _MISSING) -> Any:
-        v = self.get(name, default)
-        if v is default and default is not _MISSING:
-            return v
-        if not isinstance(v, int) or isinstance(v, bool):
-            raise self.fail(name, f"is not an integer: {v!r}")
-        return v
+class _Call(BaseModel):
+    name: StrictStr = ""
+    arguments: dict = {}
+    status: ToolCallStatus = ToolCallStatus.OK
+    error: StrictStr = ""
 
-    def num(self, name: str, value: Any) -> float:
-        """A number; null (a non-finite float written as strict JSON) is NaN."""
-        if value is None:
-            return math.nan
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise self.fail(name, f"is not a number: {value!r}")
-        return float(value)
 
-    def items(self, name: str, n: int | None = None) -> list:
-        v = self.get(name, [])
-        if not isinstance(v, list):
-            raise self.fail(name, f"is not a list (a {type(v).__name__})")
-        if n is not None and len(v) != n:
-            raise self.fail(name, f"has {len(v)} entries for {n} turns")
-        return v
+class _Line(BaseModel):
+    """One line's object as written (module doc); a null value is an absent key (its default), except for `reward` and
+    `advantage` (NaN). Per-turn lists are checked for equal lengths by `_turn_count`."""
 
-    def ints(self, name: str) -> list[int]:
-        v = self.items(name)
-        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
-            raise self.fail(name, "is not a list of non-negative integers")
-        return list(v)
+    step: StrictInt
+    task_id: str = Field(coerce_numbers_to_str=True)
+    group: StrictInt = 0
+    sample: StrictInt | None = None
+    row: StrictInt | None = None
+    reward: _Num
+    advantage: _Num = 0.0
+    messages: list[_Message] = []
+    input_ids: list[_Count] = []
+    loss_mask: list[_Count] = []
+    logprobs: list[_Num] = []
+    turn_spans: list[tuple[StrictInt, StrictInt]] = []
+    boundary: list[_Boundary] = []
+    image_grid_thw: list[list[StrictInt]] = []
+    turn_metrics: list[dict[str, _Num]] = []
+    correct: list[bool] = []
+    parse_status: list[StrictStr] = []
+    formatted: list[bool] = []
+    turn_rewards: list[_Num] = []
+    stop_reasons: list[Annotated[StopReason | None, _OrNone]] = []
+    tool_calls: list[list[_Call]] = []
+    tool_errors: list[list[StrictStr]] = []
+    end_reason: Annotated[EndReason | None, _OrNone] = None
+    policy_version: _Count | None = None
+    turn_advantages: list[_Num] = []
+    tool_stats: ToolStats = Field(default_factory=ToolStats)
 
-    def record(self) -> TrajectoryRecord:
-        d = self.d
-        for name in REQUIRED_KEYS:
-            if name not in d:
-                raise self.fail(name, "is missing")
-        n = self.turn_count()
-        return TrajectoryRecord(
-            step=self.integer("step"),
-            task_id=str(self.get("task_id")),
-            group=self.integer("group", 0),
-            reward=self.num("reward", d.get("reward")),
-            advantage=self.num("advantage", d.get("advantage", 0.0)),
-            messages=self.messages(),
-            input_ids=self.ints("input_ids"),
-            loss_mask=self.ints("loss_mask"),
-            logprobs=[self.num("logprobs", x) for x in self.items("logprobs")],
-            turn_spans=self.spans(),
-            boundary=self.boundary(),
-            image_grid_thw=self.grids(),
-            turns=self.turns(n),
-            end_reason=self.end_reason(),
-            policy_version=self.policy_version(),
-            turn_advantages=[self.num("turn_advantages", x) for x in self.items("turn_advantages")],
-            tool_stats=self.tool_stats(),
-            sample=self.integer("sample", None),
-            row=self.integer("row", None),
-            extra={k: v for k, v in d.items() if k not in KNOWN_KEYS},
-        )
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_absent(cls, d: Any) -> Any:
+        if isinstance(d, dict):
+            return {k: v for k, v in d.items() if v is not None or k in ("reward", "advantage")}
+        return d
 
-    def turn_count(self) -> int:
-        for name in ("turn_metrics", "correct", "parse_status", "turn_rewards", "stop_reasons"):
-            if isinstance(self.d.get(name), list):
-                return len(self.d[name])
-        return 0
 
-    def messages(self) -> list[dict]:
-        msgs = self.items("messages")
-        roles = {r.value for r in Role}
-        for m in msgs:
-            if not (isinstance(m, dict) and m.get("role") in roles and isinstance(m.get("content"), list)):
-                raise self.fail("messages", "is not a list of {role, content: [parts]} objects")
-            if not all(isinstance(p, dict) for p in m["content"]):
-                raise self.fail("messages", "has a content part that is not an object")
-        return msgs
+# the record's fields that are the line's values as read
+_AS_READ = (
+    "step task_id group reward advantage input_ids loss_mask logprobs turn_spans image_grid_thw end_reason "
+    "policy_version turn_advantages tool_stats sample row".split()
+)
 
-    def spans(self) -> list[tuple[int, int]]:
-        spans = self.items("turn_spans")
-        if not all(
-            isinstance(sp, list) and len(sp) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in sp)
-            for sp in spans
-        ):
-            raise self.fail("turn_spans", "is not a list of [start, end] integer pairs")
-        return [(sp[0], sp[1]) for sp in spans]
 
-    def boundary(self) -> list[BoundaryEdit]:
-        out = []
-        for b in self.items("boundary"):
-            if not (isinstance(b, dict) and isinstance(b.get("position"), int) and isinstance(b.get("token_id"), int)):
-                raise self.fail("boundary", "is not a list of {position, token_id, reason} objects")
-            out.append(BoundaryEdit(b["position"], b["token_id"], str(b.get("reason", ""))))
-        return out
+def _read(d: dict, where: str) -> TrajectoryRecord:
+    try:
+        line = _Line.model_validate(d)
+    except ValidationError as err:
+        raise _problem(err, where) from None
+    n = _turn_count(line, where)
+    return TrajectoryRecord(
+        **{k: getattr(line, k) for k in _AS_READ},
+        messages=list(d.get("messages") or []),  # as written (checked above)
+        boundary=[BoundaryEdit(b.position, b.token_id, b.reason) for b in line.boundary],
+        turns=[_turn(line, i) for i in range(n)],
+        extra={k: v for k, v in d.items() if k not in _Line.model_fields},
+    )
 
-    def grids(self) -> list[list[int]]:
-        grids = self.items("image_grid_thw")
-        if not all(isinstance(g, list) and all(isinstance(x, int) for x in g) for g in grids):
-            raise self.fail("image_grid_thw", "is not a list of [t, h, w] integer triples")
-        return grids
 
-    def turns(self, n: int) -> list[TurnRecord]:
-        rewards = [
-            self.num("turn_rewards", x) for x in self.items("turn_rewards", n if "turn_rewards" in self.d else None)
-        ]
-        stops = self.items("stop_reasons", n if "stop_reasons" in self.d else None)
-        calls = self.items("tool_calls", n if self.d.get("tool_calls") else None)
-        errors = self.items("tool_errors", n if self.d.get("tool_errors") else None)
-        metrics = self.metrics(n, calls)
-        out = []
-        for i in range(n):
-            try:
-                stop = StopReason(stops[i]) if i < len(stops) and stops[i] else None
-            except ValueError:
-                raise self.fail("stop_reasons", f"holds an unknown stop reason {stops[i]!r}") from None
-            out.append(
-                TurnRecord(
-                    rewards[i] if i < len(rewards) else 0.0,
-                    metrics[i],
-                    stop,
-                    self.tool_calls(calls[i]) if i < len(calls) else [],
-                    [str(e) for e in errors[i]] if i < len(errors) and isinstance(errors[i], list) else [],
-                )
-            )
-        return out
+def _problem(err: ValidationError, where: str) -> ValueError:
+    """The first error as `<where>: field '<key>' [at <path in it>: ]<why> (got <value>)`."""
+    e = err.errors()[0]
+    name, *inside = e["loc"] or ("record",)
+    if e["type"] == "missing" and not inside:
+        return ValueError(f"{where}: field '{name}' is missing")
+    at = f" at {'.'.join(map(str, inside))}" if inside else ""
+    return ValueError(f"{where}: field '{name}'{at}: {e['msg']} (got {e['input']!r:.80})")
 
-    def metrics(self, n: int, calls: list) -> list[dict[str, float]]:
-        """Per-turn metrics: `turn_metrics`, else (older records) from `correct` / `formatted` / `parse_status`."""
-        if "turn_metrics" in self.d:
-            rows = self.items("turn_metrics", n)
-            if not all(isinstance(r, dict) for r in rows):
-                raise self.fail("turn_metrics", "is not a list of {key: number} objects")
-            return [{str(k): self.num("turn_metrics", v) for k, v in r.items()} for r in rows]
-        correct = self.items("correct", n if "correct" in self.d else None)
-        status = self.items("parse_status", n if "parse_status" in self.d else None)
-        formatted = self.items("formatted", n if "formatted" in self.d else None)
-        out: list[dict[str, float]] = []
-        for i in range(n):
-            if i < len(calls) and calls[i]:
-                out.append({})  # a tool turn: not graded
-                continue
-            s = str(status[i]) if i < len(status) else "ok"
-            f = bool(formatted[i]) if i < len(formatted) else s != "no_answer"
-            out.append({CORRECT: float(bool(correct[i]) if i < len(correct) else 0), FORMATTED: float(f)})
-            out[-1][PARSE_FAIL] = float(s != "ok")
-        return out
 
-    def tool_calls(self, calls: Any) -> list[ToolCall]:
-        if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
-            raise self.fail("tool_calls", "is not a list (per turn) of lists of call objects")
-        out = []
-        for c in calls:
-            try:
-                status = ToolCallStatus(c.get("status", "ok"))
-            except ValueError:
-                raise self.fail("tool_calls", f"holds an unknown call status {c.get('status')!r}") from None
-            args = c.get("arguments")
-            out.append(
-                ToolCall(
-                    str(c.get("name", "")), args if isinstance(args, dict) else {}, "", status, str(c.get("error", ""))
-                )
-            )
-        return out
+_COUNTED = ("turn_metrics", "correct", "parse_status", "turn_rewards", "stop_reasons")  # the first given: the turns
 
-    def end_reason(self) -> EndReason | None:
-        value = self.d.get("end_reason") or None
-        try:
-            return EndReason(value) if value is not None else None
-        except ValueError:
-            raise self.fail("end_reason", f"is not an end reason: {value!r}") from None
 
-    def policy_version(self) -> int | None:
-        v = self.integer("policy_version", None)
-        if v is not None and v < 0:
-            raise self.fail("policy_version", f"is not a non-negative integer: {v!r}")
-        return v
+def _turn_count(line: _Line, where: str) -> int:
+    """The number of turns; raises ValueError when a given per-turn list has another length (tool lists may be [])."""
+    lists = {k: getattr(line, k) for k in (*_COUNTED, "formatted", "tool_calls", "tool_errors")}
+    given = {k: v for k, v in lists.items() if k in line.model_fields_set}
+    n = next((len(given[k]) for k in _COUNTED if k in given), 0)
+    for name, v in given.items():
+        if len(v) != n and (v or name not in ("tool_calls", "tool_errors")):
+            raise ValueError(f"{where}: field '{name}' has {len(v)} entries for {n} turns")
+    return n
 
-    def tool_stats(self) -> ToolStats:
-        v = self.get("tool_stats", {})
-        if not isinstance(v, dict):
-            raise self.fail("tool_stats", f"is not an object (a {type(v).__name__})")
-        try:
-            return ToolStats.from_json(v)
-        except (TypeError, ValueError, AttributeError) as exc:
-            raise self.fail("tool_stats", f"is malformed ({exc})") from None
+
+def _turn(line: _Line, i: int) -> TurnRecord:
+    def at(items: list, default: Any) -> Any:
+        return items[i] if i < len(items) else default
+
+    calls = [ToolCall(c.name, c.arguments, "", c.status, c.error) for c in at(line.tool_calls, [])]
+    if "turn_metrics" in line.model_fields_set:
+        metrics = line.turn_metrics[i]
+    elif calls:
+        metrics = {}  # an older record's tool turn: not graded
+    else:  # older records: from the per-turn correct / formatted / parse_status lists
+        status = at(line.parse_status, "ok")
+        formatted = at(line.formatted, status != "no_answer")
+        metrics = {
+            CORRECT: float(at(line.correct, False)),
+            FORMATTED: float(formatted),
+            PARSE_FAIL: float(status != "ok"),
+        }
+    return TurnRecord(at(line.turn_rewards, 0.0), metrics, at(line.stop_reasons, None), calls, at(line.tool_errors, []))
