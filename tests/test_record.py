@@ -100,3 +100,21 @@ def test_a_malformed_record_names_its_file_line_and_field(tmp_path, edit, field)
     assert problems[1] == f"{path}:3: field 'task_id' is missing"
     with pytest.raises(ValueError, match=f"^{path}:2: field '{field}'"):
         TrajectoryRecord.from_json({**OLD, **edit}, where=f"{path}:2")
+
+
+def test_a_trajectorys_grids_are_recorded_without_copying_its_pixels(monkeypatch):
+    """`from_trajectory` records every image's grid row in order (hand-written: two pieces holding 1 and 2 images)
+    from the grids alone: concatenating the trajectory's pixel_values (up to GBs in a long episode) is never needed."""
+    import torch
+
+    from vlmrl.types import TokenSeq, Trajectory, VisionInputs
+
+    parts = [
+        VisionInputs(torch.zeros(4, 3), torch.tensor([[1, 2, 2]])),
+        VisionInputs(torch.zeros(24, 3), torch.tensor([[1, 4, 4], [1, 2, 4]])),
+    ]
+    seq = TokenSeq(ids=[1, 2], loss_mask=[0, 0], logprobs=[0.0, 0.0], vision_parts=parts)
+    monkeypatch.setattr(VisionInputs, "cat", staticmethod(lambda parts: pytest.fail("pixel_values concatenated")))
+    record = TrajectoryRecord.from_trajectory(Trajectory("t", 0, [], seq, []), step=1)
+    assert record.image_grid_thw == [[1, 2, 2], [1, 4, 4], [1, 2, 4]]
+    assert TrajectoryRecord.from_trajectory(Trajectory("t", 0, [], TokenSeq(), []), step=1).image_grid_thw == []

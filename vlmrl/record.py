@@ -150,7 +150,7 @@ class TrajectoryRecord:
             logprobs=[round(x, 6) for x in seq.logprobs],
             turn_spans=[(int(s), int(e)) for s, e in seq.turn_spans],
             boundary=list(seq.boundary),
-            image_grid_thw=seq.vision.image_grid_thw.tolist() if seq.vision is not None else [],
+            image_grid_thw=seq.image_grid_thw.tolist() if seq.image_grid_thw is not None else [],
             turns=[
                 TurnRecord(t.reward, dict(t.metrics), t.generation.stop_reason, list(t.tool_calls), list(t.tool_errors))
                 for t in traj.turns

@@ -258,6 +258,13 @@ class VisionInputs:
 
         return VisionInputs(torch.cat([p.pixel_values for p in parts]), torch.cat([p.image_grid_thw for p in parts]))
 
+    @staticmethod
+    def grids(parts: list["VisionInputs"]) -> "torch.Tensor | None":
+        """[num_images, 3] grid rows of the parts' images in order (no pixel copy), or None for no parts."""
+        import torch
+
+        return torch.cat([p.image_grid_thw for p in parts]) if parts else None
+
     @property
     def num_images(self) -> int:
         return int(self.image_grid_thw.shape[0])
@@ -304,11 +311,7 @@ class EnginePrompt:
     @property
     def image_grid_thw(self) -> torch.Tensor | None:
         """[num_images, 3] grid rows of all images, in order (no pixel copy), or None without images."""
-        import torch
-
-        if not self.vision_parts:
-            return None
-        return torch.cat([p.image_grid_thw for p in self.vision_parts])
+        return VisionInputs.grids(self.vision_parts)
 
 
 @dataclass
@@ -351,7 +354,13 @@ class TokenSeq:
 
     @property
     def vision(self) -> VisionInputs | None:
+        """All images' processed inputs concatenated in order (a new tensor), or None without images."""
         return VisionInputs.cat(self.vision_parts)
+
+    @property
+    def image_grid_thw(self) -> torch.Tensor | None:
+        """[num_images, 3] grid rows of all images, in order (no pixel copy), or None without images."""
+        return VisionInputs.grids(self.vision_parts)
 
     def fork(self) -> "TokenSeq":
         """A copy whose lists can grow independently (processed image tensors are shared, read-only)."""
