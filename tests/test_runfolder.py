@@ -443,7 +443,7 @@ def test_evaluate_names_every_bad_line_and_never_shows_a_traceback(tmp_path, mon
     warnings = [line for line in result.output.splitlines() if line.startswith("warning:")]
     assert warnings == [
         f"warning: {run}/config.yaml: cannot be read as a YAML config (UnicodeDecodeError); header left empty",
-        f"warning: {run}/trajectories.jsonl:1: field 'reward' is not a number: 'high' (skipped)",
+        f"warning: {run}/trajectories.jsonl:1: field 'reward': Input should be a valid number (got 'high') (skipped)",
         f"warning: {run}/metrics.jsonl:2: not a JSON object (a list) (skipped)",
         f"warning: {run}/metrics.jsonl:3: not UTF-8 (byte 0xff at column 26) (skipped)",
         f"warning: {run}/metrics.jsonl:5: torn line (no newline at the end: a write was cut short) (skipped)",

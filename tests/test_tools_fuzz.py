@@ -10,15 +10,15 @@ import time
 from collections import Counter, deque
 
 import pytest
+from fuzz_tools import boom, echo, nap, picture
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from PIL import Image
 
 from vlmrl.envs.base import Environment, StepResult
 from vlmrl.rollout.engine import Engine, SamplingParams
 from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner
 from vlmrl.tokens import get_builder
-from vlmrl.tools import HermesParser, Tool, ToolArgumentError, ToolLimits, ToolRuntime, calculate, get_parser
+from vlmrl.tools import HermesParser, Tool, ToolLimits, ToolRuntime, calculate, get_parser
 from vlmrl.tools.parsers import RAW_CHARS
 from vlmrl.types import Generation, Message, Role, StopReason, Task, ToolCallStatus, ToolFailure
 
@@ -40,48 +40,7 @@ def fuzz(n: int) -> settings:
     )
 
 
-# --- the fuzz environment's tools ---------------------------------------------------------------------------------
-def echo(text: str) -> str:
-    """Echo text back.
-
-    Args:
-        text: Anything.
-    """
-    return text
-
-
-def picture(size: int) -> Image.Image:
-    """A grey square image.
-
-    Args:
-        size: Side in pixels (1 to 400).
-    """
-    if not 1 <= size <= 400:
-        raise ToolArgumentError("size must be in [1, 400]")
-    return Image.new("RGB", (size, size), (90, 90, 90))
-
-
-def boom(reason: str = "") -> str:
-    """Always raises.
-
-    Args:
-        reason: Ignored.
-    """
-    raise ValueError(f"boom {reason}")
-
-
-def nap(seconds: float) -> str:
-    """Sleeps (in small steps, so it can be stopped).
-
-    Args:
-        seconds: How long (at most 1).
-    """
-    end = time.monotonic() + min(seconds, 1.0)
-    while time.monotonic() < end:
-        time.sleep(0.002)
-    return "rested"
-
-
+# --- the fuzz environment's tools (fuzz_tools.py: light, for the workers) ------------------------------------------
 TOOLS = [echo, picture, boom, nap, calculate]
 NAMES = [f.__name__ for f in TOOLS]
 

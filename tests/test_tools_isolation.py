@@ -10,6 +10,8 @@ import dataclasses
 import os
 import socket
 import sqlite3
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -249,3 +251,14 @@ def test_worker_that_cannot_start_is_a_counted_failure(monkeypatch):
     monkeypatch.undo()
     assert run(rt, call("calculate", expression="1+1"))[0] == ["2"]  # the next call gets a worker
     rt.executor.close()
+
+
+def test_a_worker_process_imports_neither_hydra_nor_torch():
+    """A timed-out call kills its worker and the next call waits for a new one: the worker's own imports stay
+    light (`vlmrl.tools` loads its submodules on first use; importing the runtime pulled in the config and Hydra,
+    ~0.5 s per worker start)."""
+    probe = (
+        "import sys, vlmrl.tools.worker; print(sorted(m for m in ('hydra', 'omegaconf', 'torch') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
