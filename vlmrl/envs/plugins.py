@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
-from vlmrl.config import Config, ConfigError, EnvConfig, _one_line
+from vlmrl.config import Config, ConfigError, EnvConfig
+from vlmrl.config_compose import one_line
 
 if TYPE_CHECKING:
     from vlmrl.envs.base import Environment
@@ -60,7 +61,7 @@ def env_schema(env_raw: Mapping[str, Any]) -> DictConfig:
         node = cast(DictConfig, OmegaConf.merge(OmegaConf.structured(cls.config_class), env_raw))  # a dataclass node
     except Exception as exc:  # noqa: BLE001 - omegaconf validation errors
         key = getattr(exc, "full_key", None) or getattr(exc, "key", None)
-        msg = _one_line(exc)
+        msg = one_line(exc)
         if "not in" in msg and key:
             msg = f"no such key in {cls.config_class.__name__}"
         msg = msg.split(": ", 1)[1] if key and msg.startswith(f"{key}: ") else msg
@@ -80,7 +81,7 @@ def env_config(env_cfg: EnvConfig | Mapping[str, Any]) -> EnvConfig:
     try:
         return OmegaConf.to_object(node)  # type: ignore[return-value]
     except Exception as exc:  # noqa: BLE001 - a config class's __post_init__ range check
-        raise ConfigError(_one_line(exc)) from None
+        raise ConfigError(one_line(exc)) from None
 
 
 def check_plugins(cfg: Config) -> None:

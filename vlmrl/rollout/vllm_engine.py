@@ -71,7 +71,8 @@ from typing import Any, Callable, Sequence, Union
 
 import torch
 
-from vlmrl.config import VLLMConfig, check_vllm_config
+from vlmrl.config import VLLMConfig
+from vlmrl.config_checks import check_vllm_config
 from vlmrl.rollout.engine import ConcurrentEngine, Engine, GenerateRequest, SamplingParams, per_prompt_requests
 from vlmrl.rollout.vllm_async import AsyncColocated
 from vlmrl.rollout.vllm_colocated import ColocatedBackend, SyncColocated, engine_kwargs, model_folder, world_size

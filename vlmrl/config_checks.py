@@ -1,0 +1,229 @@
+"""The checks of a composed config: every range and consistency rule, each failure a `ConfigError` whose one-line
+message names the key (`validate_config`, called by `vlmrl.config.load`; `check_vllm_config` for `rollout.vllm`).
+
+The checks read the dataclasses of `vlmrl.config` and import nothing of vlmrl at run time, so `vlmrl.config` can
+import them (and `ConfigError`) without an import circle.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vlmrl.config import Config, VLLMConfig
+
+
+class ConfigError(ValueError):
+    """A config that cannot be composed or validated; the message is one line naming the key or value."""
+
+
+# the flat `rollout.vllm_*` keys of earlier versions -> their place in `rollout.vllm` (a config error names it)
+MOVED_VLLM_KEYS = {
+    f"rollout.vllm_{k}": f"rollout.vllm.{k}"
+    for k in (
+        "mode",
+        "url",
+        "served_model",
+        "sync_dir",
+        "kv_cache_gb",
+        "tensor_parallel_size",
+        "logprobs_mode",
+        "sync_check_seqs",
+        "sync_check_tokens",
+        "sync_warn_dlogprob",
+        "timeout_s",
+        "seed",
+    )
+}
+MOVED_VLLM_KEYS["rollout.gpu_memory_utilization"] = "rollout.vllm.gpu_memory_utilization"
+
+
+def validate_config(cfg: Config, training: bool = True) -> None:
+    """Raise ConfigError (one line naming the key) for the first failing check of `cfg`; training: False for
+    `vlmrl generate` (which allows algorithm.group_size=1)."""
+    group_ok = cfg.algorithm.group_size >= (2 if training else 1)
+    checks = [
+        (cfg.env.max_turns >= 1, "env.max_turns must be >= 1"),
+        (
+            group_ok,
+            "algorithm.group_size must be >= 2 (GRPO needs a group)"
+            if training
+            else "algorithm.group_size must be >= 1",
+        ),
+        (0.0 < cfg.algorithm.turn_discount <= 1.0, "algorithm.turn_discount must be in (0, 1]"),
+        (cfg.trainer.batch_size >= 1, "trainer.batch_size must be >= 1"),
+        (cfg.trainer.save_every >= 0 and cfg.trainer.keep_last >= 0, "trainer.save_every and keep_last must be >= 0"),
+        (cfg.trainer.max_bad_steps >= 0, "trainer.max_bad_steps must be >= 0"),
+        (cfg.trainer.zero_stage in (0, 1, 2, 3), "trainer.zero_stage must be 0, 1, 2 or 3"),
+        (cfg.rollout.temperature > 0, "rollout.temperature must be > 0"),
+        (cfg.rollout.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1"),
+        (cfg.rollout.batch_wait_s >= 0, "rollout.batch_wait_s must be >= 0"),
+        (cfg.tools.timeout_s > 0, "tools.timeout_s must be > 0"),
+        (cfg.tools.max_tool_calls >= 0, "tools.max_tool_calls must be >= 0"),
+        (cfg.tools.max_tool_response_tokens >= 1, "tools.max_tool_response_tokens must be >= 1"),
+        (cfg.tools.max_workers >= 1, "tools.max_workers must be >= 1"),
+        (cfg.tools.describe in ("auto", "always", "never"), "tools.describe must be auto, always or never"),
+        (cfg.tools.memory_mb >= 256, "tools.memory_mb must be >= 256"),
+        (cfg.tools.cpu_s > 0, "tools.cpu_s must be > 0"),
+        (cfg.tools.isolation in ("auto", "bwrap", "rlimits"), "tools.isolation must be auto, bwrap or rlimits"),
+        # algorithm toolbox (issue 12)
+        (
+            cfg.algorithm.rollout_correction in ("auto", "off", "tis", "mis", "tis+mis"),
+            "algorithm.rollout_correction must be auto, off, tis, mis or tis+mis",
+        ),
+        (cfg.algorithm.tis_cap >= 1.0, "algorithm.tis_cap must be >= 1"),
+        (
+            0.0 < cfg.algorithm.mis_low <= 1.0 <= cfg.algorithm.mis_high,
+            "algorithm.mis_low/mis_high must satisfy 0 < mis_low <= 1 <= mis_high",
+        ),
+        (
+            cfg.algorithm.loss_agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+            "algorithm.loss_agg must be token-mean, seq-mean-token-mean or seq-mean-token-sum-norm",
+        ),
+        (cfg.algorithm.loss_agg_norm >= 0, "algorithm.loss_agg_norm must be >= 0"),
+        (
+            0 <= cfg.algorithm.overlong_buffer < cfg.rollout.max_new_tokens,
+            "algorithm.overlong_buffer must be in [0, rollout.max_new_tokens)",
+        ),
+        (cfg.algorithm.overlong_penalty >= 0.0, "algorithm.overlong_penalty must be >= 0"),
+        (cfg.algorithm.max_sampling_rounds >= 1, "algorithm.max_sampling_rounds must be >= 1"),
+        (cfg.algorithm.advantage in ("episode", "turn"), "algorithm.advantage must be episode or turn"),
+        (
+            cfg.algorithm.advantage == "episode" or cfg.export.style.value == "individual",
+            "algorithm.advantage=turn needs export.style=individual (one sample per turn)",
+        ),
+        (cfg.sft.num_demos >= 1, "sft.num_demos must be >= 1"),
+        (bool(cfg.sft.demos), "sft.demos must be 'env' or a JSONL file"),
+    ]
+    for ok, msg in checks + _range_checks(cfg):
+        if not ok:
+            raise ConfigError(msg)
+
+
+_ATTN = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+# transformers.SchedulerType values (`get_scheduler` names) that need no extra arguments
+_SCHEDULERS = (
+    "linear",
+    "cosine",
+    "cosine_with_restarts",
+    "polynomial",
+    "constant",
+    "constant_with_warmup",
+    "inverse_sqrt",
+)
+
+
+def _fin(x: float) -> bool:
+    return math.isfinite(x)
+
+
+def _range_checks(cfg: Config) -> list[tuple[bool, str]]:
+    """Range checks of every numeric knob (and the names of the trainer knobs), before anything loads."""
+    m, d, t, r, a, tr = cfg.model, cfg.data, cfg.tools, cfg.rollout, cfg.algorithm, cfg.trainer
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    return [
+        (m.min_pixels is None or m.min_pixels >= 1, "model.min_pixels must be >= 1"),
+        (m.max_pixels is None or m.max_pixels >= 1, "model.max_pixels must be >= 1"),
+        (m.attn_implementation in (None, *_ATTN), f"model.attn_implementation must be one of {', '.join(_ATTN)}"),
+        (m.lora.r >= 0, "model.lora.r must be >= 0 (0: no LoRA)"),
+        (m.lora.alpha > 0, "model.lora.alpha must be > 0"),
+        (0.0 <= m.lora.dropout < 1.0, "model.lora.dropout must be in [0, 1)"),
+        (bool(m.lora.target_modules), "model.lora.target_modules must name at least one module"),
+        (d.limit is None or d.limit >= 1, "data.limit must be >= 1 (or null: all rows)"),
+        (d.eval_limit is None or d.eval_limit >= 1, "data.eval_limit must be >= 1 (or null)"),
+        (_fin(t.timeout_s), "tools.timeout_s must be finite"),
+        (t.max_call_chars >= 1, "tools.max_call_chars must be >= 1"),
+        (
+            r.engine in ("transformers", "vllm"),
+            f"rollout.engine={r.engine!r} is not an engine (choose: transformers, vllm)",
+        ),
+        (_fin(r.temperature), "rollout.temperature must be finite"),
+        (0.0 < r.top_p <= 1.0, "rollout.top_p must be in (0, 1]"),
+        (r.max_context_tokens >= 1, "rollout.max_context_tokens must be >= 1"),
+        (
+            0.0 <= a.clip_eps_low < 1.0 and a.clip_eps_high >= 0,
+            "algorithm.clip_eps_low must be in [0, 1) and clip_eps_high >= 0",
+        ),
+        (a.kl_coef >= 0 and _fin(a.kl_coef), "algorithm.kl_coef must be >= 0"),
+        (a.off_policy_steps in (0, 1), "algorithm.off_policy_steps must be 0 (synchronous) or 1 (one-step off-policy)"),
+        (
+            not (a.off_policy_steps and a.dynamic_sampling and world > 1),
+            "algorithm.off_policy_steps=1 with "
+            "algorithm.dynamic_sampling needs one rank (its sampling rounds are collective)",
+        ),
+        (tr.steps >= 1, "trainer.steps must be >= 1"),
+        (
+            tr.batch_size >= world,
+            f"trainer.batch_size ({tr.batch_size}) must be >= the number of ranks (WORLD_SIZE="
+            f"{world}): every rank needs a prompt",
+        ),
+        (tr.lr > 0 and _fin(tr.lr), "trainer.lr must be > 0 and finite"),
+        (tr.weight_decay >= 0 and _fin(tr.weight_decay), "trainer.weight_decay must be >= 0"),
+        (tr.max_grad_norm >= 0 and _fin(tr.max_grad_norm), "trainer.max_grad_norm must be >= 0 (0: no clipping)"),
+        (tr.micro_batch_size >= 1, "trainer.micro_batch_size must be >= 1"),
+        (tr.eval_every >= 0 and tr.align_every >= 0, "trainer.eval_every and align_every must be >= 0"),
+        (tr.align_samples >= 1, "trainer.align_samples must be >= 1"),
+        (tr.lr_scheduler in _SCHEDULERS, f"trainer.lr_scheduler must be one of {', '.join(_SCHEDULERS)}"),
+        (tr.warmup_steps >= 0, "trainer.warmup_steps must be >= 0"),
+        (0.0 <= tr.warmup_ratio < 1.0, "trainer.warmup_ratio must be in [0, 1)"),
+        (
+            tr.deepspeed_config is None or Path(tr.deepspeed_config).is_file(),
+            f"trainer.deepspeed_config={tr.deepspeed_config}: no such file",
+        ),
+        *_vllm_checks(r.vllm),
+    ]
+
+
+_LOGPROBS_MODES = ("auto", "processed_logprobs", "raw_logprobs")
+
+
+def _vllm_checks(v: VLLMConfig) -> list[tuple[bool, str]]:
+    """The checks of `rollout.vllm` (the only place they are made; `check_vllm_config` raises on the first)."""
+    return [
+        (v.mode in ("colocate", "server"), f"rollout.vllm.mode={v.mode!r} must be colocate or server"),
+        (
+            v.colocate_engine in ("auto", "async", "sync"),
+            f"rollout.vllm.colocate_engine={v.colocate_engine!r} must be auto, async or sync",
+        ),
+        (
+            v.mode != "server" or bool(v.url),
+            "rollout.vllm.mode=server needs rollout.vllm.url (e.g. http://127.0.0.1:8000)",
+        ),
+        (0.0 < v.gpu_memory_utilization <= 1.0, "rollout.vllm.gpu_memory_utilization must be in (0, 1]"),
+        (
+            v.kv_cache_gb is None or (v.kv_cache_gb > 0 and _fin(v.kv_cache_gb)),
+            "rollout.vllm.kv_cache_gb must be > 0 (or null)",
+        ),
+        (v.tensor_parallel_size >= 1, "rollout.vllm.tensor_parallel_size must be >= 1"),
+        (
+            v.limit_mm_per_prompt is None or v.limit_mm_per_prompt >= 0,
+            "rollout.vllm.limit_mm_per_prompt must be >= 0 (or null)",
+        ),
+        (
+            v.logprobs_mode in _LOGPROBS_MODES,
+            f"rollout.vllm.logprobs_mode={v.logprobs_mode!r} must be one of {', '.join(_LOGPROBS_MODES)}",
+        ),
+        (v.sync_check_seqs >= 0, "rollout.vllm.sync_check_seqs must be >= 0"),
+        (v.sync_check_tokens >= 1, "rollout.vllm.sync_check_tokens must be >= 1"),
+        (v.sync_warn_dlogprob >= 0, "rollout.vllm.sync_warn_dlogprob must be >= 0"),
+        (v.timeout_s > 0 and _fin(v.timeout_s), "rollout.vllm.timeout_s must be > 0 and finite"),
+    ]
+
+
+def check_vllm_config(v: VLLMConfig) -> None:
+    """Raise ConfigError naming the field for the first failing check of `rollout.vllm` (`_vllm_checks`)."""
+    for ok, msg in _vllm_checks(v):
+        if not ok:
+            raise ConfigError(msg)
+
+
+def moved_key_message(msg: str) -> str:
+    """A message about a flat `rollout.vllm_*` key (earlier versions) says where that key lives now."""
+    for old, new in MOVED_VLLM_KEYS.items():
+        if re.search(re.escape(old) + r"\b", msg):
+            return f"{old} moved to {new}"
+    return msg

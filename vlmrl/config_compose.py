@@ -1,0 +1,94 @@
+"""Composing a config with Hydra's compose API: `conf/config.yaml`'s defaults, an optional recipe (`recipes/<name>`,
+or an absolute path to a YAML file), the user's `config_dir=` folders and the overrides, into the raw node that
+`vlmrl.config.load` types and checks. Hydra's and OmegaConf's multi-line errors become one-line `ConfigError`s.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import DictConfig
+
+from vlmrl.config_checks import ConfigError, moved_key_message
+
+ROOT = Path(os.environ.get("VLMRL_ROOT", Path(__file__).resolve().parents[1]))  # holds conf/ and recipes/
+
+
+def one_line(exc: BaseException) -> str:
+    """Hydra/OmegaConf errors span several lines; keep the first, name the key, list the available options."""
+    lines = str(exc).strip().splitlines() or [type(exc).__name__]
+    msg = lines[0].strip()
+    options = [ln.strip() for ln in lines if ln.startswith("\t") and "=" not in ln]
+    if "Could not find" in msg and options:
+        msg += f" (available: {', '.join(options)})"
+    chain: list[Any] = []  # exceptions; OmegaConf ones carry `full_key`
+    cause: BaseException | None = exc
+    while cause is not None:
+        chain.append(cause)
+        cause = cause.__cause__
+    key = next((c.full_key for c in chain if getattr(c, "full_key", None)), None)
+    detail = next((c for c in chain[1:] if getattr(c, "full_key", None)), None)
+    if detail is not None and msg.startswith(("Could not override", "Error merging override")):
+        first = str(detail).strip().splitlines()[0]  # the schema's own words: "Key 'x' not in ...", "Invalid value"
+        msg = f"{detail.full_key}: " + ("no such key" if re.match(r"Key '.*' not in ", first) else first)
+    elif any("not in struct" in str(c) for c in chain):
+        msg = msg.rstrip(".") + ": no such key"
+    elif key and key not in msg:
+        msg = f"{key}: {msg}"
+    for c in chain:  # a flat `rollout.vllm_*` key of earlier versions, from an override or a YAML file
+        if moved_key_message(str(c)) != str(c):
+            return moved_key_message(str(c))
+    return re.sub(r"\s+", " ", msg)
+
+
+def _recipe_source(recipe: str) -> tuple[Optional[Path], str]:
+    """(extra search-path folder or None, recipe name) for `recipe=`: a name inside `recipes/` (subfolders allowed),
+    or an explicit absolute path to a YAML file (copied into a temporary `recipes/` folder Hydra can search).
+
+    Raises ConfigError for a name that leaves `recipes/` (`..`) or a missing absolute file."""
+    if os.path.isabs(recipe):
+        path = Path(recipe if recipe.endswith(".yaml") else recipe + ".yaml")
+        if not path.is_file():
+            raise ConfigError(f"recipe={recipe}: no such file")
+        tmp = Path(tempfile.mkdtemp(prefix="vlmrl-recipe-"))
+        (tmp / "recipes").mkdir()
+        (tmp / "recipes" / path.name).write_text(path.read_text())
+        return tmp, path.stem
+    name = recipe[:-5] if recipe.endswith(".yaml") else recipe
+    root = (ROOT / "recipes").resolve()
+    if ".." in Path(name).parts or not (root / f"{name}.yaml").resolve().is_relative_to(root):
+        raise ConfigError(f"recipe={recipe}: a recipe is a name inside {root} (or an absolute path to a YAML file)")
+    return None, name
+
+
+def compose_config(recipe: Optional[str], overrides: list[str] | None) -> DictConfig:
+    """The raw composition of `conf/config.yaml` + optional recipe + overrides (not yet typed or checked).
+
+    `config_dir=PATH` among the overrides adds a folder of the user's own config groups (PATH/env/*.yaml,
+    PATH/recipes/*.yaml, ...). The schema node `vlmrl_schema` that conf/config.yaml names first is registered by
+    `vlmrl.config`, this function's caller. Raises ConfigError (one line) for an unknown recipe, group option or key.
+    """
+    overrides = list(overrides or [])
+    user_dirs = [str(Path(o.split("=", 1)[1]).expanduser().resolve()) for o in overrides if o.startswith("config_dir=")]
+    overrides = [o for o in overrides if not o.startswith("config_dir=")]
+    extra, name = _recipe_source(recipe) if recipe else (None, None)
+    paths = ",".join(f"file://{p}" for p in ([extra] if extra else []) + [str(ROOT), *user_dirs])
+    args = [f"hydra.searchpath=[{paths}]"]
+    if name:
+        args.append(f"+recipes={name}")
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(str(ROOT / "conf"), version_base=None):
+            return compose("config", overrides=args + overrides)
+    except Exception as exc:  # hydra/omegaconf raise many types; all become one clear line
+        raise ConfigError(one_line(exc)) from exc
+    finally:
+        if extra:
+            shutil.rmtree(extra, ignore_errors=True)
