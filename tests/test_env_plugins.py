@@ -1,6 +1,6 @@
 """Environments, reward functions and tools by import path (no edit to vlmrl): `env._target_` with the env's own
 typed config, trl-style weighted reward functions fed dataset columns, the generic Single/MultiTurnEnv, the
-example task's env, and bad import paths as one-line errors at config load (before any model)."""
+example task's env, and bad import paths as one-line errors when a run's config is loaded (before any model)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 
 from vlmrl.config import ConfigError, from_yaml, load, to_yaml
-from vlmrl.envs import load_env_tasks, make_env_factory
+from vlmrl.envs import check_plugins, load_env_tasks, make_env_factory
 from vlmrl.envs.frozenlake import FrozenLakeConfig
 from vlmrl.envs.generic import MultiTurnConfig, SingleTurnEnv
+from vlmrl.envs.geometry3k import Geometry3KConfig
 from vlmrl.envs.reward_funcs import RewardSpec
 from vlmrl.types import Message, Role, Task
 
@@ -36,6 +37,19 @@ def half_reward(completions, **kwargs):
 
 def not_applicable(completions, **kwargs):
     return [None for _ in completions]
+
+
+class NotAnEnv:
+    """Has a `config_class` (so `load` can type `env` by it) but is no `Environment`."""
+
+    config_class = Geometry3KConfig
+
+
+def load_for_run(recipe, overrides):
+    """`load` and the plug-in check a run makes after it (`check_plugins`, as the CLI and `train` do)."""
+    cfg = load(recipe, overrides)
+    check_plugins(cfg)
+    return cfg
 
 
 def _task(answer="yes", **columns) -> Task:
@@ -116,6 +130,7 @@ def test_typed_config_round_trip(tmp_path):
     [
         ("env._target_=nope.Env", "env._target_: cannot import 'nope.Env' (ModuleNotFoundError"),
         ("env._target_=vlmrl.types:Role", "env._target_: 'vlmrl.types:Role' is not a vlmrl.envs.Environment subclass"),
+        (f"env._target_={__name__}:NotAnEnv", f"env._target_: '{__name__}:NotAnEnv' is not a vlmrl.envs.Environment"),
         ("+env.colour=red", "env.colour: no such key in Geometry3KConfig"),
         ("tools.functions=[vlmrl.tools.builtin:nope]", "tools.functions[0]: cannot import 'vlmrl.tools.builtin:nope'"),
         ("tools.environment=nopkg:Obj", "tools.environment: cannot import 'nopkg:Obj'"),
@@ -123,13 +138,13 @@ def test_typed_config_round_trip(tmp_path):
 )
 def test_bad_plugin_paths_are_config_errors(override, needle):
     with pytest.raises(ConfigError) as err:
-        load("geometry3k_tiny", [override])
+        load_for_run("geometry3k_tiny", [override])
     assert needle in str(err.value) and "\n" not in str(err.value)
 
 
 def test_bad_reward_path_is_a_config_error():
     with pytest.raises(ConfigError, match=r"env.rewards\[1\].fn: cannot import 'nopkg.rewards:f'"):
-        load(
+        load_for_run(
             None,
             [
                 "env=multi_turn",
@@ -159,3 +174,16 @@ def test_cli_bad_plugin_fails_in_seconds(tmp_path):
     assert len([ln for ln in proc.stderr.splitlines() if ln.strip()]) <= 2
     assert not (tmp_path / "run").exists()  # nothing written, nothing loaded
     assert elapsed < 60, elapsed  # measured 21-25 s on a busy shared 2-core machine (imports of torch dominate)
+
+
+@pytest.mark.parametrize("entry", ["vlmrl.run:train", "vlmrl.sft:sft", "vlmrl.evaluation.generate:generate"])
+def test_library_entry_points_check_plugins_before_anything(tmp_path, entry):
+    """`load` leaves reward/tool paths to the run: train, sft and generate check them before any model or folder."""
+    import importlib
+
+    module, name = entry.split(":")
+    out = tmp_path / "run"
+    cfg = load(None, ["env=multi_turn", "env.rewards=[{fn: 'nopkg.rewards:f'}]", f"logging.output_dir={out}"])
+    with pytest.raises(ConfigError, match=r"^env.rewards\[0\].fn: cannot import 'nopkg.rewards:f'"):
+        getattr(importlib.import_module(module), name)(cfg)
+    assert not out.exists()

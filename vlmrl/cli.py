@@ -70,7 +70,11 @@ def _split_recipe(overrides: list[str]) -> tuple[Optional[str], list[str]]:
 def _load_or_exit(overrides: Optional[list[str]], training: bool = True):
     recipe, rest = _split_recipe(list(overrides or []))
     try:
-        return load(recipe, rest, training=training)
+        cfg = load(recipe, rest, training=training)
+        from vlmrl.envs.plugins import check_plugins
+
+        check_plugins(cfg)  # env/reward/tool import paths: an error now, before any model loads
+        return cfg
     except ConfigError as exc:
         console.print(f"[red]config error:[/red] {exc}")
         raise typer.Exit(2)

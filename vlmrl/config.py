@@ -18,7 +18,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from vlmrl.config_checks import MOVED_VLLM_KEYS, ConfigError, moved_key_message, validate_config
-from vlmrl.config_compose import compose_config, one_line
+from vlmrl.config_compose import compose_config, env_node, one_line
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 SAMPLE_DATA = ASSETS / "data" / "geometry3k"  # 64 + 10 real Geometry3K problems shipped in the package (MIT)
@@ -269,7 +269,8 @@ def load(recipe: Optional[str] = None, overrides: list[str] | None = None, train
     recipe: a name inside `recipes/` or an absolute path to a YAML file; overrides may hold `config_dir=PATH`
     (`vlmrl.config_compose.compose_config`); training: False for `vlmrl generate` (which allows
     algorithm.group_size=1). Raises ConfigError (one line) for an unknown recipe, group option, key, a value of the
-    wrong type or out of range.
+    wrong type or out of range. The reward and tool import paths are resolved for a run, not here
+    (`vlmrl.envs.plugins.check_plugins`).
     """
     raw = compose_config(recipe, overrides)
     try:
@@ -279,16 +280,12 @@ def load(recipe: Optional[str] = None, overrides: list[str] | None = None, train
     except Exception as exc:  # omegaconf raises many types; all become one clear line
         raise ConfigError(one_line(exc)) from exc
     validate_config(cfg, training)
-    from vlmrl.envs.plugins import check_plugins
-
-    check_plugins(cfg)  # env/reward/tool import paths: an error now, before any model loads
     return cfg
 
 
 def _typed(raw) -> Config:
-    """`raw` merged into the schema, `env` into its environment's own config class (from `env._target_`)."""
-    from vlmrl.envs.plugins import env_schema
-
+    """`raw` merged into the schema, `env` into its environment's own config class (the `config_class` of the class
+    at `env._target_`, imported by path: this module never imports the environment package itself)."""
     # as plain data: merged as a `_ComposeSchema` node, `raw` would turn the schema's `env` back into an open mapping
     raw = OmegaConf.create(OmegaConf.to_container(raw, resolve=False)) if raw is not None else None
     rollout_raw = raw.get("rollout") if raw is not None else None
@@ -298,7 +295,7 @@ def _typed(raw) -> Config:
     schema = OmegaConf.structured(Config)
     env_raw = raw.get("env") if raw is not None else None
     if env_raw is not None:
-        schema.env = env_schema(env_raw)
+        schema.env = env_node(str(env_raw.get("_target_") or EnvConfig._target_), env_raw)
     merged = OmegaConf.merge(schema, raw)
     cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
     return cfg

@@ -1,20 +1,28 @@
 """Composing a config with Hydra's compose API: `conf/config.yaml`'s defaults, an optional recipe (`recipes/<name>`,
 or an absolute path to a YAML file), the user's `config_dir=` folders and the overrides, into the raw node that
 `vlmrl.config.load` types and checks. Hydra's and OmegaConf's multi-line errors become one-line `ConfigError`s.
+
+Plug-ins are named by import path (`import_path`); the `env` section is typed by the `config_class` of the class that
+`env._target_` names (`env_node`). Nothing here imports the environment package: an environment is a plug-in like
+any other, resolved when a config is loaded; that it is a `vlmrl.envs.Environment` (and that the reward and tool
+paths resolve) is checked beside the environments, `vlmrl.envs.plugins.check_plugins`.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import shutil
 import tempfile
+from collections.abc import Mapping
+from dataclasses import is_dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from vlmrl.config_checks import ConfigError, moved_key_message
 
@@ -92,3 +100,42 @@ def compose_config(recipe: Optional[str], overrides: list[str] | None) -> DictCo
     finally:
         if extra:
             shutil.rmtree(extra, ignore_errors=True)
+
+
+def import_path(path: str, key: str) -> Any:
+    """The object at `path` ("pkg.mod:Name" or "pkg.mod.Name"); ConfigError naming `key` if it cannot be imported."""
+    if not isinstance(path, str) or not path.strip():
+        raise ConfigError(f"{key}: an import path is required, e.g. 'mypkg.envs:MyEnv'")
+    module, _, attr = path.strip().partition(":") if ":" in path else path.strip().rpartition(".")
+    if not module or not attr:
+        raise ConfigError(f"{key}: {path!r} is not an import path of the form 'package.module:Name'")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except Exception as err:  # noqa: BLE001 - ImportError, AttributeError, or the module's own import error
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"{key}: cannot import {path!r} ({type(err).__name__}: {reason})") from None
+
+
+def not_an_environment(target: str) -> ConfigError:
+    """The error for an `env._target_` that names something other than an environment class."""
+    return ConfigError(f"env._target_: {target!r} is not a vlmrl.envs.Environment subclass")
+
+
+def env_node(target: str, env_raw: Mapping[str, Any]) -> DictConfig:
+    """`env_raw` (a config node) merged into the structured config of the class at `target` (its `config_class`, a
+    dataclass): unknown keys and wrong types are ConfigErrors naming `env.<key>`."""
+    cls = import_path(target, "env._target_")
+    config_class = getattr(cls, "config_class", None)
+    if not (isinstance(cls, type) and isinstance(config_class, type) and is_dataclass(config_class)):
+        raise not_an_environment(target)
+    try:
+        node = cast(DictConfig, OmegaConf.merge(OmegaConf.structured(config_class), env_raw))  # a dataclass node
+    except Exception as exc:  # noqa: BLE001 - omegaconf validation errors
+        key = getattr(exc, "full_key", None) or getattr(exc, "key", None)
+        msg = one_line(exc)
+        if "not in" in msg and key:
+            msg = f"no such key in {config_class.__name__}"
+        msg = msg.split(": ", 1)[1] if key and msg.startswith(f"{key}: ") else msg
+        raise ConfigError(f"env.{key}: {msg}" if key else f"env: {msg}") from None
+    node._target_ = target
+    return node

@@ -22,7 +22,7 @@ from transformers import set_seed
 from vlmrl import checkpoint, runlock
 from vlmrl.checks.alignment import sampled_alignment
 from vlmrl.config import AlgorithmConfig, Config, ExportStyle, to_yaml
-from vlmrl.envs import load_env_tasks
+from vlmrl.envs import check_plugins, load_env_tasks
 from vlmrl.evaluation.during_training import EvalSetup, eval_during_training
 from vlmrl.export import to_samples
 from vlmrl.logging_backends import make_loggers
@@ -413,7 +413,9 @@ def train(cfg: Config, console: Console | None = None) -> Path:
     """Run `cfg.trainer.steps` GRPO steps; write the run folder; return its path.
 
     Rank 0 holds the run folder's lock (`vlmrl.runlock`) throughout: a second run into the same folder raises
-    RunLocked (a RunFolderError naming the holder) before anything is read or loaded."""
+    RunLocked (a RunFolderError naming the holder) before anything is read or loaded. Raises ConfigError for a
+    plug-in path that does not resolve (`check_plugins`), before that."""
+    check_plugins(cfg)
     main_rank = int(os.environ.get("RANK", "0")) == 0
     if main_rank:
         runlock.acquire(cfg.logging.output_dir)

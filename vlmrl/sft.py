@@ -31,7 +31,7 @@ from transformers import set_seed
 from vlmrl import checkpoint
 from vlmrl.config import Config, to_yaml
 from vlmrl.data import to_rgb
-from vlmrl.envs import env_config
+from vlmrl.envs import check_plugins, env_config
 from vlmrl.envs.plugins import env_class
 from vlmrl.export import to_samples
 from vlmrl.modeling.loading import load_policy
@@ -109,7 +109,8 @@ def _conversation(rec: dict, root: Path, where: str) -> list[Message]:
 def sft(cfg: Config) -> Path:
     """Run `cfg.trainer.steps` SFT steps of `cfg.trainer.batch_size` demonstrations each (cycling over the shuffled
     demos); write config.yaml, metrics.jsonl (loss per step), the final checkpoint and `<output_dir>/hf`.
-    Returns the `hf` folder."""
+    Returns the `hf` folder. Raises ConfigError for a plug-in path that does not resolve, before the model loads."""
+    check_plugins(cfg)
     set_seed(cfg.seed)
     model, processor = load_policy(cfg.model)
     no_rollouts = dataclasses.replace(cfg.algorithm, rollout_correction="off")  # demonstrations: no behaviour policy

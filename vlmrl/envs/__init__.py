@@ -19,10 +19,10 @@ from typing import Any
 from vlmrl.config import DataConfig, EnvConfig
 from vlmrl.data import load_tasks
 from vlmrl.envs.base import Environment, StepResult
-from vlmrl.envs.plugins import env_class, env_config
+from vlmrl.envs.plugins import check_plugins, env_class, env_config
 from vlmrl.types import Task
 
-__all__ = ["Environment", "StepResult", "env_config", "make_env_factory", "load_env_tasks"]
+__all__ = ["Environment", "StepResult", "check_plugins", "env_config", "make_env_factory", "load_env_tasks"]
 
 
 def make_env_factory(env_cfg: EnvConfig | Mapping[str, Any]) -> Callable[[], Environment]:

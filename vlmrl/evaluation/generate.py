@@ -44,9 +44,12 @@ def generate(cfg: Config, console: Any = None) -> GenerateResult:
     chunks of `trainer.batch_size` problems; append their records and a cumulative metrics row per chunk.
 
     The process holds the run folder's lock (`vlmrl.runlock`) throughout: a second run into the folder raises
-    RunLocked naming the holder. A rerun resumes on the chunk grid of `vlmrl.evaluation.run_folder`."""
+    RunLocked naming the holder. A rerun resumes on the chunk grid of `vlmrl.evaluation.run_folder`. Raises
+    ConfigError for a plug-in path that does not resolve (`check_plugins`), before anything else."""
     from vlmrl import runlock
+    from vlmrl.envs import check_plugins
 
+    check_plugins(cfg)
     runlock.acquire(cfg.logging.output_dir)
     try:
         return _generate(cfg, console)
