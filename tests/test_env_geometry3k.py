@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import pickle
 from pathlib import Path
 
@@ -9,6 +11,7 @@ import pytest
 from PIL import Image
 
 from vlmrl.config import ConfigError, DataConfig
+from vlmrl.data import BadRowError
 from vlmrl.envs import load_env_tasks, make_env_factory
 from vlmrl.envs.geometry3k import Geometry3KConfig, Geometry3KEnv, GeometryRow, build_task
 from vlmrl.types import ImagePart, Message, Role, Task, TextPart
@@ -121,3 +124,48 @@ def test_load_env_tasks_on_real_data():
     env = make_env_factory(ENV_CFG)()
     env.reset(t)
     assert env.step("OX = \\sqrt{13^2 - 12^2} = 5, so \\boxed{A}", 0, False).reward == pytest.approx(1.0)
+
+
+def _two_image_rows(folder: Path) -> tuple[Path, list[dict]]:
+    """trl rows: "a" with two `<image>` marks and two images, "b" with one image (no mark)."""
+    (folder / "images").mkdir()
+    for i, colour in enumerate([(255, 0, 0), (0, 0, 255)]):
+        Image.new("RGB", (8, 8), colour).save(folder / "images" / f"{i}.png")
+    rows = [
+        {"id": "a", "prompt": "Is <image> larger than <image>?", "images": ["images/0.png", "images/1.png"]},
+        {"id": "b", "prompt": "What colour is it?", "images": ["images/0.png"]},
+    ]
+    path = folder / "rows.jsonl"
+    path.write_text("".join(json.dumps({**r, "answer": "12"}) + "\n" for r in rows))
+    return path, rows
+
+
+def _run_data(path: Path, *extra: str):
+    from vlmrl.config import load
+
+    return load("geometry3k_tiny", [f"data.path={path}", "data.limit=null", "data.shuffle_seed=null", *extra])
+
+
+@pytest.mark.parametrize("env", ["geometry3k", "multi_turn"])
+def test_env_using_fewer_images_than_its_row_says_so(tmp_path, caplog, env):
+    path, rows = _two_image_rows(tmp_path)
+    cfg = _run_data(path, f"env={env}")
+    with caplog.at_level(logging.WARNING, logger="vlmrl.data"):
+        tasks = load_env_tasks(cfg.env, cfg.data)
+    cls = cfg.env._target_.rsplit(".", 1)[1]
+    used = [sum(len(m.images) for m in t.messages) for t in tasks]
+    expected = [
+        f"row {r['id']} of {path} (line {line}): env {cls} uses {n} of its {len(r['images'])} images"
+        for line, (r, n) in enumerate(zip(rows, used), 1)
+        if n < len(r["images"])
+    ]
+    assert [t.id for t in tasks] == ["a", "b"]  # kept: the warning is all
+    assert [rec.getMessage() for rec in caplog.records] == expected
+    assert bool(expected) is (env == "geometry3k")  # geometry3k shows the diagram only; multi_turn every image
+    strict = _run_data(path, f"env={env}", "data.strict_rows=true")
+    if not expected:
+        assert len(load_env_tasks(strict.env, strict.data)) == 2
+        return
+    with pytest.raises(BadRowError) as err:
+        load_env_tasks(strict.env, strict.data)
+    assert str(err.value) == f"{expected[0]} (data.strict_rows=true)"

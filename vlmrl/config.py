@@ -61,6 +61,8 @@ class DataConfig:
     path: str = str(SAMPLE_DATA)  # JSONL folder/file, a parquet file, or a HF dataset id
     split: str = "test"
     limit: Optional[int] = None
+    # a bad row, or one whose environment uses fewer of its images than it has, stops the run (false: the bad row is
+    # skipped, a row with unused images kept, each with a warning naming the row)
     strict_rows: bool = False
     shuffle_seed: Optional[int] = 0  # None: file order
     eval_split: Optional[str] = None  # split for `vlmrl generate` and trainer.eval_every (None: `split`)

@@ -7,7 +7,9 @@ record's columns to the trl names; `auto` (the default) tells them apart by thei
 
 Every row is validated (pydantic schema, images decoded, an answer present, a unique id, then the environment's
 own `build_task`). A bad row is reported as "row <id> of <file> (line <n>): <why>" on logger "vlmrl.data" and
-skipped, or raises BadRowError when `data.strict_rows` is set.
+skipped, or raises BadRowError when `data.strict_rows` is set. A task that holds fewer images than its row (an
+environment that uses only some of them) is kept with a warning naming the row and the counts, or raises
+BadRowError when `data.strict_rows` is set (`check_images`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from vlmrl.types import Task
 
 log = logging.getLogger("vlmrl.data")
 
-__all__ = ["BadRowError", "Row", "check_data", "load_rows", "load_tasks", "to_rgb"]
+__all__ = ["BadRowError", "Row", "check_data", "check_images", "load_rows", "load_tasks", "to_rgb"]
 
 
 def check_data(data: DataConfig) -> None:
@@ -46,13 +48,29 @@ def _identity(row: Row) -> Row:
     return row
 
 
-def load_tasks(data: DataConfig, build_task: Callable[[Row], Any]) -> list:
+def check_images(row: Row, task: Any, who: str, strict: bool) -> None:
+    """Warn (or raise BadRowError when `strict`) if `task`, a `Task` built from `row` by `who`, holds fewer images in
+    its messages than the row has: those images would be dropped without a word. Other results are not checked."""
+    if not isinstance(task, Task):
+        return
+    used = sum(len(m.images) for m in task.messages)
+    if used >= len(row.images):
+        return
+    task_id = f" (task id {task.id})" if task.id != row.id else ""
+    msg = f"{row.where}{task_id}: {who} uses {used} of its {len(row.images)} images"
+    if strict:
+        raise BadRowError(f"{msg} (data.strict_rows=true)")
+    log.warning("%s", msg)
+
+
+def load_tasks(data: DataConfig, build_task: Callable[[Row], Any], who: str = "build_task") -> list:
     """The rows of `data` (`path`, `split`), each turned into a task by `build_task` (the environment's prompt), in
     order: shuffled by `shuffle_seed` (None: file order), then the first `limit` good ones (rows past it are never
-    decoded).
+    decoded). who: what builds the tasks, for the warning about a task with fewer images than its row.
 
-    Raises BadRowError for a bad row when `strict_rows` (else it is logged and skipped), ValueError when no row
-    is usable or a field is wrong (`check_data`), FileNotFoundError for a missing path.
+    Raises BadRowError for a bad row when `strict_rows` (else it is logged and skipped) or a task that drops some of
+    its row's images (else a warning, `check_images`), ValueError when no row is usable or a field is wrong
+    (`check_data`), FileNotFoundError for a missing path.
     """
     check_data(data)
     raws = [(src, raw) for src in open_sources(data.path, data.split) for raw in src.records]
@@ -67,7 +85,9 @@ def load_tasks(data: DataConfig, build_task: Callable[[Row], Any]) -> list:
             row = normalise(raw, src, data.layout, data.columns)
             if row.id in first_seen:
                 raise BadRowError(f"{row.where}: duplicate id {row.id!r} (first at {first_seen[row.id]})")
-            out.append(build_task(row))
+            task = build_task(row)
+            check_images(row, task, who, data.strict_rows)
+            out.append(task)
             first_seen[row.id] = f"{src.name} ({raw.position})"
         except BadRowError as err:
             if data.strict_rows:

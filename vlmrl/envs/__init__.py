@@ -36,10 +36,11 @@ def make_env_factory(env_cfg: EnvConfig | Mapping[str, Any]) -> Callable[[], Env
 
 def load_env_tasks(env_cfg: EnvConfig | Mapping[str, Any], data_cfg: DataConfig) -> list[Task]:
     """The environment's generated tasks (`make_tasks`), else the rows of `data_cfg` (`vlmrl.data.load_tasks`)
-    turned into tasks by its `build_task`."""
+    turned into tasks by its `build_task` (a task with fewer images than its row: a warning naming the env, or an
+    error with `data.strict_rows`)."""
     cfg = env_config(env_cfg)
     cls = env_class(cfg._target_)
     tasks = cls.make_tasks(cfg, data_cfg)
     if tasks is not None:
         return tasks
-    return load_tasks(data_cfg, functools.partial(cls.build_task, cfg=cfg))
+    return load_tasks(data_cfg, functools.partial(cls.build_task, cfg=cfg), who=f"env {cls.__name__}")
