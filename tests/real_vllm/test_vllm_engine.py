@@ -7,11 +7,10 @@ tokenizer, fp32:
 - colocate + DeepSpeed ZeRO-3 trainer, with AsyncLLM (`colocate_engine=async`) and with `vllm.LLM` (`sync`): a
   multi-turn episode loop, the rollout logprobs equal the trainer's
   recomputation, one update, one weight sync (gathered under ZeRO-3), the next rollouts match the updated trainer;
-- a tied-embedding model: a reload without the tied `lm_head.weight` leaves vLLM's LM head stale, the check catches it
-  (`sync/max_abs_dlogprob` O(1)) and a full sync clears it;
 - server mode: vLLM's own server in a subprocess (tests/real_vllm/served.py), token-in/token-out through
   `/inference/v1/generate`, a weight sync through `/collective_rpc reload_weights` from a written checkpoint.
-Images through vLLM (colocated and server): tests/real_vllm/test_vllm_multimodal.py.
+Images through vLLM (colocated and server): tests/real_vllm/test_vllm_multimodal.py; the conf group's config and tied
+embeddings on a shared AsyncLLM: tests/real_vllm/test_vllm_async.py.
 """
 
 from __future__ import annotations
@@ -219,31 +218,6 @@ def test_colocated_episode_loop_zero3_sync(processor, builder, colocate_engine):
         _free(engine)
 
 
-def test_tied_embeddings_stale_head_is_detected(processor, builder):
-    model = tiny_qwen2(tied=True).eval()
-    policy = lambda: contextlib.nullcontext(model)
-    engine = make_engine(rollout_cfg(), policy, processor, builder)
-    try:
-        assert engine.last_sync_metrics[METRIC] < TOL
-        prompt = builder.start(make_tasks(1)[0].messages).prompt()
-        engine.generate([prompt], 2, SamplingParams(8, TEMPERATURE, seed=0))  # gives the check recent sequences
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn_like(p) * 0.05)
-        assert model.lm_head.weight is model.model.embed_tokens.weight
-        engine.push_weights(list(model.named_parameters()))  # what a reload without `lm_head.weight` sees
-        stale = engine.check_weights()
-        metrics = engine.sync_weights()  # the full state dict, tied entries included
-        print(
-            f"\ntied embeddings: after a reload without lm_head.weight max |d| = {stale:.3g}; "
-            f"after a full sync {metrics[METRIC]:.2e}"
-        )
-        assert stale > 0.1
-        assert metrics[METRIC] < TOL
-    finally:
-        _free(engine)
-
-
 @pytest.fixture(scope="module")
 def served_model(tmp_path_factory, processor):
     """(url, model, folder) of vLLM's server in a subprocess serving a tiny untied Qwen2."""
@@ -284,26 +258,3 @@ def test_server_mode_generate_and_sync(served_model, processor, builder):
     assert metrics[METRIC] < TOL and (directory / "sync" / "model.safetensors").is_file()
     trajs = runner.run(make_tasks(2), group_size=4)
     assert recompute(model, trajs) < TOL
-
-
-def test_conf_group_config_reaches_the_engine(processor, builder):
-    """`rollout=vllm` from conf/: the typed `rollout.vllm` node is the engine's config as it is."""
-    from vlmrl.config import load
-
-    cfg = load(
-        None,
-        [
-            "rollout=vllm",
-            "rollout.max_context_tokens=512",
-            "rollout.vllm.kv_cache_gb=0.25",
-            "rollout.vllm.sync_check_seqs=1",
-        ],
-    )
-    model = tiny_qwen2(tied=False).eval()
-    engine = make_engine(cfg.rollout, lambda: contextlib.nullcontext(model), processor, builder)
-    try:
-        assert engine.config is cfg.rollout.vllm and engine.max_model_len == 512
-        assert engine.backend.vllm_config.model_config.max_model_len == 512
-        assert engine.logprobs_mode == "processed_logprobs" and engine._recent.maxlen == 1
-    finally:
-        _free(engine)
