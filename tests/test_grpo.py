@@ -1,4 +1,4 @@
-"""The GRPO loss (pure torch) and the selective log-softmax: exact numbers on hand examples."""
+"""The GRPO loss (pure torch) and the log-softmax kernels (fused, selective): exact numbers on hand examples."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
+from vlmrl.train import logprobs as lp_kernels
 from vlmrl.train.grpo import grpo_loss, k3_kl
-from vlmrl.train.logprobs import selective_log_softmax
+from vlmrl.train.logprobs import fused_log_softmax, selective_log_softmax, token_logprobs
 
 
 def _lp(ratios):
@@ -107,18 +108,49 @@ def test_garbage_outside_the_mask_stays_finite():
     assert torch.isfinite(loss) and torch.isfinite(logprobs.grad).all()
 
 
-def test_selective_log_softmax_matches_log_softmax_and_gradcheck():
+def _reference_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax written out: x - max - log(sum(exp(x - max))), x = logits / T, gathered at ids (fp64)."""
+    x = logits.double() / temperature
+    m = x.max(dim=-1, keepdim=True).values.detach()
+    return (x - m - (x - m).exp().sum(-1, keepdim=True).log()).gather(1, ids[:, None]).squeeze(1)
+
+
+@pytest.mark.parametrize("kernel", [selective_log_softmax, fused_log_softmax])
+def test_log_softmax_kernels_match_a_hand_written_reference_and_gradcheck(kernel):
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(300, 50, generator=g, dtype=torch.float64, requires_grad=True)  # > one chunk of rows
     ids = torch.randint(0, 50, (300,), generator=g)
-    out = selective_log_softmax(logits, ids, 0.7)
-    ref = torch.log_softmax(logits / 0.7, -1).gather(1, ids[:, None]).squeeze(1)
+    out = kernel(logits, ids, 0.7)
+    ref = _reference_logprobs(logits, ids, 0.7)
     torch.testing.assert_close(out, ref)
     w = torch.randn(300, generator=g, dtype=torch.float64)
     (ga,) = torch.autograd.grad((out * w).sum(), logits)
     (gb,) = torch.autograd.grad((ref * w).sum(), logits)
     torch.testing.assert_close(ga, gb)
     small = torch.randn(5, 11, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda x: selective_log_softmax(x, ids[:5] % 11, 0.7), (small,))
-    bf16 = selective_log_softmax(logits.detach().bfloat16(), ids, 1.0)  # computed in fp32 at least
+    assert torch.autograd.gradcheck(lambda x: kernel(x, ids[:5] % 11, 0.7), (small,))
+    bf16 = kernel(logits.detach().bfloat16(), ids, 1.0)  # computed in fp32 at least
     assert bf16.dtype == torch.float32
+    ref32 = _reference_logprobs(logits.detach().bfloat16().float(), ids, 1.0).float()
+    torch.testing.assert_close(bf16, ref32)
+
+
+def test_the_kernel_is_picked_by_the_size_of_the_logits_block(monkeypatch):
+    """Fused up to FUSED_MAX_BYTES of fp32 [N, V], selective above: the selective kernel's backward is the only one
+    that runs `SelectiveLogSoftmax.backward`; both give the reference's gradient."""
+    calls = []
+    backward = lp_kernels.SelectiveLogSoftmax.backward
+    monkeypatch.setattr(
+        lp_kernels.SelectiveLogSoftmax, "backward", staticmethod(lambda *a: calls.append(1) or backward(*a))
+    )
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 40, (6,), generator=g)
+    for limit, selective in ((6 * 40 * 4, False), (6 * 40 * 4 - 1, True)):
+        monkeypatch.setattr(lp_kernels, "FUSED_MAX_BYTES", limit)
+        logits = torch.randn(6, 40, generator=g, dtype=torch.float64, requires_grad=True)
+        w = torch.randn(6, generator=g, dtype=torch.float64)
+        calls.clear()
+        (grad,) = torch.autograd.grad((token_logprobs(logits, ids, 0.9) * w).sum(), logits)
+        (ref,) = torch.autograd.grad((_reference_logprobs(logits, ids, 0.9) * w).sum(), logits)
+        torch.testing.assert_close(grad, ref)
+        assert bool(calls) is selective
