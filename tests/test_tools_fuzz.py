@@ -218,6 +218,7 @@ def loop(qwen25_processor):
     return runner, engine
 
 
+@pytest.mark.slow  # 420 episodes through the loop and the tool workers (~20 s)
 def test_episode_loop_survives_malformed_outputs_and_counts_every_failure(loop):
     runner, engine = loop
     task = Task("fuzz", [], "")

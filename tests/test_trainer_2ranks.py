@@ -11,10 +11,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "two_rank_step.py"
 
 
+@pytest.mark.slow  # torchrun, two ranks
 def test_two_ranks_take_identical_exact_steps():
     env = {
         **os.environ,
@@ -42,6 +45,7 @@ def test_two_ranks_take_identical_exact_steps():
             assert f"OK rank {rank} stage {stage}" in proc.stdout, out[-4000:]
 
 
+@pytest.mark.slow  # torchrun, two ranks
 def test_two_ranks_stay_exact_with_loss_aggregation_and_rollout_correction():
     """seq-mean-token-mean and TIS + MIS (noisy rollout logprobs: tokens capped, a sequence masked): the two-rank
     step's gradient equals the plain-torch full-batch one (vlmrl.train.loss_agg / rollout_correction)."""
