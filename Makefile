@@ -74,7 +74,7 @@ $(VLLM_VENV)/.installed: pyproject.toml tests/real_vllm/constraints.txt tests/re
 	touch $@
 
 test-vllm: $(VLLM_VENV)/.installed
-	VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_LOGGING_LEVEL=WARNING $(VLLM_BIN)/python -m pytest -q -s -p no:cacheprovider tests/real_vllm tests/test_vllm_convert.py
+	$(MALLOC_ENV) VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_LOGGING_LEVEL=WARNING $(VLLM_BIN)/python -m pytest -q -s -p no:cacheprovider tests/real_vllm tests/test_vllm_convert.py
 
 lint: setup
 	$(BIN)/ruff format --check vlmrl tests bench examples
