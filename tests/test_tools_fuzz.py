@@ -215,7 +215,8 @@ def loop(qwen25_processor):
         SamplingParams(max_new_tokens=64),
         tools=runtime,
     )
-    return runner, engine
+    yield runner, engine
+    runtime.executor.close()  # its tool workers end with the module (a later module may count this process's children)
 
 
 @pytest.mark.slow  # 420 episodes through the loop and the tool workers (~20 s)
