@@ -9,6 +9,7 @@ message naming the key or value.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -265,6 +266,12 @@ class _ComposeSchema(Config):
 ConfigStore.instance().store(name="vlmrl_schema", node=_ComposeSchema)
 
 
+def env_target(env_cfg: Any) -> str:
+    """`env._target_` of a raw node (dict, DictConfig) or a dataclass; the default environment's if unset."""
+    target = env_cfg.get("_target_") if isinstance(env_cfg, Mapping) else getattr(env_cfg, "_target_", None)
+    return str(target or EnvConfig._target_)
+
+
 def load(recipe: Optional[str] = None, overrides: list[str] | None = None, training: bool = True) -> Config:
     """Compose `conf/config.yaml` + optional `recipes/<recipe>.yaml` + overrides into a validated `Config`.
 
@@ -297,7 +304,7 @@ def _typed(raw) -> Config:
     schema = OmegaConf.structured(Config)
     env_raw = raw.get("env") if raw is not None else None
     if env_raw is not None:
-        schema.env = env_node(str(env_raw.get("_target_") or EnvConfig._target_), env_raw)
+        schema.env = env_node(env_target(env_raw), env_raw)
     merged = OmegaConf.merge(schema, raw)
     cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
     return cfg

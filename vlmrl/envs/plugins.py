@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from omegaconf import OmegaConf
 
-from vlmrl.config import Config, EnvConfig
+from vlmrl.config import Config, EnvConfig, env_target
 from vlmrl.config_checks import ConfigError
 from vlmrl.config_compose import env_node, import_path, not_an_environment, one_line
 
@@ -34,16 +34,10 @@ def env_class(target: str) -> type[Environment]:
     return cls
 
 
-def _target_of(env_cfg: Mapping[str, Any] | EnvConfig) -> str:
-    """`env._target_` of a raw node (dict, DictConfig) or a dataclass; the default environment's if unset."""
-    target = env_cfg.get("_target_") if isinstance(env_cfg, Mapping) else getattr(env_cfg, "_target_", None)
-    return str(target or EnvConfig._target_)
-
-
 def env_config(env_cfg: EnvConfig | Mapping[str, Any]) -> EnvConfig:
     """The typed config (an instance of the environment's `config_class`) of `env_cfg`: a dataclass, a dict or
     a DictConfig. Raises ConfigError."""
-    target = _target_of(env_cfg)
+    target = env_target(env_cfg)
     cls = env_class(target)
     if type(env_cfg) is cls.config_class:
         return env_cfg
