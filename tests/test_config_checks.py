@@ -119,9 +119,63 @@ def test_nested_vllm_keys_and_their_defaults():
     assert isinstance(v, VLLMConfig)
     assert (v.mode, v.url, v.sync_check_seqs, v.limit_mm_per_prompt) == ("server", "http://h:1", 0, 2)
     # conf/rollout/vllm.yaml restates the dataclass defaults; the GPU recipe sets its own share and image limit
-    assert load("geometry3k_tiny", ["rollout=vllm"]).rollout.vllm == VLLMConfig()
+    # (but for the weight-sync route and sleep mode, resolved for this machine when the config loads)
+    assert load("geometry3k_tiny", ["rollout=vllm"]).rollout.vllm == VLLMConfig(weight_sync="shm", sleep=False)
     gpu = load("geometry3k").rollout
     assert (gpu.engine, gpu.vllm.gpu_memory_utilization, gpu.vllm.limit_mm_per_prompt) == ("vllm", 0.3, 1)
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["rollout.vllm.weight_sync=disk"], r"weight_sync='disk' must be one of auto, file, direct, shm, ipc, nccl$"),
+        (["rollout.vllm.weight_sync=ipc"], r"weight_sync=ipc needs CUDA GPUs .* on CPU use weight_sync=shm"),
+        (["rollout.vllm.weight_sync=nccl"], r"weight_sync=nccl needs CUDA GPUs .* on CPU use weight_sync=shm"),
+        (["rollout.vllm.weight_sync=direct"], r"direct does not work with a colocated AsyncLLM .* weight_sync=shm"),
+        (
+            ["rollout.vllm.colocate_engine=sync", "rollout.vllm.weight_sync=shm"],
+            r"shm does not work with vLLM in this process .* use weight_sync=direct or weight_sync=file",
+        ),
+        (
+            ["rollout.vllm.mode=server", "rollout.vllm.url=http://h:1", "rollout.vllm.weight_sync=shm"],
+            r"shm does not work with rollout.vllm.mode=server on CPU .* use weight_sync=file",
+        ),
+        (["rollout.vllm.sleep=true"], r"sleep=true needs CUDA .* on CPU use rollout.vllm.sleep=false"),
+        (["rollout.vllm.sync_bucket_mb=0"], r"sync_bucket_mb must be >= 1$"),
+    ],
+)
+def test_a_weight_sync_route_this_machine_lacks_is_one_line(overrides, needle):
+    """On this CPU: an unknown route, and a route or sleep mode the platform or the way vLLM runs lacks, are one line
+    naming the route that would work, when the config loads (before anything is built)."""
+    with pytest.raises(ConfigError, match=needle) as err:
+        load("geometry3k_tiny", ["rollout=vllm", *overrides])
+    assert "\n" not in str(err.value)
+
+
+def test_weight_sync_auto_per_platform_and_setup():
+    """`auto` by how vLLM runs and whether there is CUDA (the table of vlmrl/rollout/vllm_transfer.py), and sleep."""
+    from vlmrl.config import VLLMConfig
+    from vlmrl.config_checks import resolve_sleep, resolve_weight_sync
+
+    server = dict(mode="server", url="http://h:1")
+    cases = [  # (config, ranks, route on CUDA, route on CPU)
+        (VLLMConfig(), 1, "ipc", "shm"),
+        (VLLMConfig(), 8, "direct", "direct"),  # several ranks: vllm.LLM in each rank's process
+        (VLLMConfig(colocate_engine="sync"), 1, "direct", "direct"),
+        (VLLMConfig(colocate_engine="async"), 1, "ipc", "shm"),
+        (VLLMConfig(**server), 1, "nccl", "file"),
+        (VLLMConfig(**server), 8, "nccl", "file"),
+        (VLLMConfig(weight_sync="file"), 1, "file", "file"),
+    ]
+    for v, ranks, on_gpu, on_cpu in cases:
+        assert resolve_weight_sync(v, cuda=True, ranks=ranks) == on_gpu, v
+        assert resolve_weight_sync(v, cuda=False, ranks=ranks) == on_cpu, v
+    assert resolve_sleep(VLLMConfig(), cuda=True, ranks=1, off_policy_steps=0)
+    assert not resolve_sleep(VLLMConfig(), cuda=True, ranks=1, off_policy_steps=1)  # vLLM samples during the update
+    assert not resolve_sleep(VLLMConfig(**server), cuda=True, ranks=1, off_policy_steps=0)
+    assert not resolve_sleep(VLLMConfig(), cuda=False, ranks=1, off_policy_steps=0)
+    with pytest.raises(ConfigError, match="off_policy_steps"):
+        resolve_sleep(VLLMConfig(sleep=True), cuda=True, ranks=1, off_policy_steps=1)
 
 
 def test_batch_size_below_world_size_is_refused(monkeypatch):
@@ -165,7 +219,10 @@ def _cli(*args: str, env: dict | None = None, timeout: float = 300) -> tuple[sub
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("override", ["rollout.engine=sglang", "trainer.micro_batch_size=0", "recipe=../../x"])
+@pytest.mark.parametrize(
+    "override",
+    ["rollout.engine=sglang", "trainer.micro_batch_size=0", "recipe=../../x", "rollout.vllm.weight_sync=ipc"],
+)
 def test_cli_config_errors_come_before_any_model_load(tmp_path, override):
     args = ["train", "recipe=geometry3k_tiny", f"logging.output_dir={tmp_path / 'run'}", override]
     proc, seconds = _cli(*args)

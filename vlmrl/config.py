@@ -18,7 +18,13 @@ from typing import Any, Dict, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from vlmrl.config_checks import MOVED_VLLM_KEYS, ConfigError, moved_key_message, validate_config
+from vlmrl.config_checks import (
+    MOVED_VLLM_KEYS,
+    ConfigError,
+    moved_key_message,
+    resolve_vllm_config,
+    validate_config,
+)
 from vlmrl.config_compose import compose_config, env_node, one_line
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -120,6 +126,17 @@ class VLLMConfig:
     gpu_memory_utilization: float = 0.3  # colocate: GPU memory share for vLLM (weights + KV cache), in (0, 1]
     kv_cache_gb: Optional[float] = None  # colocate: KV cache size in GiB (None: from gpu_memory_utilization; CPU 1)
     tensor_parallel_size: int = 1
+    # how the trainer's weights reach vLLM after each update (vlmrl/rollout/vllm_transfer.py); `auto` is resolved
+    # when the config loads and config.yaml records the route: colocated AsyncLLM -> ipc on CUDA, shm on CPU;
+    # colocated vllm.LLM (in this process) -> direct; server -> nccl on CUDA, file on CPU. file: a safetensors
+    # checkpoint vLLM reloads (any setup)
+    weight_sync: str = "auto"  # auto | file | direct | shm | ipc | nccl
+    sync_bucket_mb: int = 512  # shm/ipc/nccl: weights move in buckets of this size (the extra memory a sync needs)
+    # colocated on CUDA: vLLM sleeps (level 1: weights to host memory, KV cache freed) during the trainer's update;
+    # null: on when colocated on CUDA without off-policy rollouts (resolved when the config loads)
+    sleep: Optional[bool] = None
+    nccl_address: str = "127.0.0.1"  # server + nccl: this trainer's address the server's workers can reach
+    nccl_port: int = 0  # server + nccl: the rendezvous port (0: a free one)
     limit_mm_per_prompt: Optional[int] = None  # colocate: images per prompt vLLM plans memory for (None: vLLM's)
     logprobs_mode: str = "auto"  # auto | processed_logprobs | raw_logprobs
     sync_check_seqs: int = 2  # sequences compared with the trainer after each weight sync (0: off)
@@ -289,6 +306,8 @@ def load(recipe: Optional[str] = None, overrides: list[str] | None = None, train
     except Exception as exc:  # omegaconf raises many types; all become one clear line
         raise ConfigError(one_line(exc)) from exc
     validate_config(cfg, training)
+    if cfg.rollout.engine == "vllm":
+        resolve_vllm_config(cfg)  # the weight-sync route and sleep mode this machine takes, recorded in config.yaml
     return cfg
 
 

@@ -211,7 +211,94 @@ def _vllm_checks(v: VLLMConfig) -> list[tuple[bool, str]]:
         (v.sync_check_tokens >= 1, "rollout.vllm.sync_check_tokens must be >= 1"),
         (v.sync_warn_dlogprob >= 0, "rollout.vllm.sync_warn_dlogprob must be >= 0"),
         (v.timeout_s > 0 and _fin(v.timeout_s), "rollout.vllm.timeout_s must be > 0 and finite"),
+        (
+            v.weight_sync in WEIGHT_SYNC_ROUTES,
+            f"rollout.vllm.weight_sync={v.weight_sync!r} must be one of {', '.join(WEIGHT_SYNC_ROUTES)}",
+        ),
+        (v.sync_bucket_mb >= 1, "rollout.vllm.sync_bucket_mb must be >= 1"),
+        (0 <= v.nccl_port < 65536, "rollout.vllm.nccl_port must be in [0, 65535] (0: a free port)"),
     ]
+
+
+WEIGHT_SYNC_ROUTES = ("auto", "file", "direct", "shm", "ipc", "nccl")
+# the routes each way of running vLLM takes (`resolve_weight_sync`), the first the default on CUDA, the second on CPU
+_ROUTES_OF = {
+    "async": ("ipc", "shm", "file"),  # colocated AsyncLLM: engine core in a child process
+    "sync": ("direct", "direct", "file"),  # colocated vllm.LLM: the model lives in this process
+    "server": ("nccl", "file", "file"),  # vLLM's own server
+}
+_WHERE = {
+    "async": "a colocated AsyncLLM (colocate_engine=async)",
+    "sync": "vLLM in this process (colocate_engine=sync)",
+    "server": "rollout.vllm.mode=server",
+}
+
+
+def vllm_runs_as(v: VLLMConfig, ranks: int) -> str:
+    """How vLLM runs for `v` with `ranks` trainer ranks: server | async (AsyncLLM) | sync (vllm.LLM in process);
+    colocate_engine=auto is async on one rank, sync with several (`VLLMConfig.colocate_engine`)."""
+    if v.mode == "server":
+        return "server"
+    if v.colocate_engine != "auto":
+        return v.colocate_engine
+    return "async" if ranks == 1 else "sync"
+
+
+def resolve_weight_sync(v: VLLMConfig, *, cuda: bool, ranks: int) -> str:
+    """The weight-sync route for `v` (`rollout.vllm.weight_sync`, `auto` resolved) on a machine with (`cuda`) or
+    without GPUs and `ranks` trainer ranks. Raises ConfigError (one line naming the platform and the route that would
+    work) for a route this way of running vLLM or this platform lacks: ipc/nccl/sleep need CUDA, direct needs vLLM in
+    this process, shm/ipc a colocated AsyncLLM, nccl the server."""
+    runs = vllm_runs_as(v, ranks)
+    on_gpu, on_cpu, _ = _ROUTES_OF[runs]
+    route = v.weight_sync if v.weight_sync != "auto" else (on_gpu if cuda else on_cpu)
+    platform = "CUDA" if cuda else "CPU (no CUDA GPU)"
+    if route in ("ipc", "nccl") and not cuda:
+        raise ConfigError(
+            f"rollout.vllm.weight_sync={route} needs CUDA GPUs and this machine has none: on CPU use "
+            f"weight_sync={on_cpu} (or auto) for {_WHERE[runs]}"
+        )
+    if route not in _ROUTES_OF[runs]:
+        default = on_gpu if cuda else on_cpu
+        works = " or ".join(f"weight_sync={r}" for r in dict.fromkeys((default, "file")))
+        raise ConfigError(
+            f"rollout.vllm.weight_sync={route} does not work with {_WHERE[runs]} on {platform}: use {works} "
+            f"(auto picks {default})"
+        )
+    return route
+
+
+def resolve_sleep(v: VLLMConfig, *, cuda: bool, ranks: int, off_policy_steps: int) -> bool:
+    """`rollout.vllm.sleep` resolved: null -> on when colocated on CUDA without off-policy rollouts (the engine then
+    idles during the update). Raises ConfigError for sleep=true without CUDA (vLLM 0.32's sleep mode is CUDA-only),
+    in server mode, or with off-policy rollouts (vLLM samples the next batch during the update)."""
+    colocated = vllm_runs_as(v, ranks) != "server"
+    if v.sleep is None:
+        return cuda and colocated and off_policy_steps == 0
+    if v.sleep and not cuda:
+        raise ConfigError(
+            "rollout.vllm.sleep=true needs CUDA (vLLM 0.32's sleep mode is CUDA-only) and this machine has none: "
+            "on CPU use rollout.vllm.sleep=false (or null)"
+        )
+    if v.sleep and not colocated:
+        raise ConfigError("rollout.vllm.sleep=true is for a colocated engine: the server manages its own memory")
+    if v.sleep and off_policy_steps:
+        raise ConfigError(
+            "rollout.vllm.sleep=true cannot hold with algorithm.off_policy_steps>0: vLLM samples the next batch "
+            "during the update (use sleep=false or null)"
+        )
+    return bool(v.sleep)
+
+
+def resolve_vllm_config(cfg: Config) -> None:
+    """Resolve `rollout.vllm.weight_sync` and `sleep` in place (for `rollout.engine=vllm`), so config.yaml records
+    the route a run takes. Ranks: WORLD_SIZE (torchrun); CUDA: `torch.cuda.is_available()`. Raises ConfigError."""
+    import torch
+
+    v, cuda, ranks = cfg.rollout.vllm, torch.cuda.is_available(), int(os.environ.get("WORLD_SIZE", "1"))
+    check_vllm_config(v)
+    v.weight_sync = resolve_weight_sync(v, cuda=cuda, ranks=ranks)
+    v.sleep = resolve_sleep(v, cuda=cuda, ranks=ranks, off_policy_steps=cfg.algorithm.off_policy_steps)
 
 
 def check_vllm_config(v: VLLMConfig) -> None:

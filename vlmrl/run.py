@@ -154,6 +154,8 @@ def publish_weights(job: "Job", step: int, changed: bool = True) -> dict:
         if job.behaviour is not None:
             job.behaviour.publish(job.trainer.policy)
         sync = job.runner.engine.sync_weights()
+    else:
+        job.runner.engine.wake_up()
     job.sampler_version = step
     return sync
 
@@ -281,6 +283,8 @@ def run_step(job: Job, step: int) -> dict:
     bad = [e for part in trainer.gather(nonfinite_episodes(sampled.generated)) for e in part]  # NaN/inf reward/adv.
     if job.prefetch is not None and step < cfg.trainer.steps:  # step + 1 is sampled during this update
         job.prefetch.start(lambda: sample_step(job, step + 1, job.position + sampled.prompts))
+    if job.prefetch is None:
+        job.runner.engine.sleep_for_update()  # vLLM on CUDA (rollout.vllm.sleep): its memory is the update's
     stats = None if bad else trainer.train_step(samples)
     job.position += sampled.prompts  # the next step's prompts follow the ones this step consumed
     if job.prefetch is not None:

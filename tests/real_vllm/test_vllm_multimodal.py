@@ -148,6 +148,7 @@ def test_colocated_images_match_the_trainer(setup):
 
 
 def test_weight_sync_with_images_then_parity_again(setup):
+    assert setup.engine.route == "shm"  # `auto` on CPU: the /dev/shm buffer (tests/real_vllm/test_vllm_weight_sync.py)
     perturb(setup.model, seed=1)
     run_episodes(setup)  # the last sequences (with images) become the sync check's probes
     stale = setup.engine.check_weights()
@@ -357,8 +358,10 @@ def test_async_train_with_vllm_and_images(tmp_path):
 
 @pytest.mark.slow
 def test_train_two_steps_with_vllm_and_images(tmp_path):
-    """`vlmrl train recipe=geometry3k_tiny rollout=vllm` on real diagrams: 2 steps, weights synced after each."""
+    """`vlmrl train recipe=geometry3k_tiny rollout=vllm` on real diagrams: 2 steps, weights synced after each over
+    the in-memory route `auto` takes on CPU (shm), which config.yaml records."""
     out = _train_with_vllm(tmp_path, "trainer.steps=2")
+    assert "weight_sync: shm" in (out / "config.yaml").read_text()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["images_per_episode"] >= 1 and r[METRIC] < TOL for r in rows), rows

@@ -92,6 +92,13 @@ class Engine(ABC):
         batches each rank serves). Default: nothing."""
         yield
 
+    def sleep_for_update(self) -> None:
+        """Free what the engine holds on the accelerator while the trainer updates (vLLM's sleep mode on CUDA,
+        `rollout.vllm.sleep`); the next `sync_weights` or `wake_up` brings it back. Default: nothing."""
+
+    def wake_up(self) -> None:
+        """Undo `sleep_for_update` without new weights (a step whose update was skipped). Default: nothing."""
+
     def sync_weights(self) -> dict[str, float]:
         """Make the engine use the trainer's current weights (collective under ZeRO-3); returns sync metrics.
 

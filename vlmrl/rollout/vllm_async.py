@@ -9,12 +9,15 @@ functions only.
 - Process: vLLM 0.32's `AsyncLLM` always runs its engine core in a child process (`AsyncMPClient`; the model and
   its KV cache live there; requests and outputs cross over ZMQ). With VLLM_ENABLE_V1_MULTIPROCESSING=0 the child
   runs the model itself; with 1 (the CPU platform then picks the multiprocess executor) in one more process.
-- Weights: tensors cannot go through `collective_rpc` to that process (vLLM 0.32 decodes untyped RPC arguments, a
-  tensor arrives as a list: "'list' object has no attribute 'dtype'", and the half-reloaded model is lost). So the
-  trainer's weights are written as `model.safetensors` into the engine's model folder (atomically) and reloaded
-  with `collective_rpc("reload_weights", kwargs={"weights_path": folder, "is_checkpoint_format": True})`, as in
-  server mode; then the prefix and encoder caches are reset. (On GPU fleets vLLM's NCCL/IPC weight-transfer engine
-  would avoid the file; not used here.)
+- Weights (`rollout.vllm.weight_sync`, `vllm_transfer`): tensors cannot go through `collective_rpc` to that process
+  (vLLM 0.32 decodes untyped RPC arguments, a tensor arrives as a list). Route `shm` (CPU default) and `ipc` (CUDA
+  default) go through vLLM's weight-transfer API: generation is paused (`pause_generation(mode="wait")`: requests in
+  flight finish first), the buckets are sent, generation resumes, then the prefix and encoder caches are reset.
+  Route `file` writes `model.safetensors` into the engine's model folder (atomically) and reloads it with
+  `collective_rpc("reload_weights", kwargs={"weights_path": folder, "is_checkpoint_format": True})`.
+- Sleep (CUDA, `rollout.vllm.sleep`): `sleep(level=1)` during the trainer's update (weights to host memory, KV cache
+  freed); the sync wakes the weights first, loads the new ones, then wakes the KV cache (vLLM 0.32
+  `AsyncLLM.sleep`/`wake_up(tags)`).
 - Seeds: each request carries its own seed (sample k: vLLM's seed + k), so results do not depend on the order or
   the moment requests arrive.
 """
@@ -29,9 +32,11 @@ from typing import Any, Coroutine, TypeVar
 
 import torch
 
+from vlmrl.config import VLLMConfig
 from vlmrl.rollout.engine import GenerateRequest
 from vlmrl.rollout.vllm_colocated import ColocatedBackend
 from vlmrl.rollout.vllm_convert import PROMPT_LOGPROBS, TokenIO
+from vlmrl.rollout.vllm_transfer import TRANSFER_ROUTES, AsyncLLMClient, items_source, make_sender
 from vlmrl.rollout.vllm_weights import write_items
 from vlmrl.types import EnginePrompt, Generation
 
@@ -39,15 +44,16 @@ T = TypeVar("T")
 
 
 class AsyncColocated(ColocatedBackend):
-    """`AsyncLLM` over the model folder `kwargs["model"]` (`vllm_colocated.engine_kwargs`), on its own event loop
-    thread. `agenerate` may be awaited from any other event loop, many requests at once; the other methods block
-    the calling thread (never call them from the engine's own loop). Engine errors are raised to the caller."""
+    """`AsyncLLM` over the model folder `kwargs["model"]` (`vllm_colocated.engine_kwargs`, which also carry the
+    route's weight-transfer settings), on its own event loop thread; weights by `route` (file | shm | ipc).
+    `agenerate` may be awaited from any other event loop, many requests at once; the other methods block the
+    calling thread (never call them from the engine's own loop). Engine errors are raised to the caller."""
 
-    def __init__(self, kwargs: dict, io: TokenIO):
+    def __init__(self, kwargs: dict, io: TokenIO, config: VLLMConfig, route: str):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        self.io, self.folder = io, Path(kwargs["model"])
+        self.io, self.folder, self.route = io, Path(kwargs["model"]), route
         self._ids = itertools.count()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vlmrl-vllm-async", daemon=True)
@@ -63,6 +69,11 @@ class AsyncColocated(ColocatedBackend):
             self._stop_loop()
             raise
         self.vllm_config = self.llm.vllm_config
+        self.source: Any = None
+        self.sender: Any = None  # vLLM's trainer-side weight-transfer engine (shm, ipc)
+        if route in TRANSFER_ROUTES:
+            self.source = items_source()
+            self.sender = make_sender(route, AsyncLLMClient(self.llm, self._call), self.source, config)
 
     # --- requests ------------------------------------------------------------------------------------------------
     async def agenerate(self, request: GenerateRequest) -> list[Generation]:
@@ -98,15 +109,35 @@ class AsyncColocated(ColocatedBackend):
 
     # --- weights, lifetime ---------------------------------------------------------------------------------------
     def load_weights(self, items: list[tuple[str, torch.Tensor]]) -> None:
-        write_items(items, self.folder)
-        self._call(self._reload())
+        if self.sender is None:  # route file
+            write_items(items, self.folder)
+            self._call(self.llm.collective_rpc("reload_weights", kwargs=self._reload_kwargs()))
+        else:
+            self._call(self.llm.pause_generation(mode="wait", clear_cache=True))
+            try:
+                self.source.items = items
+                self.sender.send_weights()
+            finally:
+                self.source.items = []
+                self._call(self.llm.resume_generation())
+        self._call(self._reset_caches())
 
-    async def _reload(self) -> None:
-        await self.llm.collective_rpc(
-            "reload_weights", kwargs={"weights_path": str(self.folder), "is_checkpoint_format": True}
-        )
+    def _reload_kwargs(self) -> dict:
+        return {"weights_path": str(self.folder), "is_checkpoint_format": True}
+
+    async def _reset_caches(self) -> None:
         await self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         await self.llm.reset_encoder_cache()  # and cached vision-encoder outputs
+
+    def sleep(self) -> None:
+        self._call(self.llm.sleep(level=1))
+
+    def wake(self, tags: list[str]) -> None:
+        self._call(self.llm.wake_up(tags))
+
+    def checksums(self) -> dict[str, str]:
+        """vLLM's per-parameter weight digests (`compute_weight_checksums`, one worker here)."""
+        return dict(self._call(self.llm.compute_weight_checksums())[0])
 
     def close(self) -> None:
         """Shut AsyncLLM down (its engine-core process too) and stop the loop thread."""
@@ -120,6 +151,8 @@ class AsyncColocated(ColocatedBackend):
             self._call(shutdown())
         finally:
             self._stop_loop()
+            if self.sender is not None:
+                self.sender.shutdown()
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run `coro` on the engine loop and wait for its result (from any other thread)."""

@@ -3,7 +3,7 @@ and the synchronous one, `vllm.LLM` in this process (`rollout.vllm.colocate_engi
 (`AsyncLLM`) is in `vllm_async`. vllm is imported inside functions only.
 
 `vllm.LLM` runs vLLM's engine core in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, set here unless the
-environment says otherwise); weights are pushed in memory with `collective_rpc("reload_weights",
+environment says otherwise); weights (route `direct`) are pushed in memory with `collective_rpc("reload_weights",
 kwargs={"weights_iterator": [(name, tensor), ...]})` (vLLM 0.32's in-place reload of checkpoint-format weights: the
 HF `state_dict()` names). With several trainer ranks each rank runs its own engine inside the launcher's process
 group (`distributed_executor_backend="external_launcher"`, as trl's colocate mode).
@@ -24,7 +24,8 @@ import torch
 from vlmrl.config import VLLMConfig
 from vlmrl.rollout.engine import GenerateRequest
 from vlmrl.rollout.vllm_convert import PROMPT_LOGPROBS, TokenIO
-from vlmrl.rollout.vllm_weights import full_state_items, write_weights
+from vlmrl.rollout.vllm_transfer import transfer_engine_kwargs
+from vlmrl.rollout.vllm_weights import full_state_items, write_items, write_weights
 from vlmrl.types import EnginePrompt, Generation
 
 if TYPE_CHECKING:
@@ -57,8 +58,11 @@ def model_folder(
     return folder, dtype
 
 
-def engine_kwargs(config: VLLMConfig, model: str, dtype: str, max_model_len: int, logprobs_mode: str) -> dict:
-    """vLLM engine arguments (`vllm.LLM(**kw)` / `AsyncEngineArgs(**kw)`) for the model folder `model`."""
+def engine_kwargs(
+    config: VLLMConfig, model: str, dtype: str, max_model_len: int, logprobs_mode: str, route: str, sleep: bool
+) -> dict:
+    """vLLM engine arguments (`vllm.LLM(**kw)` / `AsyncEngineArgs(**kw)`) for the model folder `model`, the
+    weight-sync `route` (`vllm_transfer.transfer_engine_kwargs`) and sleep mode (CUDA only)."""
     kwargs: dict[str, Any] = dict(
         model=model,
         load_format="safetensors",
@@ -69,8 +73,11 @@ def engine_kwargs(config: VLLMConfig, model: str, dtype: str, max_model_len: int
         logprobs_mode=logprobs_mode,
         generation_config="vllm",
         seed=config.seed,
-        enable_sleep_mode=False,
+        enable_sleep_mode=sleep,
+        **transfer_engine_kwargs(route),
     )
+    if route == "ipc":  # the CUDA-IPC handles travel pickled (`vllm_transfer._wire_safe`); the engine core inherits it
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     kv_gb = config.kv_cache_gb if config.kv_cache_gb is not None else (None if torch.cuda.is_available() else 1.0)
     if kv_gb is not None:
         kwargs["kv_cache_memory_bytes"] = int(kv_gb * (1 << 30))
@@ -96,6 +103,7 @@ class ColocatedBackend(ABC):
     """A vLLM engine driven from this process: weights loaded in place, prompt logprobs, `close`."""
 
     vllm_config: Any  # vLLM's resolved `VllmConfig`
+    route: str  # the weight-sync route (`rollout.vllm.weight_sync`, resolved)
 
     @abstractmethod
     def load_weights(self, items: list[tuple[str, torch.Tensor]]) -> None:
@@ -109,6 +117,20 @@ class ColocatedBackend(ABC):
     def close(self) -> None:
         """Free the engine."""
 
+    @abstractmethod
+    def sleep(self) -> None:
+        """vLLM's sleep mode, level 1 (CUDA): weights offloaded to host memory, the KV cache freed. Level 1, not 2:
+        level 2 drops the weights, and vLLM-only buffers no state dict holds (e.g. the fused image normaliser's
+        mean/std) would not come back with the next sync."""
+
+    @abstractmethod
+    def wake(self, tags: list[str]) -> None:
+        """Wake what `tags` name ("weights", "kv_cache")."""
+
+    @abstractmethod
+    def checksums(self) -> dict[str, str]:
+        """vLLM's digest of each of its parameters (`compute_weight_checksums`)."""
+
     def push_weights(self, module: torch.nn.Module) -> None:
         """`load_weights` of the module's full state dict (tied entries included, see `full_state_items`)."""
         self.load_weights(full_state_items(module))
@@ -119,7 +141,7 @@ class SyncColocated(ColocatedBackend):
     `LLM.generate` per batch of requests. Raises RuntimeError when VLLM_ENABLE_V1_MULTIPROCESSING is not 0,
     NotImplementedError for tensor parallelism with several trainer ranks."""
 
-    def __init__(self, kwargs: dict, io: TokenIO, config: VLLMConfig):
+    def __init__(self, kwargs: dict, io: TokenIO, config: VLLMConfig, route: str):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
             raise RuntimeError(
@@ -143,7 +165,7 @@ class SyncColocated(ColocatedBackend):
                 "distributed_executor_backend": "external_launcher",
                 "seed": config.seed + dist.get_rank(),
             }
-        self.io = io
+        self.io, self.route, self.folder = io, route, Path(kwargs["model"])
         self.llm: Any = LLM(**kwargs)
         self.vllm_config = self.llm.llm_engine.vllm_config
 
@@ -162,11 +184,24 @@ class SyncColocated(ColocatedBackend):
         return self.io.prompt_logprobs(prompt, out)
 
     def load_weights(self, items: list[tuple[str, torch.Tensor]]) -> None:
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
+        if self.route == "file":
+            write_items(items, self.folder)
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self.folder)})
+        else:  # direct: the model is in this process, the tensors go as they are
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         # cached vision-encoder outputs too; without this reset vLLM 0.32's scheduler still counts them as cached
         # after the reload and fails with "Encoder cache miss"
         self.llm.llm_engine.reset_encoder_cache()
+
+    def sleep(self) -> None:
+        self.llm.sleep(level=1)
+
+    def wake(self, tags: list[str]) -> None:
+        self.llm.wake_up(tags)
+
+    def checksums(self) -> dict[str, str]:
+        return dict(self.llm.collective_rpc("compute_weight_checksums")[0])
 
     def close(self) -> None:
         self.llm = None

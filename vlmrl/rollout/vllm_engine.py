@@ -64,15 +64,17 @@ conversions' names.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
+import threading
 import time
 from contextlib import AbstractContextManager
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Callable, Iterator, Sequence, Union
 
 import torch
 
 from vlmrl.config import VLLMConfig
-from vlmrl.config_checks import check_vllm_config
+from vlmrl.config_checks import check_vllm_config, resolve_sleep, resolve_weight_sync, vllm_runs_as
 from vlmrl.rollout.engine import ConcurrentEngine, Engine, GenerateRequest, SamplingParams, per_prompt_requests
 from vlmrl.rollout.vllm_async import AsyncColocated
 from vlmrl.rollout.vllm_colocated import ColocatedBackend, SyncColocated, engine_kwargs, model_folder, world_size
@@ -96,11 +98,14 @@ Backend = Union[SyncColocated, AsyncColocated, VLLMServer]
 Policy = Callable[[], AbstractContextManager[torch.nn.Module]]
 
 
+class WeightSyncError(RuntimeError):
+    """A weight sync into vLLM failed twice (the first failure is retried once with every weight)."""
+
+
 def colocate_engine(config: VLLMConfig) -> str:
     """`rollout.vllm.colocate_engine` resolved: auto -> async on one rank, sync with several (`VLLMConfig`)."""
-    if config.colocate_engine != "auto":
-        return config.colocate_engine
-    return "async" if world_size() == 1 else "sync"
+    runs = vllm_runs_as(config, world_size())
+    return config.colocate_engine if runs == "server" else runs
 
 
 def make_vllm_engine(
@@ -167,6 +172,19 @@ class VLLMEngine(Engine):
         self._syncs = 0
         self.last_sync_metrics: dict[str, float] = {}
         self._model_dir: Any = None  # colocated: the temporary model folder
+        cuda = torch.cuda.is_available()
+        self.route = resolve_weight_sync(config, cuda=cuda, ranks=world_size())  # ConfigError for a missing route
+        self.sleeps = resolve_sleep(config, cuda=cuda, ranks=world_size(), off_policy_steps=0)
+        self._asleep = False
+        self._gate = threading.Condition()  # rollout sessions vs weight syncs (`session`, `_exclusive`)
+        self._sessions, self._syncing = 0, False
+        self.weights_version = 0  # syncs done (the engine's own count; the run's policy_version is the trainer's)
+        log.info(
+            "vLLM weight sync: %s (rollout.vllm.weight_sync=%s); sleep mode %s",
+            self.route,
+            config.weight_sync,
+            "on" if self.sleeps else "off",
+        )
         self.backend: Backend = self._start()
         self.served_model = getattr(self.backend, "served_model", None)
         self.sync_weights()
@@ -174,12 +192,14 @@ class VLLMEngine(Engine):
     def _start(self) -> Backend:
         """The backend for `config`: vLLM's server client, or a colocated engine over the policy's model folder."""
         if self.config.mode == "server":
-            return VLLMServer(self.config, self.io)
+            return VLLMServer(self.config, self.io, self.route)
         self._model_dir, dtype = model_folder(self.policy, self.processor)
-        kwargs = engine_kwargs(self.config, self._model_dir.name, dtype, self.max_model_len, self.logprobs_mode)
+        kwargs = engine_kwargs(
+            self.config, self._model_dir.name, dtype, self.max_model_len, self.logprobs_mode, self.route, self.sleeps
+        )
         if colocate_engine(self.config) == "async":
-            return AsyncColocated(kwargs, self.io)
-        return SyncColocated(kwargs, self.io, self.config)
+            return AsyncColocated(kwargs, self.io, self.config, self.route)
+        return SyncColocated(kwargs, self.io, self.config, self.route)
 
     # --- public ---------------------------------------------------------------------------------------------------
     def sync_weights(self) -> dict[str, float]:
@@ -189,13 +209,85 @@ class VLLMEngine(Engine):
         """
         start = time.perf_counter()
         probes = self._probes()
-        with torch.no_grad(), self.policy() as module:
+        with self._exclusive(), torch.no_grad(), self.policy() as module:
             expected = [self._trainer_logprobs(module, p) for p in probes]
-            self.backend.push_weights(module)
+            asleep = self.backend if self._asleep and isinstance(self.backend, ColocatedBackend) else None
+            if asleep is not None:
+                asleep.wake(["weights"])  # weights first: the KV cache wakes after the new weights are in
+            retries = self._push(module)
+            if asleep is not None:
+                asleep.wake(["kv_cache"])
+                self._asleep = False
+            self.weights_version += 1
         self._syncs += 1
         delta = self._compare(probes, expected)
-        self.last_sync_metrics = {"vllm_sync_s": time.perf_counter() - start, METRIC: delta}
+        self.last_sync_metrics = {
+            "vllm_sync_s": time.perf_counter() - start,
+            METRIC: delta,
+            "vllm_sync_retries": retries,
+        }
         return dict(self.last_sync_metrics)
+
+    def _push(self, module: torch.nn.Module) -> int:
+        """Push the module's weights over the route; a failure is retried once with every weight (vLLM's layerwise
+        reload starts again from the first layer). Returns the retries (0 or 1); WeightSyncError if both fail."""
+        try:
+            self.backend.push_weights(module)
+            return 0
+        except Exception as exc:
+            log.warning("vLLM weight sync (weight_sync=%s) failed, sending every weight again: %s", self.route, exc)
+        try:
+            self.backend.push_weights(module)
+        except Exception as exc:
+            raise WeightSyncError(
+                f"vLLM weight sync failed twice (rollout.vllm.weight_sync={self.route}): {type(exc).__name__}: {exc}"
+            ) from exc
+        return 1
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        """One rollout: a weight sync waits until it ends, and a rollout waits for a sync in progress, so every
+        trajectory of a rollout is sampled by one version of the weights."""
+        with self._gate:
+            self._gate.wait_for(lambda: not self._syncing)
+            self._sessions += 1
+        try:
+            yield
+        finally:
+            with self._gate:
+                self._sessions -= 1
+                self._gate.notify_all()
+
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """Hold off rollouts (`session`) while the weights change; waits for the ones running to end."""
+        with self._gate:
+            self._gate.wait_for(lambda: self._sessions == 0 and not self._syncing)
+            self._syncing = True
+        try:
+            yield
+        finally:
+            with self._gate:
+                self._syncing = False
+                self._gate.notify_all()
+
+    def sleep_for_update(self) -> None:
+        """vLLM's sleep mode (level 1) until the next sync, when `rollout.vllm.sleep` is on (colocated, CUDA)."""
+        if self.sleeps and not self._asleep and isinstance(self.backend, ColocatedBackend):
+            self.backend.sleep()
+            self._asleep = True
+
+    def wake_up(self) -> None:
+        """Wake a sleeping engine with the weights it had (an update that was skipped)."""
+        if self._asleep and isinstance(self.backend, ColocatedBackend):
+            self.backend.wake(["weights", "kv_cache"])
+            self._asleep = False
+
+    def checksums(self) -> dict[str, str]:
+        """vLLM's digest of each of its parameters (colocated; `compute_weight_checksums`)."""
+        if not isinstance(self.backend, ColocatedBackend):
+            raise TypeError("checksums need rollout.vllm.mode=colocate")
+        return self.backend.checksums()
 
     def check_weights(self) -> float:
         """max |vLLM prompt logprob - trainer logprob| on the check sequences, without syncing (collective)."""

@@ -10,10 +10,16 @@ then). Routes used (vLLM 0.32):
   finish/stop reasons. Prompt logprobs (the weight check) come from the same route with `prompt_logprobs=0`.
   Each engine request is one HTTP request, sent as soon as its episode submits it (`agenerate`, one client thread
   per request in flight), so the server's continuous batching sees every pending episode.
-- Weight sync: rank 0 writes the full state dict as `model.safetensors` into `rollout.vllm.sync_dir` (a folder the
-  server can read), POST `/collective_rpc` `{"method": "reload_weights", "kwargs": {"weights_path": DIR}}`, then
-  POST `/reset_prefix_cache` and `/reset_encoder_cache` (cached KV blocks and vision-encoder outputs were computed
-  with the old weights).
+- Weight sync (`rollout.vllm.weight_sync`), rank 0, then all ranks meet at a barrier:
+  - `file` (CPU default): the full state dict as `model.safetensors` into `rollout.vllm.sync_dir` (a folder the
+    server can read), POST `/collective_rpc` `{"method": "reload_weights", "kwargs": {"weights_path": DIR}}`;
+  - `nccl` (GPU default; the server started with `--weight-transfer-config '{"backend": "nccl"}'`): vLLM's own NCCL
+    engine (`vllm/distributed/weight_transfer/nccl_engine.py`): the first sync asks GET `/get_world_size` and
+    rendezvouses (`/init_weight_transfer_engine`, this rank as NCCL rank 0 at rollout.vllm.nccl_address:nccl_port);
+    each sync POSTs `/pause?mode=wait`, `/start_weight_update`, `/update_weights` (names, dtypes, shapes) while the
+    packed buckets are broadcast, `/finish_weight_update`, `/resume`. Written to vLLM 0.32's API; never ran here.
+  then POST `/reset_prefix_cache` and `/reset_encoder_cache` (cached KV blocks and vision-encoder outputs were
+  computed with the old weights).
 """
 
 from __future__ import annotations
@@ -39,11 +45,11 @@ from vlmrl.rollout.vllm_convert import (
     generation_from_generate_choice,
     prompt_logprobs_list,
 )
-from vlmrl.rollout.vllm_weights import _world, write_weights
+from vlmrl.rollout.vllm_weights import _world, full_state_items, write_weights
 from vlmrl.types import EnginePrompt, Generation
 
 GENERATE = "/inference/v1/generate"
-_DEV_ROUTES = ("/collective_rpc", "/reset_prefix_cache", "/reset_encoder_cache")
+_DEV_ROUTES = ("/collective_rpc", "/reset_prefix_cache", "/reset_encoder_cache", "/get_world_size")
 
 
 MAX_IN_FLIGHT = 256  # concurrent HTTP requests of one client (one thread each)
@@ -56,10 +62,12 @@ class VLLMServer:
     `served_model`: the given one, else the server's first model. Raises ValueError without `config.url`.
     """
 
-    def __init__(self, config: VLLMConfig, io: TokenIO):
+    def __init__(self, config: VLLMConfig, io: TokenIO, route: str = "file"):
         if not config.url:
             raise ValueError("rollout.vllm.mode=server needs rollout.vllm.url")
-        self.config, self.io = config, io
+        self.config, self.io, self.route = config, io, route
+        self.source: Any = None
+        self.sender: Any = None  # nccl: vLLM's trainer-side engine, rendezvoused at the first sync
         self.url = config.url.rstrip("/")
         self.served_model = config.served_model or self.first_served_model()
         self._pool = ThreadPoolExecutor(MAX_IN_FLIGHT, thread_name_prefix="vlmrl-vllm-http")
@@ -127,9 +135,28 @@ class VLLMServer:
         prefix and encoder caches; all ranks then meet at a barrier."""
         rank, barrier = _world()
         directory = Path(self.config.sync_dir or Path(tempfile.gettempdir()) / "vlmrl-vllm-sync")
-        if rank == 0:
+        if rank == 0 and self.route == "nccl":
+            self._send_nccl(module)
+        elif rank == 0:
             write_weights(module, directory)
             self.post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(directory)}})
+        if rank == 0:
             self.post("/reset_prefix_cache", {})
             self.post("/reset_encoder_cache", {})
         barrier()
+
+    def _send_nccl(self, module: torch.nn.Module) -> None:
+        """The module's full state dict over vLLM's NCCL weight transfer (see the module docstring)."""
+        from vlmrl.rollout.vllm_transfer import ServerClient, items_source, make_sender
+
+        if self.sender is None:
+            workers = int(self.post("/get_world_size", method="GET")["world_size"])
+            self.source = items_source()
+            self.sender = make_sender("nccl", ServerClient(self.post), self.source, self.config, workers=workers)
+        self.post("/pause?mode=wait", {})
+        try:
+            self.source.items = full_state_items(module)
+            self.sender.send_weights()
+        finally:
+            self.source.items = []
+            self.post("/resume", {})
