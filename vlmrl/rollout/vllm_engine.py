@@ -85,7 +85,7 @@ from vlmrl.rollout.vllm_convert import (
     max_abs_delta,
 )
 from vlmrl.rollout.vllm_server import VLLMServer
-from vlmrl.types import EnginePrompt, Generation, Sample
+from vlmrl.types import EnginePrompt, Generation
 
 log = logging.getLogger("vlmrl.rollout.vllm")
 
@@ -357,19 +357,9 @@ class VLLMEngine(Engine):
         return probes or [EnginePrompt(self.tokenizer.encode(_PROBE_TEXT, add_special_tokens=False), [])]
 
     def _trainer_logprobs(self, module: torch.nn.Module, prompt: EnginePrompt) -> list[float]:
-        from vlmrl.train.logprobs import sequence_logprobs
+        from vlmrl.train.logprobs import prompt_logprobs
 
-        ids = torch.tensor(prompt.token_ids, dtype=torch.long)
-        image_id = -1 if self.image_token_id is None else self.image_token_id
-        sample = Sample(
-            input_ids=ids,
-            loss_mask=torch.ones_like(ids),
-            old_logprobs=torch.zeros(len(ids)),
-            advantage=0.0,
-            vision=prompt.vision,
-            mm_token_type_ids=(ids == image_id).long(),
-        )
-        return sequence_logprobs(module, sample, temperature=1.0).tolist()
+        return prompt_logprobs(module, prompt, self.image_token_id).tolist()
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -28,7 +28,7 @@ import inspect
 import torch
 
 from vlmrl.modeling.inputs import family_of_model, image_kwargs, input_style
-from vlmrl.types import Sample, VisionInputs
+from vlmrl.types import EnginePrompt, Sample, VisionInputs
 
 CHUNK_ROWS = 256
 FUSED_MAX_BYTES = 512 << 20  # fp32 [N, V] blocks up to 512 MiB take the fused kernel (token_logprobs)
@@ -183,3 +183,21 @@ def sequence_logprobs(
     if isinstance(sample_or_batch, Sample):
         return batch_logprobs(model, collate([sample_or_batch], family=family), temperature, only_masked)[0]
     return batch_logprobs(model, collate(list(sample_or_batch), family=family), temperature, only_masked)
+
+
+def prompt_logprobs(
+    model: torch.nn.Module, prompt: EnginePrompt, image_token_id: int | None, temperature: float = 1.0
+) -> torch.Tensor:
+    """The trainer's log p(ids[t] | ids[:t]) of an engine prompt (ids and images as the engine saw them): [T], 0.0
+    at t = 0; the reference vLLM's prompt logprobs are checked against after a weight sync."""
+    ids = torch.tensor(prompt.token_ids, dtype=torch.long)
+    image_id = -1 if image_token_id is None else image_token_id
+    sample = Sample(
+        input_ids=ids,
+        loss_mask=torch.ones_like(ids),
+        old_logprobs=torch.zeros(len(ids)),
+        advantage=0.0,
+        vision=prompt.vision,
+        mm_token_type_ids=(ids == image_id).long(),
+    )
+    return sequence_logprobs(model, sample, temperature=temperature)

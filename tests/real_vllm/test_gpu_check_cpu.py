@@ -1,0 +1,35 @@
+"""`make gpu-check`'s rows on this CPU (`python -m vlmrl.checks.gpu --device cpu`), so its code runs in every CI:
+the trainer bf16 row, the shm and file routes (digests equal, sampled logprobs vs the trainer's), and the 2-step
+trains (transformers engine, rollout=vllm); the CUDA-only rows (cuda, ipc, sleep, nccl) say they are skipped."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm")
+
+
+@pytest.mark.slow
+def test_gpu_check_rows_pass_on_cpu():
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "COLUMNS": "200"}
+    cmd = [sys.executable, "-m", "vlmrl.checks.gpu", "--device", "cpu"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    table = [ln for ln in proc.stdout.splitlines() if ln.startswith("│")]
+    print("\n" + "\n".join(table))
+    result = {ln.split("│")[1].strip(): ln.split("│")[2].strip() for ln in table}
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert result == {
+        "cuda": "skip",
+        "trainer bf16": "ok",
+        "vllm shm": "ok",
+        "vllm file": "ok",
+        "vllm digests": "ok",
+        "vllm nccl": "skip",
+        "vllm sleep": "skip",
+        "train": "ok",
+        "train rollout=vllm": "ok",
+    }
