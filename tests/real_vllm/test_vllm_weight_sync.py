@@ -37,7 +37,6 @@ from vlmrl.rollout import make_engine  # noqa: E402
 from vlmrl.rollout.vllm_engine import METRIC, WeightSyncError  # noqa: E402
 from vlmrl.tokens.qwen_vl import QwenVLBuilder  # noqa: E402
 
-
 EMPTY_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 
 
