@@ -9,6 +9,9 @@ several buckets). References are independent of the shm route: the trainer's own
   least the model's bytes (the measurement can see a write);
 - a sync called while a rollout is in flight waits for it: every trajectory of that rollout was sampled by the old
   weights (the trainer's forward with a copy of them), the next rollout by the new ones;
+- a layer whose weights arrive in buckets far apart (its q_proj first, the embedding and LM head, each a bucket of its
+  own, in between) is loaded right: vLLM holds the first views until the layer is complete, after the buffer they
+  point into was refilled, so those views are cloned (`ShmWeightTransferEngine._release`);
 - a failure inside vLLM's worker mid-sync (a weight name the model lacks, in the middle of the buckets) is retried
   once with every weight; twice is one `WeightSyncError`, after which a plain sync works and the parity holds.
 """
@@ -129,6 +132,24 @@ def test_a_sync_waits_for_the_rollout_in_flight(s):
     assert worst_delta(s.model, samples) > 1e-3  # (which the new ones would not have given)
     after = to_samples(run_episodes(s), ExportStyle.concat, s.builder.image_token_id)
     assert worst_delta(s.model, after) < TOL
+
+
+def test_a_layer_split_across_far_apart_buckets_is_loaded_right(s, monkeypatch):
+    real = colocated.full_state_items
+
+    def scattered(module):
+        items = real(module)
+        first = [i for i, (n, _) in enumerate(items) if n.endswith("layers.0.self_attn.q_proj.weight")]
+        big = sorted(range(len(items)), key=lambda i: -items[i][1].numel())[:2]  # embedding, LM head
+        assert len(first) == 1 and items[big[1]][1].numel() > 4 * (1 << 20)  # > the 1 MiB bucket: one each
+        rest = [i for i in range(len(items)) if i not in first + big]
+        return [items[i] for i in first + big + rest]
+
+    monkeypatch.setattr(colocated, "full_state_items", scattered)
+    perturb(s.model, seed=15)
+    assert s.engine.sync_weights()[METRIC] < TOL
+    trajs = run_episodes(s)
+    assert worst_delta(s.model, to_samples(trajs, ExportStyle.concat, s.builder.image_token_id)) < TOL
 
 
 def test_a_failure_inside_the_worker_is_retried_then_one_clear_error(s, monkeypatch):

@@ -73,7 +73,8 @@ class AsyncColocated(ColocatedBackend):
         self.sender: Any = None  # vLLM's trainer-side weight-transfer engine (shm, ipc)
         if route in TRANSFER_ROUTES:
             self.source = items_source()
-            self.sender = make_sender(route, AsyncLLMClient(self.llm, self._call), self.source, config)
+            client = AsyncLLMClient(self.llm, lambda coro: asyncio.run_coroutine_threadsafe(coro, self._loop))
+            self.sender = make_sender(route, client, self.source, config)
 
     # --- requests ------------------------------------------------------------------------------------------------
     async def agenerate(self, request: GenerateRequest) -> list[Generation]:

@@ -12,16 +12,18 @@ vLLM 0.32 pieces relied on (read in its source):
   `send_weights`), driven through a `VLLMWeightSyncClient`'s four calls.
 - `vllm/model_executor/model_loader/reload/layerwise.py`: `initialize_layerwise_reload` / `finalize_layerwise_reload`
   take checkpoint-format (HF state-dict) names, as the built-in `ipc` engine does (`ipc_engine.py`). The layerwise
-  reload keeps references to the tensors it is given until a layer is complete, so each received tensor is cloned
-  out of the shared buffer before the trainer overwrites it with the next bucket (vLLM's `packed_ipc_consumer` does
-  the same for its IPC buffer).
+  reload keeps the tensors it is given (`LAYERWISE_INFO[layer].loaded_weights`) until a layer has all its weights,
+  then processes the layer and drops them. Each bucket's tensors are views of the shared buffer, which the trainer
+  overwrites with the next bucket: after each bucket, the views vLLM still holds (a layer whose weights span two
+  buckets) are cloned, and only those (vLLM's `packed_ipc_consumer` clones every tensor of its IPC buffer instead;
+  on CPU that second copy of the whole model cost a third of the sync).
 
 Registration: importing this module registers `vlmrl_shm` in both factories. vLLM imports it in its worker process
 because the engine names `ShmWorkerExtension` (below) as its `worker_extension_cls`.
 
-Memory: the trainer holds one buffer of `max(bucket_bytes, the largest tensor)` bytes in /dev/shm (host memory);
-the worker maps the same pages and clones each tensor once (what vLLM's layerwise reload holds anyway until it
-copies a layer into place).
+Memory: the trainer holds two buffers of `max(bucket_bytes, the largest tensor)` bytes each in /dev/shm (host memory;
+the copy of one bucket overlaps the worker's load of the previous one); the worker maps the same pages and clones
+only the tensors of a layer split across two buckets.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from __future__ import annotations
 import mmap
 import os
 import tempfile
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Iterator
 
@@ -67,21 +70,22 @@ def _map(path: str, size: int) -> mmap.mmap:
 
 @dataclass
 class ShmInitInfo(WeightTransferInitInfo):
-    """Worker side: the shared buffer's file (in /dev/shm) and its size in bytes."""
+    """Worker side: the shared buffers' files (in /dev/shm) and their size in bytes (each)."""
 
-    path: str
+    paths: list[str]
     size: int
 
 
 @dataclass
 class ShmUpdateInfo(WeightTransferUpdateInfo):
-    """One bucket: tensor i is `names[i]`, dtype `dtype_names[i]` (torch's name, e.g. "bfloat16"), `shapes[i]`, its
-    bytes at `offsets[i]` of the buffer."""
+    """One bucket, in buffer `buffer`: tensor i is `names[i]`, dtype `dtype_names[i]` (torch's name, e.g.
+    "bfloat16"), `shapes[i]`, its bytes at `offsets[i]` of that buffer."""
 
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
     offsets: list[int]
+    buffer: int = 0
 
 
 class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
@@ -93,11 +97,11 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
-        self._buffer: mmap.mmap | None = None
+        self._buffers: list[mmap.mmap] = []
 
     def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
         self.shutdown()
-        self._buffer = _map(init_info.path, init_info.size)
+        self._buffers = [_map(path, init_info.size) for path in init_info.paths]
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -107,23 +111,40 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
     def receive_weights(self, update_info: ShmUpdateInfo) -> None:
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
-        if self._buffer is None:
-            raise RuntimeError("vlmrl_shm: update_weights before init_weight_transfer_engine")
+        if not 0 <= update_info.buffer < len(self._buffers):
+            raise RuntimeError(f"vlmrl_shm: no buffer {update_info.buffer} (init_weight_transfer_engine first)")
+        buffer = self._buffers[update_info.buffer]
         weights = []
         for name, dtype_name, shape, offset in zip(
             update_info.names, update_info.dtype_names, update_info.shapes, update_info.offsets
         ):
             dtype, numel = _dtype(dtype_name), int(torch.Size(shape).numel())
             end = offset + numel * dtype.itemsize
-            if offset < 0 or end > len(self._buffer):
-                raise ValueError(f"vlmrl_shm: {name} ({end} bytes) does not fit the {len(self._buffer)}-byte buffer")
+            if offset < 0 or end > len(buffer):
+                raise ValueError(f"vlmrl_shm: {name} ({end} bytes) does not fit the {len(buffer)}-byte buffer")
             if numel == 0:
                 tensor = torch.empty(shape, dtype=dtype)
-            else:  # cloned: the layerwise reload holds it past this call, the trainer reuses the buffer
-                tensor = torch.frombuffer(self._buffer, dtype=dtype, count=numel, offset=offset).view(shape).clone()
+            else:  # a view of the buffer (`_release_buffer` clones what vLLM keeps past this call)
+                tensor = torch.frombuffer(buffer, dtype=dtype, count=numel, offset=offset).view(shape)
             weights.append((name, tensor.to(self.device)))
         with disable_mtp_completeness_check():
             self.model.load_weights(weights)
+        del weights
+        self._release(buffer)
+
+    @staticmethod
+    def _release(buffer: mmap.mmap) -> None:
+        """Clone the tensors vLLM's layerwise reload still holds (layers waiting for weights of a later bucket) that
+        are views of `buffer`, before the trainer writes another bucket into it."""
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+        start = torch.frombuffer(buffer, dtype=torch.uint8, count=1).data_ptr()
+        end = start + len(buffer)
+        for info in list(LAYERWISE_INFO.values()):
+            for _, bound in info.loaded_weights:
+                for key, value in bound.arguments.items():
+                    if isinstance(value, torch.Tensor) and start <= value.data_ptr() < end:
+                        bound.arguments[key] = value.clone()
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
@@ -131,9 +152,9 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         finalize_layerwise_reload(self.model, self.model_config)
 
     def shutdown(self) -> None:
-        if self._buffer is not None:
-            self._buffer.close()
-            self._buffer = None
+        for buffer in self._buffers:
+            buffer.close()
+        self._buffers = []
 
 
 @dataclass
@@ -145,19 +166,25 @@ class ShmTrainerInitInfo(TrainerInitInfo):
 
 
 class ShmTrainerEngine(TrainerWeightTransferEngine[ShmTrainerInitInfo]):
-    """Trainer side: each `send_weights` copies the source's tensors into the shared buffer one bucket at a time and
-    has the worker load each bucket (`update_weights`) between `start_weight_update` and `finish_weight_update`.
-    One trainer rank (the sender) only: several ranks run vLLM in their own process (route `direct`)."""
+    """Trainer side: each `send_weights` copies the source's tensors into two shared buffers in turn, one bucket
+    each, and has the worker load each bucket (`update_weights`) between `start_weight_update` and
+    `finish_weight_update`. With a client that can `submit_update` (the colocated `AsyncLLM`), the copy of bucket
+    k + 1 overlaps the worker's load of bucket k. One trainer rank (the sender) only: several ranks run vLLM in their
+    own process (route `direct`). Extra memory: 2 x max(bucket_bytes, the largest tensor) of /dev/shm."""
 
     init_info_cls = ShmTrainerInitInfo
 
     def __init__(self, *, client: VLLMWeightSyncClient, source: WeightSource, bucket_bytes: int) -> None:
         super().__init__(client=client, source=source, is_sender=True)
         self.bucket_bytes = bucket_bytes
-        fd, self.path = tempfile.mkstemp(prefix="vlmrl-weights-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-        os.close(fd)
+        where = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self.paths = []
+        for _ in range(2):
+            fd, path = tempfile.mkstemp(prefix="vlmrl-weights-", dir=where)
+            os.close(fd)
+            self.paths.append(path)
         self.size = 0
-        self._buffer: mmap.mmap | None = None
+        self._buffers: list[mmap.mmap] = []
 
     @classmethod
     def trainer_init(
@@ -167,15 +194,15 @@ class ShmTrainerEngine(TrainerWeightTransferEngine[ShmTrainerInitInfo]):
             raise ValueError("the vlmrl_shm weight transfer needs a WeightSource")
         return cls(client=client, source=source, bucket_bytes=init_info.bucket_bytes)
 
-    def _ensure(self, size: int) -> mmap.mmap:
-        """The buffer, grown to `size` bytes (the worker maps it again) when it is smaller."""
-        if self._buffer is None or size > self.size:
-            if self._buffer is not None:
-                self._buffer.close()
-            os.truncate(self.path, size)
-            self._buffer, self.size = _map(self.path, size), size
-            self.client.init_weight_transfer_engine(asdict(ShmInitInfo(self.path, size)))
-        return self._buffer
+    def _ensure(self, size: int) -> list[mmap.mmap]:
+        """The buffers, grown to `size` bytes each (the worker maps them again) when they are smaller."""
+        if not self._buffers or size > self.size:
+            self._close()
+            for path in self.paths:
+                os.truncate(path, size)
+            self._buffers, self.size = [_map(path, size) for path in self.paths], size
+            self.client.init_weight_transfer_engine(asdict(ShmInitInfo(self.paths, size)))
+        return self._buffers
 
     def buckets(self, meta: list[ParamMeta]) -> Iterator[list[tuple[int, int]]]:
         """(index in `meta`, byte offset) per tensor, grouped into buckets that fit `self.size` bytes."""
@@ -195,29 +222,50 @@ class ShmTrainerEngine(TrainerWeightTransferEngine[ShmTrainerInitInfo]):
         assert self.source is not None
         meta = self.source.metadata()
         largest = max((int(torch.Size(m.shape).numel()) * m.dtype.itemsize for m in meta), default=0)
-        buffer = self._ensure(max(self.bucket_bytes, largest, ALIGN))
+        buffers = self._ensure(max(self.bucket_bytes, largest, ALIGN))
         tensors = [t for _, t in self.source]
+        submit = getattr(self.client, "submit_update", None)
         self.client.start_weight_update()
-        for bucket in self.buckets(meta):
-            for i, offset in bucket:
-                flat = tensors[i].detach().contiguous().reshape(-1).view(torch.uint8)
-                torch.frombuffer(buffer, dtype=torch.uint8, count=flat.numel(), offset=offset).copy_(flat)
-            info = ShmUpdateInfo(
-                names=[meta[i].name for i, _ in bucket],
-                dtype_names=[str(meta[i].dtype).removeprefix("torch.") for i, _ in bucket],
-                shapes=[list(meta[i].shape) for i, _ in bucket],
-                offsets=[offset for _, offset in bucket],
-            )
-            self.client.update_weights(asdict(info))
+        pending: Future | None = None
+        try:
+            for k, bucket in enumerate(self.buckets(meta)):
+                buffer = buffers[k % 2]  # the other one may still be loading (`pending`)
+                for i, offset in bucket:
+                    flat = tensors[i].detach().contiguous().reshape(-1).view(torch.uint8)
+                    torch.frombuffer(buffer, dtype=torch.uint8, count=flat.numel(), offset=offset).copy_(flat)
+                info = asdict(
+                    ShmUpdateInfo(
+                        names=[meta[i].name for i, _ in bucket],
+                        dtype_names=[str(meta[i].dtype).removeprefix("torch.") for i, _ in bucket],
+                        shapes=[list(meta[i].shape) for i, _ in bucket],
+                        offsets=[offset for _, offset in bucket],
+                        buffer=k % 2,
+                    )
+                )
+                if pending is not None:
+                    done: Future = pending
+                    pending = None
+                    done.result()
+                if submit is None:
+                    self.client.update_weights(info)
+                else:
+                    pending = submit(info)
+        finally:
+            if pending is not None:
+                pending.result()
         self.client.finish_weight_update()
 
+    def _close(self) -> None:
+        for buffer in self._buffers:
+            buffer.close()
+        self._buffers = []
+
     def shutdown(self) -> None:
-        """Unmap and delete the buffer."""
-        if self._buffer is not None:
-            self._buffer.close()
-            self._buffer = None
-        if os.path.exists(self.path):
-            os.unlink(self.path)
+        """Unmap and delete the buffers."""
+        self._close()
+        for path in self.paths:
+            if os.path.exists(path):
+                os.unlink(path)
 
 
 class ShmWorkerExtension:

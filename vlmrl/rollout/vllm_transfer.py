@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import pickle
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Callable, Coroutine, Iterator
 
 import torch
@@ -75,10 +76,19 @@ def _wire_safe(update_info: Any) -> Any:
 
 class AsyncLLMClient:
     """vLLM's `VLLMWeightSyncClient` protocol over a colocated `AsyncLLM`: each call runs on the engine's own event
-    loop (`call`: `AsyncColocated._call`) and blocks the calling thread until vLLM's workers are done."""
+    loop (`submit`: `asyncio.run_coroutine_threadsafe` onto it) and blocks the calling thread until vLLM's workers
+    are done; `submit_update` returns at once (a future), so a sender can fill its next bucket meanwhile."""
 
-    def __init__(self, llm: Any, call: Callable[[Coroutine[Any, Any, Any]], Any]):
-        self.llm, self.call = llm, call
+    def __init__(self, llm: Any, submit: Callable[[Coroutine[Any, Any, Any]], Future]):
+        self.llm, self.submit = llm, submit
+
+    def call(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        return self.submit(coro).result()
+
+    def submit_update(self, update_info: Any) -> Future:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        return self.submit(self.llm.update_weights(WeightTransferUpdateRequest(update_info=_wire_safe(update_info))))
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
