@@ -28,7 +28,7 @@ def test_gpu_check_rows_pass_on_cpu():
         "vllm shm": "ok",
         "vllm file": "ok",
         "vllm digests": "ok",
-        "vllm nccl": "skip",
+        "vllm nccl": "skip",  # one GPU at most here
         "vllm sleep": "skip",
         "train": "ok",
         "train rollout=vllm": "ok",

@@ -177,3 +177,18 @@ def test_a_failure_inside_the_worker_is_retried_then_one_clear_error(s, monkeypa
     assert s.engine.sync_weights()[METRIC] < TOL
     trajs = run_episodes(s)
     assert worst_delta(s.model, to_samples(trajs, ExportStyle.concat, s.builder.image_token_id)) < TOL
+
+
+def test_the_weight_sync_bench_runs():
+    """bench/weight_sync.py on the tiny model, once (so it cannot rot): both routes synced and checked, the file
+    route wrote the model's bytes, shm none."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "weight_sync.py"
+    spec = importlib.util.spec_from_file_location("bench_weight_sync", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = {r["route"]: r for r in bench.bench_model("tiny", repeats=1)}
+    assert rows["file"]["sync_s"] > 0 and rows["shm"]["sync_s"] > 0
+    assert rows["file"]["written_mb"] >= rows["file"]["model_mb"] and rows["shm"]["written_mb"] < 1

@@ -7,7 +7,8 @@ no hub; a few minutes. It prints one row per check and exits 1 if any failed.
 - `vllm <route>` (needs vLLM: `make setup-gpu`): a colocated engine per weight-sync route (`rollout.vllm.weight_sync`
   ipc, shm, file): perturbed weights synced, vLLM's samples of the two-image prompt at T = 0.7 scored by the trainer
   (max |Δ logprob|), and `vllm digests`: every route's parameter digests (`compute_weight_checksums`) equal the file
-  route's. `vllm nccl` needs a server on a second GPU (NCCL joins no two ranks on one GPU): skipped on one GPU.
+  route's. `vllm nccl`: vLLM's server on a second GPU, synced over NCCL (NCCL joins no two ranks on one GPU, so it
+  is skipped on one GPU).
 - `vllm sleep`: free GPU memory (`torch.cuda.mem_get_info`) before and after `sleep` (level 1), then a sync wakes
   the weights, loads new ones, wakes the KV cache, and the parity holds again.
 - `train`: `vlmrl train recipe=geometry3k_tiny` for 2 steps on the GPU (transformers engine), and with `rollout=vllm`.
@@ -30,7 +31,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, cast
 
 import torch
 
@@ -217,9 +218,66 @@ def sleep_row(b: Bench) -> str:
 
 
 def nccl_row(b: Bench) -> str:
+    """Server mode over NCCL: vLLM's server on GPU 1 (`--weight-transfer-config '{"backend": "nccl"}'`), this process
+    on GPU 0 as NCCL rank 0; perturbed weights synced, then vLLM's prompt logprobs against the trainer's."""
+    from vlmrl.config import RolloutConfig, VLLMConfig
+    from vlmrl.rollout import make_engine
+
     if b.device != "cuda" or torch.cuda.device_count() < 2:
-        raise Skip("needs a vLLM server on a second GPU (NCCL joins no two ranks on one GPU)")
-    raise Skip("server + nccl: start `vllm serve` on another GPU and train with rollout.vllm.mode=server (README)")
+        raise Skip("needs a second GPU for the server (NCCL joins no two ranks on one GPU)")
+    _perturb(b.model, b.base, seed=0)
+    with tempfile.TemporaryDirectory(prefix="vlmrl-gpu-check-server-") as folder:
+        cast(Any, b.model).save_pretrained(folder)
+        b.processor.save_pretrained(folder)
+        with _vllm_server(Path(folder)) as url:
+            cfg = RolloutConfig(engine="vllm", temperature=TEMPERATURE, max_new_tokens=8, max_context_tokens=2048)
+            cfg.vllm = VLLMConfig(mode="server", url=url, weight_sync="nccl", sync_check_seqs=1)
+            engine: Any = make_engine(cfg, lambda: contextlib.nullcontext(b.model), b.processor, b.builder)
+            try:
+                _perturb(b.model, b.base, seed=1)
+                metrics = engine.sync_weights()
+                delta = _parity(b, engine)
+            finally:
+                engine.close()
+    if delta > _tolerance(b):
+        raise RuntimeError(f"sampled logprobs differ from the trainer's by {delta:.3g} after the NCCL sync")
+    return f"server on GPU 1: sync {metrics['vllm_sync_s']:.2f} s; sampled logprobs vs trainer max |Δ| {delta:.1e}"
+
+
+@contextlib.contextmanager
+def _vllm_server(folder: Path) -> Iterator[str]:
+    """vLLM's server for `folder` on GPU 1 (dev routes, token-in/token-out, NCCL weight transfer); its URL."""
+    import signal
+    import socket
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [
+        *(sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--port", str(port)),
+        *("--dtype", "bfloat16", "--max-model-len", "2048", "--gpu-memory-utilization", "0.3"),
+        *("--generation-config", "vllm", "--logprobs-mode", "processed_logprobs", "--enable-scale-out"),
+        *("--weight-transfer-config", '{"backend": "nccl"}'),
+    ]
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": "1"}
+    log = open(folder / "server.log", "w")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while True:
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"vLLM server did not start: {(folder / 'server.log').read_text()[-500:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                    break
+            except OSError:
+                time.sleep(1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+        log.close()
 
 
 def train_row(b: Bench, *extra: str) -> str:

@@ -132,8 +132,14 @@ def make_sender(route: str, client: Any, source: Any, config: VLLMConfig, *, ran
     `client`. `workers`: the server's worker count (nccl: the NCCL group is this rank + them). Buckets of
     `config.sync_bucket_mb`; ipc and nccl packed (vLLM's `packed_ipc_producer` / `packed_nccl_broadcast_producer`).
     Raises ValueError for another route."""
-    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    except ImportError as exc:  # the capability check: vLLM's weight-transfer API came with 0.32
+        raise RuntimeError(
+            f"rollout.vllm.weight_sync={route} needs vLLM's weight-transfer API (vLLM >= 0.32); use weight_sync=file"
+        ) from exc
+    if route in ("ipc", "nccl") and not torch.cuda.is_available():
+        raise RuntimeError(f"rollout.vllm.weight_sync={route} needs CUDA; on CPU use shm (colocated) or file")
     bucket = config.sync_bucket_mb << 20
     if route == "shm":
         from vlmrl.rollout.vllm_shm import ShmTrainerInitInfo
