@@ -6,7 +6,12 @@ layers (~1.4 GB). For each model one engine per route, both alive; each repetiti
 routes take turns (the order rotates) pushing them: `backend.push_weights(model)`, the whole sync without the
 logprob check (file: write `model.safetensors`, vLLM reloads it; shm: pause, copy into the /dev/shm buffer in
 buckets, vLLM loads each bucket, resume; both reset the prefix and encoder caches). Bytes written: /proc/<pid>/io
-`write_bytes` of this process and of vLLM's engine-core process during the push. Median of `--repeats`.
+`write_bytes` of this process and of vLLM's engine-core process during the push. Median of `--repeats`, after one
+warm-up sync per engine.
+
+The floor, `direct`: `vllm.LLM` in this process (`colocate_engine=sync`) reloads the trainer's tensors as they are
+(`reload_weights(weights_iterator=...)`): no transfer at all, only vLLM's own layerwise reload, which every route
+pays. `shm - direct` is what moving the bytes costs in memory; `file - direct` what the checkpoint costs.
 
     VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv-vllm/bin/python bench/weight_sync.py            # tiny and large, 3 repeats
     VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv-vllm/bin/python bench/weight_sync.py --models tiny --json
@@ -32,7 +37,7 @@ from vlmrl.rollout import make_engine
 from vlmrl.tokens.qwen_vl import QwenVLBuilder
 
 MODELS = {"tiny": {}, "large": {"hidden": 1024, "layers": 4}}
-ROUTES = ("file", "shm")
+ROUTES = ("file", "shm", "direct")
 
 
 def _written() -> int:
@@ -55,22 +60,23 @@ def bench_model(name: str, repeats: int) -> list[dict]:
     builder = QwenVLBuilder(processor, family="qwen2_5_vl")
     engines = {}
     for route in ROUTES:
-        cfg = RolloutConfig(
-            engine="vllm", max_context_tokens=1024, vllm=VLLMConfig(weight_sync=route, kv_cache_gb=0.25)
-        )
+        engine = "sync" if route == "direct" else "async"  # direct: vllm.LLM in this process, the floor
+        vllm = VLLMConfig(weight_sync=route, kv_cache_gb=0.25, colocate_engine=engine)
+        cfg = RolloutConfig(engine="vllm", max_context_tokens=1024, vllm=vllm)
         engines[route] = make_engine(cfg, lambda: contextlib.nullcontext(model), processor, builder)
     times: dict[str, list[float]] = {r: [] for r in ROUTES}
     writes: dict[str, list[int]] = {r: [] for r in ROUTES}
     try:
-        for rep in range(repeats):
+        for rep in range(-1, repeats):  # -1: a warm-up sync, not counted (first buffers, first file)
             _perturb(model, rep)
-            order = ROUTES[rep % 2 :] + ROUTES[: rep % 2]
+            order = ROUTES[rep % len(ROUTES) :] + ROUTES[: rep % len(ROUTES)]
             for route in order:
                 before, t0 = _written(), time.perf_counter()
                 with torch.no_grad():
                     engines[route].backend.push_weights(model)
-                times[route].append(time.perf_counter() - t0)
-                writes[route].append(_written() - before)
+                if rep >= 0:
+                    times[route].append(time.perf_counter() - t0)
+                    writes[route].append(_written() - before)
             check = {r: engines[r].check_weights() for r in ROUTES}
             assert all(d < 1e-4 for d in check.values()), check  # both engines hold the trainer's weights
     finally:

@@ -22,6 +22,7 @@ import contextlib
 import copy
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -86,6 +87,7 @@ def test_auto_is_shm_on_cpu_and_its_checksums_equal_the_file_route(s):
     metrics = s.engine.sync_weights()
     shm_written = written(pids) - before
     assert metrics[METRIC] < TOL and metrics["vllm_sync_retries"] == 0
+    assert not list(Path("/dev/shm").glob("vlmrl-weights-*"))  # unlinked once mapped: nothing left if killed
 
     other = s.start("file")
     try:
@@ -183,7 +185,6 @@ def test_the_weight_sync_bench_runs():
     """bench/weight_sync.py on the tiny model, once (so it cannot rot): both routes synced and checked, the file
     route wrote the model's bytes, shm none."""
     import importlib.util
-    from pathlib import Path
 
     path = Path(__file__).resolve().parents[2] / "bench" / "weight_sync.py"
     spec = importlib.util.spec_from_file_location("bench_weight_sync", path)

@@ -177,12 +177,6 @@ class ShmTrainerEngine(TrainerWeightTransferEngine[ShmTrainerInitInfo]):
     def __init__(self, *, client: VLLMWeightSyncClient, source: WeightSource, bucket_bytes: int) -> None:
         super().__init__(client=client, source=source, is_sender=True)
         self.bucket_bytes = bucket_bytes
-        where = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        self.paths = []
-        for _ in range(2):
-            fd, path = tempfile.mkstemp(prefix="vlmrl-weights-", dir=where)
-            os.close(fd)
-            self.paths.append(path)
         self.size = 0
         self._buffers: list[mmap.mmap] = []
 
@@ -195,13 +189,26 @@ class ShmTrainerEngine(TrainerWeightTransferEngine[ShmTrainerInitInfo]):
         return cls(client=client, source=source, bucket_bytes=init_info.bucket_bytes)
 
     def _ensure(self, size: int) -> list[mmap.mmap]:
-        """The buffers, grown to `size` bytes each (the worker maps them again) when they are smaller."""
-        if not self._buffers or size > self.size:
-            self._close()
-            for path in self.paths:
-                os.truncate(path, size)
-            self._buffers, self.size = [_map(path, size) for path in self.paths], size
-            self.client.init_weight_transfer_engine(asdict(ShmInitInfo(self.paths, size)))
+        """The two buffers, `size` bytes each (made anew, and mapped again by the worker, when they are smaller).
+        Their files are unlinked as soon as both sides have mapped them: the memory lives as long as the mappings,
+        and nothing is left in /dev/shm when either process ends, even killed."""
+        if self._buffers and size <= self.size:
+            return self._buffers
+        self._close()
+        paths = []
+        try:
+            for _ in range(2):
+                fd, path = tempfile.mkstemp(
+                    prefix="vlmrl-weights-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
+                )
+                paths.append(path)
+                os.ftruncate(fd, size)
+                os.close(fd)
+            self._buffers, self.size = [_map(path, size) for path in paths], size
+            self.client.init_weight_transfer_engine(asdict(ShmInitInfo(paths, size)))
+        finally:
+            for path in paths:
+                os.unlink(path)
         return self._buffers
 
     def buckets(self, meta: list[ParamMeta]) -> Iterator[list[tuple[int, int]]]:
@@ -261,11 +268,8 @@ class ShmTrainerEngine(TrainerWeightTransferEngine[ShmTrainerInitInfo]):
         self._buffers = []
 
     def shutdown(self) -> None:
-        """Unmap and delete the buffers."""
+        """Unmap the buffers (their files are gone already)."""
         self._close()
-        for path in self.paths:
-            if os.path.exists(path):
-                os.unlink(path)
 
 
 class ShmWorkerExtension:
