@@ -19,16 +19,15 @@ engine class by how vLLM serves requests (the episode loop then picks its dispat
 Colocated engines are built from the policy's config, processor and current weights (written once to a temporary
 folder; not `load_format="dummy"`, which also randomises buffers no checkpoint holds); the trainer's weights are then
 pushed into them at start and after every update (`sync_weights`), inside `policy()` (so ZeRO-3 gathers the full
-parameters; the block is collective, every rank calls `sync_weights`): `vllm.LLM` in memory
-(`collective_rpc("reload_weights", kwargs={"weights_iterator": ...})`), `AsyncLLM` from the rewritten
-`model.safetensors` of that folder (`weights_path`); the prefix and encoder caches are reset after either.
+parameters; the block is collective, every rank calls `sync_weights`) by the route of `rollout.vllm.weight_sync`
+(`vllm_transfer`: shm/ipc for `AsyncLLM`, direct for `vllm.LLM`, nccl/file for a server); the prefix and encoder caches
+are reset after each. A sync waits for the rollout in flight (`session`) and is retried once on a failure.
 - `server`: vLLM's own server at `rollout.vllm.url` (`python -m vllm.entrypoints.openai.api_server --model DIR
   --enable-scale-out --generation-config vllm --logprobs-mode processed_logprobs`, with `VLLM_SERVER_DEV_MODE=1`),
-  images included, token-in/token-out through its POST `/inference/v1/generate` route; weights reloaded from a
-  checkpoint the trainer writes (`/collective_rpc reload_weights`), then `/reset_prefix_cache` and
-  `/reset_encoder_cache`. Routes and bodies: `vlmrl.rollout.vllm_server`. vLLM 0.32 has no dedicated "reload from a
-  checkpoint" route; with `VLLM_SERVER_DEV_MODE=1` it also has the RL routes `/pause`, `/resume`,
-  `/init_weight_transfer_engine`, `/update_weights` (NCCL/IPC weight transfer for GPU fleets; not used here).
+  images included, token-in/token-out through its POST `/inference/v1/generate` route; weights over NCCL (vLLM's RL
+  routes `/pause`, `/init_weight_transfer_engine`, `/update_weights`, ... with `VLLM_SERVER_DEV_MODE=1`) or reloaded
+  from a checkpoint the trainer writes (`/collective_rpc reload_weights`), then `/reset_prefix_cache` and
+  `/reset_encoder_cache`. Routes and bodies: `vlmrl.rollout.vllm_server`.
 
 Stale weights: on the CPU build, reloading a tied-embedding model from weights without an `lm_head.weight` entry
 (`named_parameters()`, or a `save_pretrained` folder, which drops tied tensors) leaves the LM head's prepacked copy
