@@ -189,6 +189,10 @@ def test_resume_plan_refuses_what_it_should(tmp_path, caplog):
     assert plan_resume(allowed, to_yaml(allowed)).changes == ["trainer.lr: 0.0001 -> 0.5"]
     assert "changed config" in caplog.text and "trainer.lr" in caplog.text
     assert config_changes(to_yaml(cfg), to_yaml(_cfg(out, "resume=never"))) == []
+    # the weight-sync transport is per machine (issue 22): another route, or a config.yaml from before the key
+    moved = _cfg(out, "rollout.vllm.weight_sync=file", "rollout.vllm.sync_bucket_mb=64")
+    before_keys = to_yaml(cfg).replace("    weight_sync: auto\n", "").replace("    sleep: null\n", "")
+    assert "weight_sync" not in before_keys and config_changes(before_keys, to_yaml(moved)) == []
 
 
 def test_stop_signals_abandon_rollouts_finish_updates_and_stop_at_once_on_a_second_signal():

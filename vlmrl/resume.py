@@ -44,6 +44,12 @@ RESUME_IGNORED = (
     "trainer.keep_last",
     "trainer.max_bad_steps",
     "trainer.eval_every",
+    # how weights reach vLLM and whether it sleeps: transport, not what is sampled or trained (resolved per machine:
+    # a run started on CPU, shm, resumes on GPUs, ipc; run folders from before these keys resume too)
+    "rollout.vllm.weight_sync",
+    "rollout.vllm.sync_bucket_mb",
+    "rollout.vllm.sleep",
+    "rollout.vllm.nccl_",
 )
 
 

@@ -47,7 +47,7 @@ from vlmrl.rollout.engine import SamplingParams
 from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner
 from vlmrl.rollout.vllm_engine import METRIC
 from vlmrl.tokens.qwen_vl import QwenVLBuilder
-from vlmrl.train.logprobs import collate, sequence_logprobs
+from vlmrl.train.logprobs import collate, prompt_logprobs, sequence_logprobs
 from vlmrl.types import (
     EnginePrompt,
     Generation,
@@ -174,17 +174,8 @@ def test_tool_image_response_is_sampled_through_vllm(setup):
     worst = 0.0
     for gen in gens:
         prompt = EnginePrompt(seq.ids + list(gen.token_ids), seq.images, seq.vision_parts)
-        ids = torch.tensor(prompt.token_ids)
-        sample = Sample(
-            input_ids=ids,
-            loss_mask=torch.ones_like(ids),
-            old_logprobs=torch.zeros(len(ids)),
-            advantage=0.0,
-            vision=prompt.vision,
-            mm_token_type_ids=(ids == b.image_token_id).long(),
-        )
-        with torch.no_grad():
-            lp = sequence_logprobs(setup.model, sample, TEMPERATURE)[-len(gen.token_ids) :]
+        with torch.no_grad():  # the trainer's forward (`sequence_logprobs`) on the ids and images vLLM saw
+            lp = prompt_logprobs(setup.model, prompt, b.image_token_id, TEMPERATURE)[-len(gen.token_ids) :]
         worst = max(worst, float((lp - torch.tensor(gen.logprobs)).abs().max()))
     assert worst < TOL
 
