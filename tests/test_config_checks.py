@@ -221,10 +221,15 @@ def _cli(*args: str, env: dict | None = None, timeout: float = 300) -> tuple[sub
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "override",
-    ["rollout.engine=sglang", "trainer.micro_batch_size=0", "recipe=../../x", "rollout.vllm.weight_sync=ipc"],
+    [
+        "rollout.engine=sglang",
+        "trainer.micro_batch_size=0",
+        "recipe=../../x",
+        "rollout=vllm rollout.vllm.weight_sync=ipc",  # checked only for rollout.engine=vllm (vLLM is not needed)
+    ],
 )
 def test_cli_config_errors_come_before_any_model_load(tmp_path, override):
-    args = ["train", "recipe=geometry3k_tiny", f"logging.output_dir={tmp_path / 'run'}", override]
+    args = ["train", "recipe=geometry3k_tiny", f"logging.output_dir={tmp_path / 'run'}", *override.split()]
     proc, seconds = _cli(*args)
     assert proc.returncode == 2 and "config error" in proc.stderr and "Traceback" not in proc.stderr
     assert len([ln for ln in proc.stderr.splitlines() if ln.strip()]) == 1, proc.stderr
