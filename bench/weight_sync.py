@@ -53,23 +53,23 @@ def _perturb(model: torch.nn.Module, seed: int) -> None:
             p.add_(torch.randn(p.shape, generator=gen) * 1e-3)
 
 
-def bench_model(name: str, repeats: int) -> list[dict]:
-    """One row per route for model `name`: MB, median sync seconds, MB written per sync."""
+def bench_model(name: str, repeats: int, routes: tuple[str, ...] = ROUTES) -> list[dict]:
+    """One row per route of `routes` for model `name`: MB, median sync seconds, MB written per sync."""
     model = tiny_vllm_model(seed=0, **MODELS[name])
     processor = load_processor("qwen2_5_vl", "tiny:qwen2_5_vl")
     builder = QwenVLBuilder(processor, family="qwen2_5_vl")
     engines = {}
-    for route in ROUTES:
+    for route in routes:
         engine = "sync" if route == "direct" else "async"  # direct: vllm.LLM in this process, the floor
         vllm = VLLMConfig(weight_sync=route, kv_cache_gb=0.25, colocate_engine=engine)
         cfg = RolloutConfig(engine="vllm", max_context_tokens=1024, vllm=vllm)
         engines[route] = make_engine(cfg, lambda: contextlib.nullcontext(model), processor, builder)
-    times: dict[str, list[float]] = {r: [] for r in ROUTES}
-    writes: dict[str, list[int]] = {r: [] for r in ROUTES}
+    times: dict[str, list[float]] = {r: [] for r in routes}
+    writes: dict[str, list[int]] = {r: [] for r in routes}
     try:
         for rep in range(-1, repeats):  # -1: a warm-up sync, not counted (first buffers, first file)
             _perturb(model, rep)
-            order = ROUTES[rep % len(ROUTES) :] + ROUTES[: rep % len(ROUTES)]
+            order = routes[rep % len(routes) :] + routes[: rep % len(routes)]
             for route in order:
                 before, t0 = _written(), time.perf_counter()
                 with torch.no_grad():
@@ -77,7 +77,7 @@ def bench_model(name: str, repeats: int) -> list[dict]:
                 if rep >= 0:
                     times[route].append(time.perf_counter() - t0)
                     writes[route].append(_written() - before)
-            check = {r: engines[r].check_weights() for r in ROUTES}
+            check = {r: engines[r].check_weights() for r in routes}
             assert all(d < 1e-4 for d in check.values()), check  # both engines hold the trainer's weights
     finally:
         for engine in engines.values():
@@ -92,7 +92,7 @@ def bench_model(name: str, repeats: int) -> list[dict]:
             "sync_s": statistics.median(times[route]),
             "written_mb": statistics.median(writes[route]) / 1e6,
         }
-        for route in ROUTES
+        for route in routes
     ]
 
 

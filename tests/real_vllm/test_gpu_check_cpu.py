@@ -1,6 +1,8 @@
 """`make gpu-check`'s rows on this CPU (`python -m vlmrl.checks.gpu --device cpu`), so its code runs in every CI:
 the trainer bf16 row, the shm and file routes (digests equal, sampled logprobs vs the trainer's), and the 2-step
-trains (transformers engine, rollout=vllm); the CUDA-only rows (cuda, ipc, sleep, nccl) say they are skipped."""
+trains: the transformers engine, and `vlmrl train recipe=geometry3k_tiny rollout=vllm` on real diagrams (4
+trajectories with their images, every weight-sync check within 1e-4, the shm route recorded in config.yaml); the
+CUDA-only rows (cuda, ipc, sleep, nccl) say they are skipped."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ def test_gpu_check_rows_pass_on_cpu():
     print("\n" + "\n".join(table))
     result = {ln.split("│")[1].strip(): ln.split("│")[2].strip() for ln in table}
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "weight_sync shm" in proc.stdout  # the route `auto` took, as the run's config.yaml records it
     assert result == {
         "cuda": "skip",
         "trainer bf16": "ok",

@@ -281,7 +281,8 @@ def _vllm_server(folder: Path) -> Iterator[str]:
 
 
 def train_row(b: Bench, *extra: str) -> str:
-    """2 steps of `vlmrl train recipe=geometry3k_tiny` in a subprocess on `b.device`; `extra` overrides."""
+    """2 steps of `vlmrl train recipe=geometry3k_tiny` in a subprocess on `b.device` (`extra`: overrides): 2 rows of
+    metrics, 4 trajectories with their diagram, and with vLLM every weight-sync check within the tolerance."""
     with tempfile.TemporaryDirectory(prefix="vlmrl-gpu-check-") as tmp:
         out = Path(tmp) / "run"
         cmd = [
@@ -294,6 +295,7 @@ def train_row(b: Bench, *extra: str) -> str:
         if proc.returncode != 0:
             raise RuntimeError(f"exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}")
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        trajectories = len((out / "trajectories.jsonl").read_text().splitlines())
         route = next(
             (
                 ln.split(":")[1].strip()
@@ -302,9 +304,14 @@ def train_row(b: Bench, *extra: str) -> str:
             ),
             "-",
         )
-    if [r["step"] for r in rows] != [1, 2]:
-        raise RuntimeError(f"metrics.jsonl has steps {[r['step'] for r in rows]}")
-    sync = rows[-1].get("sync/max_abs_dlogprob")
+    if [r["step"] for r in rows] != [1, 2] or trajectories != 4:
+        raise RuntimeError(f"metrics.jsonl has steps {[r['step'] for r in rows]}, {trajectories} trajectories (not 4)")
+    if any(r["images_per_episode"] < 1 for r in rows):
+        raise RuntimeError("episodes without their diagram")
+    syncs = [r["sync/max_abs_dlogprob"] for r in rows if "sync/max_abs_dlogprob" in r]
+    if any(d > _tolerance(b) for d in syncs):
+        raise RuntimeError(f"vLLM's logprobs after a weight sync differ from the trainer's by {max(syncs):.3g}")
+    sync = max(syncs) if syncs else None
     return f"2 steps, {rows[-1].get('step_s', 0.0):.1f} s/step" + (
         f"; weight_sync {route}, sync check {sync:.1e}" if sync is not None else ""
     )
