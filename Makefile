@@ -91,3 +91,4 @@ bench: setup
 	$(BIN)/python bench/token_building.py
 	$(BIN)/python bench/rollout.py
 	$(BIN)/python bench/pixel_memory.py
+	$(MALLOC_ENV) $(BIN)/python bench/update.py

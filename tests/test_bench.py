@@ -1,5 +1,5 @@
-"""The benches run (tiny sizes), so they cannot rot: bench/rollout.py and bench/token_building.py produce their
-tables with every column and sane numbers."""
+"""The benches run (tiny sizes), so they cannot rot: bench/rollout.py, bench/token_building.py, bench/pixel_memory.py
+and bench/update.py produce their tables with every column and sane numbers."""
 
 from __future__ import annotations
 
@@ -71,3 +71,23 @@ def test_pixel_memory_bench_small():
     text = _render(bench.table(rows))
     header = next(line for line in text.splitlines() if "case" in line)
     assert "peak" in text and "processor" in text and header
+
+
+@pytest.mark.slow
+def test_update_bench_small(tmp_path):
+    """bench/update.py on 1 small geometry3k_tiny step: ZeRO-2 runs as stage 0 at one rank, every part of both
+    updates is timed, and the floor's first loss equals the trainer's (same weights, same batch: the same work)."""
+    bench = _load("update")
+    small = ["data.limit=2", "trainer.batch_size=1", "rollout.max_new_tokens=4", "trainer.align_every=0"]
+    row = bench.measure("geometry3k_tiny", steps=1, repeats=1, overrides=small)
+    assert row["zero_stage"] == 0 and row["samples"] >= 4 and row["loss_tokens"] > 0
+    assert row["first_loss"]["floor"] == pytest.approx(row["first_loss"]["vlmrl"], abs=1e-5)
+    for who in ("vlmrl", "floor"):
+        assert all(row[f"{who}_{k}"] > 0 for k in ("total", "forward", "backward", "optimizer"))
+    assert 0.3 < row["ratio"] < 5
+    text = _render(bench.table([row], 1))
+    for col in ("recipe", "ZeRO", "forward", "backward", "optimizer", "vlmrl/floor"):
+        assert col in text
+    kernels = bench.measure_kernels(rows=(4, 8), repeats=1, vocab=1000)
+    assert [k["rows"] for k in kernels] == [4, 8] and all(k["fused_s"] > 0 and k["selective_s"] > 0 for k in kernels)
+    assert "selective/fused" in _render(bench.kernel_table(kernels))

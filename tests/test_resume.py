@@ -239,7 +239,9 @@ def test_trainer_skips_a_non_finite_update(qwen25_model, stage):
 
     from vlmrl.train.trainer import GRPOTrainer, TrainerSettings
 
-    trainer = GRPOTrainer(copy.deepcopy(qwen25_model).train(), TrainerSettings(zero_stage=stage, lr=1e-3))
+    trainer = GRPOTrainer(
+        copy.deepcopy(qwen25_model).train(), TrainerSettings(zero_stage=stage, lr=1e-3, partition_one_rank=True)
+    )
     before = {k: v.clone() for k, v in trainer.full_state_dict().items()}
     bad = trainer.train_step([image_sample(50, n_gen=4, advantage=math.nan), image_sample(51, n_gen=4)])
     assert bad.skipped and not math.isfinite(bad.loss)

@@ -248,10 +248,20 @@ def _size(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
-def test_space_estimate_covers_a_real_checkpoint(trainer, qwen25_processor, tmp_path):
+@pytest.mark.parametrize("partition", [False, True], ids=["zero2-as-stage0", "zero2-partitioned"])
+def test_space_estimate_covers_a_real_checkpoint(qwen25_model, qwen25_processor, tmp_path, partition):
+    """ZeRO-0 keeps no fp32 master copy of fp32 weights (torch AdamW steps them in place), ZeRO-2 does."""
+    from test_trainer import image_sample
+
+    from vlmrl.train.trainer import GRPOTrainer, TrainerSettings
+
+    settings = TrainerSettings(zero_stage=2, lr=1e-3, partition_one_rank=partition)
+    trainer = GRPOTrainer(copy.deepcopy(qwen25_model).train(), settings)
+    trainer.train_step([image_sample(50, n_gen=4), image_sample(51, n_gen=4, advantage=-1.0)])  # Adam moments exist
+    assert trainer.master_weights is partition
     folder = checkpoint.save(trainer, tmp_path, 1, {"step": 1}, processor=qwen25_processor, config_yaml="a: 1\n")
     real = _size(folder)
-    estimate = checkpoint.estimate_bytes(trainer.module)
+    estimate = checkpoint.estimate_bytes(trainer.module, trainer.master_weights)
     print(f"checkpoint: {real / 1e6:.1f} MB written, {estimate / 1e6:.1f} MB estimated")
     assert real <= estimate <= 1.6 * real
     assert checkpoint.checkpoint_bytes(folder) == real - (folder / "state.json").stat().st_size

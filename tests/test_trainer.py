@@ -200,11 +200,16 @@ def test_zero2_step_moves_loss_and_updates_language_and_vision(fresh_model):
 
 
 def test_zero_stages_agree(qwen25_model):
-    """ZeRO-0 (plain data parallel), 1, 2 and 3 take the same first step (same loss, same gradient norm)."""
+    """ZeRO-0 (plain data parallel), 1, 2 and 3 take the same first step (same loss, same gradient norm); 1-3
+    partitioned at one rank (`partition_one_rank`; by default they run as stage 0 there)."""
     samples = [image_sample(30 + i, n_gen=4, advantage=a) for i, a in enumerate([1.0, -1.0])]
     results = []
     for stage in (0, 1, 2, 3):
-        stats = _trainer(copy.deepcopy(qwen25_model).train(), zero_stage=stage, max_grad_norm=1.0).train_step(samples)
+        trainer = _trainer(
+            copy.deepcopy(qwen25_model).train(), zero_stage=stage, max_grad_norm=1.0, partition_one_rank=True
+        )
+        assert trainer.engine.zero_optimization_stage() == stage
+        stats = trainer.train_step(samples)
         results.append((stats.loss, stats.grad_norm))
     for loss, norm in results[1:]:
         assert loss == pytest.approx(results[0][0], rel=1e-5) and norm == pytest.approx(results[0][1], rel=1e-4)
@@ -213,7 +218,7 @@ def test_zero_stages_agree(qwen25_model):
 def test_zero3_step_kl_policy_and_checkpoint_roundtrip(fresh_model, tmp_path):
     from transformers import AutoModelForImageTextToText
 
-    trainer = _trainer(fresh_model, zero_stage=3, micro_batch_size=1, kl_coef=0.05)
+    trainer = _trainer(fresh_model, zero_stage=3, micro_batch_size=1, kl_coef=0.05, partition_one_rank=True)
     samples = [image_sample(40 + i, n_gen=4, advantage=a) for i, a in enumerate([1.0, -1.0])]
     first, second = trainer.train_step(samples), trainer.train_step(samples)
     assert first.kl == pytest.approx(0.0, abs=1e-7) and second.kl > 0  # the reference is the initial policy

@@ -284,15 +284,24 @@ def load(trainer: Any, folder: Path) -> dict:
     return state
 
 
-def estimate_bytes(module: torch.nn.Module, overhead: int = 64 * 2**20) -> int:
+def zero_partitioned(folder: Path) -> bool:
+    """True when the DeepSpeed checkpoint in `folder` holds ZeRO-partitioned optimizer state
+    (`zero_pp_rank_*_optim_states.pt`, stages 1-3): it loads only into an engine of such a stage, so a resumed run
+    keeps its stage even at one rank (`TrainerSettings.partition_one_rank`)."""
+    return any(Path(folder).glob("step*/zero_pp_rank_*_optim_states.pt"))
+
+
+def estimate_bytes(module: torch.nn.Module, master_weights: bool = True, overhead: int = 64 * 2**20) -> int:
     """An upper estimate of one checkpoint of `module` (bytes): HF weights (`hf/model.safetensors`) + DeepSpeed's
-    module weights (`mp_rank_*_model_states.pt`), each at the parameters' own dtype, + 12 bytes per parameter of
-    optimizer state (fp32 master weights + two fp32 Adam moments: DeepSpeed ZeRO keeps all three, under fp32 too),
-    + `overhead` for the processor files (a tokenizer.json is up to ~35 MB), RNG states and config, + 5%.
-    Measured on the tiny Qwen2.5-VL (fp32, ZeRO-2): 209 MB written, 278 MB estimated (tests/test_runfolder.py)."""
+    module weights (`mp_rank_*_model_states.pt`), each at the parameters' own dtype, + the optimizer state: two fp32
+    Adam moments (8 bytes per parameter) and, with `master_weights` (ZeRO-1/2/3, or bf16 training: the optimizer
+    steps an fp32 copy; `GRPOTrainer.master_weights`), that copy's 4 more; + `overhead` for the processor files (a
+    tokenizer.json is up to ~35 MB), RNG states and config, + 5%.
+    Measured on the tiny Qwen2.5-VL (fp32): 209 MB written, 278 MB estimated under ZeRO-2; 170 MB and 236 MB under
+    ZeRO-0 (tests/test_runfolder.py)."""
     numel = sum(int(getattr(p, "ds_numel", p.numel())) for p in module.parameters())
     weight_bytes = sum(int(getattr(p, "ds_numel", p.numel())) * p.element_size() for p in module.parameters())
-    return int(1.05 * (2 * weight_bytes + 12 * numel + overhead))
+    return int(1.05 * (2 * weight_bytes + (12 if master_weights else 8) * numel + overhead))
 
 
 def checkpoint_bytes(folder: Path) -> int:

@@ -227,9 +227,11 @@ def build_job(cfg: Config, plan: ResumePlan | None = None) -> Job:
     off_policy = cfg.algorithm.off_policy_steps > 0
     behaviour = BehaviourWeights(model) if off_policy and cfg.rollout.engine == "transformers" else None
     settings = TrainerSettings.from_config(cfg.trainer, trainer_algorithm(cfg), cfg.rollout.temperature)
+    if plan is not None and plan.checkpoint and checkpoint.zero_partitioned(plan.checkpoint):
+        settings = dataclasses.replace(settings, partition_one_rank=True)  # its optimizer state is ZeRO's
     trainer = GRPOTrainer(model, settings, family=cfg.model.family)
     if files and not needed:
-        files.check_space(checkpoint.estimate_bytes(trainer.module))
+        files.check_space(checkpoint.estimate_bytes(trainer.module, trainer.master_weights))
     if behaviour is not None:
         behaviour.publish(trainer.policy)  # the trainer's device and dtype
     runner, builder = build_runner(cfg, behaviour or trainer.policy, processor)

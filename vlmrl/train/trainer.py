@@ -26,7 +26,13 @@ is its masked-token sum divided by N / W (N = loss tokens of the whole step over
 averages gradients over ranks, so the step's gradient is that of sum(all tokens) / N.
 ZeRO-3 needs every rank to run the same number of forwards: ranks with fewer micro-batches run zero-weight ones.
 
-Optimizer: torch AdamW through the DeepSpeed config (`torch_adam: true`; DeepSpeedCPUAdam would JIT-compile ~74 s).
+ZeRO at one rank: ZeRO-1/2/3 run as stage 0, or stage 1 in bf16 (`vlmrl.train.settings.effective_zero_stage`:
+nothing to partition, and stage 2's gradient hooks cost 0.1-0.15 s of a 0.6 s step on 2 CPU cores), unless the user's
+DeepSpeed JSON sets the stage, offloads, or the run resumes a checkpoint written partitioned; `self.cfg.zero_stage`
+is the stage the engine runs.
+
+Optimizer: torch AdamW through the DeepSpeed config (`torch_adam: true`; DeepSpeedCPUAdam would JIT-compile ~74 s),
+its fused kernel where torch has one for the device (`vlmrl.train.settings.with_fused_adam`).
 ZeRO-3 partitions an ordinary (fully built) model at `deepspeed.initialize`; building under an `HfDeepSpeedConfig`
 (zero.Init) is only needed for models too big for one rank (see `hf_deepspeed_config`).
 """
@@ -36,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import logging
 import math
 import time
 from dataclasses import asdict, dataclass, fields
@@ -65,6 +72,8 @@ from vlmrl.types import Sample
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+
+log = logging.getLogger(__name__)
 
 STEP_VECTOR: tuple[str, ...] = ("loss", *(f.name for f in fields(LossStats)))
 """The names of the entries of `GRPOTrainer.accumulate_gradients`' vector, in order: the loss, then `LossStats`."""
@@ -164,6 +173,13 @@ class GRPOTrainer:
             bf16 = next(model.parameters()).dtype == torch.bfloat16
             self.cfg = dataclasses.replace(self.cfg, dtype="bf16" if bf16 else "fp32")
         dist.init_distributed()
+        if _is_partitioned(model):  # built under zero.Init: only ZeRO-3 takes it
+            self.cfg = dataclasses.replace(self.cfg, partition_one_rank=True)
+        ds_config = load_deepspeed_config(self.cfg, world_size(), deepspeed.get_accelerator().device_name())
+        stage = int(ds_config["zero_optimization"]["stage"])  # stage 0 at one rank; a user JSON may choose it
+        if stage < self.cfg.zero_stage and world_size() == 1:
+            log.info("ZeRO-%d runs as stage %d: one rank has nothing to partition", self.cfg.zero_stage, stage)
+        self.cfg = dataclasses.replace(self.cfg, zero_stage=stage)
         torch.manual_seed(self.cfg.seed + dist.rank())  # ranks sample different rollouts
         self.ref_model = self._make_reference(model, ref_model) if self.cfg.kl_coef > 0 else None
         if self.cfg.gradient_checkpointing:  # non-reentrant: works with frozen inputs (LoRA, frozen vision)
@@ -171,9 +187,6 @@ class GRPOTrainer:
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
         params = [p for p in model.parameters() if p.requires_grad]
-        ds_config = load_deepspeed_config(self.cfg)
-        stage = int(ds_config.get("zero_optimization", {}).get("stage", self.cfg.zero_stage))
-        self.cfg = dataclasses.replace(self.cfg, zero_stage=stage)  # a user JSON may choose the stage
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, model_parameters=params, config=ds_config, lr_scheduler=self._make_scheduler
         )
@@ -224,6 +237,12 @@ class GRPOTrainer:
     def step(self) -> int:
         """Optimizer steps taken (restored by `load_checkpoint`)."""
         return int(self.engine.global_steps)
+
+    @property
+    def master_weights(self) -> bool:
+        """True when the optimizer steps its own fp32 copy of the weights (ZeRO-1/2/3, or bf16 training), False for
+        ZeRO-0 over fp32 weights, which torch AdamW steps in place (checkpoint size: `vlmrl.checkpoint`)."""
+        return self.cfg.zero_stage > 0 or self.cfg.dtype == "bf16"
 
     @property
     def module(self) -> torch.nn.Module:
@@ -398,8 +417,17 @@ class GRPOTrainer:
     def load_checkpoint(self, directory: str | Path, tag: str | None = None) -> dict:
         """Restore weights, optimizer and step from `save_checkpoint(directory)` (latest tag by default).
 
-        Returns the client state saved with it. Collective.
+        Returns the client state saved with it. Collective. Raises ValueError for a checkpoint with ZeRO-partitioned
+        optimizer state when this engine runs stage 0 (build the trainer with `partition_one_rank=True`, as
+        `vlmrl.run.build_job` does on resume; DeepSpeed itself fails with an AttributeError).
         """
+        from vlmrl.checkpoint import zero_partitioned
+
+        if self.cfg.zero_stage == 0 and zero_partitioned(Path(directory)):
+            raise ValueError(
+                f"{directory} holds ZeRO-partitioned optimizer state and this trainer runs ZeRO stage 0: build it with "
+                "TrainerSettings(partition_one_rank=True) to load it"
+            )
         path, client_state = self.engine.load_checkpoint(str(directory), tag=tag)
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint in {directory}")
