@@ -1,6 +1,6 @@
 """Two-rank GRPO steps on a tiny Qwen2.5-VL with gloo: exact gradients across ranks, identical params after.
 
-    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node 2 tests/scripts/two_rank_step.py --stages 2 3
+    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node 2 tests/scripts/two_rank_step.py --stages 1 2 3
 
 Rank 0 trains on 3 samples, rank 1 on 1 (uneven: ZeRO-3 needs the trainer's zero-weight padding micro-batches).
 Per stage: (1) the DeepSpeed gradient of the step equals plain torch's full-batch gradient over all 4 samples
@@ -86,6 +86,7 @@ def run_stage(stage: int, options: dict) -> None:
         model,
         TrainerSettings(zero_stage=stage, micro_batch_size=1, lr=1e-3, max_grad_norm=0.0, clip_eps_high=0.2, **options),
     )
+    assert trainer.engine.zero_optimization_stage() == stage  # several ranks: the configured stage, partitioned
     mine = everything[:3] if trainer.rank == 0 else everything[3:]
     trainer.engine.train()
     _, num_tokens, num_samples = trainer.accumulate_gradients(mine)
