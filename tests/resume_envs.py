@@ -2,12 +2,15 @@
 
 `scored`: Geometry3K prompts, but the reward is a deterministic function of the reply's text (so a tiny random model
 gets non-zero GRPO advantages, real losses and real updates, and two runs can be compared number for number).
-`VLMRL_TEST_NAN_GROUPS="1,3"`: the first episode of the 2nd and 4th GRPO group this process starts gets a NaN reward.
+`VLMRL_TEST_NAN_GROUPS="1,3"`: the first episode of the 2nd and 4th GRPO group this process starts gets a NaN reward
+(or `VLMRL_TEST_BAD_REWARD`, e.g. 1e30). `VLMRL_TEST_WAIT_FOR=<path>`: every step waits (up to 120 s) until that file
+exists, so a test can hold a run mid-way while another process races it.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 from vlmrl.envs.base import StepResult
 from vlmrl.envs.geometry3k import Geometry3KEnv
@@ -30,5 +33,9 @@ class ScoredEnv(Geometry3KEnv):
         return super().reset(task)
 
     def step(self, assistant_text: str, turn: int, last_turn: bool) -> StepResult:
-        reward = float("nan") if self.nan else (sum(assistant_text.encode()) % 7) / 6
+        wait, deadline = os.environ.get("VLMRL_TEST_WAIT_FOR"), time.monotonic() + 120
+        while wait and not os.path.exists(wait) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        bad = float(os.environ.get("VLMRL_TEST_BAD_REWARD", "nan"))
+        reward = bad if self.nan else (sum(assistant_text.encode()) % 7) / 6
         return StepResult(reward, True, [], {"formatted": 0.0})

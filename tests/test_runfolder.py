@@ -122,10 +122,11 @@ def test_two_concurrent_train_runs_then_a_torn_middle_line_and_resume(tmp_path, 
         f"logging.output_dir={out}",
         "logging.progress=false",
     ]
+    go = tmp_path / "go"  # run A's environment waits for it: A still holds the folder when B starts
     first = subprocess.Popen(
         [sys.executable, str(SCRIPT), *args, "trainer.steps=3"],
         cwd=ROOT,
-        env=_env(),
+        env={**_env(), "VLMRL_TEST_WAIT_FOR": str(go)},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -142,6 +143,7 @@ def test_two_concurrent_train_runs_then_a_torn_middle_line_and_resume(tmp_path, 
         text=True,
         timeout=300,
     )
+    go.touch()
     _, first_err = first.communicate(timeout=600)
     assert first.returncode == 0, first_err[-3000:]
     assert second.returncode == 1, second.stderr[-3000:]
