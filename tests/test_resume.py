@@ -222,8 +222,12 @@ def test_nonfinite_episode_ids():
         NS(task_id="a", group=0, reward=1.0, advantage=0.5, turns=[NS(reward=1.0)]),
         NS(task_id="a", group=0, reward=0.0, advantage=math.nan, turns=[NS(reward=math.nan)]),
         NS(task_id="b", group=1, reward=math.inf, advantage=0.0, turns=[]),
+        NS(task_id="b", group=1, reward=1e30, advantage=0.0, turns=[NS(reward=1e30)]),  # absurd (issue 25)
+        NS(task_id="b", group=1, reward=0.0, advantage=0.0, turns=[NS(reward=-2e6), NS(reward=0.0)]),
+        NS(task_id="b", group=1, reward=1e6, advantage=0.0, turns=[NS(reward=-1e6)]),  # at the bound: usable
+        NS(task_id="c", group=2, reward=None, advantage=0.0, turns=[]),  # not a number
     ]
-    assert nonfinite_episodes(trajs) == ["a/1", "b/0"]
+    assert nonfinite_episodes(trajs) == ["a/1", "b/0", "b/1", "b/2", "c/0"]
 
 
 # ----------------------------------------------------------------------------------------------- the trainer guard
@@ -253,15 +257,18 @@ def test_trainer_skips_a_non_finite_update(qwen25_model, stage):
 
 
 @pytest.mark.slow
-def test_nan_rewards_skip_updates_and_a_bad_streak_stops_the_run(tmp_path, monkeypatch, caplog):
-    """NaN rewards in steps 1, 3 and 4: each update skipped and counted, the run goes on after step 1; after 2 bad
-    steps in a row (trainer.max_bad_steps=2) it stops with its last good checkpoint (step 2) intact."""
+@pytest.mark.parametrize("bad", ["nan", "1e30"])
+def test_nan_rewards_skip_updates_and_a_bad_streak_stops_the_run(tmp_path, monkeypatch, caplog, bad):
+    """NaN (or absurd: 1e30 > REWARD_BOUND) rewards in steps 1, 3 and 4: each update skipped and counted, the run
+    goes on after step 1; after 2 bad steps in a row (trainer.max_bad_steps=2) it stops with its last good
+    checkpoint (step 2) intact."""
     import resume_envs
 
     from vlmrl.resume import TooManyBadSteps
     from vlmrl.run import train
 
     monkeypatch.setenv("VLMRL_TEST_NAN_GROUPS", "0,2,3")
+    monkeypatch.setenv("VLMRL_TEST_BAD_REWARD", bad)
     resume_envs.GROUPS.update(count=-1, last_task=None)
     out = tmp_path / "run"
     cfg = _cfg(
@@ -282,10 +289,12 @@ def test_nan_rewards_skip_updates_and_a_bad_streak_stops_the_run(tmp_path, monke
     rows = _lines(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert [r["skipped"] for r in rows] == [1, 0, 1, 1] and [r["skipped_steps"] for r in rows] == [1, 1, 2, 3]
-    assert rows[0]["reward_mean"] is None and "loss" not in rows[0]  # NaN is written as null; no update attempted
+    assert (rows[0]["reward_mean"] is None) == (bad == "nan") and "loss" not in rows[0]  # NaN: null; no update
     assert math.isfinite(rows[1]["loss"]) and rows[1]["grad_norm"] > 0
     task = next(t for t in _lines(out / "trajectories.jsonl") if t["step"] == 3)["task_id"]
-    assert f"step 3: update skipped: non-finite reward or advantage in episode(s) {task}/0" in caplog.text
+    assert f"step 3: update skipped: non-finite reward or advantage (or |reward| > 1e+06) in episode(s) {task}/0" in (
+        caplog.text
+    )
     root = out / "checkpoints"
     assert (root / "latest").read_text().strip() == "step_2"
     assert [s for s, _ in checkpoint.complete_checkpoints(root)] == [2]  # no checkpoint of a bad step, none at the end

@@ -13,6 +13,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,11 @@ TOOLS = {
             h.allocate,
             h.fill_tmp,
             h.leave_thread,
+            h.million_items,
+            h.fake_frame,
+            h.fake_image_frame,
+            h.spawn_sleepers,
+            h.write_root,
             calculate,
         ],
     )
@@ -267,3 +273,88 @@ def test_a_worker_process_imports_neither_hydra_nor_torch():
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_a_result_of_a_million_items_is_cut_to_the_cap(rt):
+    """Issue 25: 10^6 empty strings ran 35 s under timeout_s=3 and wrote a 30 MB trajectory line; now the worker and
+    the trainer keep MAX_RESULT_ITEMS items and say the rest were left out."""
+    from vlmrl.tools.results import MAX_RESULT_ITEMS, items_from_blocks
+
+    start = time.monotonic()
+    stats = ToolStats()
+    turn = rt.run(rt.parse(call("million_items")), TOOLS, stats)
+    assert time.monotonic() - start < 10.0 and turn.errors == [""] and stats.ok == 1  # was 35 s
+    (message,) = turn.messages
+    assert len(message.content) <= MAX_RESULT_ITEMS + 1
+    assert f"more than {MAX_RESULT_ITEMS} items: the rest are not shown" in message.text_content
+    with pytest.raises(ValueError, match="content blocks"):  # a worker that ignores the cap is malformed
+        items_from_blocks([{"type": "text", "text": ""}] * (MAX_RESULT_ITEMS + 2))
+
+
+@pytest.mark.parametrize("forged", ["fake_frame", "fake_image_frame"])
+def test_a_forged_reply_frame_fails_its_own_call_and_the_next_call_gets_its_own_answer(rt, forged):
+    """Issue 25: tool code that writes a reply frame (with the request's nonce, read from the worker's stack) into
+    the worker's reply pipe. Before, its worker was desynchronised: every later call got the previous call's reply,
+    counted ok (a fake image frame made the next innocent call time out). Now the extra frame fails the forging call
+    once, as a crash, its worker is replaced, and the next calls get their own answers."""
+    texts, errors, stats = run(rt, call(forged))
+    assert errors == ["crash"] and stats.failures == {"crash": 1} and stats.ok == 0
+    assert "wrote into its worker's reply channel" in texts[0]
+    for expression, want in (("6*7", "42"), ("2+3", "5")):
+        texts, errors, _ = run(rt, call("calculate", expression=expression))
+        assert texts == [want] and errors == [""]
+
+
+def test_nothing_a_call_starts_outlives_it_and_processes_are_capped(rt):
+    """Issue 25: 300 forked children outlived their call in a pooled worker. Now a sandboxed worker kills every
+    other process of its pid namespace when a call ends, and RLIMIT_NPROC stops a fork bomb (for a trainer that
+    does not run as root: uid 0 is exempt)."""
+    from vlmrl.tools.worker import MAX_PROCESSES
+
+    texts, errors, _ = run(rt, call("spawn_sleepers", n=10))
+    assert errors == [""] and texts == ["started 10"]
+    for w in rt.executor.pool._idle:  # bwrap's init and the worker, nothing else
+        assert len(h.descendants(w.proc.pid)) <= 2, h.descendants(w.proc.pid)
+    texts, errors, _ = run(rt, call("spawn_sleepers", n=300))
+    started = int(texts[0].split()[1].rstrip(","))
+    assert errors == [""], texts
+    if os.geteuid() != 0:  # the kernel exempts host uid 0 from RLIMIT_NPROC, even inside a user namespace
+        assert started < MAX_PROCESSES and "BlockingIOError" in texts[0], texts
+    for w in rt.executor.pool._idle:
+        assert len(h.descendants(w.proc.pid)) <= 2, h.descendants(w.proc.pid)
+    assert_trainer_fine(rt)
+
+
+def test_the_sandbox_root_is_read_only(rt):
+    """Issue 25: the root bwrap builds is an uncapped tmpfs (900 MiB written in 0.5 s, in host memory)."""
+    texts, errors, _ = run(rt, call("write_root", megabytes=64))
+    assert errors == [""] and texts[0].startswith("blocked: OSError") and "Read-only file system" in texts[0]
+
+
+def _never() -> str:
+    """Never runs."""
+    return ""
+
+
+def test_a_module_that_hangs_on_import_costs_one_start_up_timeout(monkeypatch, sandbox):
+    """Issue 25: a tool module that hangs on import (tests/tools_hang_import.py) blocked 120 s on every call under
+    timeout_s=3. Its import now times out once (IMPORT_TIMEOUT_S, 2 s here) and later calls fail at once,
+    counted as timeouts."""
+    from vlmrl.tools import process
+
+    fn = types.FunctionType(_never.__code__, {}, "never")  # a tool of that module (its body never runs here)
+    fn.__module__, fn.__qualname__, fn.__doc__, fn.__annotations__ = (
+        "tools_hang_import",
+        "never",
+        _never.__doc__,
+        {"return": str},
+    )
+    monkeypatch.setattr(process, "IMPORT_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(process, "HUNG_IMPORTS", set())
+    rt = ToolRuntime(P, ToolLimits(timeout_s=3.0), sandbox=sandbox)
+    tools = {"never": Tool.from_function(fn)}
+    for limit in (10.0, 1.0):
+        start, stats = time.monotonic(), ToolStats()
+        turn = rt.run(rt.parse(call("never")), tools, stats)
+        assert turn.errors == ["timeout"] and time.monotonic() - start < limit, turn.messages[0].text_content
+    rt.executor.close()

@@ -263,3 +263,110 @@ def descendants(pid: int | None = None) -> list[int]:
         if q == root and p != root:
             out.append(p)
     return out
+
+
+def thin_image() -> object:
+    """Return an image one pixel wide and 5000 high (Qwen-VL's processor refuses an aspect ratio over 200)."""
+    from PIL import Image
+
+    return Image.new("RGB", (1, 5000), (255, 0, 0))
+
+
+def million_items() -> list:
+    """Return a million empty strings."""
+    return [""] * 1_000_000
+
+
+def _reply_channel() -> tuple:
+    """The worker's reply pipe and the current request's nonce, read from the worker's own stack frames."""
+    import sys
+
+    frame = sys._getframe()
+    while frame is not None:
+        if "out" in frame.f_locals and "nonce" in frame.f_locals:
+            return frame.f_locals["out"], frame.f_locals["nonce"]
+        frame = frame.f_back
+    raise RuntimeError("no reply channel found")
+
+
+def _forge(blocks: list) -> None:
+    import json
+    import struct
+
+    out, nonce = _reply_channel()
+    data = json.dumps({"ok": True, "blocks": blocks, "nonce": nonce}).encode()
+    out.write(struct.pack(">Q", len(data)) + data)
+    out.flush()
+
+
+def fake_frame() -> str:
+    """Write a forged reply (with this request's nonce) into the worker's reply pipe, then return normally."""
+    _forge([{"type": "text", "text": "forged"}])
+    return "genuine"
+
+
+def fake_image_frame() -> str:
+    """Write a forged reply holding a malformed image block into the worker's reply pipe."""
+    import base64
+
+    _forge([{"type": "image", "w": 10, "h": 10, "rgb": base64.b64encode(b"xyz").decode()}])
+    return "genuine"
+
+
+def patch_crop() -> str:
+    """Patch Geometry3KToolsEnv.crop in this worker so that later crops return the task's answer."""
+    from vlmrl.envs.geometry3k_tools import Geometry3KToolsEnv
+
+    Geometry3KToolsEnv.crop = lambda self, *a, **k: f"answer={self.task.answer!r} meta={self.task.meta!r}"
+    return "patched"
+
+
+class AnswerProbe:
+    """A per-episode tool object (tools.environment) that reports what of the task its worker received."""
+
+    def reset(self, task) -> str:
+        return f"answer={task.answer!r} meta={sorted(task.meta)}"
+
+    def noop(self) -> str:
+        """Do nothing."""
+        return ""
+
+
+class GradingProbe(AnswerProbe):
+    """The same, for an object that grades and says so (`sees_answer`)."""
+
+    sees_answer = True
+
+
+def spawn_sleepers(n: int) -> str:
+    """Fork children that ignore SIGTERM and sleep for an hour; return how many started.
+
+    Args:
+        n: How many to start.
+    """
+    started = 0
+    for _ in range(n):
+        try:
+            pid = os.fork()
+        except OSError as err:
+            return f"started {started}, then {type(err).__name__}: {err}"
+        if pid == 0:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            time.sleep(3600)
+            os._exit(0)
+        started += 1
+    return f"started {started}"
+
+
+def write_root(megabytes: int) -> str:
+    """Write a file of this many MiB to the filesystem root.
+
+    Args:
+        megabytes: Its size.
+    """
+    try:
+        with open("/big", "wb") as fh:
+            fh.write(b"x" * (megabytes << 20))
+    except OSError as err:
+        return f"blocked: {type(err).__name__}: {err}"
+    return "written"

@@ -5,7 +5,8 @@
   (unless `resume.allow_config_change=true`) or, for `resume=never`, a non-empty folder (unless overwrite).
 - `StopSignals`: the first SIGINT/SIGTERM asks the loop to stop after the current step (or, in one process, abandons
   the step at once while it is still rolling out, since nothing has changed yet); a second one stops immediately.
-- `nonfinite_episodes`: the episodes whose reward or advantage is NaN/inf (their step's update is skipped).
+- `nonfinite_episodes`: the episodes whose reward or advantage is NaN/inf, or whose reward is beyond
+  `vlmrl.rewards.REWARD_BOUND` (their step's update is skipped).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from omegaconf import OmegaConf
 from vlmrl import checkpoint
 from vlmrl.config import ResumeMode
 from vlmrl.jsonl import read_jsonl
+from vlmrl.rewards import REWARD_BOUND, usable_reward
 from vlmrl.runfiles import RunFolderError
 from vlmrl.runlock import LOCK_FILES
 
@@ -237,16 +239,24 @@ def finite(x: Any) -> bool:
 
 
 def nonfinite_episodes(trajs: list[Any]) -> list[str]:
-    """Ids (`<task_id>/<sample>`, sample = index within its GRPO group) of the episodes whose reward, turn rewards
-    or advantage are not finite."""
+    """Ids (`<task_id>/<sample>`, sample = index within its GRPO group) of the episodes whose advantage is not
+    finite, or whose reward or turn rewards are not usable (NaN, inf, or |r| > `vlmrl.rewards.REWARD_BOUND`)."""
     bad: list[str] = []
     seen: dict[Any, int] = {}  # episodes so far per GRPO group
     for traj in trajs:
         k = seen[traj.group] = seen.get(traj.group, -1) + 1
-        values = [traj.reward, traj.advantage, *(t.reward for t in traj.turns)]
-        if not all(finite(v) for v in values):
+        rewards = [traj.reward, *(t.reward for t in traj.turns)]
+        if not (finite(traj.advantage) and all(usable_reward(_number(r)) for r in rewards)):
             bad.append(f"{traj.task_id}/{k}")
     return bad
+
+
+def _number(x: Any) -> Any:
+    """float(x) for a number-like value (numpy or torch scalars), else x."""
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return x
 
 
 class BadStepGuard:
@@ -260,7 +270,10 @@ class BadStepGuard:
         or advantage (no update was attempted, `stats` is None), or the trainer reported a non-finite loss or
         gradient norm (`task_ids`: the step's prompts, all implicated)."""
         if bad_episodes:
-            reason = f"non-finite reward or advantage in episode(s) {', '.join(bad_episodes)}"
+            reason = (
+                f"non-finite reward or advantage (or |reward| > {REWARD_BOUND:g}) in episode(s) "
+                f"{', '.join(bad_episodes)}"
+            )
         elif stats is not None and (stats.skipped or not finite(stats.loss) or not finite(stats.grad_norm)):
             reason = (
                 f"non-finite loss ({stats.loss}) or gradient norm ({stats.grad_norm}) over the episodes of "

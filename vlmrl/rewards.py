@@ -4,10 +4,12 @@
   (Geometry3K's multiple-choice grading lives with its environment: `vlmrl.envs.geometry3k.grading`; GRPO's group
   advantages with the trainer's maths: `vlmrl.train.advantages`.)
 - `episode_reward`: max over turns of r_t * gamma**t (AReaL #931).
+- `usable_reward`: the bound a reward must respect to be trained on (`REWARD_BOUND`).
 """
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 from collections.abc import Sequence
@@ -15,6 +17,11 @@ from collections.abc import Sequence
 MAX_ANSWER_CHARS = 256  # longer boxed contents are not handed to math-verify (UNPARSABLE)
 MATH_VERIFY_TIMEOUT_S = 5  # used only on the main thread (math-verify's timeouts are SIGALRM based)
 _MAX_EXPONENT = 10_000  # sympy exponents above this (or power towers) are refused: verify() would hang
+
+# |reward| above this is a bug in the environment or reward function (GRPO normalises rewards per group, so no
+# designed reward needs the scale; 1e30 or inf poisons the group's mean and std): such an episode, like a NaN one,
+# is counted and its step's update skipped (`vlmrl.resume.nonfinite_episodes`, `BadStepGuard`)
+REWARD_BOUND = 1e6
 
 _BOXED_RE = re.compile(r"\\boxed\s*\{")
 _WRAPPER_RE = re.compile(r"\\(?:text|textbf|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}")
@@ -136,6 +143,13 @@ def math_equal(pred: str, gold: str) -> bool | None:
         return False
     except Exception:  # noqa: BLE001 - math-verify/sympy errors on model output grade as wrong
         return False
+
+
+def usable_reward(value: object) -> bool:
+    """True for a number that is finite and at most `REWARD_BOUND` in magnitude (bools and non-numbers: False)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return math.isfinite(value) and abs(value) <= REWARD_BOUND
 
 
 def episode_reward(turn_rewards: Sequence[float], gamma: float) -> float:

@@ -110,6 +110,8 @@ class EndReason(str, Enum):
 CORRECT = "correct"  # the answer is right: accuracy, first/second_turn_accuracy, pass@k; `Turn.correct` is > 0
 FORMATTED = "formatted"  # the answer has the format asked for (e.g. a \boxed{}): format_rate
 PARSE_FAIL = "parse_fail"  # the answer could not be read: parse_fail_rate
+OBSERVATION_REJECTED = "observation_rejected"  # images of the turn's observation the processor refused (shown as
+# text instead; set by the episode loop, read as `env_observation_rejected`)
 ENV_METRIC_PREFIX = "env_"  # any other key k: `env_<k>`, its mean over the graded turns that report it
 
 
@@ -135,6 +137,7 @@ class ToolFailure(str, Enum):
     MEMORY = "memory"  # the tool ran out of its memory cap (tools.memory_mb)
     TOO_LONG = "too_long"  # the call text was too long, or an image response exceeded max_tool_response_tokens
     TOO_MANY_CALLS = "too_many_calls"  # beyond tools.max_tool_calls for the episode: not run
+    REJECTED = "rejected"  # the result ran but the processor / token builder refused to render it: not shown
 
 
 @dataclass

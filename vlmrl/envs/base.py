@@ -8,6 +8,8 @@ that generates its own tasks (then `data.path` is not read).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar, Generic, TypeVar
@@ -47,6 +49,11 @@ def with_system_prompt(task: Task, system_prompt: str | None) -> list[Message]:
     return messages
 
 
+def public_task(task: Task, public_meta: tuple[str, ...] = ()) -> Task:
+    """`task` as tool code may see it: no answer, and only the `public_meta` keys of its meta (a copy)."""
+    return dataclasses.replace(task, answer="", meta={k: v for k, v in task.meta.items() if k in public_meta})
+
+
 C = TypeVar("C", bound=EnvConfig)
 
 
@@ -57,6 +64,10 @@ class Environment(ABC, Generic[C]):
     classmethods get the config as that type."""
 
     config_class: ClassVar[type[EnvConfig]] = EnvConfig
+    # what this environment's tools (its methods, run in a tool worker) may see of it (`tool_view`): the task's
+    # `answer` never, its `meta` only under these keys; `hidden_attrs` names more attributes that hold answers
+    public_meta: ClassVar[tuple[str, ...]] = ()
+    hidden_attrs: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def build_task(cls, row: Row, cfg: C) -> Task:
@@ -75,6 +86,20 @@ class Environment(ABC, Generic[C]):
     @abstractmethod
     def step(self, assistant_text: str, turn: int, last_turn: bool) -> StepResult:
         """Score the assistant's reply of turn `turn` (0-based); `last_turn` says no further turn is allowed."""
+
+    def tool_view(self) -> "Environment":
+        """The copy of this environment that its tools run against in a worker process: a shallow copy whose
+        `task` (if any) has no answer and only the `public_meta` keys of its meta, without the `hidden_attrs`.
+
+        Tool workers may also run code the model wrote (tools are called with hostile arguments), so nothing that
+        grades the episode is sent there; the environment in the trainer keeps everything."""
+        view = copy.copy(self)
+        task = getattr(self, "task", None)
+        if isinstance(task, Task):
+            view.task = public_task(task, self.public_meta)  # type: ignore[attr-defined]
+        for name in self.hidden_attrs:
+            view.__dict__.pop(name, None)
+        return view
 
     def tools(self) -> list:
         """This episode's tools (`vlmrl.tools.Tool`s, e.g. methods bound to this environment); none by default.

@@ -49,6 +49,7 @@ class Geometry3KToolsEnv(Geometry3KEnv):
     """A Geometry3K episode whose tools act on this episode's diagram."""
 
     config_class = Geometry3KToolsConfig
+    public_meta = ("image_size",)  # crop/zoom see the diagram and its size, never the answer (`tool_view`)
 
     @classmethod
     def build_task(cls, row: Row, cfg: Geometry3KConfig) -> Task:

@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, cast
 
-from vlmrl.envs.base import Environment, StepResult
+from vlmrl.envs.base import Environment, StepResult, public_task
 from vlmrl.tools.isolation import Sandbox
 from vlmrl.tools.objects import RemoteMethod, RemoteObject, _observation, object_class
 from vlmrl.tools.process import WorkerError
@@ -25,7 +25,9 @@ class ToolEnvironment(Environment):
     """`base` plus tools: the public methods of the episode's remote object `obj` (of class `cls`) and `functions`.
 
     reset: base's first messages, then obj.reset(task) (or obj.reset()) output appended to the last user
-    message (a list of Messages is appended as messages); step: base's grading, with the reward replaced by
+    message (a list of Messages is appended as messages); the object gets the task without its answer and with
+    only the base environment's `public_meta` (`public_task`) unless its class sets `sees_answer = True`; step:
+    base's grading, with the reward replaced by
     `obj.reward()` when the class defines it (0 when the call fails).
     """
 
@@ -46,6 +48,8 @@ class ToolEnvironment(Environment):
         if self.obj is None or not callable(reset):
             return messages
         params = list(inspect.signature(reset).parameters)
+        if not getattr(self.cls, "sees_answer", False):  # its worker may run code the model wrote
+            task = public_task(task, getattr(self.base, "public_meta", ()))
         try:
             obs = _observation(self.obj.call("reset", {params[0]: task} if params else {}, "observation"))
         except (WorkerError, ValueError) as err:

@@ -9,6 +9,11 @@ as error messages) and renders the tool messages (loss mask 0); a tool response 
 `max_tool_response_tokens` is dropped whole and ends the episode (trl #5521). Tool turns get reward 0 and do not
 count in the turn discount (max over graded turns t of r_t * gamma**t, t counting graded turns).
 
+Nothing the model can send ends a run: images of the environment's messages (and tool results,
+`vlmrl.tools.results`) are padded to an aspect ratio every processor takes (`vlmrl.image_fit.fit_messages`); what
+the processor or builder still refuses becomes a counted failure, never an exception: a tool result an error message
+(`ToolFailure.REJECTED`), an observation's images a text saying why (the turn's `observation_rejected` metric).
+
 Every episode runs as its own coroutine and awaits the engine; episodes never wait for each other's turns. The
 dispatcher (`batcher.make_dispatcher`, by engine type) either sends whatever is pending to a batch engine in one call
 (`EngineBatcher`) or hands each request to a concurrent engine at once (`ConcurrentDispatcher`: vLLM's AsyncLLM or
@@ -30,6 +35,7 @@ from typing import Callable
 import torch
 
 from vlmrl.envs.base import Environment
+from vlmrl.image_fit import fit_messages
 from vlmrl.rewards import episode_reward
 from vlmrl.rollout.batcher import Dispatcher, make_dispatcher
 from vlmrl.rollout.engine import Engine, GenerateRequest, SamplingParams, derive_seed
@@ -38,9 +44,12 @@ from vlmrl.tools.parsers import get_parser
 from vlmrl.tools.runtime import ToolRuntime
 from vlmrl.tools.spec import Tool, as_tool, check_unique
 from vlmrl.types import (
+    OBSERVATION_REJECTED,
     EndReason,
     Generation,
+    ImagePart,
     Message,
+    Part,
     Role,
     StopReason,
     Task,
@@ -180,7 +189,7 @@ class EpisodeRunner:
     def _start(self, task: Task, group: int, group_size: int) -> list[Episode]:
         """Build the task's prompt once and give each of the group's episodes its own copy."""
         envs = [self.env_factory() for _ in range(group_size)]
-        messages = envs[0].reset(task)
+        messages = self._fit(envs[0].reset(task), task)
         for env in envs[1:]:
             env.reset(task)
         tools = [check_unique(as_tool(t) for t in env.tools()) for env in envs]
@@ -236,7 +245,11 @@ class EpisodeRunner:
         assert ep.pending is not None and self.batcher is not None
         ref = f"{ep.task.id}/turn{len(ep.turns)}"
         result = await self.batcher.offload(self.tools.run, ep.calls, ep.tools, ep.tool_stats, ref)
-        piece = self.builder.render_messages(ep.seq, result.messages)
+        try:
+            piece = self.builder.render_messages(ep.seq, result.messages)
+        except Exception as err:  # noqa: BLE001 - whatever a tool returns must never end the run
+            self.tools.reject_images(result, ep.tool_stats, f"{type(err).__name__}: {err}")
+            piece = self.builder.render_messages(ep.seq, result.messages)
         dropped = self.tools.drop_oversized(result, piece.ids, self.builder.image_token_id, ep.tool_stats)
         ep.turns.append(Turn(ep.pending, 0.0, {}, result.calls, result.errors))  # a tool turn: not graded
         if dropped:
@@ -255,11 +268,11 @@ class EpisodeRunner:
         if result.done or last or not result.messages:
             self._end(ep, EndReason.MAX_TURNS if last and not result.correct else EndReason.ENV_DONE)
         else:
-            ep.observation, ep.state = result.messages, State.OBSERVE
+            ep.observation, ep.state = self._fit(result.messages, ep.task), State.OBSERVE
 
     async def _on_observe(self, ep: Episode) -> None:
         """OBSERVE: render the environment's messages; drop them whole if the next turn would not fit."""
-        piece = ep.piece if ep.piece is not None else self.builder.render_messages(ep.seq, ep.observation)
+        piece = ep.piece if ep.piece is not None else self._render_observation(ep)
         ep.piece = None
         if len(ep.seq.ids) + len(piece.ids) >= self.limits.max_context_tokens:
             ep.tool_stats.images -= sum(len(m.images) for m in ep.observation if m.role is Role.TOOL)
@@ -268,6 +281,28 @@ class EpisodeRunner:
         self.builder.extend(ep.seq, piece)
         ep.messages.extend(ep.observation)
         ep.observation, ep.state = [], State.GENERATE
+
+    @staticmethod
+    def _fit(messages: list[Message], task: Task) -> list[Message]:
+        """Environment messages with over-thin or over-long images padded (`vlmrl.image_fit.fit_messages`)."""
+        fitted, notes = fit_messages(messages)
+        for note in notes:
+            log.warning("task %s: %s", task.id, note)
+        return fitted
+
+    def _render_observation(self, ep: Episode) -> Piece:
+        """The environment's messages rendered; if the processor or builder refuses them, their images become a
+        text saying why (counted as the last turn's `observation_rejected`) and the episode goes on."""
+        try:
+            return self.builder.render_messages(ep.seq, ep.observation)
+        except Exception as err:  # noqa: BLE001 - an observation the model's actions shaped must never end the run
+            reason = f"{type(err).__name__}: {err}"
+            log.warning("task %s: observation not rendered (%s); its images are shown as text", ep.task.id, reason)
+            n = sum(len(m.images) for m in ep.observation)
+            ep.observation = [images_as_text(m, reason) for m in ep.observation]
+            if ep.turns:
+                ep.turns[-1].metrics[OBSERVATION_REJECTED] = float(n)
+            return self.builder.render_messages(ep.seq, ep.observation)
 
     def _end(self, ep: Episode, reason: EndReason) -> None:
         ep.end_reason, ep.state = reason, State.DONE
@@ -287,6 +322,14 @@ class EpisodeRunner:
             end_reason=ep.end_reason,
             tool_stats=ep.tool_stats,
         )
+
+
+def images_as_text(message: Message, reason: str) -> Message:
+    """`message` with each image replaced by a text part saying it could not be shown, and why."""
+    parts: list[Part] = [
+        TextPart(f"[image not shown: {reason}]") if isinstance(p, ImagePart) else p for p in message.content
+    ]
+    return Message(message.role, parts)
 
 
 def last_stop_reason(traj: Trajectory) -> StopReason | None:

@@ -1,7 +1,9 @@
 """Running tool calls in worker processes, with a timeout, optionally several at once (bounded).
 
-Each call is a request to a worker process (`vlmrl.tools.process`): a pooled one for function tools, or the
-episode's own worker for methods of a per-episode environment object (`vlmrl.tools.objects.RemoteMethod`). A call
+Each call is a request to a worker process (`vlmrl.tools.process`): a pooled one, from one pool for function tools
+and another for methods of the episode's environment (never the same worker: function tools may run code the model
+wrote), or the episode's own worker for methods of a per-episode environment object
+(`vlmrl.tools.objects.RemoteMethod`). A call
 past `timeout_s` is reported as a TIMEOUT and its process is killed (nothing is left running). Exceptions raised
 by a tool (even `SystemExit`) are EXCEPTION failures (`ToolArgumentError`: BAD_ARGUMENTS, `MemoryError`: MEMORY);
 a worker that dies (`os._exit`, a signal, a native crash) is a CRASH. The trainer's process runs no tool code.
@@ -16,6 +18,8 @@ from typing import cast
 from vlmrl.tools.isolation import Sandbox
 from vlmrl.tools.process import Reply, WorkerError, WorkerPool, WorkerProcess, decode_reply
 from vlmrl.types import ToolFailure
+
+FUNCTIONS, ENV = "functions", "environment"  # the worker pools: function tools / methods of an episode's environment
 
 
 @dataclass
@@ -38,6 +42,7 @@ class Job:
     name: str
     request: tuple
     worker: WorkerProcess | None = None
+    pool: str = FUNCTIONS  # which pool's workers run it (FUNCTIONS or ENV) when `worker` is None
 
 
 class Executor:
@@ -48,7 +53,8 @@ class Executor:
             raise ValueError(f"tools.timeout_s must be > 0, got {timeout_s}")
         self.timeout_s, self.parallel = float(timeout_s), parallel
         self.max_workers = max(1, int(max_workers)) if parallel else 1
-        self.pool = WorkerPool(sandbox, self.max_workers)
+        self.pools = {FUNCTIONS: WorkerPool(sandbox, self.max_workers), ENV: WorkerPool(sandbox, self.max_workers)}
+        self.pool = self.pools[FUNCTIONS]  # env-tool workers start lazily (`WorkerPool.acquire`)
 
     def run(self, jobs: list[Job]) -> list[Outcome]:
         outcomes: dict[int, Outcome] = {}
@@ -76,14 +82,14 @@ class Executor:
         for i, job, worker, t0, early in started:
             out[i] = early or self._receive(cast(WorkerProcess, worker), job.name, t0)
             if job.worker is None and isinstance(worker, WorkerProcess):
-                self.pool.release(worker)
+                self.pools[job.pool].release(worker)
         return out
 
     def _acquire(self, job: Job) -> WorkerProcess | Outcome:
         if job.worker is not None:
             return job.worker
         try:
-            return self.pool.acquire()
+            return self.pools[job.pool].acquire()
         except WorkerError as err:
             return Outcome(failure=err.kind, detail=f"{job.name}: {err}")
 
@@ -126,4 +132,5 @@ class Executor:
         return Outcome(result=reply, latency_s=time.monotonic() - t0)
 
     def close(self) -> None:
-        self.pool.close()
+        for pool in self.pools.values():
+            pool.close()

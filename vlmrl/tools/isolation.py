@@ -8,9 +8,12 @@ line that starts one (`vlmrl.tools.worker`), chosen once per process and logged 
   capabilities dropped, uid/gid 65534, `--die-with-parent`, `--new-session`. The filesystem is empty but for
   read-only binds of the shared libraries (/usr/lib, /usr/lib64), the Python installation and venv, the folders of
   `sys.path` (so tool modules import) and `read_dir`; `hide` (the dataset's folder, which holds the answers) is
-  covered by an empty tmpfs even where it lies inside a bound folder, then `read_dir` is bound again on top.
-  /tmp is a private tmpfs of TMP_MB (where bwrap supports `--size`); there is no /etc, no /usr/bin (no programs to
-  run) and no /home.
+  covered by an empty tmpfs even where it lies inside a bound folder, and so is the package's own sample data
+  (`PACKAGE_DATA`, whatever the run's dataset), then `read_dir` is bound again on top.
+  /tmp is a private tmpfs of TMP_MB (where bwrap supports `--size`) and the root is remounted read-only (bwrap's
+  root tmpfs has no size cap); there is no /etc, no /usr/bin (no programs to run) and no /home. In its own pid
+  namespace the worker (`--sandboxed`) also caps its user's processes (RLIMIT_NPROC) and kills every other
+  process of the namespace when a call ends.
 - **rlimits** (fallback, or `tools.isolation: rlimits`): a separate process with the worker's rlimits only. It
   does NOT restrict the filesystem (tool code can read anything the trainer's user can, including the dataset's
   answers, and write where that user can), the network, or starting programs; it only keeps crashes, hangs,
@@ -33,6 +36,7 @@ from pathlib import Path
 log = logging.getLogger("vlmrl.tools")
 VLMRL_ROOT = str(Path(__file__).resolve().parents[1])  # the vlmrl package folder
 TMP_MB = 64  # size of a bwrap worker's private /tmp
+PACKAGE_DATA = os.path.join(VLMRL_ROOT, "assets", "data")  # the shipped sample datasets (answers): always hidden
 _LIB_DIRS = ("/usr/lib", "/usr/lib64", "/lib", "/lib64", "/lib32", "/usr/lib32")
 
 
@@ -134,11 +138,12 @@ def bwrap_argv(sandbox: Sandbox, bwrap: str = "bwrap") -> list[str]:
     for d in _code_dirs():
         argv += ["--ro-bind", d, d]
     read = os.path.realpath(sandbox.read_dir) if sandbox.read_dir else None
-    for h in (os.path.realpath(p) for p in sandbox.hide):
+    for h in (os.path.realpath(p) for p in (*sandbox.hide, PACKAGE_DATA)):
         if os.path.isdir(h) and any(_inside(h, d) for d in _code_dirs()):
             argv += ["--tmpfs", h]
     if read and os.path.isdir(read):
         argv += ["--ro-bind", read, read]
+    argv += ["--remount-ro", "/"]  # the root tmpfs bwrap builds is uncapped: nothing may be written there
     return argv + ["--chdir", read if read and os.path.isdir(read) else "/tmp", "--"]
 
 
@@ -190,8 +195,8 @@ def isolation_mode(sandbox: Sandbox) -> str:
 
 
 def worker_command(sandbox: Sandbox) -> tuple[list[str], str | None]:
-    """(argv, cwd) that start one confined worker."""
+    """(argv, cwd) that start one confined worker (under bwrap it has its own pid namespace: `--sandboxed`)."""
     if isolation_mode(sandbox) == "bwrap":
-        return bwrap_argv(sandbox, shutil.which("bwrap") or "bwrap") + worker_argv(sandbox), None
+        return bwrap_argv(sandbox, shutil.which("bwrap") or "bwrap") + worker_argv(sandbox) + ["--sandboxed"], None
     cwd = sandbox.read_dir if sandbox.read_dir and os.path.isdir(sandbox.read_dir) else None
     return worker_argv(sandbox), cwd

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import select
 import signal
 import subprocess
@@ -27,7 +28,10 @@ from vlmrl.tools.worker import HEADER
 from vlmrl.types import ToolFailure
 
 MAX_REPLY_BYTES = 256 << 20
+PING_TIMEOUT_S = 5.0  # the answer to the ping after each reply (WorkerProcess.receive)
 START_TIMEOUT_S = 120.0  # a worker must start (Python, imports, namespaces) within this; calls are timed after
+IMPORT_TIMEOUT_S = 120.0  # a tool module's import (`WorkerProcess.preload`): start-up, not the call's time
+HUNG_IMPORTS: set[str] = set()  # tool modules whose import timed out (`WorkerProcess.preload`): never tried again
 
 
 class WorkerError(Exception):
@@ -86,6 +90,7 @@ class WorkerProcess:
         except OSError as err:  # e.g. no more processes or memory: this call fails, the trainer goes on
             raise WorkerError(ToolFailure.CRASH, f"could not start a tool worker process: {err}") from None
         self.calls = 0
+        self.nonce: str | None = None  # of the last request sent
         self.retire = False
         self.started = False
         self.modules: set[str] = set()
@@ -99,26 +104,36 @@ class WorkerProcess:
         """Wait for the worker's start-up reply (once); raises WorkerError(CRASH) if it does not start."""
         if not self.started:
             try:
-                self.receive(time.monotonic() + START_TIMEOUT_S, START_TIMEOUT_S)
+                self._frame(time.monotonic() + START_TIMEOUT_S, START_TIMEOUT_S)
             except WorkerError as err:
                 raise WorkerError(ToolFailure.CRASH, f"the tool's worker process did not start: {err}") from None
             self.started = True
 
     def preload(self, fn: Any) -> None:
         """Import the module of `fn` in the worker once, within the start-up timeout (a tool's own imports, e.g.
-        torch, are start-up, not the call's time); import errors are left to the call itself."""
+        torch, are start-up, not the call's time); import errors are left to the call itself. A module whose
+        import timed out once is not tried again in this process: later calls fail at once (TIMEOUT)."""
         module = getattr(fn, "__module__", None) or getattr(type(fn), "__module__", None)
         local = "<locals>" in str(getattr(fn, "__qualname__", ""))  # sent by value: no module import needed
         if local or not isinstance(module, str) or module in self.modules or module in ("__main__", "builtins"):
             return
+        if module in HUNG_IMPORTS:
+            raise WorkerError(ToolFailure.TIMEOUT, f"importing {module} did not finish before; not tried again")
         self.modules.add(module)
         self.send(("import", module))
-        self.receive(time.monotonic() + START_TIMEOUT_S, START_TIMEOUT_S)
+        try:
+            self.receive(time.monotonic() + IMPORT_TIMEOUT_S, IMPORT_TIMEOUT_S)
+        except WorkerError as err:
+            if err.kind is ToolFailure.TIMEOUT:
+                HUNG_IMPORTS.add(module)
+            raise
 
     def send(self, request: tuple) -> None:
-        """Send one request (after start-up); raises WorkerError when the worker is gone, pickling errors as is."""
+        """Send one request (after start-up) under a fresh nonce; raises WorkerError when the worker is gone,
+        pickling errors as is."""
         self.wait_started()
-        data = cloudpickle.dumps(request)
+        self.nonce = secrets.token_hex(16)
+        data = cloudpickle.dumps((self.nonce, request))
         try:
             stdin = cast(IO[bytes], self.proc.stdin)  # a pipe (stdin=PIPE)
             stdin.write(HEADER.pack(len(data)) + data)
@@ -145,7 +160,27 @@ class WorkerProcess:
         return b"".join(chunks)
 
     def receive(self, deadline: float, timeout_s: float) -> dict:
-        """The reply to the last request, waiting until `deadline` (time.monotonic); raises WorkerError."""
+        """The reply to the last request, waiting until `deadline` (time.monotonic); raises WorkerError.
+
+        The reply must carry the request's nonce, and a ping sent after it must be answered next (its own nonce):
+        any other frame is one the tool's code wrote into the reply pipe (`vlmrl.tools.worker`). Then the worker
+        is killed and WorkerError(CRASH) raised once, for this call: the next call gets a fresh worker."""
+        reply = self._frame(deadline, timeout_s)
+        self._check_nonce(reply, "a reply that is not its request's")
+        retire = self.retire
+        self.send(("ping",))  # the tool's code has returned: the pong comes at once, whatever the call's deadline
+        self._check_nonce(self._frame(time.monotonic() + PING_TIMEOUT_S, PING_TIMEOUT_S), "more than one reply")
+        self.calls -= 1  # the ping is not a call
+        self.retire = retire or self.retire
+        return reply
+
+    def _check_nonce(self, reply: dict, what: str) -> None:
+        if reply.get("nonce") != self.nonce:
+            self.kill()
+            raise WorkerError(ToolFailure.CRASH, f"the tool wrote into its worker's reply channel ({what})")
+
+    def _frame(self, deadline: float, timeout_s: float) -> dict:
+        """One reply frame: 8-byte length + a JSON object; raises WorkerError (the worker killed) otherwise."""
         (size,) = HEADER.unpack(self._read(HEADER.size, deadline, timeout_s))
         if size > MAX_REPLY_BYTES:
             self.kill()

@@ -9,16 +9,20 @@ any other value (shown as JSON or `str()`).
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
 from PIL import Image
 
+from vlmrl.image_fit import pad_to_aspect
 from vlmrl.types import ImagePart, Message, Part, Role, TextPart, ToolFailure
 
 NO_OUTPUT = "(no output)"
+MAX_RESULT_ITEMS = 64  # text/image items shown of one tool result (`flatten`; the worker and the trainer both cap)
 _CHARS_PER_TOKEN_BOUND = 16  # text longer than budget * this is clipped before tokenizing (a token is shorter)
 
 
@@ -110,11 +114,21 @@ class Converted:
         return sum(isinstance(p, ImagePart) for p in self.parts)
 
 
-def flatten(result: Any, depth: int = 0) -> list[Any]:
-    """The items of a (nested, up to 3 deep) list/tuple result, in order; `[result]` for anything else."""
+def _walk(result: Any, depth: int = 0) -> Iterator[Any]:
     if isinstance(result, (list, tuple)) and depth < 3:
-        return [x for item in result for x in flatten(item, depth + 1)]
-    return [result]
+        for item in result:
+            yield from _walk(item, depth + 1)
+    else:
+        yield result
+
+
+def flatten(result: Any, limit: int = MAX_RESULT_ITEMS) -> list[Any]:
+    """The items of a (nested, up to 3 deep) list/tuple result, in order (`[result]` for anything else), at most
+    `limit` of them, then one text item saying the rest were left out: a million items cost no more than `limit`."""
+    items = list(itertools.islice(_walk(result), limit + 1))
+    if len(items) > limit:
+        items[limit:] = [f"(the result has more than {limit} items: the rest are not shown)"]
+    return items
 
 
 def to_part(item: Any, ref: str) -> Part:
@@ -141,14 +155,18 @@ def to_part(item: Any, ref: str) -> Part:
 
 def convert_result(result: Any, ref: str, bounds: ImageBounds, budget: TextBudget) -> Converted:
     """`result` as tool-message parts: text sanitised and cut to `budget.max_tokens` in total (a marker says so),
-    images bounded; image refs are `ref#<n>`."""
+    images padded to an aspect ratio the processors take (`vlmrl.image_fit.pad_to_aspect`, a text part after the
+    image says so) and bounded; image refs are `ref#<n>`."""
     items = flatten(result)
     parts: list[Part] = []
     left, truncated, n_img = budget.max_tokens, False, 0
     for item in items:
         part = to_part(item, f"{ref}#{n_img}")
         if isinstance(part, ImagePart):
-            parts.append(ImagePart(bounds.apply(part.image), part.ref))
+            image, note = pad_to_aspect(part.image)
+            parts.append(ImagePart(bounds.apply(image), part.ref))
+            if note:
+                parts.append(TextPart(f"({note})"))
             n_img += 1
             continue
         if left <= 0:
@@ -166,6 +184,8 @@ def items_from_blocks(blocks: object) -> list[Any]:
     Raises ValueError for a malformed block."""
     if not isinstance(blocks, list):
         raise ValueError("blocks must be a list")
+    if len(blocks) > MAX_RESULT_ITEMS + 1:  # the worker sends at most that many (`flatten`)
+        raise ValueError(f"{len(blocks)} content blocks (at most {MAX_RESULT_ITEMS + 1})")
     items: list[Any] = []
     for b in blocks:
         if isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str):

@@ -8,11 +8,12 @@ Nothing a model writes can raise out of `ToolRuntime.run`.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 from vlmrl.config import ToolsConfig
-from vlmrl.tools.execute import Executor, Job
+from vlmrl.tools.execute import ENV, Executor, Job
 from vlmrl.tools.isolation import Sandbox
 from vlmrl.tools.objects import RemoteMethod
 from vlmrl.tools.parsers import ToolCallParser, get_parser
@@ -173,8 +174,14 @@ class ToolRuntime:
         return turn
 
     def _job(self, name: str, fn: Any, kwargs: dict) -> Job:
+        """The worker request of one call. A method of the episode's environment (an object with `tool_view`,
+        `vlmrl.envs.Environment`) is sent bound to that view, which holds no answer, and runs in the environment
+        pool, never in a worker that ran a function tool (which may run code the model wrote)."""
         if isinstance(fn, RemoteMethod):  # a method of the episode's environment object: its own worker
             return Job(name, ("method", fn.name, kwargs, self.opts), fn.obj.ready())  # WorkerError if lost
+        view = getattr(getattr(fn, "__self__", None), "tool_view", None)
+        if inspect.ismethod(fn) and callable(view):
+            return Job(name, ("call", getattr(view(), fn.__func__.__name__), kwargs, self.opts), pool=ENV)
         return Job(name, ("call", fn, kwargs, self.opts))
 
     @staticmethod
@@ -233,6 +240,18 @@ class ToolRuntime:
         stats.dropped += 1
         stats.images -= sum(isinstance(p, ImagePart) for m in turn.messages for p in m.content)
         return True
+
+    def reject_images(self, turn: ToolTurn, stats: ToolStats, reason: str) -> None:
+        """The processor or builder refused to render `turn`'s messages: each result holding images becomes a
+        REJECTED error message (the model is told why), counted as such and no longer ok; its images are uncounted."""
+        for i, m in enumerate(turn.messages):
+            n_img = sum(isinstance(p, ImagePart) for p in m.content)
+            if not n_img:
+                continue
+            if i < len(turn.errors) and turn.errors[i] == "":
+                stats.ok -= 1
+            stats.images -= n_img
+            self._fail(turn, stats, i, ToolFailure.REJECTED, f"the result could not be shown to the model: {reason}")
 
 
 def template_renders_tools(processor: Any) -> bool:

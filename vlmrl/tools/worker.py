@@ -3,22 +3,31 @@
 The trainer never runs tool code itself (`vlmrl.tools.process` starts and kills workers, `vlmrl.tools.isolation`
 confines them). Protocol, over the worker's stdin/stdout pipes, one request then one reply:
 
-- request (trainer -> worker, trusted): 8-byte big-endian length + a (cloud)pickled tuple:
+- request (trainer -> worker, trusted): 8-byte big-endian length + a (cloud)pickled `(nonce, request)`:
   `("import", module)` imports a tool's module ahead of its first call; `("call", fn, kwargs, opts)` runs
   `fn(**kwargs)`; `("new", factory)` makes this worker's environment object;
   `("method", name, kwargs, opts)` calls a method of that object; opts = (ImageBounds, max_chars, want), want:
-  "blocks" (text/image content blocks), "observation" (blocks or messages) or "float".
+  "blocks" (text/image content blocks), "observation" (blocks or messages) or "float"; `("ping",)` answers at once.
+  Every reply carries its request's `nonce` (a fresh random string per request).
 - once started, the worker writes a reply `{"ok": true, "ready": true}` (call timeouts do not count start-up).
 - reply (worker -> trainer, untrusted): 8-byte length + UTF-8 JSON, never pickle, so a hostile worker cannot run
   code in the trainer: `{"ok": true, "blocks": [...], "value": x, "retire": bool}` or
   `{"ok": false, "kind": "exception"|"bad_arguments"|"memory", "detail": "..."}`. A text block is
   `{"type": "text", "text": s}`; an image block `{"type": "image", "w": W, "h": H, "rgb": base64(W*H*3 bytes)}`.
 
+Forged replies: tool code runs in this process and can write to the reply pipe (it is only a file descriptor), so
+the trainer trusts no frame's position: a reply must carry its request's nonce, and after each reply the trainer
+pings (`vlmrl.tools.process.WorkerProcess.receive`) -- a frame the tool wrote is then either the call's own result
+(the tool controls that anyway) or an extra frame before the pong, which fails the call (`crash`, counted once) and
+kills the worker; the next call gets a fresh one and its own answer.
+
 Results are converted here (a `__str__` that never returns hangs this process, whose timeout then kills it), text
 is cut to `max_chars` and images are bounded before they are sent. `retire` asks the trainer not to reuse this
 worker (the tool left threads running). Limits (set here, before any tool runs): RLIMIT_DATA = memory_mb (heap
 and anonymous memory), RLIMIT_AS = memory_mb + 4 GiB (address space incl. shared libraries), RLIMIT_CPU =
-cpu_s more CPU seconds per call, RLIMIT_NOFILE = 64, RLIMIT_FSIZE = 16 MiB, no core files.
+cpu_s more CPU seconds per call, RLIMIT_NOFILE = 64, RLIMIT_FSIZE = 16 MiB, no core files; `--sandboxed` (bwrap: its
+own pid and user namespace) adds RLIMIT_NPROC = MAX_PROCESSES and kills every other process of the namespace after
+each call (`reap_namespace`), so nothing a call started outlives it.
 """
 
 from __future__ import annotations
@@ -30,9 +39,11 @@ import json
 import os
 import pickle
 import resource
+import signal
 import struct
 import sys
 import threading
+import time
 from typing import Any, BinaryIO
 
 from vlmrl.tools.results import ImageBounds, flatten, to_part
@@ -43,18 +54,57 @@ HEADER = struct.Struct(">Q")
 ADDRESS_SPACE_EXTRA_MB = 4096  # shared libraries (torch maps ~3 GiB) on top of memory_mb
 OPEN_FILES = 64
 FILE_SIZE = 16 << 20
+MAX_PROCESSES = 64  # processes (and threads) of the worker's user in its sandbox (`--sandboxed`)
+REAP_WAIT_S = 2.0  # how long `reap_namespace` waits for the killed processes to be gone
 
 
-def set_limits(memory_mb: int, cpu_s: float) -> None:
-    """Cap this process (soft = hard, so tool code cannot raise them back unless privileged)."""
+def reap_namespace() -> int:
+    """Kill every process of this worker's pid namespace but itself and bwrap's init (pid 1), and reap its own
+    children: whatever a call started ends with it. Only for `--sandboxed` workers (their /proc lists their pid
+    namespace alone). Returns how many processes were killed."""
+    me, killed = os.getpid(), []
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) not in (1, me):
+            try:
+                os.kill(int(name), signal.SIGKILL)
+                killed.append(int(name))
+            except OSError:
+                pass
+    deadline = time.monotonic() + REAP_WAIT_S  # SIGKILL is asynchronous: wait until they are gone (or zombies)
+    while True:
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0] != 0:  # our own children
+                pass
+        except ChildProcessError:
+            pass
+        if not any(_running(pid) for pid in killed) or time.monotonic() > deadline:
+            return len(killed)
+        time.sleep(0.001)
+
+
+def _running(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie (bwrap's init reaps the orphans)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def set_limits(memory_mb: int, cpu_s: float, sandboxed: bool = False) -> None:
+    """Cap this process (soft = hard, so tool code cannot raise them back unless privileged); `sandboxed` (its own
+    user and pid namespace, bwrap) also caps the processes of its user at MAX_PROCESSES (without a user namespace
+    that would count the trainer's user's own processes)."""
     mb = 1 << 20
-    limits = (
+    limits = [
         (resource.RLIMIT_DATA, memory_mb * mb),
         (resource.RLIMIT_AS, (memory_mb + ADDRESS_SPACE_EXTRA_MB) * mb),
         (resource.RLIMIT_NOFILE, OPEN_FILES),
         (resource.RLIMIT_FSIZE, FILE_SIZE),
         (resource.RLIMIT_CORE, 0),
-    )
+    ]
+    if sandboxed:
+        limits.append((resource.RLIMIT_NPROC, MAX_PROCESSES))
     for res, value in limits:
         resource.setrlimit(res, (value, value))
     _cpu_budget(cpu_s)
@@ -140,8 +190,8 @@ def _read(stream: BinaryIO, n: int) -> bytes:
     return data
 
 
-def serve(inp: BinaryIO, out: BinaryIO, cpu_s: float) -> None:
-    """Answer requests until the trainer closes the pipe."""
+def serve(inp: BinaryIO, out: BinaryIO, cpu_s: float, sandboxed: bool = False) -> None:
+    """Answer requests until the trainer closes the pipe (`sandboxed`: end every other process after each)."""
     state: dict = {}
     hello = json.dumps({"ok": True, "ready": True}).encode()
     out.write(HEADER.pack(len(hello)) + hello)  # started: the trainer's timeouts count from here
@@ -149,12 +199,15 @@ def serve(inp: BinaryIO, out: BinaryIO, cpu_s: float) -> None:
     while True:
         try:
             (size,) = HEADER.unpack(_read(inp, HEADER.size))
-            request = pickle.loads(_read(inp, size))
+            nonce, request = pickle.loads(_read(inp, size))
         except EOFError:
             return
         _cpu_budget(cpu_s)
-        reply = handle(request, state)
+        reply = {"ok": True} if request[0] == "ping" else handle(request, state)
+        if sandboxed and request[0] != "ping":
+            reap_namespace()
         reply["retire"] = threading.active_count() > 1
+        reply["nonce"] = nonce
         try:
             data = json.dumps(reply).encode()
         except (TypeError, ValueError) as err:  # e.g. a float reward that is not finite: still valid JSON
@@ -167,6 +220,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="vlmrl.tools.worker")
     ap.add_argument("--memory-mb", type=int, required=True)
     ap.add_argument("--cpu-s", type=float, required=True)
+    ap.add_argument("--sandboxed", action="store_true", help="its own user and pid namespace (bwrap)")
     args = ap.parse_args(argv)
     inp = os.fdopen(os.dup(0), "rb")  # private copies of the pipes; fds 0/1 become /dev/null and stderr
     out = os.fdopen(os.dup(1), "wb")
@@ -174,8 +228,8 @@ def main(argv: list[str] | None = None) -> None:
     os.dup2(devnull, 0)
     os.dup2(2, 1)
     sys.stdin = open(os.devnull)  # noqa: SIM115 - for the process lifetime
-    set_limits(args.memory_mb, args.cpu_s)
-    serve(inp, out, args.cpu_s)
+    set_limits(args.memory_mb, args.cpu_s, args.sandboxed)
+    serve(inp, out, args.cpu_s, args.sandboxed)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,10 @@
+"""A tool module that hangs on import (issue 25): tests/test_tools_isolation.py imports it only in a worker."""
+
+import time
+
+time.sleep(3600)
+
+
+def never() -> str:
+    """Never runs."""
+    return "unreachable"
