@@ -10,13 +10,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test_tools:Counter
 
-from vlmrl.config import load
+from vlmrl.config import DataConfig, load
 from vlmrl.envs import load_env_tasks
-from vlmrl.envs.color_square import ColorSquareEnv, make_tasks
+from vlmrl.envs.color_square import ColorSquareConfig, ColorSquareEnv, make_tasks
 from vlmrl.envs.geometry3k_tools import Geometry3KToolsEnv
+from vlmrl.envs.tool_env import ToolEnvFactory
 from vlmrl.tools import HermesParser, Tool, ToolLimits, ToolRuntime, calculate
 from vlmrl.tools.isolation import Sandbox
-from vlmrl.tools.objects import ToolEnvFactory
 from vlmrl.tools.process import WorkerProcess
 from vlmrl.types import ToolStats
 
@@ -62,7 +62,7 @@ for iso in ("bwrap", "rlimits"):
     ms = per_call(rt, geo_tools, P.format_call("crop", {"x0": 0, "y0": 0, "x1": 60, "y1": 60}))
     print(f"[{iso}] geometry3k crop (env + diagram sent each call, image back): {ms:.2f} ms/call")
     factory = ToolEnvFactory(ColorSquareEnv, [], "test_tools:Counter", Sandbox(isolation=iso), 10.0)
-    (ctask,) = make_tasks({"name": "color_square"}, {"limit": 1})
+    (ctask,) = make_tasks(ColorSquareConfig(), DataConfig(limit=1))
     t0 = time.perf_counter()
     for _ in range(5):
         e = factory()

@@ -152,8 +152,10 @@ def test_colocated_episode_loop_zero3_sync(processor, builder, colocate_engine):
     from vlmrl.train.trainer import GRPOTrainer, TrainerSettings
 
     trainer = GRPOTrainer(
-        tiny_qwen2(tied=False), TrainerSettings(zero_stage=3, lr=3e-3, max_grad_norm=0.0, temperature=TEMPERATURE)
+        tiny_qwen2(tied=False),
+        TrainerSettings(zero_stage=3, lr=3e-3, max_grad_norm=0.0, temperature=TEMPERATURE, partition_one_rank=True),
     )
+    assert trainer.engine.zero_optimization_stage() == 3  # partitioned even at one rank: the gathered sync path
     t0 = time.perf_counter()
     engine = make_engine(rollout_cfg(colocate_engine=colocate_engine), trainer.policy, processor, builder)
     print(f"\nvLLM colocated engine up in {time.perf_counter() - t0:.1f} s; first sync {engine.last_sync_metrics}")
