@@ -246,17 +246,9 @@ def nonfinite_episodes(trajs: list[Any]) -> list[str]:
     for traj in trajs:
         k = seen[traj.group] = seen.get(traj.group, -1) + 1
         rewards = [traj.reward, *(t.reward for t in traj.turns)]
-        if not (finite(traj.advantage) and all(usable_reward(_number(r)) for r in rewards)):
+        if not (finite(traj.advantage) and all(usable_reward(r) for r in rewards)):
             bad.append(f"{traj.task_id}/{k}")
     return bad
-
-
-def _number(x: Any) -> Any:
-    """float(x) for a number-like value (numpy or torch scalars), else x."""
-    try:
-        return float(x)
-    except (TypeError, ValueError):
-        return x
 
 
 class BadStepGuard:

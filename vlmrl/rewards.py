@@ -146,10 +146,13 @@ def math_equal(pred: str, gold: str) -> bool | None:
 
 
 def usable_reward(value: object) -> bool:
-    """True for a number that is finite and at most `REWARD_BOUND` in magnitude (bools and non-numbers: False)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    """True for a number (anything `float()` takes: numpy and torch scalars too) that is finite and at most
+    `REWARD_BOUND` in magnitude; False for everything else."""
+    try:
+        x = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
         return False
-    return math.isfinite(value) and abs(value) <= REWARD_BOUND
+    return math.isfinite(x) and abs(x) <= REWARD_BOUND
 
 
 def episode_reward(turn_rewards: Sequence[float], gamma: float) -> float:
