@@ -21,7 +21,14 @@ from conftest import GEOMETRY3K
 
 from vlmrl import checkpoint
 from vlmrl.config import load
-from vlmrl.resume import StepAbandoned, StopSignals, config_changes, nonfinite_episodes, plan_resume
+from vlmrl.resume import (
+    StepAbandoned,
+    StopSignals,
+    config_changes,
+    nonfinite_episodes,
+    plan_resume,
+    split_unusable,
+)
 from vlmrl.runfiles import RunFiles, RunFolderError, truncate_after
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is deprecated.*:FutureWarning")
@@ -228,6 +235,8 @@ def test_nonfinite_episode_ids():
         NS(task_id="c", group=2, reward=None, advantage=0.0, turns=[]),  # not a number
     ]
     assert nonfinite_episodes(trajs) == ["a/1", "b/0", "b/1", "b/2", "c/0"]
+    kept, excluded = split_unusable(trajs)
+    assert excluded == ["a/1", "b/0", "b/1", "b/2", "c/0"] and kept == [trajs[0], trajs[5]]  # a/0's advantage: later
 
 
 # ----------------------------------------------------------------------------------------------- the trainer guard
@@ -258,10 +267,11 @@ def test_trainer_skips_a_non_finite_update(qwen25_model, stage):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("bad", ["nan", "1e30"])
-def test_nan_rewards_skip_updates_and_a_bad_streak_stops_the_run(tmp_path, monkeypatch, caplog, bad):
-    """NaN (or absurd: 1e30 > REWARD_BOUND) rewards in steps 1, 3 and 4: each update skipped and counted, the run
-    goes on after step 1; after 2 bad steps in a row (trainer.max_bad_steps=2) it stops with its last good
-    checkpoint (step 2) intact."""
+def test_bad_rewards_leave_their_group_and_a_bad_streak_stops_the_run(tmp_path, monkeypatch, caplog, bad):
+    """A NaN (or absurd: 1e30 > REWARD_BOUND) reward in one episode of steps 1, 3 and 4 (issue 25, item 6): that
+    episode leaves its GRPO group (counted, logged), the step still updates from the others. Then the same with
+    every episode of those steps bad: each update skipped and counted; after 2 bad steps in a row
+    (trainer.max_bad_steps=2) the run stops with its last good checkpoint (step 2) intact."""
     import resume_envs
 
     from vlmrl.resume import TooManyBadSteps
@@ -269,30 +279,44 @@ def test_nan_rewards_skip_updates_and_a_bad_streak_stops_the_run(tmp_path, monke
 
     monkeypatch.setenv("VLMRL_TEST_NAN_GROUPS", "0,2,3")
     monkeypatch.setenv("VLMRL_TEST_BAD_REWARD", bad)
-    resume_envs.GROUPS.update(count=-1, last_task=None)
-    out = tmp_path / "run"
-    cfg = _cfg(
-        out,
+    args = [
         "data.limit=4",
         "trainer.steps=4",
         "trainer.batch_size=1",
-        "algorithm.group_size=2",
+        "algorithm.group_size=3",
         "rollout.max_new_tokens=4",
         "env.max_turns=1",
         "env._target_=resume_envs.ScoredEnv",
         "trainer.save_every=1",
         "trainer.max_bad_steps=2",
         "logging.progress=false",
-    )
+    ]
+    resume_envs.GROUPS.update(count=-1, last_task=None)
+    out = tmp_path / "one"
+    train(_cfg(out, *args))
+    rows = _lines(out / "metrics.jsonl")
+    assert [r["excluded_episodes"] for r in rows] == [1, 0, 1, 1] and [r["skipped"] for r in rows] == [0] * 4
+    assert all(math.isfinite(r["loss"]) for r in rows)
+    first = [t for t in _lines(out / "trajectories.jsonl") if t["step"] == 1]
+    r1, r2 = first[1]["reward"], first[2]["reward"]  # the group without its bad episode: GRPO over two rewards
+    want = 0.0 if r1 == r2 else 2**-0.5  # (r - mean) / sample std = +-(|d|/2) / (|d|/sqrt 2)
+    assert first[0]["advantage"] == 0.0
+    assert [abs(t["advantage"]) for t in first[1:]] == pytest.approx([want, want], abs=1e-4)
+    task = next(t for t in _lines(out / "trajectories.jsonl") if t["step"] == 3)["task_id"]
+    assert f"step 3: episode(s) {task}/0 left their GRPO group: reward NaN, inf or beyond +-1e+06" in caplog.text
+
+    monkeypatch.setenv("VLMRL_TEST_NAN_WHOLE_GROUP", "1")
+    resume_envs.GROUPS.update(count=-1, last_task=None)
+    out = tmp_path / "all"
     with pytest.raises(TooManyBadSteps, match="2 consecutive steps"):
-        train(cfg)
+        train(_cfg(out, *args))
     rows = _lines(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert [r["skipped"] for r in rows] == [1, 0, 1, 1] and [r["skipped_steps"] for r in rows] == [1, 1, 2, 3]
+    assert [r["excluded_episodes"] for r in rows] == [3, 0, 3, 3]
     assert (rows[0]["reward_mean"] is None) == (bad == "nan") and "loss" not in rows[0]  # NaN: null; no update
     assert math.isfinite(rows[1]["loss"]) and rows[1]["grad_norm"] > 0
-    task = next(t for t in _lines(out / "trajectories.jsonl") if t["step"] == 3)["task_id"]
-    assert f"step 3: update skipped: non-finite reward or advantage (or |reward| > 1e+06) in episode(s) {task}/0" in (
+    assert f"step 3: update skipped: non-finite reward or advantage (or |reward| > 1e+06) in episode(s) {task}/0, " in (
         caplog.text
     )
     root = out / "checkpoints"

@@ -55,6 +55,8 @@ TOOLS = {
             h.fake_image_frame,
             h.spawn_sleepers,
             h.write_root,
+            h.cpu_limit_raise,
+            h.spin_child,
             calculate,
         ],
     )
@@ -307,9 +309,15 @@ def test_a_forged_reply_frame_fails_its_own_call_and_the_next_call_gets_its_own_
 
 def test_nothing_a_call_starts_outlives_it_and_processes_are_capped(rt):
     """Issue 25: 300 forked children outlived their call in a pooled worker. Now a sandboxed worker kills every
-    other process of its pid namespace when a call ends, and RLIMIT_NPROC stops a fork bomb (for a trainer that
-    does not run as root: uid 0 is exempt)."""
+    other process of its pid namespace when a call ends, and a fork bomb stops below MAX_PROCESSES: RLIMIT_NPROC
+    for a trainer that does not run as root, else the worker's own pids cgroup (the kernel exempts uid 0 from
+    RLIMIT_NPROC). Without either (root, no writable cgroup) this test fails: the cap does not hold there."""
+    from vlmrl.tools import cgroups
     from vlmrl.tools.worker import MAX_PROCESSES
+
+    for w in rt.executor.pool._idle:
+        with open(f"/proc/{w.proc.pid}/cgroup") as fh:
+            assert (cgroups.PREFIX in fh.read()) == cgroups.usable()
 
     texts, errors, _ = run(rt, call("spawn_sleepers", n=10))
     assert errors == [""] and texts == ["started 10"]
@@ -318,11 +326,33 @@ def test_nothing_a_call_starts_outlives_it_and_processes_are_capped(rt):
     texts, errors, _ = run(rt, call("spawn_sleepers", n=300))
     started = int(texts[0].split()[1].rstrip(","))
     assert errors == [""], texts
-    if os.geteuid() != 0:  # the kernel exempts host uid 0 from RLIMIT_NPROC, even inside a user namespace
-        assert started < MAX_PROCESSES and "BlockingIOError" in texts[0], texts
+    assert started < MAX_PROCESSES and "BlockingIOError" in texts[0], texts
     for w in rt.executor.pool._idle:
         assert len(h.descendants(w.proc.pid)) <= 2, h.descendants(w.proc.pid)
     assert_trainer_fine(rt)
+
+
+def test_tool_code_cannot_lift_the_hard_cpu_limit(rt):
+    """Issue 25: RLIMIT_CPU's hard limit was unlimited, so tool code could lift its soft limit. Now it is the
+    worker's lifetime budget (HARD_CPU_CALLS x cpu_s), and in the sandbox (no capabilities) it cannot be raised."""
+    texts, errors, _ = run(rt, call("cpu_limit_raise"))
+    soft, hard, lifted = texts[0].split(" ", 2)
+    assert errors == [""] and 0 < int(soft) <= int(hard) < 10_000 and lifted.startswith("blocked"), texts
+
+
+def test_a_child_that_ignores_sigxcpu_dies_at_the_hard_cpu_limit():
+    """Issue 25: a child that ignores SIGXCPU spun on after its call returned "ok". Even without bwrap's pid
+    namespace (which kills it when the call ends) it now dies at the hard limit: cpu_s=1 gives it at most the
+    worker's start-up CPU + 2 s."""
+    fallback = ToolRuntime(P, ToolLimits(timeout_s=5.0), sandbox=Sandbox(isolation="rlimits", cpu_s=1.0))
+    texts, errors, _ = run(fallback, call("spin_child"))
+    child, start = int(texts[0]), time.monotonic()
+    assert errors == [""] and child in h.descendants()
+    while child in h.descendants() and time.monotonic() - start < 60:
+        time.sleep(0.1)
+    elapsed = time.monotonic() - start
+    fallback.executor.close()
+    assert child not in h.descendants() and elapsed < 30, elapsed
 
 
 def test_the_sandbox_root_is_read_only(rt):

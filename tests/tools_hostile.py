@@ -7,6 +7,7 @@ live processes started by the calling process (to check that killed workers leav
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import threading
 import time
@@ -370,3 +371,24 @@ def write_root(megabytes: int) -> str:
     except OSError as err:
         return f"blocked: {type(err).__name__}: {err}"
     return "written"
+
+
+def cpu_limit_raise() -> str:
+    """Report this process's RLIMIT_CPU (soft, hard) and try to lift both to unlimited."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_CPU)
+    try:
+        resource.setrlimit(resource.RLIMIT_CPU, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        lifted = "lifted"
+    except (ValueError, OSError) as err:
+        lifted = f"blocked: {type(err).__name__}"
+    return f"{soft} {hard} {lifted}"
+
+
+def spin_child() -> str:
+    """Fork a child that ignores SIGXCPU and spins forever; return its pid."""
+    pid = os.fork()
+    if pid == 0:
+        signal.signal(signal.SIGXCPU, signal.SIG_IGN)
+        while True:
+            pass
+    return str(pid)

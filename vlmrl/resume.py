@@ -5,8 +5,9 @@
   (unless `resume.allow_config_change=true`) or, for `resume=never`, a non-empty folder (unless overwrite).
 - `StopSignals`: the first SIGINT/SIGTERM asks the loop to stop after the current step (or, in one process, abandons
   the step at once while it is still rolling out, since nothing has changed yet); a second one stops immediately.
-- `nonfinite_episodes`: the episodes whose reward or advantage is NaN/inf, or whose reward is beyond
-  `vlmrl.rewards.REWARD_BOUND` (their step's update is skipped).
+- `split_unusable`: the episodes whose reward is NaN/inf or beyond `vlmrl.rewards.REWARD_BOUND` are excluded from
+  their GRPO group (counted, logged); `nonfinite_episodes`: those with a non-finite advantage (the step's update is
+  skipped, as it is when every episode of the step was excluded).
 """
 
 from __future__ import annotations
@@ -238,17 +239,34 @@ def finite(x: Any) -> bool:
         return False
 
 
-def nonfinite_episodes(trajs: list[Any]) -> list[str]:
-    """Ids (`<task_id>/<sample>`, sample = index within its GRPO group) of the episodes whose advantage is not
-    finite, or whose reward or turn rewards are not usable (NaN, inf, or |r| > `vlmrl.rewards.REWARD_BOUND`)."""
-    bad: list[str] = []
+def episode_ids(trajs: list[Any]) -> list[str]:
+    """`<task_id>/<sample>` per trajectory, sample = its index within its GRPO group (in input order)."""
     seen: dict[Any, int] = {}  # episodes so far per GRPO group
+    out = []
     for traj in trajs:
         k = seen[traj.group] = seen.get(traj.group, -1) + 1
-        rewards = [traj.reward, *(t.reward for t in traj.turns)]
-        if not (finite(traj.advantage) and all(usable_reward(r) for r in rewards)):
-            bad.append(f"{traj.task_id}/{k}")
-    return bad
+        out.append(f"{traj.task_id}/{k}")
+    return out
+
+
+def usable_episode(traj: Any) -> bool:
+    """True when the episode's reward and every turn reward are usable (`vlmrl.rewards.usable_reward`)."""
+    return all(usable_reward(r) for r in (traj.reward, *(t.reward for t in traj.turns)))
+
+
+def split_unusable(trajs: list[Any]) -> tuple[list[Any], list[str]]:
+    """(the trajectories to train on, ids of the excluded ones): an episode whose reward or a turn reward is NaN,
+    inf, not a number, or beyond `vlmrl.rewards.REWARD_BOUND` leaves its GRPO group, whose advantages are then
+    computed over the others (a reward function's failure costs one episode, not the step)."""
+    ids = episode_ids(trajs)
+    kept = [t for t in trajs if usable_episode(t)]
+    return kept, [i for t, i in zip(trajs, ids) if not usable_episode(t)]
+
+
+def nonfinite_episodes(trajs: list[Any]) -> list[str]:
+    """Ids (`episode_ids`) of the episodes whose advantage is not finite, or whose reward or turn rewards are not
+    usable (NaN, inf, or |r| > `vlmrl.rewards.REWARD_BOUND`)."""
+    return [i for t, i in zip(trajs, episode_ids(trajs)) if not (finite(t.advantage) and usable_episode(t))]
 
 
 class BadStepGuard:

@@ -42,7 +42,9 @@ from vlmrl.resume import (
     nonfinite_episodes,
     plan_resume,
     record_resume,
+    split_unusable,
 )
+from vlmrl.rewards import REWARD_BOUND
 from vlmrl.rollout.engine import derive_seed
 from vlmrl.rollout.episode import EpisodeRunner
 from vlmrl.rollout.runner import build_runner
@@ -268,21 +270,54 @@ def build_job(cfg: Config, plan: ResumePlan | None = None) -> Job:
     return job
 
 
+def step_samples(job: "Job", sampled: SampledBatch) -> tuple[list[Trajectory], list, bool, list[str]]:
+    """(trajectories trained on, their samples, filler, excluded ids): episodes with an unusable reward (NaN, inf,
+    beyond +-REWARD_BOUND) leave their GRPO group before advantages; `filler`: this rank has nothing left to learn
+    from (all excluded, or dynamic sampling's `fill_only`), so its samples get loss mask 0 (collectives still run)."""
+    cfg = job.cfg
+    trajs, excluded = split_unusable(sampled.kept)
+    assign_step_advantages(cfg, trajs)
+    filler = not trajs
+    if filler:
+        trajs = sampled.kept
+        for t in trajs:
+            t.advantage, t.turn_advantages = 0.0, []
+    samples = to_samples(trajs, job.style, job.builder.image_token_id, mask_truncated=cfg.algorithm.overlong_filter)
+    if sampled.fill_only or filler:
+        samples = [dataclasses.replace(s, loss_mask=torch.zeros_like(s.loss_mask)) for s in samples]
+    return trajs, samples, filler or sampled.fill_only, excluded
+
+
+def gather_bad_episodes(
+    trainer: GRPOTrainer, step: int, excluded: list[str], trained: list[Trajectory]
+) -> tuple[list[str], list[str]]:
+    """(excluded ids of all ranks, ids that skip the step's update): a non-finite advantage among the `trained`
+    episodes of any rank, or every episode of the step excluded."""
+    parts = trainer.gather((excluded, nonfinite_episodes(trained), len(trained)))
+    excluded = [e for p in parts for e in p[0]]
+    if excluded:
+        log.warning(
+            "step %d: episode(s) %s left their GRPO group: reward NaN, inf or beyond +-%g",
+            step,
+            ", ".join(excluded),
+            REWARD_BOUND,
+        )
+    bad = [e for p in parts for e in p[1]] or (excluded if sum(p[2] for p in parts) == 0 else [])
+    return excluded, bad
+
+
 def run_step(job: Job, step: int) -> dict:
     """One GRPO step: rollouts, advantages, export, update. Returns the step's metrics row (all ranks merged)."""
     cfg, trainer = job.cfg, job.trainer
     t0 = time.perf_counter()
     sampled = next_batch(job, step)
-    t_wait, trajs = time.perf_counter() - t0, sampled.kept
+    t_wait = time.perf_counter() - t0
     stale = staleness([sampled.policy_version], step - 1, cfg.algorithm.off_policy_steps)  # StaleSampleError
-    assign_step_advantages(cfg, trajs)
-    samples = to_samples(trajs, job.style, job.builder.image_token_id, mask_truncated=cfg.algorithm.overlong_filter)
-    if sampled.fill_only:  # dynamic sampling left this rank nothing to learn from: run the step with no loss token
-        samples = [dataclasses.replace(s, loss_mask=torch.zeros_like(s.loss_mask)) for s in samples]
+    trajs, samples, filler, excluded = step_samples(job, sampled)
     align = {}
     if cfg.trainer.align_every and step % cfg.trainer.align_every == 0:  # before the update: the sampling policy
         align = sampled_alignment(trainer, job.builder, trajs, cfg.trainer.align_samples, seed=step).as_dict()
-    bad = [e for part in trainer.gather(nonfinite_episodes(sampled.generated)) for e in part]  # NaN/inf reward/adv.
+    excluded, bad = gather_bad_episodes(trainer, step, excluded, [] if filler else trajs)
     if job.prefetch is not None and step < cfg.trainer.steps:  # step + 1 is sampled during this update
         job.prefetch.start(lambda: sample_step(job, step + 1, job.position + sampled.prompts))
     if job.prefetch is None:
@@ -315,6 +350,7 @@ def run_step(job: Job, step: int) -> dict:
         **align,
         "skipped": int(skipped),
         "skipped_steps": job.guard.skipped,
+        "excluded_episodes": len(excluded),
         "step_s": time.perf_counter() - t0,
     }
     row["step"] = step

@@ -9,7 +9,9 @@ with the failure kind. `WorkerPool` keeps idle workers for function tools and re
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import os
 import secrets
 import select
@@ -23,14 +25,16 @@ from typing import IO, Any, cast
 
 import cloudpickle
 
+from vlmrl.tools import cgroups
 from vlmrl.tools.isolation import Sandbox, pythonpath, worker_command
-from vlmrl.tools.worker import HEADER
+from vlmrl.tools.worker import HEADER, MAX_PROCESSES
 from vlmrl.types import ToolFailure
 
 MAX_REPLY_BYTES = 256 << 20
 PING_TIMEOUT_S = 5.0  # the answer to the ping after each reply (WorkerProcess.receive)
 START_TIMEOUT_S = 120.0  # a worker must start (Python, imports, namespaces) within this; calls are timed after
 IMPORT_TIMEOUT_S = 120.0  # a tool module's import (`WorkerProcess.preload`): start-up, not the call's time
+log = logging.getLogger("vlmrl.tools")
 HUNG_IMPORTS: set[str] = set()  # tool modules whose import timed out (`WorkerProcess.preload`): never tried again
 
 
@@ -42,7 +46,7 @@ class WorkerError(Exception):
         self.kind = kind
 
 
-def _kill(proc: subprocess.Popen) -> None:
+def _kill(proc: subprocess.Popen, cgroup: str | None = None) -> None:
     if proc.poll() is None:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -54,6 +58,8 @@ def _kill(proc: subprocess.Popen) -> None:
         except OSError:
             pass
     proc.wait()
+    if cgroup:
+        cgroups.remove(cgroup)
 
 
 def _exit_detail(code: int | None) -> tuple[ToolFailure, str]:
@@ -69,12 +75,36 @@ def _exit_detail(code: int | None) -> tuple[ToolFailure, str]:
     return ToolFailure.CRASH, f"the tool's worker process exited with code {code}"
 
 
+def worker_cgroup() -> str | None:
+    """A new pids cgroup capping a worker at MAX_PROCESSES tasks (`vlmrl.tools.cgroups`), or None where this process
+    cannot make one (said once: for a trainer running as root, the worker's RLIMIT_NPROC then caps nothing)."""
+    if not cgroups.usable():
+        _announce_cap(False)
+        return None
+    _announce_cap(True)
+    return cgroups.new_cgroup(MAX_PROCESSES)
+
+
+@functools.cache
+def _announce_cap(cgroup: bool) -> None:
+    if cgroup:
+        log.info("tools: each worker runs in its own pids cgroup: at most %d processes and threads", MAX_PROCESSES)
+    elif os.geteuid() == 0:
+        log.warning(
+            "tools: the trainer runs as root and cannot create pids cgroups here, so a tool's processes are not "
+            "capped (the kernel exempts root from RLIMIT_NPROC); run as another user or give it a cgroup"
+        )
+
+
 class WorkerProcess:
     """One worker process (started at once; WorkerError(CRASH) if it cannot be). `send` then `receive`, or `call`
     for both."""
 
     def __init__(self, sandbox: Sandbox):
         argv, cwd = worker_command(sandbox)
+        self.cgroup = worker_cgroup()
+        if self.cgroup:
+            argv = cgroups.wrap(argv, self.cgroup)
         env = {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL", "HOME", "TMPDIR")}
         env.update(PYTHONPATH=pythonpath(), OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
         try:
@@ -88,13 +118,15 @@ class WorkerProcess:
                 start_new_session=True,
             )
         except OSError as err:  # e.g. no more processes or memory: this call fails, the trainer goes on
+            if self.cgroup:
+                cgroups.remove(self.cgroup)
             raise WorkerError(ToolFailure.CRASH, f"could not start a tool worker process: {err}") from None
         self.calls = 0
         self.nonce: str | None = None  # of the last request sent
         self.retire = False
         self.started = False
         self.modules: set[str] = set()
-        weakref.finalize(self, _kill, self.proc)
+        weakref.finalize(self, _kill, self.proc, self.cgroup)
 
     @property
     def alive(self) -> bool:
@@ -200,7 +232,7 @@ class WorkerProcess:
         return self.receive(time.monotonic() + timeout_s, timeout_s)
 
     def kill(self) -> None:
-        _kill(self.proc)
+        _kill(self.proc, self.cgroup)
 
 
 class WorkerPool:

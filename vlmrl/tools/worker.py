@@ -23,11 +23,12 @@ kills the worker; the next call gets a fresh one and its own answer.
 
 Results are converted here (a `__str__` that never returns hangs this process, whose timeout then kills it), text
 is cut to `max_chars` and images are bounded before they are sent. `retire` asks the trainer not to reuse this
-worker (the tool left threads running). Limits (set here, before any tool runs): RLIMIT_DATA = memory_mb (heap
-and anonymous memory), RLIMIT_AS = memory_mb + 4 GiB (address space incl. shared libraries), RLIMIT_CPU =
-cpu_s more CPU seconds per call, RLIMIT_NOFILE = 64, RLIMIT_FSIZE = 16 MiB, no core files; `--sandboxed` (bwrap: its
-own pid and user namespace) adds RLIMIT_NPROC = MAX_PROCESSES and kills every other process of the namespace after
-each call (`reap_namespace`), so nothing a call started outlives it.
+worker (the tool left threads running, or its CPU time is nearly spent). Limits (set here, before any tool runs):
+RLIMIT_DATA = memory_mb (heap and anonymous memory), RLIMIT_AS = memory_mb + 4 GiB (address space incl. shared
+libraries), RLIMIT_CPU soft = cpu_s more CPU seconds per call (SIGXCPU) and hard = HARD_CPU_CALLS * cpu_s for the
+worker's life (SIGKILL, for its children too; tool code cannot raise it), RLIMIT_NOFILE = 64, RLIMIT_FSIZE = 16 MiB, no
+core files; `--sandboxed` (bwrap: its own pid and user namespace) adds RLIMIT_NPROC = MAX_PROCESSES and kills every
+other process of the namespace after each call (`reap_namespace`), so nothing a call started outlives it.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ ADDRESS_SPACE_EXTRA_MB = 4096  # shared libraries (torch maps ~3 GiB) on top of 
 OPEN_FILES = 64
 FILE_SIZE = 16 << 20
 MAX_PROCESSES = 64  # processes (and threads) of the worker's user in its sandbox (`--sandboxed`)
+HARD_CPU_CALLS = 2  # hard RLIMIT_CPU: the worker's whole life gets this many calls' cpu_s (see `cpu_spent`)
 REAP_WAIT_S = 2.0  # how long `reap_namespace` waits for the killed processes to be gone
 
 
@@ -107,16 +109,29 @@ def set_limits(memory_mb: int, cpu_s: float, sandboxed: bool = False) -> None:
         limits.append((resource.RLIMIT_NPROC, MAX_PROCESSES))
     for res, value in limits:
         resource.setrlimit(res, (value, value))
+    hard = _cpu_used() + HARD_CPU_CALLS * max(1, int(cpu_s))  # a child that ignores SIGXCPU dies here (SIGKILL)
+    resource.setrlimit(resource.RLIMIT_CPU, (hard, hard))
     _cpu_budget(cpu_s)
 
 
-def _cpu_budget(cpu_s: float) -> None:
-    """RLIMIT_CPU soft limit at the CPU time used so far + cpu_s (SIGXCPU ends a call that spins past it)."""
+def _cpu_used() -> int:
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    used = int(usage.ru_utime + usage.ru_stime) + 1
+    return int(usage.ru_utime + usage.ru_stime) + 1
+
+
+def _cpu_budget(cpu_s: float) -> None:
+    """RLIMIT_CPU soft limit at the CPU time used so far + cpu_s (SIGXCPU ends a call that spins past it), never
+    above the hard limit `set_limits` fixed."""
     _, hard = resource.getrlimit(resource.RLIMIT_CPU)
-    soft = used + max(1, int(cpu_s))
+    soft = _cpu_used() + max(1, int(cpu_s))
     resource.setrlimit(resource.RLIMIT_CPU, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
+
+
+def cpu_spent(cpu_s: float) -> bool:
+    """True once less than one call's `cpu_s` is left below the hard RLIMIT_CPU: the worker retires (the trainer
+    starts a fresh one, so every call gets its full budget)."""
+    _, hard = resource.getrlimit(resource.RLIMIT_CPU)
+    return hard != resource.RLIM_INFINITY and _cpu_used() + max(1, int(cpu_s)) > hard
 
 
 def _block(part: Any) -> dict:
@@ -206,7 +221,7 @@ def serve(inp: BinaryIO, out: BinaryIO, cpu_s: float, sandboxed: bool = False) -
         reply = {"ok": True} if request[0] == "ping" else handle(request, state)
         if sandboxed and request[0] != "ping":
             reap_namespace()
-        reply["retire"] = threading.active_count() > 1
+        reply["retire"] = threading.active_count() > 1 or cpu_spent(cpu_s)
         reply["nonce"] = nonce
         try:
             data = json.dumps(reply).encode()
