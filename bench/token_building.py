@@ -7,6 +7,8 @@
         (through the same fast `tokenizers` backend the builder uses)
     (t) tokenising the new text alone (d without images); (i) image processing alone (d without text)
     (t1) (t) the builder's way: one placeholder per image tokenised, its id repeated in the ids (not a target column)
+    (w) `--keep-images K`: (a) with a history window of K images (older ones become a text stub; a new view each turn
+        past K images), its last prompt checked against the processor's render of the windowed conversation
 
 Episode: a first user message with one 224x224 image, then per turn ~40 sampled assistant tokens and a feedback
 user message with one new 224x224 image (`--feedback same`: the same text every turn, as a retry loop sends, which
@@ -19,6 +21,7 @@ minimum over interleaved repeats, since the machine is shared. The builder is cr
     python bench/token_building.py                      # 8, 32, 128 turns
     python bench/token_building.py --turns 8 --turns 32 --json
     python bench/token_building.py --feedback distinct
+    python bench/token_building.py --keep-images 4      # + (w): the same episode with a window of 4 images
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from rich.console import Console
 from rich.table import Table
 
 from vlmrl.modeling.loading import load_processor
+from vlmrl.rollout.history import HistoryWindow, windowed
 from vlmrl.tokens import get_builder
 from vlmrl.tokens.grid import expand_placeholder_ids
 from vlmrl.tokens.qwen_vl import _SYNTHETIC_PREFIX
@@ -92,6 +96,33 @@ def method_a(builder, ep: Episode) -> list[int]:
         prompt_len = len(seq.ids)  # the engine gets seq.ids[:prompt_len] for turn t
         builder.add_generation(seq, ep.generation())
     return seq.ids[:prompt_len]
+
+
+def method_w(builder, ep: Episode, keep: int) -> list[int]:
+    """(a) with a history window of `keep` images (`env.keep_images`, vlmrl.rollout.history): older images become a
+    text stub, so every turn past `keep` images starts a new view."""
+    window = HistoryWindow(builder, keep)
+    seq = window.start(ep.first)
+    for t in range(ep.turns):
+        if t:
+            msgs = [ep.feedback[t - 1]]
+            piece = builder.render_messages(seq, msgs)
+            view = window.observe(seq, msgs, piece)
+            if view is None:
+                builder.extend(seq, piece)
+            else:
+                seq = view
+        prompt_len = len(seq.ids)
+        window.add_generation(seq, ep.generation())
+    return seq.ids[:prompt_len]
+
+
+def render_windowed(processor, builder, ep: Episode, keep: int) -> list[int]:
+    """The processor's own render of the last turn's windowed conversation (the parity check of (w))."""
+    conv = windowed(ep.conversation(ep.turns - 1), keep, builder.image_stub)
+    text = processor.apply_chat_template([m.to_hf() for m in conv], add_generation_prompt=True, tokenize=False)
+    images = [im for m in conv for im in m.images]
+    return processor(text=[text], images=images or None, return_tensors="pt")["input_ids"][0].tolist()
 
 
 def method_b(processor, ep: Episode) -> list[int]:
@@ -186,7 +217,9 @@ def cpu_time(fn: Callable[[], list[int]]) -> tuple[float, list[int]]:
         gc.enable()
 
 
-def run(turns: list[int], repeats: Optional[int] = None, distinct: bool = False) -> list[dict]:
+def run(
+    turns: list[int], repeats: Optional[int] = None, distinct: bool = False, keep: Optional[int] = None
+) -> list[dict]:
     processor = load_processor("qwen2_5_vl", "tiny:qwen2_5_vl")
     rows = []
     for n in turns:
@@ -206,12 +239,16 @@ def run(turns: list[int], repeats: Optional[int] = None, distinct: bool = False)
         methods["t"](), methods["i"]()
         if len({tuple(p) for p in prompts.values()}) != 1:
             raise RuntimeError(f"{n} turns: the four methods built different final prompts")
+        if keep is not None:
+            methods["w"] = lambda: method_w(builder, ep, keep)
+            if methods["w"]() != render_windowed(processor, builder, ep, keep):
+                raise RuntimeError(f"{n} turns: the window's last prompt is not the processor's render")
         best = {k: float("inf") for k in methods}
         reps = repeats or (15 if n <= 8 else 9 if n <= 32 else 7)
         slow_reps = max(1, reps // 3) if n > 8 else reps  # (b) and (c) are quadratic: fewer repeats at 32 and 128
         for r in range(reps):
             for k, f in methods.items():  # interleaved, so load changes hit all of them alike
-                if k in ("a", "d", "t", "i", "t1") or r < slow_reps:
+                if k in ("a", "d", "t", "i", "t1", "w") or r < slow_reps:
                     best[k] = min(best[k], cpu_time(f)[0])
         rows.append(
             {
@@ -227,6 +264,7 @@ def run(turns: list[int], repeats: Optional[int] = None, distinct: bool = False)
                 "(a-i)/t1": (best["a"] - best["i"]) / best["t1"],
                 "a_ms_per_turn": 1e3 * best["a"] / n,
                 "d_ms_per_turn": 1e3 * best["d"] / n,
+                **({"keep_images": keep, "w_ms_per_turn": 1e3 * best["w"] / n} if keep is not None else {}),
             }
         )
     return rows
@@ -252,6 +290,7 @@ def table(rows: list[dict]) -> Table:
         "(a-i)/t",
         "(a-i)/t1",
         "(a) ms/turn",
+        *(("(w) window ms/turn",) if any("w_s" in r for r in rows) else ()),
     ):
         t.add_column(col, justify="right")
     for r in rows:
@@ -261,6 +300,7 @@ def table(rows: list[dict]) -> Table:
             *(f"{1e3 * r[k]:.1f} ms" for k in ("a_s", "b_s", "c_s", "d_s", "t_s", "i_s", "t1_s")),
             *(f"{r[k]:.2f}" for k in ("a/d", "b/d", "c/d", "b/a", "c/a", "(a-i)/t", "(a-i)/t1")),
             f"{r['a_ms_per_turn']:.3f}",
+            *((f"{r['w_ms_per_turn']:.3f} (K={r['keep_images']})",) if "w_s" in r else ()),
         )
     return t
 
@@ -274,11 +314,14 @@ def main(
     threads: int = typer.Option(1, help="torch threads"),
     feedback: str = typer.Option("same", help="feedback text each turn: same (a retry loop) | distinct (tool results)"),
     as_json: bool = typer.Option(False, "--json", help="print JSON rows instead of a table"),
+    keep_images: Optional[int] = typer.Option(
+        None, "--keep-images", help="add (w): (a) with a history window of K images (env.keep_images)"
+    ),
 ) -> None:
     torch.set_num_threads(threads)
     if feedback not in ("same", "distinct"):
         raise typer.BadParameter(f"--feedback {feedback!r}: same | distinct")
-    rows = run(turns, repeats, feedback == "distinct")
+    rows = run(turns, repeats, feedback == "distinct", keep_images)
     if as_json:
         print(json.dumps(rows, indent=2))
     else:

@@ -147,3 +147,18 @@ def make_image(width: int, height: int, seed: int = 0) -> Image.Image:
 def small_images() -> list[Image.Image]:
     """Synthetic RGB images: 56x56 (4 Qwen2.5-VL tokens), 224x224 (64), 320x200 (77)."""
     return [make_image(56, 56, 1), make_image(224, 224, 2), make_image(320, 200, 3)]
+
+
+@pytest.fixture(scope="session")
+def processors():
+    """family -> its tiny real processor (`load_processor(family, "tiny:<family>")`), loaded once per session."""
+    from vlmrl.modeling.loading import load_processor
+
+    cache: dict = {}
+
+    def get(family):
+        if family not in cache:
+            cache[family] = load_processor(family, f"tiny:{family}")
+        return cache[family]
+
+    return get

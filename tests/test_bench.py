@@ -47,6 +47,8 @@ def test_token_building_bench_small():
     bench = _load("token_building")
     distinct = bench.run([3], repeats=1, distinct=True)  # raises if the methods build different prompts
     rows = bench.run([2], repeats=1)
+    window = bench.run([4], repeats=1, keep=2)  # raises if the window's prompt is not the processor's render
+    assert window[0]["w_s"] > 0 and "(w) window ms/turn" in _render(bench.table(window))
     assert distinct[0]["prompt_tokens"] > rows[0]["prompt_tokens"] > 0
     assert rows[0]["turns"] == 2
     assert all(rows[0][f"{k}_s"] > 0 for k in ("a", "b", "c", "d", "t", "i", "t1"))

@@ -18,7 +18,7 @@ from conftest import check_held_once, resend_messages
 from vlmrl.config import ExportStyle
 from vlmrl.modeling.families import tiny_family
 from vlmrl.modeling.inputs import model_inputs
-from vlmrl.modeling.loading import load_processor, tiny_model
+from vlmrl.modeling.loading import tiny_model
 from vlmrl.run import export_style
 from vlmrl.tokens import get_builder
 from vlmrl.tokens.base import PrefixMode
@@ -30,18 +30,6 @@ THINKING = {"qwen3_5_think", "qwen3_5_nothink", "qwen3_6"}
 TOOLS = {"qwen3_5_think", "qwen3_5_nothink", "qwen3_6"}  # the templates that render a tool role
 REPLIES = ["The answer is \\boxed{B}.", "Sorry: x = 13, so \\boxed{13}.", "Final answer: \\boxed{D}"]
 REASONING = ["Look at the diagram.", "The crop shows 13.", "Check once more."]
-
-
-@pytest.fixture(scope="module")
-def processors():
-    cache: dict = {}
-
-    def get(family):
-        if family not in cache:
-            cache[family] = load_processor(family, f"tiny:{family}")
-        return cache[family]
-
-    return get
 
 
 def user(*parts) -> Message:

@@ -86,6 +86,9 @@ class EnvConfig:
     _target_: str = "vlmrl.envs.geometry3k.Geometry3KEnv"
     max_turns: int = 2
     system_prompt: Optional[str] = None
+    # the history window: the model sees only the last K images of its episode, earlier ones become a text stub
+    # (vlmrl.rollout.history; training exports `individual`); null: every image
+    keep_images: Optional[int] = None
 
 
 @dataclass

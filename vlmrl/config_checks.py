@@ -49,6 +49,10 @@ def validate_config(cfg: Config, training: bool = True) -> None:
     checks = [
         (cfg.env.max_turns >= 1, "env.max_turns must be >= 1"),
         (
+            cfg.env.keep_images is None or cfg.env.keep_images >= 1,
+            "env.keep_images must be >= 1 (or null: every image)",
+        ),
+        (
             group_ok,
             "algorithm.group_size must be >= 2 (GRPO needs a group)"
             if training

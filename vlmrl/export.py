@@ -3,7 +3,8 @@
 - `concat`: one sample per trajectory: all its ids, loss mask 1 on every sampled token. Exact only when the
   template is prefix-preserving (the model saw exactly these ids at every turn).
 - `individual`: one sample per assistant turn: the ids up to the end of that turn (its prompt is everything before
-  it, exactly as the model saw it), loss mask 1 only on that turn's sampled tokens.
+  it, exactly as the model saw it: with a history window, the view it was sampled in), loss mask 1 only on that
+  turn's sampled tokens.
 Both carry the images whose placeholders lie in the sample's ids, sliced per image grid (never per sample:
 trl #6274), and the trajectory's GRPO advantage (`individual`: the turn's own when the trajectory has
 `turn_advantages`, `vlmrl.train.turn_advantages`). `mask_truncated`: DAPO overlong filtering, loss mask 0 on the
@@ -52,14 +53,16 @@ def images_before(seq: TokenSeq, end: int, image_token_id: int) -> VisionInputs 
     return VisionInputs.cat(seq.vision_parts[: sum(a < end for a in held)])
 
 
-def _sample(traj: Trajectory, end: int, mask: list[int], image_token_id: int, advantage: float) -> Sample:
-    ids = traj.tokens.ids[:end]
+def _sample(
+    traj: Trajectory, seq: TokenSeq, end: int, mask: list[int], image_token_id: int, advantage: float
+) -> Sample:
+    ids = seq.ids[:end]
     input_ids = torch.tensor(ids, dtype=torch.long)
-    vision = images_before(traj.tokens, end, image_token_id)
+    vision = images_before(seq, end, image_token_id)
     return Sample(
         input_ids=input_ids,
         loss_mask=torch.tensor(mask[:end], dtype=torch.float32),
-        old_logprobs=torch.tensor(traj.tokens.logprobs[:end], dtype=torch.float32),
+        old_logprobs=torch.tensor(seq.logprobs[:end], dtype=torch.float32),
         advantage=advantage,
         vision=vision,
         mm_token_type_ids=(input_ids == image_token_id).long(),
@@ -70,26 +73,32 @@ def _sample(traj: Trajectory, end: int, mask: list[int], image_token_id: int, ad
 def to_samples(
     trajs: list[Trajectory], style: ExportStyle, image_token_id: int, mask_truncated: bool = False
 ) -> list[Sample]:
-    """Export trajectories to samples. concat: [len(trajs)] samples; individual: one per assistant turn.
+    """Export trajectories to samples. concat: [len(trajs)] samples; individual: one per assistant turn, from the
+    view it was sampled in (`Trajectory.turn_tokens`: a history window's trajectory has several).
 
     Trajectories without a sampled turn give no sample. mask_truncated: loss mask 0 on the spans of turns whose
-    stop reason is `length` (turn_spans[i] is turns[i]'s sampled ids).
+    stop reason is `length` (turn_spans[i] is turns[i]'s sampled ids). Raises ValueError for `concat` of a
+    trajectory with several views (a history window rewrites earlier turns).
     """
     samples = []
     for traj in trajs:
         spans = traj.tokens.turn_spans
         if not spans:
             continue
-        full = list(traj.tokens.loss_mask)
-        if mask_truncated:
-            for (start, end), turn in zip(spans, traj.turns):
-                if turn.generation.stop_reason is StopReason.LENGTH:
-                    full[start:end] = [0] * (end - start)
+        cut = [mask_truncated and t.generation.stop_reason is StopReason.LENGTH for t in traj.turns]
         if style is ExportStyle.concat:
-            samples.append(_sample(traj, len(traj.tokens.ids), full, image_token_id, traj.advantage))
+            if traj.views:
+                raise ValueError(f"task {traj.task_id}: a history window (env.keep_images) needs export `individual`")
+            full = list(traj.tokens.loss_mask)
+            for (start, end), c in zip(spans, cut):
+                if c:
+                    full[start:end] = [0] * (end - start)
+            samples.append(_sample(traj, traj.tokens, len(traj.tokens.ids), full, image_token_id, traj.advantage))
             continue
-        for i, (start, end) in enumerate(spans):
-            mask = [0] * start + full[start:end]
+        for i in range(len(spans)):
+            seq = traj.turn_tokens(i)
+            start, end = seq.turn_spans[i]
+            mask = [0] * end if i < len(cut) and cut[i] else [0] * start + seq.loss_mask[start:end]
             adv = traj.turn_advantages[i] if traj.turn_advantages else traj.advantage
-            samples.append(_sample(traj, end, mask, image_token_id, adv))
+            samples.append(_sample(traj, seq, end, mask, image_token_id, adv))
     return samples

@@ -13,6 +13,8 @@ the metrics (`vlmrl.metrics`), the evaluation, the report and the alignment chec
               tool_errors, and (derived from turn_metrics, for readers older than turn_metrics) correct, formatted,
               parse_status
     end_reason ("" = none), reward, advantage, policy_version, [turn_advantages], tool_stats
+    [keep_images, views [{input_ids, loss_mask, logprobs, turn_spans, boundary, image_grid_thw}], turn_views]: a
+              history window's trajectory (`vlmrl.rollout.history`): the line's own ids are its last view
 
 Older records lack `turn_metrics` (their per-turn `correct` / `formatted` / `parse_status` lists are read instead),
 `formatted` (then: a parse status other than "no_answer"), `policy_version` (None), `turn_advantages`,
@@ -49,6 +51,7 @@ from vlmrl.types import (
     ImagePart,
     Role,
     StopReason,
+    TokenSeq,
     ToolCall,
     ToolCallStatus,
     ToolStats,
@@ -107,6 +110,9 @@ class TrajectoryRecord:
     tool_stats: ToolStats = field(default_factory=ToolStats)
     sample: int | None = None
     row: int | None = None
+    keep_images: int | None = None  # the history window (`env.keep_images`); None: every image shown
+    views: list[dict] = field(default_factory=list)  # the earlier views (window): `_view_json` objects
+    turn_views: list[int] = field(default_factory=list)  # per turn: its view (len(views): the line's own ids)
     extra: dict[str, Any] = field(default_factory=dict)
 
     # --- derived ---------------------------------------------------------------------------------------------------
@@ -159,6 +165,9 @@ class TrajectoryRecord:
             policy_version=traj.policy_version,
             turn_advantages=list(traj.turn_advantages),
             tool_stats=traj.tool_stats,
+            keep_images=traj.keep_images,
+            views=[_view_json(v) for v in traj.views],
+            turn_views=list(traj.turn_views),
         )
 
     def to_json(self) -> dict:
@@ -190,6 +199,8 @@ class TrajectoryRecord:
             "tool_calls": [[c.to_json() for c in t.tool_calls] for t in self.turns],
             "tool_errors": [list(t.tool_errors) for t in self.turns],
             "tool_stats": self.tool_stats.to_json(),
+            **({"keep_images": self.keep_images} if self.keep_images is not None else {}),
+            **({"views": self.views, "turn_views": self.turn_views} if self.views else {}),
         }
         out.update({k: v for k, v in self.extra.items() if k not in out})
         return out
@@ -202,6 +213,20 @@ class TrajectoryRecord:
         the key's, e.g. `at 0.role`) for a missing required key (step, task_id, reward), a value of the wrong type (no
         bool or numeric string taken for a number), or per-turn lists of different lengths."""
         return _read(d, where)
+
+
+def _view_json(seq: TokenSeq) -> dict:
+    """An earlier view of a history window's trajectory: its ids [T_v], loss mask (1 only on the turns sampled in
+    it), logprobs, turn spans (every turn so far), boundary edits and image grids (`_View` reads it back)."""
+    grid = seq.image_grid_thw
+    return {
+        "input_ids": list(seq.ids),
+        "loss_mask": list(seq.loss_mask),
+        "logprobs": [round(x, 6) for x in seq.logprobs],
+        "turn_spans": [[int(s), int(e)] for s, e in seq.turn_spans],
+        "boundary": [{"position": b.position, "token_id": b.token_id, "reason": b.reason} for b in seq.boundary],
+        "image_grid_thw": grid.tolist() if grid is not None else [],
+    }
 
 
 def read_records(path: str | Path) -> tuple[list[TrajectoryRecord], list[str]]:
@@ -243,9 +268,21 @@ class _Call(BaseModel):
     error: StrictStr = ""
 
 
-class _Line(BaseModel):
+class _View(BaseModel):
+    """The token fields of a line, or of one of its `views` (`_view_json`)."""
+
+    input_ids: list[_Count] = []
+    loss_mask: list[_Count] = []
+    logprobs: list[_Num] = []
+    turn_spans: list[tuple[StrictInt, StrictInt]] = []
+    boundary: list[_Boundary] = []
+    image_grid_thw: list[list[StrictInt]] = []
+
+
+class _Line(_View):
     """One line's object as written (module doc); a null value is an absent key (its default), except for `reward` and
-    `advantage` (NaN). Per-turn lists are checked for equal lengths by `_turn_count`."""
+    `advantage` (NaN). Per-turn lists are checked for equal lengths by `_turn_count`. Its token fields are `_View`'s
+    (the last view of a history window's trajectory)."""
 
     step: StrictInt
     task_id: str = Field(coerce_numbers_to_str=True)
@@ -255,12 +292,6 @@ class _Line(BaseModel):
     reward: _Num
     advantage: _Num = 0.0
     messages: list[_Message] = []
-    input_ids: list[_Count] = []
-    loss_mask: list[_Count] = []
-    logprobs: list[_Num] = []
-    turn_spans: list[tuple[StrictInt, StrictInt]] = []
-    boundary: list[_Boundary] = []
-    image_grid_thw: list[list[StrictInt]] = []
     turn_metrics: list[dict[str, _Num]] = []
     correct: list[bool] = []
     parse_status: list[StrictStr] = []
@@ -273,6 +304,9 @@ class _Line(BaseModel):
     policy_version: _Count | None = None
     turn_advantages: list[_Num] = []
     tool_stats: ToolStats = Field(default_factory=ToolStats)
+    keep_images: Annotated[StrictInt, Field(ge=1)] | None = None
+    views: list[_View] = []
+    turn_views: list[_Count] = []
 
     @model_validator(mode="before")
     @classmethod
@@ -285,7 +319,7 @@ class _Line(BaseModel):
 # the record's fields that are the line's values as read
 _AS_READ = (
     "step task_id group reward advantage input_ids loss_mask logprobs turn_spans image_grid_thw end_reason "
-    "policy_version turn_advantages tool_stats sample row".split()
+    "policy_version turn_advantages tool_stats sample row keep_images turn_views".split()
 )
 
 
@@ -300,6 +334,7 @@ def _read(d: dict, where: str) -> TrajectoryRecord:
         messages=list(d.get("messages") or []),  # as written (checked above)
         boundary=[BoundaryEdit(b.position, b.token_id, b.reason) for b in line.boundary],
         turns=[_turn(line, i) for i in range(n)],
+        views=list(d.get("views") or []),  # as written (checked above)
         extra={k: v for k, v in d.items() if k not in _Line.model_fields},
     )
 

@@ -61,13 +61,21 @@ from vlmrl.types import Task, Trajectory
 log = logging.getLogger("vlmrl.run")
 
 
-def export_style(requested: ExportStyle, builder: TokenBuilder) -> ExportStyle:
-    """`concat` needs a prefix-preserving template; otherwise train on what the model saw, turn by turn."""
+def export_style(requested: ExportStyle, builder: TokenBuilder, keep_images: int | None = None) -> ExportStyle:
+    """`concat` needs a prefix-preserving template and no history window; otherwise train on what the model saw,
+    turn by turn."""
     if requested is ExportStyle.concat and builder.prefix_mode is not PrefixMode.EXTENDS:
         log.warning(
             "%s's template rewrites earlier turns (%s): exporting `individual` instead of `concat`",
             builder.family,
             builder.prefix_mode.value,
+        )
+        return ExportStyle.individual
+    if requested is ExportStyle.concat and keep_images is not None:
+        log.warning(
+            "env.keep_images=%d rewrites earlier turns (old images become a text stub): exporting `individual` "
+            "instead of `concat`",
+            keep_images,
         )
         return ExportStyle.individual
     return requested
@@ -237,7 +245,7 @@ def build_job(cfg: Config, plan: ResumePlan | None = None) -> Job:
     if behaviour is not None:
         behaviour.publish(trainer.policy)  # the trainer's device and dtype
     runner, builder = build_runner(cfg, behaviour or trainer.policy, processor)
-    style = export_style(cfg.export.style, builder)
+    style = export_style(cfg.export.style, builder, cfg.env.keep_images)
     if plan is not None and plan.style_fallback and style is not ExportStyle.individual:
         raise RunFolderError(
             f"{cfg.logging.output_dir} holds a run with another config ({STYLE_FALLBACK}); rerun "

@@ -343,6 +343,9 @@ class TokenSeq:
     vision_parts: list[VisionInputs] = field(default_factory=list)
     turn_spans: list[tuple[int, int]] = field(default_factory=list)
     boundary: list[BoundaryEdit] = field(default_factory=list)
+    # id(image) -> (image, its processed VisionInputs) of images processed for another view of the same trajectory
+    # (`vlmrl.rollout.history`): `held_vision` finds them too, so they are not processed again
+    carried: dict[int, tuple[Image.Image, VisionInputs]] = field(default_factory=dict, repr=False, compare=False)
     # derived from images / vision_parts, kept up to date as they grow (`held_vision`): id(image) -> its first index
     # in `images`, how many of `images` are indexed, and the per-image views of the first `_split_parts` parts
     _image_index: dict[int, int] = field(default_factory=dict, repr=False, compare=False)
@@ -378,7 +381,8 @@ class TokenSeq:
         )
 
     def held_vision(self, image: Image.Image) -> VisionInputs | None:
-        """The processed `VisionInputs` of `image` when this sequence already holds that very object (`is`), else None.
+        """The processed `VisionInputs` of `image` when this sequence already holds that very object (`is`) or
+        carries it from another view (`carried`), else None.
 
         Needs one `per_image` view per entry of `images` (every `VisionInputs` layout here; subclasses with more
         per-image fields, LLaVA-NeXT's image_sizes or Idefics3's splits, override `per_image` to carry them). Cost
@@ -393,7 +397,8 @@ class TokenSeq:
         self._indexed = len(self.images)
         at = self._image_index.get(id(image))
         if at is None:
-            return None
+            held = self.carried.get(id(image))
+            return held[1] if held is not None and held[0] is image else None
         for part in self.vision_parts[self._split_parts :]:  # split only when an image is found: amortised O(1)
             self._per_image.extend(part.per_image())
         self._split_parts = len(self.vision_parts)
@@ -455,6 +460,16 @@ class Trajectory:
     tool_stats: ToolStats = field(default_factory=ToolStats)
     turn_advantages: list[float] = field(default_factory=list)  # per turn (algorithm.advantage=turn), else empty
     policy_version: int = 0  # it was sampled by the weights of the end of this step (vlmrl.train.async_rollout)
+    # a history window (`env.keep_images`, vlmrl.rollout.history): the earlier views (`tokens` is the last one) and,
+    # per turn, the index of the view it was sampled in (len(views): `tokens`); empty without a window
+    views: list[TokenSeq] = field(default_factory=list)
+    turn_views: list[int] = field(default_factory=list)
+    keep_images: int | None = None  # the window's size (None: no window)
+
+    def turn_tokens(self, turn: int) -> TokenSeq:
+        """The token sequence turn `turn` was sampled in: its view, or `tokens` (no window, or the last view)."""
+        v = self.turn_views[turn] if turn < len(self.turn_views) else len(self.views)
+        return self.views[v] if v < len(self.views) else self.tokens
 
     @property
     def correct(self) -> bool:

@@ -6,7 +6,7 @@ families (`vlmrl.checks.reference`), else with the builder's re-render (then a "
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
 
@@ -31,6 +31,41 @@ from vlmrl.types import (
 
 
 @dataclass
+class ViewTokens:
+    """An earlier view of a history window's trajectory: ids [T_v], loss mask (1 on the turns sampled in it),
+    logprobs, turn spans (every turn so far), boundary edits, image grids and (in memory) its vision inputs."""
+
+    ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    turn_spans: list[tuple[int, int]]
+    boundary: list[BoundaryEdit]
+    image_grid_thw: list[list[int]] | None = None
+    vision: VisionInputs | None = None
+
+    @staticmethod
+    def of(seq: TokenSeq) -> "ViewTokens":
+        vision = seq.vision
+        grid = vision.image_grid_thw.tolist() if vision is not None else None
+        spans = [cast("tuple[int, int]", tuple(s)) for s in seq.turn_spans]
+        return ViewTokens(
+            list(seq.ids), list(seq.loss_mask), list(seq.logprobs), spans, list(seq.boundary), grid, vision
+        )
+
+    @staticmethod
+    def from_json(d: dict) -> "ViewTokens":
+        """A record's `views` entry (`vlmrl.record._view_json`; its types were checked when the line was read)."""
+        return ViewTokens(
+            list(d.get("input_ids", [])),
+            list(d.get("loss_mask", [])),
+            list(d.get("logprobs", [])),
+            [(int(s), int(e)) for s, e in d.get("turn_spans", [])],
+            [BoundaryEdit(b["position"], b["token_id"], b.get("reason", "")) for b in d.get("boundary", [])],
+            d.get("image_grid_thw") or None,
+        )
+
+
+@dataclass
 class Recorded:
     """What a run recorded for one trajectory (from `trajectories.jsonl` or an in-memory `Trajectory`)."""
 
@@ -49,6 +84,11 @@ class Recorded:
     stand_in_images: int = 0  # images whose ref was not a file (same-size stand-ins)
     generations: list[list[int]] | None = None  # each turn's sampled ids as the engine returned them (in memory)
     policy_version: int | None = None  # sampled by checkpoints/step_<v>/hf (None: a run from before it was recorded)
+    # a history window's trajectory (`vlmrl.checks.views.split_views` makes one Recorded per view of it)
+    keep_images: int | None = None
+    views: list[ViewTokens] = field(default_factory=list)  # the earlier views; the fields above are the last one
+    turn_views: list[int] = field(default_factory=list)  # per turn: its view
+    own_turns: tuple[int, int] | None = None  # a view's Recorded: the turns sampled in it (mask 1 only there)
 
     @staticmethod
     def from_trajectory(traj: Trajectory, index: int = 0, step: int = 0) -> "Recorded":
@@ -69,6 +109,9 @@ class Recorded:
             vision,
             0,
             [list(t.generation.token_ids) for t in traj.turns],
+            keep_images=traj.keep_images,
+            views=[ViewTokens.of(v) for v in traj.views],
+            turn_views=list(traj.turn_views),
         )
 
     @staticmethod
@@ -110,6 +153,9 @@ class Recorded:
             None,
             stand_ins,
             policy_version=rec.policy_version,
+            keep_images=rec.keep_images,
+            views=[ViewTokens.from_json(v) for v in rec.views],
+            turn_views=list(rec.turn_views),
         )
 
 
@@ -165,11 +211,13 @@ def _structure_checks(rec: Recorded, decode) -> list[Mismatch]:
         )
         return out
     mask = [0] * n
-    for s, e in rec.turn_spans:
+    own = rec.turn_spans if rec.own_turns is None else rec.turn_spans[slice(*rec.own_turns)]
+    for s, e in own:
         mask[s:e] = [1] * (e - s)
     if mask != rec.loss_mask:
         pos = next(i for i, (a, b) in enumerate(zip(mask, rec.loss_mask)) if a != b)
-        out.append(Mismatch("mask", pos, FAIL, "1 exactly on the turn spans", f"mask {rec.loss_mask[pos]} at {pos}"))
+        where = "the turn spans" if rec.own_turns is None else "the spans of the turns sampled in this view"
+        out.append(Mismatch("mask", pos, FAIL, f"1 exactly on {where}", f"mask {rec.loss_mask[pos]} at {pos}"))
     bad = [i for i, (m, lp) in enumerate(zip(rec.loss_mask, rec.logprobs)) if m == 0 and lp != 0.0]
     if bad:
         out.append(Mismatch("logprobs", bad[0], FAIL, "0 where the mask is 0", f"{len(bad)} nonzero"))

@@ -3,6 +3,7 @@ trajectory replayed with the run's builder, and its sampled tokens rescored with
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +15,7 @@ from vlmrl.checks import make_builder
 from vlmrl.checks.diff import BOUNDARY, FAIL, Mismatch, _vision_of
 from vlmrl.checks.logprobs import LogprobStats, logprob_deltas
 from vlmrl.checks.replay import Recorded, replay
+from vlmrl.checks.views import split_views
 from vlmrl.record import TrajectoryRecord
 
 
@@ -220,7 +222,8 @@ def _open_run(run: Path):
 
 
 def _check_one(index: int, raw: dict, run: Path, patch, builder, score) -> TrajectoryAlignment:
-    """One `trajectories.jsonl` record: replay vs the reference, then `score(res, rec, seq)` (logprobs)."""
+    """One `trajectories.jsonl` record: replay vs the reference, then `score(res, rec, seq, first)` (logprobs), per
+    view of a history window's trajectory (`first`: its first view)."""
     where = f"{run / 'trajectories.jsonl'} line {index + 1}"
     try:
         record = TrajectoryRecord.from_json(raw, where)
@@ -230,23 +233,50 @@ def _check_one(index: int, raw: dict, run: Path, patch, builder, score) -> Traje
         rec = Recorded.from_record(record, index, run, patch if isinstance(patch, int) else None)
     except (KeyError, ValueError, TypeError, AttributeError, IndexError) as exc:
         return _unreadable(index, raw, where, f"{type(exc).__name__}: {exc}")
-    seq, mismatches = replay(builder, rec)
-    res = TrajectoryAlignment(
-        index,
-        rec.step,
-        rec.task_id,
-        not any(m.failure for m in mismatches),
-        len(rec.ids),
-        sum(rec.loss_mask),
-        mismatches,
-        sum(m.kind == BOUNDARY for m in mismatches),
-        stand_in_images=rec.stand_in_images,
-    )
     try:
-        score(res, rec, seq)
-    except (RuntimeError, ValueError, IndexError, TypeError, OSError) as exc:
-        res.ok, res.error = False, f"{where}: logprobs not computable ({type(exc).__name__}: {exc})"
-    return res
+        views = split_views(rec, builder.image_stub)  # a history window: one check per view the model saw
+    except ValueError as exc:
+        return _unreadable(index, raw, where, f"ValueError: {exc}")
+    parts: list[TrajectoryAlignment] = []
+    for view in views:
+        seq, mismatches = replay(builder, view)
+        res = TrajectoryAlignment(
+            index,
+            rec.step,
+            rec.task_id,
+            not any(m.failure for m in mismatches),
+            len(view.ids),
+            sum(view.loss_mask),
+            mismatches,
+            sum(m.kind == BOUNDARY for m in mismatches),
+            stand_in_images=rec.stand_in_images,
+        )
+        try:
+            score(res, view, seq, not parts)
+        except (RuntimeError, ValueError, IndexError, TypeError, OSError) as exc:
+            res.ok, res.error = False, f"{where}: logprobs not computable ({type(exc).__name__}: {exc})"
+        parts.append(res)
+    return parts[0] if len(parts) == 1 else _merge(parts)
+
+
+def _merge(parts: list[TrajectoryAlignment]) -> TrajectoryAlignment:
+    """The views of one trajectory as one result: mismatches labelled by view, logprob figures over all of them
+    (mean and KL weighted by each view's sampled tokens)."""
+    out = dataclasses.replace(parts[0], mismatches=[], boundary_diffs=0, tokens=0, sampled=0)
+    scored = [p for p in parts if p.mismatch_kl is not None]
+    for v, p in enumerate(parts):
+        out.mismatches += [dataclasses.replace(m, check=f"view {v}: {m.check}") for m in p.mismatches]
+        out.boundary_diffs += p.boundary_diffs
+        out.tokens, out.sampled = out.tokens + p.tokens, out.sampled + p.sampled
+        out.ok = out.ok and p.ok
+        out.error = out.error or p.error
+    if scored:
+        weight = sum(p.sampled for p in scored) or 1
+        out.max_abs_dlogprob = max(p.max_abs_dlogprob or 0.0 for p in scored)
+        out.mean_dlogprob = sum((p.mean_dlogprob or 0.0) * p.sampled for p in scored) / weight
+        out.mismatch_kl = sum((p.mismatch_kl or 0.0) * p.sampled for p in scored) / weight
+    out.logprob_note = "; ".join(dict.fromkeys(p.logprob_note for p in parts if p.logprob_note))
+    return out
 
 
 def verify_run(
@@ -272,9 +302,9 @@ def verify_run(
     results = []
     sources: dict[str, int] = {}
 
-    def score(res, rec, seq):
+    def score(res, rec, seq, first=True):
         if logprobs:
-            _score(res, rec, seq, builder, policies, temperature, total, sources)
+            _score(res, rec, seq, builder, policies, temperature, total, sources if first else {})
 
     path = run / "trajectories.jsonl"
     for index, raw, why in _read_records(path, max_trajectories):

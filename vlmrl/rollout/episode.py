@@ -39,6 +39,7 @@ from vlmrl.image_fit import fit_messages
 from vlmrl.rewards import episode_reward
 from vlmrl.rollout.batcher import Dispatcher, make_dispatcher
 from vlmrl.rollout.engine import Engine, GenerateRequest, SamplingParams, derive_seed
+from vlmrl.rollout.history import HistoryWindow
 from vlmrl.tokens.base import Piece, TokenBuilder
 from vlmrl.tools.parsers import get_parser
 from vlmrl.tools.runtime import ToolRuntime
@@ -75,12 +76,14 @@ class State(str, Enum):
 
 @dataclass
 class EpisodeLimits:
-    """max_turns: assistant turns per episode; max_context_tokens: the budget for a trajectory's ids;
-    turn_discount: gamma in the episode reward max_t r_t * gamma**t."""
+    """max_turns: assistant turns per episode; max_context_tokens: the budget for a trajectory's ids (with a window:
+    for each view); turn_discount: gamma in the episode reward max_t r_t * gamma**t; keep_images: the history
+    window, the last K images shown (`vlmrl.rollout.history`; None: all)."""
 
     max_turns: int
     max_context_tokens: int
     turn_discount: float
+    keep_images: int | None = None
 
 
 @dataclass
@@ -101,6 +104,9 @@ class Episode:
     calls: list[ToolCall] = field(default_factory=list)
     piece: Piece | None = None  # the observation already rendered (by TOOL)
     first: asyncio.Future | None = None  # turn 0: the group's shared request (its generations, one per sample)
+    window: HistoryWindow | None = None  # env.keep_images: `seq` is the current view
+    views: list[TokenSeq] = field(default_factory=list)  # the earlier views (window only)
+    turn_views: list[int] = field(default_factory=list)  # per turn: the view it was sampled in (window only)
 
 
 class EpisodeRunner:
@@ -195,9 +201,11 @@ class EpisodeRunner:
         tools = [check_unique(as_tool(t) for t in env.tools()) for env in envs]
         if tools[0]:
             messages = self.tools.prepare_prompt(messages, list(tools[0].values()))
-        seq = self.builder.start(messages)
+        keep = self.limits.keep_images
+        window = HistoryWindow(self.builder, keep) if keep is not None else None
+        seq = window.start(messages) if window is not None else self.builder.start(messages)
         episodes = [
-            Episode(task, group, k, env, seq.fork(), list(messages), tools=t)
+            Episode(task, group, k, env, seq.fork(), list(messages), tools=t, window=window and window.copy())
             for k, (env, t) in enumerate(zip(envs, tools))
         ]
         for ep in episodes:
@@ -233,7 +241,11 @@ class EpisodeRunner:
         """REPLY: append the sampled ids; tool calls (if the env has tools and a turn is left) go to TOOL."""
         gen = ep.pending
         assert gen is not None
-        self.builder.add_generation(ep.seq, gen)
+        if ep.window is not None:
+            ep.window.add_generation(ep.seq, gen)
+            ep.turn_views.append(len(ep.views))
+        else:
+            self.builder.add_generation(ep.seq, gen)
         ep.messages.append(Message(Role.ASSISTANT, [TextPart(gen.text)]))
         last = len(ep.turns) + 1 >= self.limits.max_turns
         ep.calls = self.tools.parse(gen.text) if ep.tools and not last else []
@@ -274,11 +286,16 @@ class EpisodeRunner:
         """OBSERVE: render the environment's messages; drop them whole if the next turn would not fit."""
         piece = ep.piece if ep.piece is not None else self._render_observation(ep)
         ep.piece = None
-        if len(ep.seq.ids) + len(piece.ids) >= self.limits.max_context_tokens:
+        view = ep.window.observe(ep.seq, ep.observation, piece) if ep.window is not None else None  # a new view
+        if (len(view.ids) if view else len(ep.seq.ids) + len(piece.ids)) >= self.limits.max_context_tokens:
             ep.tool_stats.images -= sum(len(m.images) for m in ep.observation if m.role is Role.TOOL)
             self._end(ep, EndReason.CONTEXT)
             return
-        self.builder.extend(ep.seq, piece)
+        if view is not None:
+            ep.views.append(ep.seq)
+            ep.seq = view
+        else:
+            self.builder.extend(ep.seq, piece)
         ep.messages.extend(ep.observation)
         ep.observation, ep.state = [], State.GENERATE
 
@@ -321,6 +338,9 @@ class EpisodeRunner:
             reward=episode_reward(rewards, self.limits.turn_discount) if rewards else 0.0,
             end_reason=ep.end_reason,
             tool_stats=ep.tool_stats,
+            views=ep.views,
+            turn_views=ep.turn_views,
+            keep_images=self.limits.keep_images,
         )
 
 

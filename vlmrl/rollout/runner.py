@@ -29,7 +29,9 @@ def build_runner(
     sampling = SamplingParams(
         cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p, list(cfg.rollout.stop)
     )
-    limits = EpisodeLimits(cfg.env.max_turns, cfg.rollout.max_context_tokens, cfg.algorithm.turn_discount)
+    limits = EpisodeLimits(
+        cfg.env.max_turns, cfg.rollout.max_context_tokens, cfg.algorithm.turn_discount, cfg.env.keep_images
+    )
     runner = EpisodeRunner(
         builder,
         engine,

@@ -80,18 +80,18 @@ def control_strings_of(processor, extra: tuple[str, ...] = ()) -> tuple[str, ...
     return tuple(sorted((t for t in found if len(t) > 1 and t.strip() == t), key=lambda t: (-len(t), t)))
 
 
-def _guarded(method):
-    """Wrap `start(messages)` / `render_messages(seq, messages)` so `messages` (the last argument) is guarded."""
+def _guarded(method, at: int):
+    """Wrap `start(messages, ...)` (at=0) / `render_messages(seq, messages)` (at=1) so `messages` is guarded."""
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         if "messages" in kwargs:
             kwargs["messages"] = self.guard_messages(kwargs["messages"])
-        elif args:
-            args = (*args[:-1], self.guard_messages(args[-1]))
+        elif len(args) > at:
+            args = (*args[:at], self.guard_messages(args[at]), *args[at + 1 :])
         return method(self, *args, **kwargs)
 
-    wrapper.__guarded__ = True
+    wrapper.__guarded__ = True  # type: ignore[attr-defined]
     return wrapper
 
 
@@ -112,13 +112,15 @@ class TokenBuilder(ABC):
     image_token: str = ""  # the image placeholder (`image_token_id`)
     after_assistant_ids: tuple[int, ...] = ()  # what the template writes after `close_turn_token`
     after_assistant_inserted: bool = True  # False: that text travels with the next rendered piece (LLaVA)
+    # shown in place of an image that left the history window (`env.keep_images`, vlmrl.rollout.history)
+    image_stub: str = " [an earlier image, no longer shown] "
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        for name in ("start", "render_messages"):
+        for at, name in enumerate(("start", "render_messages")):
             method = cls.__dict__.get(name)
             if method is not None and not getattr(method, "__guarded__", False):
-                setattr(cls, name, _guarded(method))
+                setattr(cls, name, _guarded(method, at))
 
     def _control_pattern(self) -> re.Pattern | None:
         """The compiled alternation of this builder's control strings (cached on the instance), None if none."""
@@ -227,8 +229,9 @@ class TokenBuilder(ABC):
 
     # --- the interface -------------------------------------------------------------------------------------------
     @abstractmethod
-    def start(self, messages: list[Message]) -> TokenSeq:
-        """Render the first messages with the generation prompt; process their images once.
+    def start(self, messages: list[Message], carried: dict | None = None) -> TokenSeq:
+        """Render the first messages with the generation prompt; process their images once (`carried`: images
+        processed for another view of the same trajectory, `TokenSeq.carried`, are not processed again).
 
         Raises ValueError for messages the family cannot render as a first prompt. The control-token guard (module
         docstring) never raises: it rewrites the text of user and tool messages.

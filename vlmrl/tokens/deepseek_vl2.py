@@ -265,8 +265,9 @@ class DeepseekVL2Builder(TokenBuilder):
         return self.processor.encode(text.strip(), bos=False, eos=True)
 
     # --- TokenBuilder --------------------------------------------------------------------------------------------
-    def start(self, messages: list[Message]) -> TokenSeq:
-        """BOS + the first messages (system text, user turn ending `<|Assistant|>:`); images processed once.
+    def start(self, messages: list[Message], carried: dict | None = None) -> TokenSeq:
+        """BOS + the first messages (system text, user turn ending `<|Assistant|>:`); images processed once
+        (`carried` is not used: this family processes each message's images with the message).
 
         Raises ValueError when the messages do not end with a user (or tool) message, a system message is not first,
         an assistant message holds images, or `<image>` tags do not match the images. The control-token guard never

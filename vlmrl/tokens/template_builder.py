@@ -195,9 +195,10 @@ class TemplateBuilder(TokenBuilder):
         return Rendered(ids=out["input_ids"][0].tolist(), vision=self._vision(out, len(images)))
 
     # --- TokenBuilder ----------------------------------------------------------------------------------------------
-    def start(self, messages: list[Message]) -> TokenSeq:
+    def start(self, messages: list[Message], carried: dict | None = None) -> TokenSeq:
         """Render the first messages with the generation prompt exactly like `processor.apply_chat_template(...,
-        tokenize=True)` (no second BOS when the template writes one); images processed once. All mask 0.
+        tokenize=True)` (no second BOS when the template writes one); images processed once (`carried`: images
+        another view of the trajectory processed, `TokenSeq.carried`). All mask 0.
 
         Raises ValueError for no messages or placeholders that do not match the images; the chat template's own
         error (`jinja2.TemplateError`) for a conversation it refuses. The control-token guard never raises.
@@ -206,8 +207,9 @@ class TemplateBuilder(TokenBuilder):
             raise ValueError("start() needs at least one message")
         images = self._images(messages)
         text = self._template(self._hf_messages(messages), True)
-        ids, vision = self._process(text, images, False if self._starts_with_bos(text) else None)
-        seq = TokenSeq()
+        seq = TokenSeq(carried=dict(carried or {}))
+        ids, vision = self._process(text, images, False if self._starts_with_bos(text) else None, seq)
+        seq.carried = {}
         self.extend(seq, Piece(ids=ids, images=images, vision=vision))
         return seq
 

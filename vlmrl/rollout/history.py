@@ -1,0 +1,161 @@
+"""A history window for images (`env.keep_images = K`): the model sees only the last K images of its episode.
+
+Every image of the conversation (prompt, tool results, environment observations) counts, in order. From the turn at
+which an image is no longer among the last K, the prompt shows the builder's `image_stub` text in its place
+(`stub_images`) and its `pixel_values` leave the episode's live token sequence. The conversation the model sees is
+therefore rewritten, not extended: each time an image leaves the window the episode switches to a new *view*, a
+`TokenSeq` rebuilt from the episode's segments (the prompt, each sampled turn's ids verbatim, each observation) with
+the hidden images stubbed. A view is exactly the builder's render of the windowed conversation, which for a
+prefix-preserving family is the processor's own full render of it (tested against `render_full`).
+
+- Sampled ids are never re-encoded: a rebuilt view replays each earlier turn's ids with `add_generation` and gives
+  them loss mask 0 and logprob 0 (they were sampled in another view; `Trajectory.views` keeps that one).
+- Each image is processed once per trajectory: a rebuilt view takes the processed inputs of the images it still
+  shows from the view before (`TokenSeq.carried`), and a segment is re-rendered only when its own stubs change;
+  segments whose images are all hidden form a frozen prefix that later views fork. A turn's cost is O(window) renders
+  plus copying the view's id lists.
+- Training: a windowed trajectory exports `individual` samples, one per turn: that turn's view up to the end of its
+  sampled ids (`vlmrl.export`).
+
+`HistoryWindow` is per episode; `keep=None` is no window (nothing here runs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from vlmrl.tokens.base import Piece, TokenBuilder
+from vlmrl.types import Generation, ImagePart, Message, Part, TextPart, TokenSeq
+
+
+def count_images(messages: list[Message]) -> int:
+    return sum(len(m.images) for m in messages)
+
+
+def stub_images(messages: list[Message], hide: int, stub: str) -> list[Message]:
+    """`messages` with their first `hide` images (in order) replaced by the text `stub` (new Message objects only
+    where a part changed). hide <= 0: the messages themselves."""
+    if hide <= 0:
+        return messages
+    out, seen = [], 0
+    for m in messages:
+        if not m.images or seen >= hide:
+            out.append(m)
+            continue
+        parts: list[Part] = []
+        for p in m.content:
+            if isinstance(p, ImagePart) and seen < hide:
+                parts.append(TextPart(stub))
+                seen += 1
+            else:
+                parts.append(p)
+        out.append(Message(m.role, parts))
+    return out
+
+
+def windowed(messages: list[Message], keep: int | None, stub: str) -> list[Message]:
+    """The conversation as the model sees it with a window of `keep` images (None: all of them)."""
+    return messages if keep is None else stub_images(messages, count_images(messages) - keep, stub)
+
+
+@dataclass
+class _Segment:
+    """One stretch of the episode: non-assistant `messages` (the prompt first) or a sampled `generation`."""
+
+    messages: list[Message] | None = None
+    generation: Generation | None = None
+    first: int = 0  # index of its first image among all the episode's images
+    n: int = 0  # its images
+    hidden: int = -1  # how many of its images `piece` / `start` show as stubs (-1: not rendered)
+    piece: Piece | None = None
+    start: TokenSeq | None = None  # the prompt segment's render
+
+
+class HistoryWindow:
+    """The views of one episode with a window of `keep` images (module docstring). Call `start` for the prompt,
+    `add_generation` after each sampled turn and `observe` for each observation (tool or environment messages);
+    `copy` for each other episode of a GRPO group.
+
+    Raises ValueError for keep < 1.
+    """
+
+    def __init__(self, builder: TokenBuilder, keep: int):
+        if keep < 1:
+            raise ValueError(f"keep_images must be >= 1, got {keep}")
+        self.builder, self.keep = builder, keep
+        self.segments: list[_Segment] = []
+        self.total = 0  # images so far
+        self.hidden = 0  # the oldest images shown as stubs in the current view
+        self.frozen: tuple[int, TokenSeq] | None = None  # (segments, their render) with every image hidden
+
+    def _hide_in(self, s: _Segment) -> int:
+        return min(max(self.hidden - s.first, 0), s.n)
+
+    def _msgs(self, s: _Segment) -> list[Message]:
+        assert s.messages is not None
+        return stub_images(s.messages, self._hide_in(s), self.builder.image_stub)
+
+    def start(self, messages: list[Message]) -> TokenSeq:
+        """The first view: the prompt (its images beyond the last `keep` stubbed)."""
+        n = count_images(messages)
+        self.total, self.hidden = n, max(0, n - self.keep)
+        s = _Segment(messages=messages, n=n)
+        s.start, s.hidden = self.builder.start(self._msgs(s)), self._hide_in(s)
+        self.segments = [s]
+        return s.start.fork()
+
+    def add_generation(self, seq: TokenSeq, gen: Generation) -> None:
+        """Append a sampled turn to the current view `seq` (the builder's `add_generation`) and record it."""
+        self.builder.add_generation(seq, gen)
+        self.segments.append(_Segment(generation=gen, first=self.total))
+
+    def observe(self, seq: TokenSeq, messages: list[Message], piece: Piece) -> TokenSeq | None:
+        """Record `messages` (rendered behind `seq` as `piece`). Returns None while no image leaves the window (the
+        caller extends `seq` with `piece`), else the new view with them (`seq` stays the earlier turns' view)."""
+        n = count_images(messages)
+        self.segments.append(_Segment(messages=messages, first=self.total, n=n, piece=piece, hidden=0))
+        self.total += n
+        hidden = max(0, self.total - self.keep)
+        if hidden == self.hidden:
+            return None
+        self.hidden = hidden
+        return self._rebuild(seq, piece)
+
+    def copy(self) -> "HistoryWindow":
+        """An independent window with the same segments so far (the episodes of a GRPO group share a prompt)."""
+        out = HistoryWindow(self.builder, self.keep)
+        out.segments = [dataclasses.replace(s) for s in self.segments]
+        out.total, out.hidden, out.frozen = self.total, self.hidden, self.frozen
+        return out
+
+    def _rebuild(self, old: TokenSeq, piece: Piece) -> TokenSeq:
+        """A new view of every segment with the current stubs (see the module docstring)."""
+        carried = {id(im): (im, v) for im in old.images if (v := old.held_vision(im)) is not None}
+        if piece.vision is not None:
+            carried.update((id(im), (im, v)) for im, v in zip(piece.images, piece.vision.per_image()))
+        k0, seq = (self.frozen[0], self.frozen[1].fork()) if self.frozen is not None else (0, TokenSeq())
+        # the segments up to `last_frozen` show no image any more: their render is final
+        last_frozen = max((k for k, s in enumerate(self.segments) if s.first + s.n <= self.hidden), default=-1)
+        for k in range(k0, len(self.segments)):
+            s = self.segments[k]
+            if s.generation is not None:
+                start = len(seq.ids)
+                self.builder.add_generation(seq, s.generation)
+                seq.loss_mask[start:] = [0] * (len(seq.ids) - start)  # sampled in an earlier view
+                seq.logprobs[start:] = [0.0] * (len(seq.ids) - start)
+            elif k == 0:
+                if s.hidden != self._hide_in(s):
+                    s.start, s.hidden = self.builder.start(self._msgs(s), carried), self._hide_in(s)
+                assert s.start is not None
+                seq = s.start.fork()
+            else:
+                if s.hidden != self._hide_in(s):
+                    seq.carried = carried
+                    s.piece, s.hidden = self.builder.render_messages(seq, self._msgs(s)), self._hide_in(s)
+                assert s.piece is not None
+                self.builder.extend(seq, s.piece)
+            if k == last_frozen:
+                self.frozen = (k + 1, seq.fork())
+        seq.carried = {}
+        return seq
