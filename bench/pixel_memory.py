@@ -10,35 +10,57 @@ it, and a feedback message with one image (`render_messages`). Two cases:
 
 and two engines:
 
-    transformers   concatenates the prompt's parts into the `pixel_values` it passes to `generate` (`prompt.vision`)
+    transformers   encodes the images it has not seen in this rollout with the policy's vision tower and keeps
+                   their outputs (`vlmrl.rollout.vision_cache.VisionCache`, what `generate` gets instead of pixels)
     vllm           reads only the grids (`prompt.image_grid_thw`: placeholder counts); vLLM processes the raw images
 
 Each case runs in a fresh process. Columns: peak RSS during the episode (VmHWM, reset through /proc/self/clear_refs
 once the policy and processor are loaded and a 1-turn episode has warmed up) minus the RSS at that point; Σ
 pixel_values (bytes of the `pixel_values` storage the trajectory holds: a re-sent image's part is a view of the
 first, counted once); that difference over Σ; image-processor calls (once per image: N for `new`, 1 for `same`).
-The transformers engine's concatenation holds one block per image occurrence (the model sees every occurrence), so
-its copy adds ~Σ over occurrences: ~2 x Σ for `new` is its floor, ~1 x Σ (what the trajectory holds) vLLM's. RSS
+Before the vision cache the transformers engine concatenated every image's pixels for each `generate` (one block per
+image occurrence: ~2 x Σ for `new`, 33 x for `same` at 32 turns); ~1 x Σ (what the trajectory holds) is the floor. RSS
 counts whole pages the allocator keeps, so small episodes can show 0: the signal needs ~100 MiB of pixels (the
 default: 32 x 448x448).
 
     python bench/pixel_memory.py                         # 32 turns, 448x448 images
     python bench/pixel_memory.py --turns 8 --size 224 --json
+    python bench/pixel_memory.py --turns 128 --keep-images 4   # a history window (env.keep_images): flat in turns
+
+Each case runs with `GLIBC_TUNABLES=glibc.malloc.mmap_threshold=131072` (`MALLOC`): with glibc's default, dynamic
+threshold the blocks of pixels freed every turn (a window's released images, the image processor's work arrays)
+fragment the heap, and peak RSS grows by several MiB a turn although the live tensors stay flat.
+
+With `--keep-images K` the episode runs as `EpisodeRunner` runs it for `vlmrl generate`: the last K images shown,
+earlier views released (`TokenSeq.release_pixels`); Σ pixel_values is what the trajectory still holds.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
-COLUMNS = ("case", "engine", "turns", "images", "Σ pixel_values", "peak − base", "(peak − base) / Σ", "processor calls")
+MALLOC = "glibc.malloc.mmap_threshold=131072"  # blocks over 128 KiB always mmap-ed, so freed ones return to the OS
+COLUMNS = (
+    "case",
+    "engine",
+    "window",
+    "turns",
+    "images",
+    "Σ pixel_values",
+    "peak − base",
+    "(peak − base) / Σ",
+    "processor calls",
+)
 
 
 def _status_bytes(field: str) -> int:
@@ -54,13 +76,16 @@ def _reset_peak() -> None:
         f.write("5")
 
 
-def run_case(case: str, turns: int, size: int, engine: str = "transformers") -> dict:
+def run_case(case: str, turns: int, size: int, engine: str = "transformers", keep: int | None = None) -> dict:
     """Build one `turns`-turn episode of `case` ("new" | "same") for `engine` ("transformers" | "vllm") in this
-    process; its memory row (see module doc)."""
+    process, with a history window of `keep` images (None: none); its memory row (see module doc)."""
+    import torch
     from PIL import Image, ImageDraw
 
     from vlmrl.config import ModelConfig
     from vlmrl.modeling.loading import load_policy
+    from vlmrl.rollout.history import HistoryWindow
+    from vlmrl.rollout.vision_cache import VisionCache
     from vlmrl.tokens import get_builder
     from vlmrl.types import Generation, ImagePart, Message, Role, StopReason, TextPart
 
@@ -85,29 +110,48 @@ def run_case(case: str, turns: int, size: int, engine: str = "transformers") -> 
         return img
 
     def episode(n: int, shared: Image.Image | None):
-        seq = builder.start([Message(Role.USER, [ImagePart(shared or image(0)), TextPart("Find x.")])])
+        """As `EpisodeRunner` builds it (a window's earlier views released, as `vlmrl generate` keeps them)."""
+        cache = VisionCache()  # one rollout's
+        window = HistoryWindow(builder, keep) if keep is not None else None
+        first = [Message(Role.USER, [ImagePart(shared or image(0)), TextPart("Find x.")])]
+        seq = window.start(first) if window is not None else builder.start(first)
+        views, messages = [], list(first)  # the trajectory's messages keep every image (for its record)
         for t in range(n):
             if t:
-                feedback = Message(Role.USER, [TextPart("Look again."), ImagePart(shared or image(t))])
-                builder.extend(seq, builder.render_messages(seq, [feedback]))
+                feedback = [Message(Role.USER, [TextPart("Look again."), ImagePart(shared or image(t))])]
+                messages += feedback
+                piece = builder.render_messages(seq, feedback)
+                view = window.observe(seq, feedback, piece) if window is not None else None
+                if view is None:
+                    builder.extend(seq, piece)
+                else:
+                    seq.release_pixels()
+                    views.append(seq)
+                    seq = view
             prompt = seq.prompt()  # what the engine gets this turn: the trajectory's parts, shared
-            read = prompt.vision if engine == "transformers" else prompt.image_grid_thw
-            builder.add_generation(seq, gen)
+            if engine == "transformers":
+                with torch.no_grad():
+                    read = cache.encoder_outputs(model, prompt.vision_parts, prompt.images)
+            else:
+                read = prompt.image_grid_thw
+            (window or builder).add_generation(seq, gen)
             del prompt, read
-        return seq
+        return seq, views, messages
 
     episode(1, None)  # warm-up: lazy imports, caches, allocator pools
     calls["n"] = 0
     _reset_peak()
     base = _status_bytes("VmRSS")
-    seq = episode(turns, image(0) if case == "same" else None)
+    seq, views, _ = episode(turns, image(0) if case == "same" else None)
     peak = _status_bytes("VmHWM")
-    storages = {p.pixel_values.untyped_storage().data_ptr(): p.pixel_values.untyped_storage() for p in seq.vision_parts}
+    parts = [p for s in (seq, *views) for p in s.vision_parts]
+    storages = {p.pixel_values.untyped_storage().data_ptr(): p.pixel_values.untyped_storage() for p in parts}
     pixels = sum(s.nbytes() for s in storages.values())  # what the trajectory holds: a re-sent image's view is free
-    del model
+    model = None  # (the policy is not part of the figures)
     return {
         "case": case,
         "engine": engine,
+        "keep_images": keep,
         "turns": turns,
         "images": turns,
         "pixel_bytes": pixels,
@@ -117,15 +161,18 @@ def run_case(case: str, turns: int, size: int, engine: str = "transformers") -> 
     }
 
 
-def measure(case: str, turns: int, size: int, engine: str = "transformers") -> dict:
+def measure(case: str, turns: int, size: int, engine: str = "transformers", keep: int | None = None) -> dict:
     """`run_case` in a fresh Python process (nothing of another case in its heap)."""
-    out = subprocess.run(
+    window = ["--keep-images", str(keep)] if keep is not None else []
+    out = subprocess.run(  # a fixed mmap threshold: a block of pixels freed is given back (module doc)
         [sys.executable, __file__, "--case", case, "--engine", engine, "--turns", str(turns), "--size", str(size)]
+        + window
         + ["--json"],
         capture_output=True,
         text=True,
         check=True,
         cwd=ROOT,
+        env={**os.environ, "GLIBC_TUNABLES": MALLOC},
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -138,6 +185,7 @@ def table(rows: list[dict]) -> Table:
         t.add_row(
             r["case"],
             r["engine"],
+            str(r.get("keep_images") or "-"),
             str(r["turns"]),
             str(r["images"]),
             f"{r['pixel_bytes'] / 2**20:.1f} MiB",
@@ -154,9 +202,14 @@ def main(
     case: str = typer.Option("", help="run one case (new|same) in this process"),
     engine: str = typer.Option("transformers", help="with --case: the engine whose reads are measured"),
     json_out: bool = typer.Option(False, "--json", help="print JSON rows"),
+    keep_images: Optional[int] = typer.Option(
+        None, "--keep-images", help="a history window of K images (env.keep_images): the `new` case only"
+    ),
 ) -> None:
     if case:
-        rows = [run_case(case, turns, size, engine)]
+        rows = [run_case(case, turns, size, engine, keep_images)]
+    elif keep_images is not None:
+        rows = [measure("new", turns, size, e, keep_images) for e in ("transformers", "vllm")]
     else:
         rows = [measure(c, turns, size, e) for c in ("new", "same") for e in ("transformers", "vllm")]
     if json_out:

@@ -184,7 +184,7 @@ def test_each_image_is_processed_once_per_trajectory(processors, monkeypatch):
     assert sum(calls) == sum(len(m.images) for m in traj.messages)
 
 
-def run_episode_with(builder, family, processors):
+def run_episode_with(builder, family, processors, view_pixels: bool = True):
     per_step, tools, keep = CASES[family]
     tok = getattr(builder.processor, "tokenizer", builder.processor)
     engine = ScriptedEngine(tok, builder.close_turn_id, [f"Step {t}." for t in range(6)])
@@ -192,7 +192,7 @@ def run_episode_with(builder, family, processors):
         builder,
         engine,
         lambda: FramesEnv(per_step, tools),
-        EpisodeLimits(6, 100_000, 1.0, keep_images=keep),
+        EpisodeLimits(6, 100_000, 1.0, keep_images=keep, view_pixels=view_pixels),
         SamplingParams(max_new_tokens=64),
     )
     (traj,) = runner.run([Task("t0", [], "")], group_size=1, seed=0)
@@ -280,3 +280,18 @@ def test_verify_finds_loss_on_a_turn_sampled_in_another_view(window_run, tmp_pat
 
     result = verify_run(_edited(window_run, tmp_path / "mask", unmask), logprobs=False)
     assert not result.ok and any(m.check.endswith("mask") for m in result.trajectories[0].mismatches if m.failure)
+
+
+def test_without_training_the_earlier_views_keep_grids_but_no_pixels(processors):
+    """`vlmrl generate` / evaluation (`view_pixels=False`): an earlier view drops its pixel_values when the window
+    moves on; its record still has its grids, and the live view keeps the images it shows."""
+    from vlmrl.record import TrajectoryRecord
+
+    builder = get_builder("gemma3", processors("gemma3"))
+    _, _, traj, keep = run_episode_with(builder, "gemma3", processors, view_pixels=False)
+    assert traj.views and all(p.pixel_values.shape[0] == 0 for v in traj.views for p in v.vision_parts)
+    assert traj.tokens.vision is not None and traj.tokens.vision.pixel_values.shape[0] > 0
+    assert len(traj.tokens.image_grid_thw) == keep
+    record = TrajectoryRecord.from_trajectory(traj, 1)
+    # two frames per observation, K=3: the prompt's 2, then 3 shown in every later view
+    assert [len(v["image_grid_thw"]) for v in record.views] == [2] + [keep] * (len(traj.views) - 1)

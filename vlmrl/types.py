@@ -7,6 +7,7 @@ Environments never see token ids; token builders never see rewards.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Callable, Union
@@ -406,6 +407,17 @@ class TokenSeq:
 
     def prompt(self) -> EnginePrompt:
         return EnginePrompt(list(self.ids), list(self.images), list(self.vision_parts))
+
+    def release_pixels(self) -> None:
+        """Drop this sequence's `pixel_values` (each part keeps its grids, `image_grid_thw`, with 0 pixel rows): an
+        earlier view of a history window that nothing will train on (`vlmrl.rollout.history`). Tensors another
+        view shares stay alive there."""
+        self.vision_parts = [
+            dataclasses.replace(p, pixel_values=p.pixel_values.new_empty((0, *p.pixel_values.shape[1:])))
+            for p in self.vision_parts
+        ]
+        self.images = []  # (the trajectory's messages keep them for its record)
+        self.carried, self._image_index, self._indexed, self._per_image, self._split_parts = {}, {}, 0, [], 0
 
 
 class TurnOutcome:

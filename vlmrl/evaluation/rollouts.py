@@ -26,7 +26,7 @@ def build_eval_runner(cfg: Config, model: Any, processor: Any):
     over `contextlib.nullcontext(model)`."""
     from vlmrl.rollout.runner import build_runner
 
-    return build_runner(cfg, lambda: contextlib.nullcontext(model), processor)
+    return build_runner(cfg, lambda: contextlib.nullcontext(model), processor, training=False)
 
 
 def chunks(items: list, size: int) -> Iterable[list]:

@@ -78,12 +78,14 @@ class State(str, Enum):
 class EpisodeLimits:
     """max_turns: assistant turns per episode; max_context_tokens: the budget for a trajectory's ids (with a window:
     for each view); turn_discount: gamma in the episode reward max_t r_t * gamma**t; keep_images: the history
-    window, the last K images shown (`vlmrl.rollout.history`; None: all)."""
+    window, the last K images shown (`vlmrl.rollout.history`; None: all); view_pixels: False when nothing trains on the
+    trajectories (`vlmrl generate`, evaluation): a window's earlier views then drop their pixel_values."""
 
     max_turns: int
     max_context_tokens: int
     turn_discount: float
     keep_images: int | None = None
+    view_pixels: bool = True  # earlier views keep their images' pixel_values for the update (False: grids only)
 
 
 @dataclass
@@ -292,6 +294,8 @@ class EpisodeRunner:
             self._end(ep, EndReason.CONTEXT)
             return
         if view is not None:
+            if not self.limits.view_pixels:
+                ep.seq.release_pixels()
             ep.views.append(ep.seq)
             ep.seq = view
         else:

@@ -19,6 +19,7 @@ from transformers import GenerationConfig, LogitsProcessorList
 from vlmrl.modeling.inputs import family_of_model, model_inputs
 from vlmrl.rollout.engine import Engine, GenerateRequest, SamplingParams, derive_seed
 from vlmrl.rollout.sampling import RowSampler
+from vlmrl.rollout.vision_cache import VisionCache, supports
 from vlmrl.types import EnginePrompt, Generation, StopReason, VisionInputs
 
 
@@ -40,7 +41,8 @@ class TransformersEngine(Engine):
     placeholder id (mm_token_type_ids / token_type_ids). family: the model family, whose image inputs
     `vlmrl.modeling.inputs.model_inputs` builds (None: read from the model's `config.model_type`; a model of no
     known family, e.g. a text-only LM, gets the Qwen-VL inputs). suppress_ids: ids never sampled (default: the image
-    placeholder).
+    placeholder). cache_vision: within a `session()`, encode each image once and hand the model the cached vision
+    outputs on later turns (`vlmrl.rollout.vision_cache`; families with Qwen-VL inputs).
     """
 
     def __init__(
@@ -52,6 +54,7 @@ class TransformersEngine(Engine):
         image_token_id: int,
         family: str | None = None,
         suppress_ids: list[int] | None = None,
+        cache_vision: bool = True,
     ):
         self.policy = policy
         # placeholder ids the policy must never sample (an unmatched image placeholder breaks every later forward);
@@ -63,6 +66,8 @@ class TransformersEngine(Engine):
         self.image_token_id = image_token_id
         self.family = family
         self._module: torch.nn.Module | None = None
+        self.cache_vision = cache_vision
+        self._vision: VisionCache | None = None  # the current session's (one rollout, one set of weights)
 
     @contextlib.contextmanager
     def session(self) -> Iterator[None]:
@@ -71,11 +76,11 @@ class TransformersEngine(Engine):
             yield
             return
         with self.policy() as model:
-            self._module = model
+            self._module, self._vision = model, VisionCache() if self.cache_vision else None
             try:
                 yield
             finally:
-                self._module = None
+                self._module, self._vision = None, None
 
     def generate(self, prompts: list[EnginePrompt], n: int, params: SamplingParams) -> list[list[Generation]]:
         """n samples of each prompt; prompt i gets seed `params.seed + i` (None: drawn from torch's global RNG)."""
@@ -132,6 +137,13 @@ class TransformersEngine(Engine):
             family = "qwen2_5_vl"
             if not visions:
                 return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
+        if visions and self._vision is not None and supports(model, family):  # each image encoded once a rollout
+            inputs = model_inputs(family, ids, None, self.image_token_id, mask)
+            inputs = {k: v.to(device) for k, v in inputs.items()}
+            inputs["image_grid_thw"] = VisionInputs.grids(visions).to(device)  # type: ignore[union-attr]
+            images = [im for r in rows for im in r.prompt.images]
+            inputs["mm_encoder_outputs"] = {"image": self._vision.encoder_outputs(model, visions, images)}
+            return inputs
         inputs = model_inputs(family, ids, VisionInputs.cat(visions), self.image_token_id, mask)
         return {k: v.to(device, dtype=model.dtype) if k == "pixel_values" else v.to(device) for k, v in inputs.items()}
 

@@ -157,5 +157,7 @@ class HistoryWindow:
                 self.builder.extend(seq, s.piece)
             if k == last_frozen:
                 self.frozen = (k + 1, seq.fork())
+                for done in self.segments[: k + 1]:  # never rendered again: let their images and pieces go
+                    done.messages, done.piece, done.start = None, None, None
         seq.carried = {}
         return seq

@@ -19,10 +19,14 @@ from vlmrl.tokens.base import TokenBuilder
 
 
 def build_runner(
-    cfg: Config, policy: Callable[[], AbstractContextManager[torch.nn.Module]], processor: Any
+    cfg: Config,
+    policy: Callable[[], AbstractContextManager[torch.nn.Module]],
+    processor: Any,
+    training: bool = True,
 ) -> tuple[EpisodeRunner, TokenBuilder]:
     """The episode runner for `cfg`: env factory (+ tools), the family's token builder (tool schemas passed to the
-    chat template), the engine named by `rollout.engine` over `policy` (a context manager yielding the module)."""
+    chat template), the engine named by `rollout.engine` over `policy` (a context manager yielding the module).
+    training: False when nothing trains on the trajectories (a history window's earlier views keep no pixels)."""
     tooling = tool_setup(cfg, processor, make_env_factory(cfg.env))  # env tools + tools.functions/environment
     builder = get_builder(cfg.model.family, processor, **tooling.builder_kwargs())
     engine = rollout.make_engine(cfg.rollout, policy, processor, builder)  # looked up at call time
@@ -30,7 +34,7 @@ def build_runner(
         cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p, list(cfg.rollout.stop)
     )
     limits = EpisodeLimits(
-        cfg.env.max_turns, cfg.rollout.max_context_tokens, cfg.algorithm.turn_discount, cfg.env.keep_images
+        cfg.env.max_turns, cfg.rollout.max_context_tokens, cfg.algorithm.turn_discount, cfg.env.keep_images, training
     )
     runner = EpisodeRunner(
         builder,
