@@ -48,8 +48,9 @@ from rich.table import Table
 
 from vlmrl.config import load
 from vlmrl.export import to_samples
-from vlmrl.run import Job, assign_step_advantages, build_job, sample_step
+from vlmrl.run import Job, build_job, sample_step
 from vlmrl.train.logprobs import FUSED_MAX_BYTES, collate, fused_log_softmax, selective_log_softmax
+from vlmrl.train.step_batch import assign_step_advantages
 from vlmrl.train.trainer import GRPOTrainer
 from vlmrl.types import Sample
 

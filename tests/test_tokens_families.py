@@ -19,10 +19,10 @@ from vlmrl.config import ExportStyle
 from vlmrl.modeling.families import tiny_family
 from vlmrl.modeling.inputs import model_inputs
 from vlmrl.modeling.loading import tiny_model
-from vlmrl.run import export_style
 from vlmrl.tokens import get_builder
 from vlmrl.tokens.base import PrefixMode
 from vlmrl.tokens.template_builder import TemplateBuilder
+from vlmrl.train.step_batch import export_style
 from vlmrl.types import Generation, ImagePart, Message, Role, StopReason, TextPart, TokenSeq
 
 FAMILY_NAMES = ["qwen3_5_think", "qwen3_5_nothink", "qwen3_6", "gemma3", "idefics3", "smolvlm", "llava_next"]

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
 
-import torch
 from rich.console import Console
 from transformers import set_seed
 
@@ -24,7 +23,6 @@ from vlmrl.checks.alignment import sampled_alignment
 from vlmrl.config import AlgorithmConfig, Config, ExportStyle, to_yaml
 from vlmrl.envs import check_plugins, load_env_tasks
 from vlmrl.evaluation.during_training import EvalSetup, eval_during_training
-from vlmrl.export import to_samples
 from vlmrl.logging_backends import make_loggers
 from vlmrl.metrics import episode_metrics
 from vlmrl.modeling.adapters import prepare_policy
@@ -39,46 +37,22 @@ from vlmrl.resume import (
     StopSignals,
     TooManyBadSteps,
     TrainingInterrupted,
-    nonfinite_episodes,
     plan_resume,
     record_resume,
-    split_unusable,
 )
-from vlmrl.rewards import REWARD_BOUND
 from vlmrl.rollout.engine import derive_seed
 from vlmrl.rollout.episode import EpisodeRunner
 from vlmrl.rollout.runner import build_runner
 from vlmrl.runfiles import ImageStore, RunFiles, RunFolderError
-from vlmrl.tokens.base import PrefixMode, TokenBuilder
+from vlmrl.tokens.base import TokenBuilder
 from vlmrl.train import loss_agg, overlong, rollout_correction
-from vlmrl.train.advantages import group_advantages
 from vlmrl.train.async_rollout import BehaviourWeights, Prefetcher, staleness, staleness_metrics
 from vlmrl.train.dynamic_sampling import SampledBatch, sample_until_full
+from vlmrl.train.step_batch import export_style, gather_bad_episodes, step_samples
 from vlmrl.train.trainer import GRPOTrainer, TrainerSettings
-from vlmrl.train.turn_advantages import assign_turn_advantages
 from vlmrl.types import Task, Trajectory
 
 log = logging.getLogger("vlmrl.run")
-
-
-def export_style(requested: ExportStyle, builder: TokenBuilder, keep_images: int | None = None) -> ExportStyle:
-    """`concat` needs a prefix-preserving template and no history window; otherwise train on what the model saw,
-    turn by turn."""
-    if requested is ExportStyle.concat and builder.prefix_mode is not PrefixMode.EXTENDS:
-        log.warning(
-            "%s's template rewrites earlier turns (%s): exporting `individual` instead of `concat`",
-            builder.family,
-            builder.prefix_mode.value,
-        )
-        return ExportStyle.individual
-    if requested is ExportStyle.concat and keep_images is not None:
-        log.warning(
-            "env.keep_images=%d rewrites earlier turns (old images become a text stub): exporting `individual` "
-            "instead of `concat`",
-            keep_images,
-        )
-        return ExportStyle.individual
-    return requested
 
 
 def step_tasks(tasks: list[Task], step: int, batch_size: int, rank: int, world: int) -> list[Task]:
@@ -91,31 +65,6 @@ def prompts_at(tasks: list[Task], start: int, batch_size: int, rank: int, world:
     the (shuffled) task list."""
     batch = [tasks[(start + i) % len(tasks)] for i in range(batch_size)]
     return batch[rank::world]
-
-
-def assign_advantages(trajs: list[Trajectory], scale_by_std: bool) -> None:
-    """GRPO advantages within each group (one group per prompt), written onto the trajectories."""
-    advs = group_advantages([t.reward for t in trajs], [t.group for t in trajs], scale_by_std=scale_by_std)
-    for traj, adv in zip(trajs, advs):
-        traj.advantage = adv
-
-
-def assign_step_advantages(cfg: Config, trajs: list[Trajectory]) -> None:
-    """`algorithm.advantage`: episode (GRPO per trajectory) or turn (discounted reward-to-go per turn, with each
-    turn's overlong penalty; vlmrl.train.turn_advantages)."""
-    alg = cfg.algorithm
-    if alg.advantage != "turn":
-        assign_advantages(trajs, alg.scale_by_std)
-        return
-    pens = (
-        [
-            overlong.turn_penalties(t, cfg.rollout.max_new_tokens, alg.overlong_buffer, alg.overlong_penalty)
-            for t in trajs
-        ]
-        if alg.overlong_buffer
-        else None
-    )
-    assign_turn_advantages(trajs, alg.turn_discount, alg.scale_by_std, pens)
 
 
 def sample_step(job: "Job", step: int, position: int) -> SampledBatch:
@@ -278,42 +227,6 @@ def build_job(cfg: Config, plan: ResumePlan | None = None) -> Job:
     return job
 
 
-def step_samples(job: "Job", sampled: SampledBatch) -> tuple[list[Trajectory], list, bool, list[str]]:
-    """(trajectories trained on, their samples, filler, excluded ids): episodes with an unusable reward (NaN, inf,
-    beyond +-REWARD_BOUND) leave their GRPO group before advantages; `filler`: this rank has nothing left to learn
-    from (all excluded, or dynamic sampling's `fill_only`), so its samples get loss mask 0 (collectives still run)."""
-    cfg = job.cfg
-    trajs, excluded = split_unusable(sampled.kept)
-    assign_step_advantages(cfg, trajs)
-    filler = not trajs
-    if filler:
-        trajs = sampled.kept
-        for t in trajs:
-            t.advantage, t.turn_advantages = 0.0, []
-    samples = to_samples(trajs, job.style, job.builder.image_token_id, mask_truncated=cfg.algorithm.overlong_filter)
-    if sampled.fill_only or filler:
-        samples = [dataclasses.replace(s, loss_mask=torch.zeros_like(s.loss_mask)) for s in samples]
-    return trajs, samples, filler or sampled.fill_only, excluded
-
-
-def gather_bad_episodes(
-    trainer: GRPOTrainer, step: int, excluded: list[str], trained: list[Trajectory]
-) -> tuple[list[str], list[str]]:
-    """(excluded ids of all ranks, ids that skip the step's update): a non-finite advantage among the `trained`
-    episodes of any rank, or every episode of the step excluded."""
-    parts = trainer.gather((excluded, nonfinite_episodes(trained), len(trained)))
-    excluded = [e for p in parts for e in p[0]]
-    if excluded:
-        log.warning(
-            "step %d: episode(s) %s left their GRPO group: reward NaN, inf or beyond +-%g",
-            step,
-            ", ".join(excluded),
-            REWARD_BOUND,
-        )
-    bad = [e for p in parts for e in p[1]] or (excluded if sum(p[2] for p in parts) == 0 else [])
-    return excluded, bad
-
-
 def run_step(job: Job, step: int) -> dict:
     """One GRPO step: rollouts, advantages, export, update. Returns the step's metrics row (all ranks merged)."""
     cfg, trainer = job.cfg, job.trainer
@@ -321,7 +234,7 @@ def run_step(job: Job, step: int) -> dict:
     sampled = next_batch(job, step)
     t_wait = time.perf_counter() - t0
     stale = staleness([sampled.policy_version], step - 1, cfg.algorithm.off_policy_steps)  # StaleSampleError
-    trajs, samples, filler, excluded = step_samples(job, sampled)
+    trajs, samples, filler, excluded = step_samples(cfg, job.style, job.builder.image_token_id, sampled)
     align = {}
     if cfg.trainer.align_every and step % cfg.trainer.align_every == 0:  # before the update: the sampling policy
         align = sampled_alignment(trainer, job.builder, trajs, cfg.trainer.align_samples, seed=step).as_dict()

@@ -35,10 +35,10 @@ from vlmrl.envs import check_plugins, env_config
 from vlmrl.envs.plugins import env_class
 from vlmrl.export import to_samples
 from vlmrl.modeling.loading import load_policy
-from vlmrl.run import export_style
 from vlmrl.runfiles import RunFiles
 from vlmrl.tokens import get_builder
 from vlmrl.tokens.base import TokenBuilder
+from vlmrl.train.step_batch import export_style
 from vlmrl.train.trainer import GRPOTrainer, TrainerSettings
 from vlmrl.types import Generation, ImagePart, Message, Role, StopReason, TextPart, Trajectory
 
