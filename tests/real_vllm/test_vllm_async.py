@@ -19,13 +19,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import importlib
 import threading
 import time
 
 import pytest
 import torch
 
-pytest.importorskip("vllm")
+importlib.import_module("vllm")  # make test-vllm's venv: without vllm this fails loudly, never skips
 
 from test_vllm_engine import TEMPERATURE, TOL, SumEnv, make_tasks, tiny_qwen2  # tests/real_vllm
 from text_fixtures import *  # noqa: F403 (its pytest fixtures, processor and builder, by name)

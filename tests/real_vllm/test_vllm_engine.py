@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
 import os
 import time
 from types import SimpleNamespace
@@ -24,7 +25,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-pytest.importorskip("vllm")
+importlib.import_module("vllm")  # make test-vllm's venv: without vllm this fails loudly, never skips
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from served import vllm_server  # tests/real_vllm/served.py

@@ -22,6 +22,7 @@ diagrams, fp32. The reference is always the trainer's own forward (`sequence_log
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import subprocess
@@ -32,10 +33,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-pytest.importorskip("vllm")
+importlib.import_module("vllm")  # make test-vllm's venv: without vllm this fails loudly, never skips
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-from PIL import Image  # after the importorskip: this module only runs in the vLLM venv
+from PIL import Image  # after the vllm import: this module only runs in the vLLM venv
 from served import vllm_server  # tests/real_vllm/served.py
 from tiny_head32 import tiny_qwen25_vl_head32  # tests/real_vllm/tiny_head32.py
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 import threading
 import time
 from pathlib import Path
@@ -27,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("vllm")
+importlib.import_module("vllm")  # make test-vllm's venv: without vllm this fails loudly, never skips
 
 import psutil  # noqa: E402  (vLLM's own dependency)
 from test_vllm_multimodal import TOL, perturb, rollout_cfg, run_episodes, worst_delta  # noqa: E402
