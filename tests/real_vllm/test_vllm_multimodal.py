@@ -15,6 +15,8 @@ diagrams, fp32. The reference is always the trainer's own forward (`sequence_log
   reset, checked on the image sequences, and the parity again;
 - T = 0.7, top_p = 0.9 with an image: vLLM's logprobs vs the trainer's tempered logits renormalised over the same
   nucleus (issue 12);
+- a 4-turn episode with a new image every turn: vLLM's prefix and encoder caches run the vision encoder once per
+  distinct image (4, counted inside vLLM's worker; 20 without caches), issue 23;
 - `vlmrl train rollout=vllm` with images, end to end (DeepSpeed ZeRO-2 trainer + colocated vLLM), off-policy here;
   its 2-step on-policy run is `make gpu-check`'s row on CPU (tests/real_vllm/test_gpu_check_cpu.py).
 """
@@ -35,6 +37,7 @@ import torch
 
 importlib.import_module("vllm")  # make test-vllm's venv: without vllm this fails loudly, never skips
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a function (the encoder count)
 
 from PIL import Image  # after the vllm import: this module only runs in the vLLM venv
 from served import vllm_server  # tests/real_vllm/served.py
@@ -232,6 +235,85 @@ def nucleus_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float
     chosen = probs.gather(1, ids[:, None])[:, 0]
     assert not dropped.gather(1, ids[:, None]).any(), "vLLM sampled a token outside the nucleus"
     return chosen.log() - mass.log(), chosen.log(), mass
+
+
+def small_diagram(name: str) -> Image.Image:
+    """A diagram shrunk to 112 x 112 (16 image tokens), so 4 turns of images fit the engine's 1024 tokens."""
+    return diagram(name).resize((112, 112))
+
+
+class NewDiagramEnv(Environment):
+    """Every feedback carries a new diagram (NEW_DIAGRAMS, one per turn): an episode of 4 turns shows 4 images."""
+
+    def reset(self, task):
+        return list(task.messages)
+
+    def step(self, assistant_text, turn, last_turn):
+        if last_turn:
+            return StepResult(0.0, False, [], {"correct": 0.0, "formatted": 0.0, "parse_fail": 1.0})
+        image = ImagePart(small_diagram(NEW_DIAGRAMS[turn + 1]), f"{NEW_DIAGRAMS[turn + 1]}.png")
+        more = [Message(Role.USER, [TextPart("And now:"), image])]
+        return StepResult(0.0, False, more, {"correct": 0.0, "formatted": 0.0, "parse_fail": 1.0})
+
+
+NEW_DIAGRAMS = ("2405", "2406", "2407", "2408")
+
+
+def _encoder_counter():
+    """A function for vLLM's worker (`collective_rpc`, pickled by value as a closure): it wraps the model's
+    `embed_multimodal` once so it counts the images it encodes, and returns the count so far."""
+
+    def count(worker) -> int:
+        model = worker.get_model()
+        if not hasattr(model, "vlmrl_encoded"):
+            model.vlmrl_encoded = [0]
+            encode = model.embed_multimodal
+
+            def counted(**kwargs):
+                out = encode(**kwargs)
+                model.vlmrl_encoded[0] += len(out)
+                return out
+
+            model.embed_multimodal = counted
+        return model.vlmrl_encoded[0]
+
+    return count
+
+
+def _on_engine(backend, call):
+    """`call(llm)` on the colocated engine: awaited on its loop for AsyncLLM (`AsyncColocated._call`), else direct."""
+    result = call(backend.llm)
+    return backend._call(result) if hasattr(backend, "_call") else result
+
+
+def test_prefix_and_encoder_caches_encode_each_image_once(setup):
+    """Issue 23 (item 5, vLLM half): a 4-turn episode whose every turn adds a new image, 2 samples, through colocated
+    vLLM. Each turn's prompt repeats the earlier images, so a vLLM without its caches would run the vision encoder on
+    2 x (1 + 2 + 3 + 4) = 20 images (hand-derived). With the prefix cache (the earlier turns' KV blocks, image
+    placeholders included, keyed by the images' hashes) and the encoder cache (outputs by image hash, shared by the
+    group's samples), it encodes each of the 4 distinct images once: counted inside vLLM's worker, around the model's
+    `embed_multimodal`. The episodes are checked as usual: their logprobs equal the trainer's."""
+    backend = setup.engine.backend
+    _on_engine(backend, lambda llm: llm.reset_prefix_cache())
+    _on_engine(backend, lambda llm: llm.reset_encoder_cache())
+    before = _on_engine(backend, lambda llm: llm.collective_rpc(_encoder_counter()))[0]
+    runner = EpisodeRunner(
+        setup.builder,
+        setup.engine,
+        NewDiagramEnv,
+        EpisodeLimits(4, 1024, 0.95),
+        SamplingParams(max_new_tokens=4, temperature=TEMPERATURE, seed=5),
+    )
+    first = ImagePart(small_diagram(NEW_DIAGRAMS[0]), "2405.png")
+    task = Task("new", [Message(Role.USER, [first, TextPart("Find x.")])], "")
+    trajs = runner.run([task], group_size=2)
+    encoded = _on_engine(backend, lambda llm: llm.collective_rpc(_encoder_counter()))[0] - before
+    ends = [(len(t.turns), len(t.tokens.images), t.end_reason) for t in trajs]
+    assert all(e[:2] == (4, 4) for e in ends), ends
+    without_caches = 2 * (1 + 2 + 3 + 4)
+    print(f"\nvLLM vision encoder: {encoded} images for 2 x 4 turns (without caches: {without_caches})")
+    assert encoded == len(NEW_DIAGRAMS)
+    assert worst_delta(setup.model, to_samples(trajs, ExportStyle.concat, setup.builder.image_token_id)) <= TOL
 
 
 def test_vllm_logprobs_at_temperature_0_7_top_p_0_9_with_images(setup):

@@ -109,3 +109,20 @@ class Environment(ABC, Generic[C]):
         template gets them once per run.
         """
         return []
+
+
+class PromptEnv(Environment[C]):
+    """An environment whose episode starts from its task's messages as they are (a fresh copy each episode); the
+    task is `self.task` after `reset`, and `current_task()` for `step`."""
+
+    task: Task | None = None
+
+    def reset(self, task: Task) -> list[Message]:
+        self.task = task
+        return [Message(m.role, list(m.content)) for m in task.messages]
+
+    def current_task(self) -> Task:
+        """The task of this episode. Raises RuntimeError before `reset`."""
+        if self.task is None:
+            raise RuntimeError(f"{type(self).__name__}.step called before reset")
+        return self.task

@@ -15,15 +15,15 @@ balanced.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
 
 from PIL import Image
 
 from vlmrl.config import DataConfig, EnvConfig
-from vlmrl.envs.base import Environment, StepResult
-from vlmrl.rewards import extract_boxed
-from vlmrl.types import CORRECT, FORMATTED, PARSE_FAIL, ImagePart, Message, Role, Task, TextPart
+from vlmrl.envs.base import PromptEnv, StepResult
+from vlmrl.rewards import word_turn
+from vlmrl.types import CORRECT, ImagePart, Message, Role, Task, TextPart
 
 COLORS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255), "white": (255, 255, 255)}
 SIZE = 112
@@ -61,20 +61,23 @@ def answer(color: str) -> str:
     return f"\\boxed{{{color}}}"
 
 
-def make_demos(env_cfg: EnvConfig, count: int, seed: int = 0) -> list[list[Message]]:
+def make_demos(
+    env_cfg: EnvConfig, count: int, seed: int = 0, task_of: Callable[[int, random.Random], Task] | None = None
+) -> list[list[Message]]:
     """`count` demonstration conversations that teach the FORMAT but not the task: every demonstrated answer is a
     colour drawn uniformly at random, independently of the image, so a model trained on them answers at chance.
 
     With env.max_turns >= 2, every second demo is a retry: [image + question, wrong answer, FEEDBACK, answer]
-    (the second answer also drawn independently of the image). Images come from `make_tasks`' generator with
-    seeds `seed * 1_000_003 + i`, so demos and training tasks share no seed unless seed is 0 and the counts overlap.
+    (the second answer also drawn independently of the image and of the first). Demo i's prompt is
+    `task_of(seed * 1_000_003 + i, rng)` (default: a square of a random colour, `build_task`), so demos and
+    training tasks share no seed unless seed is 0 and the counts overlap.
     """
     rng = random.Random(seed)
     names = sorted(COLORS)
     retry = env_cfg.max_turns >= 2
     demos = []
     for i in range(count):
-        task = build_task(seed * 1_000_003 + i, rng.choice(names))
+        task = task_of(seed * 1_000_003 + i, rng) if task_of else build_task(seed * 1_000_003 + i, rng.choice(names))
         conv = [*task.messages, Message.text(Role.ASSISTANT, answer(rng.choice(names)))]
         if retry and i % 2 == 1:
             conv += [Message.text(Role.USER, FEEDBACK), Message.text(Role.ASSISTANT, answer(rng.choice(names)))]
@@ -88,7 +91,7 @@ class ColorsConfig(EnvConfig):
     max_turns: int = 1
 
 
-class ColorsEnv(Environment[ColorsConfig]):
+class ColorsEnv(PromptEnv[ColorsConfig]):
     """One square; a wrong answer with turns left gets FEEDBACK and another try."""
 
     config_class = ColorsConfig
@@ -104,20 +107,9 @@ class ColorsEnv(Environment[ColorsConfig]):
 
     def __init__(self, cfg: ColorsConfig | None = None) -> None:
         self.max_turns = (cfg or ColorsConfig()).max_turns
-        self.task: Task | None = None
-
-    def reset(self, task: Task) -> list[Message]:
-        self.task = task
-        return [Message(m.role, list(m.content)) for m in task.messages]
 
     def step(self, assistant_text: str, turn: int, last_turn: bool) -> StepResult:
-        if self.task is None:
-            raise RuntimeError("ColorsEnv.step called before reset")
-        boxed = extract_boxed(assistant_text)
-        formatted = bool(boxed and boxed.strip())
-        correct = formatted and cast(str, boxed).strip().lower() == self.task.answer
-        reward = 0.9 * correct + 0.1 * formatted
-        metrics = {CORRECT: float(correct), FORMATTED: float(formatted), PARSE_FAIL: float(not formatted)}
-        if correct or last_turn or turn + 1 >= self.max_turns:
+        reward, metrics, _ = word_turn(assistant_text, self.current_task().answer)
+        if metrics[CORRECT] or last_turn or turn + 1 >= self.max_turns:
             return StepResult(reward, True, [], metrics)
         return StepResult(reward, False, [Message.text(Role.USER, FEEDBACK)], metrics)

@@ -1,9 +1,11 @@
 """Loading processors and policies: a hub id / local dir, or `tiny:<family>` (a random tiny model of the real
-architecture with the family's real processor, built from `vlmrl/assets/tiny/<assets>/`)."""
+architecture with the family's real processor, built from `vlmrl/assets/tiny/<assets>/`), or `tiny:<family>/<variant>`
+(the same with a few config fields changed, `<variant>.variant.json`, e.g. `tiny:qwen2_5_vl/learner`)."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +87,7 @@ def load_processor(family: str, path: str, min_pixels: int | None = None, max_pi
 
 
 def _tiny_family(path: str, family: str) -> str:
-    tiny = path.split(":", 1)[1]
+    tiny = path.split(":", 1)[1].split("/", 1)[0]
     known = tiny_families()
     if tiny not in known:
         raise ValueError(
@@ -131,7 +133,7 @@ def load_policy(model_cfg: ModelConfig, seed: int = 0):
         _check_weight_files(path)
     processor = load_processor(family, path, model_cfg.min_pixels, model_cfg.max_pixels)
     if tiny:
-        model = tiny_model(family, seed, dtype, **extra)
+        model = tiny_model(family, seed, dtype, variant=_tiny_variant(path), **extra)
     else:
         with model_load_errors(path, "weights"):
             model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, **extra)
@@ -139,12 +141,55 @@ def load_policy(model_cfg: ModelConfig, seed: int = 0):
     return model, processor
 
 
-def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, **kwargs: Any):
-    """A random tiny model of `family`'s real architecture from `vlmrl/assets/tiny/<assets>/config.json` (seeded,
-    train mode). kwargs go to `from_config` (e.g. attn_implementation)."""
-    from transformers import AutoConfig, AutoModelForImageTextToText
+def _tiny_variant(path: str) -> str | None:
+    """The variant of `tiny:<family>/<variant>` (None for `tiny:<family>`)."""
+    parts = path.split(":", 1)[1].split("/", 1)
+    return parts[1] if len(parts) == 2 else None
 
-    config = AutoConfig.from_pretrained(str(_ASSETS / tiny_family(family).assets), local_files_only=True)
+
+def tiny_variants(family: str) -> list[str]:
+    """The variants of `family`'s tiny model: `vlmrl/assets/tiny/<assets>/<variant>.variant.json` files."""
+    folder = _ASSETS / tiny_family(family).assets
+    return sorted(p.name.removesuffix(".variant.json") for p in folder.glob("*.variant.json"))
+
+
+def _overlay(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `changes` merged in, nested dicts key by key (a JSON merge patch without deletions)."""
+    out = dict(base)
+    for key, value in changes.items():
+        out[key] = _overlay(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def tiny_config(family: str, variant: str | None = None):
+    """The HF config of `family`'s tiny model: `vlmrl/assets/tiny/<assets>/config.json`, with `variant`'s
+    `<variant>.variant.json` (its changed fields only, e.g. the learner's rope sections) merged in.
+    Raises ValueError naming model.name_or_path for an unknown variant."""
+    from transformers import CONFIG_MAPPING, AutoConfig
+
+    folder = _ASSETS / tiny_family(family).assets
+    if variant is None:
+        return AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    file = folder / f"{variant}.variant.json"
+    if not file.is_file():
+        raise ValueError(
+            f"model.name_or_path 'tiny:{family}/{variant}': no such tiny variant; "
+            f"{family} has {['tiny:' + family + '/' + v for v in tiny_variants(family)] or 'none'}"
+        )
+    changes = json.loads(file.read_text())
+    changes.pop("_comment", None)
+    merged = _overlay(json.loads((folder / "config.json").read_text()), changes)
+    return CONFIG_MAPPING[merged["model_type"]].from_dict(merged)
+
+
+def tiny_model(
+    family: str, seed: int = 0, dtype: torch.dtype = torch.float32, variant: str | None = None, **kwargs: Any
+):
+    """A random tiny model of `family`'s real architecture from `tiny_config(family, variant)` (seeded, train mode).
+    kwargs go to `from_config` (e.g. attn_implementation)."""
+    from transformers import AutoModelForImageTextToText
+
+    config = tiny_config(family, variant)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(int(seed))
         model = AutoModelForImageTextToText.from_config(config, dtype=dtype, **kwargs)

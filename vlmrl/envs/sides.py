@@ -1,0 +1,97 @@
+"""Sides: is the red square left or right of the blue one? A task that needs *where*, not only *what*.
+
+The spatial learning demo (`recipes/sides_sft_tiny.yaml` then `recipes/sides_tiny.yaml`, model=qwen2_5_vl_learner).
+Each image is a 112x56 light-grey canvas with a red and a blue square (12-20 px, drawn at random inside opposite
+halves); the bag of colours is the same for both answers, so only their positions tell them apart (chance 0.5).
+r = 0.9 * correct + 0.1 * boxed; one turn. Tasks are generated (`make_tasks`): the `train` split and every other
+split (e.g. `data.eval_split=test`) draw their images from disjoint seed ranges, so the eval split is held out.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from PIL import Image, ImageDraw
+
+from vlmrl.config import DataConfig, EnvConfig
+from vlmrl.envs.base import PromptEnv, StepResult
+from vlmrl.rewards import word_turn
+from vlmrl.types import ImagePart, Message, Role, Task, TextPart
+
+WIDTH, HEIGHT = 112, 56
+BACKGROUND, RED, BLUE = (235, 235, 235), (220, 30, 30), (30, 30, 220)
+SIDES = ("left", "right")
+QUESTION = "Is the red square on the left or the right? Answer with one word in \\boxed{}."
+HELD_OUT = 1_000_000  # seed offset of every split other than `train`
+
+
+def picture(seed: int, side: str) -> Image.Image:
+    """The canvas for `seed` with the red square in the `side` half ("left" or "right") and the blue one in the
+    other; square sizes and positions are drawn from random.Random(seed). ValueError for another side."""
+    if side not in SIDES:
+        raise ValueError(f"side must be one of {SIDES}; got {side!r}")
+    rng = random.Random(seed)
+    image = Image.new("RGB", (WIDTH, HEIGHT), BACKGROUND)
+    draw = ImageDraw.Draw(image)
+    red_half = SIDES.index(side)
+    for color, half in ((RED, red_half), (BLUE, 1 - red_half)):
+        size = rng.randint(12, 20)
+        x0 = half * WIDTH // 2 + rng.randint(2, WIDTH // 2 - size - 2)
+        y0 = rng.randint(2, HEIGHT - size - 2)
+        draw.rectangle([x0, y0, x0 + size, y0 + size], fill=color)
+    return image
+
+
+def build_task(seed: int, side: str) -> Task:
+    """The prompt for one canvas: [image, QUESTION]; the answer is `side`."""
+    image = ImagePart(picture(seed, side), f"sides:{seed}")
+    return Task(id=f"sides-{seed}", messages=[Message(Role.USER, [image, TextPart(QUESTION)])], answer=side)
+
+
+def make_tasks(env_cfg: EnvConfig, data_cfg: DataConfig) -> list[Task]:
+    """`data.limit` (default 64) tasks, the sides balanced: task i has seed base + i, where base is
+    data.shuffle_seed (0 if unset) for the `train` split and base + HELD_OUT for any other split."""
+    n = data_cfg.limit or 64
+    base = (data_cfg.shuffle_seed or 0) + (0 if data_cfg.split == "train" else HELD_OUT)
+    return [build_task(base + i, SIDES[i % 2]) for i in range(n)]
+
+
+def make_demos(env_cfg: EnvConfig, count: int, seed: int = 0) -> list[list[Message]]:
+    """`count` conversations that teach the answer FORMAT only: each demonstrated side is drawn at random,
+    independently of the image (so a model trained on them answers at chance). Images use seeds
+    `2 * HELD_OUT + seed * 1_000_003 + i`, outside both splits' ranges for the default data sizes."""
+    rng = random.Random(seed)
+    demos = []
+    for i in range(count):
+        task = build_task(2 * HELD_OUT + seed * 1_000_003 + i, rng.choice(SIDES))
+        demos.append([*task.messages, Message.text(Role.ASSISTANT, f"\\boxed{{{rng.choice(SIDES)}}}")])
+    return demos
+
+
+@dataclass
+class SidesConfig(EnvConfig):
+    _target_: str = "vlmrl.envs.sides.SidesEnv"
+    max_turns: int = 1
+
+
+class SidesEnv(PromptEnv[SidesConfig]):
+    """One canvas, one answer: left or right."""
+
+    config_class = SidesConfig
+
+    @classmethod
+    def make_tasks(cls, cfg: SidesConfig, data_cfg: DataConfig) -> list[Task]:
+        return make_tasks(cfg, data_cfg)
+
+    @classmethod
+    def make_demos(cls, cfg: SidesConfig, count: int, seed: int = 0) -> list[list[Message]]:
+        """Demonstrations for `vlmrl sft` with sft.demos=env (see the module-level `make_demos`)."""
+        return make_demos(cfg, count, seed)
+
+    def __init__(self, cfg: SidesConfig | None = None) -> None:
+        """One turn, graded on the boxed side; the config has nothing else."""
+
+    def step(self, assistant_text: str, turn: int, last_turn: bool) -> StepResult:
+        reward, metrics, _ = word_turn(assistant_text, self.current_task().answer)
+        return StepResult(reward, True, [], metrics)
