@@ -102,7 +102,7 @@ def test_learner_variant_changes_only_rope_sections_and_init():
         tiny_config("qwen2_5_vl", "nope")
 
 
-def test_learner_model_config_loads(tmp_path):
+def test_learner_model_config_loads():
     from vlmrl.config import ModelConfig
     from vlmrl.modeling.loading import load_policy
 

@@ -54,6 +54,16 @@ def public_task(task: Task, public_meta: tuple[str, ...] = ()) -> Task:
     return dataclasses.replace(task, answer="", meta={k: v for k, v in task.meta.items() if k in public_meta})
 
 
+HELD_OUT = 1_000_000  # seed offset of every split other than `train` (`split_seed_base`)
+
+
+def split_seed_base(data_cfg: DataConfig) -> int:
+    """The first seed of a generated split: data.shuffle_seed (0 if unset) for `train`, plus HELD_OUT for any other
+    split (e.g. data.eval_split=test), so an eval split never shares a task seed with training for limits
+    below HELD_OUT."""
+    return (data_cfg.shuffle_seed or 0) + (0 if data_cfg.split == "train" else HELD_OUT)
+
+
 C = TypeVar("C", bound=EnvConfig)
 
 

@@ -108,8 +108,13 @@ class ColorsEnv(PromptEnv[ColorsConfig]):
     def __init__(self, cfg: ColorsConfig | None = None) -> None:
         self.max_turns = (cfg or ColorsConfig()).max_turns
 
+    def said_metrics(self, said: str) -> dict[str, float]:
+        """More per-turn metrics of the boxed word `said` (stripped, lower-cased; "" if none); none here."""
+        return {}
+
     def step(self, assistant_text: str, turn: int, last_turn: bool) -> StepResult:
-        reward, metrics, _ = word_turn(assistant_text, self.current_task().answer)
+        reward, metrics, said = word_turn(assistant_text, self.current_task().answer)
+        metrics.update(self.said_metrics(said))
         if metrics[CORRECT] or last_turn or turn + 1 >= self.max_turns:
             return StepResult(reward, True, [], metrics)
         return StepResult(reward, False, [Message.text(Role.USER, FEEDBACK)], metrics)

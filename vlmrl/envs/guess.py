@@ -21,14 +21,12 @@ from PIL import Image
 
 from vlmrl.config import DataConfig, EnvConfig
 from vlmrl.envs import colors
-from vlmrl.envs.base import StepResult
+from vlmrl.envs.base import split_seed_base
 from vlmrl.envs.colors import COLORS, ColorsConfig, ColorsEnv
-from vlmrl.rewards import extract_boxed
 from vlmrl.types import ImagePart, Message, Role, Task, TextPart
 
 HALF = 56  # each colour fills a 56x56 half: 8 image tokens for Qwen2.5-VL
 QUESTION = "The answer is one of the two colors shown. Which one? Answer with one word in \\boxed{}."
-HELD_OUT = 1_000_000  # seed offset of every split other than `train`
 # (left colour, right colour, answer index): all 12 ordered pairs x 2 answers; task i takes CASES[i % 24]
 CASES = [(a, b, k) for a, b in permutations(sorted(COLORS), 2) for k in (0, 1)]
 
@@ -53,9 +51,9 @@ def build_task(seed: int, left: str, right: str, pick: int) -> Task:
 
 def make_tasks(env_cfg: EnvConfig, data_cfg: DataConfig) -> list[Task]:
     """`data.limit` (default 96) tasks, balanced: task i shows CASES[(base + i) % 24] (every ordered pair of colours,
-    either one the answer); base is data.shuffle_seed (0 if unset), plus HELD_OUT for any split but `train`."""
+    either one the answer); base is `vlmrl.envs.base.split_seed_base` (disjoint for `train` and any other split)."""
     n = data_cfg.limit or 96
-    base = (data_cfg.shuffle_seed or 0) + (0 if data_cfg.split == "train" else HELD_OUT)
+    base = split_seed_base(data_cfg)
     return [build_task(base + i, *CASES[(base + i) % len(CASES)]) for i in range(n)]
 
 
@@ -90,8 +88,6 @@ class GuessEnv(ColorsEnv):
     def __init__(self, cfg: ColorsConfig | None = None) -> None:
         super().__init__(cfg or GuessConfig())
 
-    def step(self, assistant_text: str, turn: int, last_turn: bool) -> StepResult:
-        result = super().step(assistant_text, turn, last_turn)
-        said = extract_boxed(assistant_text) or ""
-        result.metrics["shown"] = float(said.strip().lower() in self.current_task().meta["shown"])
-        return result
+    def said_metrics(self, said: str) -> dict[str, float]:
+        """`shown`: 1.0 when the boxed word `said` is one of the two colours shown."""
+        return {"shown": float(said in self.current_task().meta["shown"])}

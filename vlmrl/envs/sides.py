@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from PIL import Image, ImageDraw
 
 from vlmrl.config import DataConfig, EnvConfig
-from vlmrl.envs.base import PromptEnv, StepResult
+from vlmrl.envs.base import HELD_OUT, PromptEnv, StepResult, split_seed_base
 from vlmrl.rewards import word_turn
 from vlmrl.types import ImagePart, Message, Role, Task, TextPart
 
@@ -23,7 +23,6 @@ WIDTH, HEIGHT = 112, 56
 BACKGROUND, RED, BLUE = (235, 235, 235), (220, 30, 30), (30, 30, 220)
 SIDES = ("left", "right")
 QUESTION = "Is the red square on the left or the right? Answer with one word in \\boxed{}."
-HELD_OUT = 1_000_000  # seed offset of every split other than `train`
 
 
 def picture(seed: int, side: str) -> Image.Image:
@@ -51,9 +50,9 @@ def build_task(seed: int, side: str) -> Task:
 
 def make_tasks(env_cfg: EnvConfig, data_cfg: DataConfig) -> list[Task]:
     """`data.limit` (default 64) tasks, the sides balanced: task i has seed base + i, where base is
-    data.shuffle_seed (0 if unset) for the `train` split and base + HELD_OUT for any other split."""
+    `vlmrl.envs.base.split_seed_base` (disjoint for `train` and any other split)."""
     n = data_cfg.limit or 64
-    base = (data_cfg.shuffle_seed or 0) + (0 if data_cfg.split == "train" else HELD_OUT)
+    base = split_seed_base(data_cfg)
     return [build_task(base + i, SIDES[i % 2]) for i in range(n)]
 
 

@@ -76,7 +76,7 @@ def load_processor(family: str, path: str, min_pixels: int | None = None, max_pi
         raise ValueError(f"model.min_pixels ({min_pixels}) > model.max_pixels ({max_pixels})")
     if isinstance(path, str) and path.startswith("tiny:"):
         processor = AutoProcessor.from_pretrained(
-            str(tiny_processor_dir(_tiny_family(path, family))), local_files_only=True
+            str(tiny_processor_dir(parse_tiny(path, family)[0])), local_files_only=True
         )
     else:
         _check_path(path)
@@ -86,8 +86,10 @@ def load_processor(family: str, path: str, min_pixels: int | None = None, max_pi
     return _fix_pixels(processor, min_pixels, max_pixels)
 
 
-def _tiny_family(path: str, family: str) -> str:
-    tiny = path.split(":", 1)[1].split("/", 1)[0]
+def parse_tiny(path: str, family: str) -> tuple[str, str | None]:
+    """`(family, variant)` of a `tiny:<family>` or `tiny:<family>/<variant>` name_or_path (variant None without
+    one). Raises ValueError naming `path` for an unknown tiny family or one other than model.family `family`."""
+    tiny, _, variant = path.split(":", 1)[1].partition("/")
     known = tiny_families()
     if tiny not in known:
         raise ValueError(
@@ -95,7 +97,7 @@ def _tiny_family(path: str, family: str) -> str:
         )
     if tiny != family:
         raise ValueError(f"model.name_or_path {path!r} does not match model.family {family!r}")
-    return tiny
+    return tiny, variant or None
 
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -133,18 +135,12 @@ def load_policy(model_cfg: ModelConfig, seed: int = 0):
         _check_weight_files(path)
     processor = load_processor(family, path, model_cfg.min_pixels, model_cfg.max_pixels)
     if tiny:
-        model = tiny_model(family, seed, dtype, variant=_tiny_variant(path), **extra)
+        model = tiny_model(family, seed, dtype, variant=parse_tiny(path, family)[1], **extra)
     else:
         with model_load_errors(path, "weights"):
             model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, **extra)
     model.train()
     return model, processor
-
-
-def _tiny_variant(path: str) -> str | None:
-    """The variant of `tiny:<family>/<variant>` (None for `tiny:<family>`)."""
-    parts = path.split(":", 1)[1].split("/", 1)
-    return parts[1] if len(parts) == 2 else None
 
 
 def tiny_variants(family: str) -> list[str]:
