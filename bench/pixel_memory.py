@@ -17,7 +17,9 @@ and two engines:
 Each case runs in a fresh process. Columns: peak RSS during the episode (VmHWM, reset through /proc/self/clear_refs
 once the policy and processor are loaded and a 1-turn episode has warmed up) minus the RSS at that point; Σ
 pixel_values (bytes of the `pixel_values` storage the trajectory holds: a re-sent image's part is a view of the
-first, counted once); that difference over Σ; image-processor calls (once per image: N for `new`, 1 for `same`).
+first, counted once); that difference over Σ; image-processor calls (once per image: N for `new`, 1 for `same`);
+the token ids the trajectory holds over all its views (with a window every earlier view keeps its ids for its record:
+O(turns²) ints, what is left of the growth once the frames are spilled).
 Before the vision cache the transformers engine concatenated every image's pixels for each `generate` (one block per
 image occurrence: ~2 x Σ for `new`, 33 x for `same` at 32 turns); ~1 x Σ (what the trajectory holds) is the floor. RSS
 counts whole pages the allocator keeps, so small episodes can show 0: the signal needs ~100 MiB of pixels (the
@@ -32,7 +34,9 @@ threshold the blocks of pixels freed every turn (a window's released images, the
 fragment the heap, and peak RSS grows by several MiB a turn although the live tensors stay flat.
 
 With `--keep-images K` the episode runs as `EpisodeRunner` runs it for `vlmrl generate`: the last K images shown,
-earlier views released (`TokenSeq.release_pixels`); Σ pixel_values is what the trajectory still holds.
+earlier views released (`TokenSeq.release_pixels`), each image that left the window written to a run folder and
+dropped from the messages (`ImageStore.spill`, under a temporary folder here); Σ pixel_values is what the trajectory
+still holds.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -60,6 +65,7 @@ COLUMNS = (
     "peak − base",
     "(peak − base) / Σ",
     "processor calls",
+    "ids held",
 )
 
 
@@ -84,8 +90,9 @@ def run_case(case: str, turns: int, size: int, engine: str = "transformers", kee
 
     from vlmrl.config import ModelConfig
     from vlmrl.modeling.loading import load_policy
-    from vlmrl.rollout.history import HistoryWindow
+    from vlmrl.rollout.history import HistoryWindow, spill_images
     from vlmrl.rollout.vision_cache import VisionCache
+    from vlmrl.runfiles import ImageStore
     from vlmrl.tokens import get_builder
     from vlmrl.types import Generation, ImagePart, Message, Role, StopReason, TextPart
 
@@ -115,7 +122,8 @@ def run_case(case: str, turns: int, size: int, engine: str = "transformers", kee
         window = HistoryWindow(builder, keep) if keep is not None else None
         first = [Message(Role.USER, [ImagePart(shared or image(0)), TextPart("Find x.")])]
         seq = window.start(first) if window is not None else builder.start(first)
-        views, messages = [], list(first)  # the trajectory's messages keep every image (for its record)
+        views, messages = [], list(first)  # the trajectory's messages keep every image shown (for its record)
+        store = ImageStore(tempfile.mkdtemp(prefix="pixel_memory_"))  # where the images that left the window go
         for t in range(n):
             if t:
                 feedback = [Message(Role.USER, [TextPart("Look again."), ImagePart(shared or image(t))])]
@@ -128,6 +136,7 @@ def run_case(case: str, turns: int, size: int, engine: str = "transformers", kee
                     seq.release_pixels()
                     views.append(seq)
                     seq = view
+                    messages = spill_images(messages, window.hidden, store.spill)
             prompt = seq.prompt()  # what the engine gets this turn: the trajectory's parts, shared
             if engine == "transformers":
                 with torch.no_grad():
@@ -158,6 +167,7 @@ def run_case(case: str, turns: int, size: int, engine: str = "transformers", kee
         "peak_minus_base": peak - base,
         "ratio": (peak - base) / pixels if pixels else float("nan"),
         "processor_calls": calls["n"],
+        "ids_held": sum(len(s.ids) for s in (seq, *views)),  # every view keeps its ids (its record's input_ids)
     }
 
 
@@ -192,6 +202,7 @@ def table(rows: list[dict]) -> Table:
             f"{r['peak_minus_base'] / 2**20:.1f} MiB",
             f"{r['ratio']:.2f}",
             str(r["processor_calls"]),
+            str(r["ids_held"]),
         )
     return t
 

@@ -295,3 +295,42 @@ def test_without_training_the_earlier_views_keep_grids_but_no_pixels(processors)
     record = TrajectoryRecord.from_trajectory(traj, 1)
     # two frames per observation, K=3: the prompt's 2, then 3 shown in every later view
     assert [len(v["image_grid_thw"]) for v in record.views] == [2] + [keep] * (len(traj.views) - 1)
+
+
+# ------------------------------------------------------------------ a long episode through `vlmrl generate`
+def _frozenlake(out, *extra: str) -> dict:
+    from vlmrl.config import load
+    from vlmrl.evaluation.generate import generate
+
+    overrides = ["env.map_size=8", "env.max_turns=24", "data.limit=1", "algorithm.group_size=1"]
+    overrides += ["rollout.max_new_tokens=8", "rollout.max_context_tokens=4096", "trainer.batch_size=1"]
+    generate(
+        load(
+            "frozenlake_tiny",
+            [*overrides, f"logging.output_dir={out}", "logging.progress=false", *extra],
+            training=False,
+        )
+    )
+    [record] = _records(out)
+    return record
+
+
+@pytest.mark.slow
+def test_a_24_turn_frozenlake_episode_runs_to_the_end_with_a_window(tmp_path):
+    """The README's long-episode case as `vlmrl generate` runs it (tiny Qwen2.5-VL, FrozenLake 8x8, a frame every
+    turn, 4096 context tokens): without a window the frames fill the context within 24 turns (`end_reason: context`);
+    with env.keep_images=2 all 24 turns run, the last view shows 2 frames, every frame is a file in the run folder
+    (the ones that left the window were spilled there as they left) and verify-alignment passes on every view
+    against the processor's render."""
+    from vlmrl.checks.alignment import verify_run
+
+    full = _frozenlake(tmp_path / "full")
+    assert full["end_reason"] == "context" and len(full["turn_rewards"]) < 24
+    run = tmp_path / "window"
+    rec = _frozenlake(run, "env.keep_images=2")
+    assert rec["end_reason"] != "context" and len(rec["turn_rewards"]) == 24
+    refs = [p["ref"] for m in rec["messages"] for p in m["content"] if p["type"] == "image"]
+    assert len(refs) == 24 and len(rec["image_grid_thw"]) == 2 and len(rec["views"]) == 22
+    assert all((run / ref).is_file() for ref in refs)  # (the same frame each turn: the random model never moves)
+    result = verify_run(run, logprobs=False)
+    assert result.ok and result.token_failures == 0

@@ -5,22 +5,28 @@ tower sees each image once instead of once per turn."""
 from __future__ import annotations
 
 import contextlib
+import gc
+import weakref
 
+import numpy as np
 import pytest
+from conftest import make_image
 from test_history_window import FramesEnv
 
 from vlmrl.config import ModelConfig
 from vlmrl.modeling.loading import load_policy
+from vlmrl.record import TrajectoryRecord
 from vlmrl.rollout.engine import SamplingParams
 from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner
 from vlmrl.rollout.hf import TransformersEngine
+from vlmrl.runfiles import ImageStore
 from vlmrl.tokens import get_builder
-from vlmrl.types import Task
+from vlmrl.types import ImagePart, StoredImagePart, Task
 
 TURNS = 5
 
 
-def rollout(family: str, model, processor, cache: bool, per_step: int, keep: int | None):
+def rollout(family: str, model, processor, cache: bool, per_step: int, keep: int | None, env=FramesEnv, spill=None):
     builder = get_builder(family, processor)
     tok = processor.tokenizer
     eos = [builder.close_turn_id, tok.convert_tokens_to_ids("<|endoftext|>")]
@@ -30,9 +36,10 @@ def rollout(family: str, model, processor, cache: bool, per_step: int, keep: int
     runner = EpisodeRunner(
         builder,
         engine,
-        lambda: FramesEnv(per_step),
-        EpisodeLimits(TURNS, 100_000, 1.0, keep_images=keep),
+        lambda: env(per_step),
+        EpisodeLimits(TURNS, 100_000, 1.0, keep_images=keep, view_pixels=spill is None),
         SamplingParams(max_new_tokens=6, temperature=0.7, top_p=0.9),
+        spill=spill,
     )
     images = []
 
@@ -64,3 +71,46 @@ def test_cached_vision_gives_the_same_samples_and_encodes_each_image_once(family
     # groups x 2 samples, turn t shows min(K, per_step * (t + 1)) images): 60 for Qwen2.5-VL, 56 for Qwen3-VL at K=3
     shown = [min(keep or 10**6, per_step * (t + 1)) for t in range(TURNS)]
     assert plain_images == 4 * sum(shown)
+
+
+@pytest.mark.parametrize("spill", [True, False])
+def test_frames_that_left_the_window_are_freed_during_the_rollout(spill, tmp_path):
+    """`vlmrl generate` with env.keep_images=2 (`ImageStore.spill`): once a frame has left the window nothing holds its
+    pixels any more (the trajectory's messages, the released views, the window's segments, the engine's vision
+    cache), so a long episode's memory stays flat; the messages keep a file-backed part with the same pixels, and the
+    record refers to it. Without a spill every frame stays alive until the trajectory is recorded."""
+    model, processor = load_policy(ModelConfig(name_or_path="tiny:qwen2_5_vl", family="qwen2_5_vl"))
+    model.eval()
+    frames: list[weakref.ref] = []
+    alive: list[int] = []  # frames alive as each turn starts to sample
+
+    class Tracked(FramesEnv):
+        def _frames(self):
+            out = super()._frames()
+            frames.extend(weakref.ref(p.image) for p in out if isinstance(p, ImagePart))
+            return out
+
+        def step(self, assistant_text, turn, last_turn):
+            gc.collect()
+            alive.append(sum(r() is not None for r in frames))
+            return super().step(assistant_text, turn, last_turn)
+
+    store = ImageStore(tmp_path)
+    trajs, _ = rollout("qwen2_5_vl", model, processor, True, 1, 2, Tracked, store.spill if spill else None)
+    gc.collect()
+    episodes, shown = 4, 2  # 2 tasks x group 2; a frame per turn, K = 2
+    if not spill:  # every frame sent to a trajectory is still alive as the last turn is graded
+        assert alive[-1] >= 2 + episodes * (TURNS - 1)  # a prompt frame per group, a frame per later turn
+        return
+    # per episode: the window's frames, and the observation graded but not yet shown
+    assert max(alive) <= episodes * (shown + 1)
+    assert sum(r() is not None for r in frames) == episodes * shown  # the finished trajectories: their last view's
+    for traj in trajs:
+        parts = [p for m in traj.messages for p in m.content if isinstance(p, ImagePart)]
+        assert len(parts) == TURNS and all(isinstance(p, StoredImagePart) for p in parts[:-shown])
+        assert not any(isinstance(p, StoredImagePart) for p in parts[-shown:])
+        for n, p in enumerate(parts, 1):  # FramesEnv's frame n, read back from the run folder
+            assert np.array_equal(np.asarray(p.image), np.asarray(make_image(56 + 28 * (n % 3), 56, n)))
+        record = TrajectoryRecord.from_trajectory(traj, 1, store)
+        refs = [q["ref"] for m in record.messages for q in m["content"] if q["type"] == "image"]
+        assert len(refs) == TURNS and all((tmp_path / r).is_file() for r in refs)

@@ -229,7 +229,9 @@ class ImageStore:
         self.run_dir = Path(run_dir)
 
     def __call__(self, part) -> str:
-        if part.ref and Path(part.ref).is_file():
+        from vlmrl.types import StoredImagePart
+
+        if isinstance(part, StoredImagePart) or (part.ref and Path(part.ref).is_file()):
             return part.ref
         import hashlib
         import io
@@ -243,3 +245,16 @@ class ImageStore:
             path.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(path, data)
         return str(rel)
+
+    def spill(self, part):
+        """`part` (an `ImagePart`) saved as `__call__` saves it, as a `StoredImagePart` that holds no pixels: for an
+        image that has left a history window (`vlmrl.rollout.history.spill_images`). An image with a file of its
+        own (`ref`) is read back from there."""
+        from vlmrl.types import StoredImagePart
+
+        if isinstance(part, StoredImagePart):
+            return part
+        if part.ref and Path(part.ref).is_file():
+            return StoredImagePart(str(Path(part.ref).resolve()), part.ref)
+        rel = self(part)
+        return StoredImagePart(str((self.run_dir / rel).resolve()), rel)

@@ -38,6 +38,25 @@ class ImagePart:
     ref: str = ""
 
 
+class StoredImagePart(ImagePart):
+    """An `ImagePart` whose pixels live in a PNG file (`path`) and are read back on each access of `image`, so the
+    part holds no pixels: an image that has left a history window keeps its place in the trajectory's messages (for
+    its record) at no memory cost (`vlmrl.runfiles.ImageStore.spill`). `ref` is the path recorded for it in
+    trajectories.jsonl (relative to the run folder). Reading `image` raises OSError if the file has gone."""
+
+    path: str
+
+    def __init__(self, path: str, ref: str):
+        object.__setattr__(self, "path", path)
+        object.__setattr__(self, "ref", ref)
+
+    @property  # type: ignore[override]  # read-only here: the pixels are the file's
+    def image(self) -> Image.Image:
+        with Image.open(self.path) as im:
+            im.load()
+            return im
+
+
 Part = Union[TextPart, ImagePart]
 
 

@@ -27,6 +27,7 @@ from vlmrl.evaluation.metrics import _summary
 from vlmrl.evaluation.rollouts import build_eval_runner, eval_data_cfg, rollout_records
 from vlmrl.evaluation.run_folder import GenerateFiles
 from vlmrl.record import TrajectoryRecord
+from vlmrl.runfiles import ImageStore
 
 log = logging.getLogger("vlmrl.generate")
 
@@ -100,7 +101,8 @@ def _generate(cfg: Config, console: Any) -> GenerateResult:
                 dt = 0.0
                 if missing:
                     set_seed(cfg.seed + step - 1)  # per chunk: a redone chunk samples as it did uninterrupted
-                    recs, dt = rollout_records(runner, [tasks[p] for p in missing], samples, step, rows=missing)
+                    chunk = [tasks[p] for p in missing]
+                    recs, dt = rollout_records(runner, chunk, samples, step, missing, ImageStore(files.dir))
                     files.append(files.trajectories, [r.to_json() for r in recs])
                 records += recs
                 end = min(step * max(cfg.trainer.batch_size, 1), len(tasks))

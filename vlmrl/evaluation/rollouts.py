@@ -7,11 +7,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from vlmrl.config import Config, DataConfig
 from vlmrl.record import TrajectoryRecord
-from vlmrl.types import Task
+from vlmrl.types import ImagePart, Task
 
 
 def eval_data_cfg(data: DataConfig) -> DataConfig:
@@ -35,15 +35,21 @@ def chunks(items: list, size: int) -> Iterable[list]:
 
 
 def rollout_records(
-    runner: Any, tasks: list[Task], samples: int, step: int, rows: list[int] | None = None
+    runner: Any,
+    tasks: list[Task],
+    samples: int,
+    step: int,
+    rows: list[int] | None = None,
+    image_ref: Callable[[ImagePart], str] | None = None,
 ) -> tuple[list[TrajectoryRecord], float]:
     """Run `samples` episodes of every task; returns (records in task order, each with its `sample` index within
     its problem, wall seconds). rows: each task's position in the eval task list, recorded as `row` (`vlmrl
-    generate` keys problems by it: ids may repeat)."""
+    generate` keys problems by it: ids may repeat); image_ref: how records name images (`ImageStore`: a file under
+    the run folder for each image that has none; default its `ref`)."""
     t0 = time.perf_counter()
     trajs = runner.run(tasks, samples)
     seconds = time.perf_counter() - t0
-    recs = [TrajectoryRecord.from_trajectory(traj, step) for traj in trajs]
+    recs = [TrajectoryRecord.from_trajectory(traj, step, image_ref) for traj in trajs]
     for i, rec in enumerate(recs):
         rec.sample = i % samples
         rec.row = rows[i // samples] if rows is not None else None

@@ -39,7 +39,7 @@ from vlmrl.image_fit import fit_messages
 from vlmrl.rewards import episode_reward
 from vlmrl.rollout.batcher import Dispatcher, make_dispatcher
 from vlmrl.rollout.engine import Engine, GenerateRequest, SamplingParams, derive_seed
-from vlmrl.rollout.history import HistoryWindow
+from vlmrl.rollout.history import HistoryWindow, spill_images
 from vlmrl.tokens.base import Piece, TokenBuilder
 from vlmrl.tools.parsers import get_parser
 from vlmrl.tools.runtime import ToolRuntime
@@ -117,6 +117,9 @@ class EpisodeRunner:
     tools: the `ToolRuntime` for environments with tools (default: the builder family's parser, default limits).
     batch_wait_s: how long an idle batch engine waits for episodes still in env steps / tool calls (`EngineBatcher`;
     a `ConcurrentEngine` never waits).
+    spill: with a history window, what becomes of an image once it has left it: its part in the trajectory's
+    messages is replaced by `spill(part)` (`ImageStore.spill`: written to the run folder, no pixels held), so memory
+    stays flat in the number of turns; None keeps every image in memory until the trajectory is recorded.
     """
 
     def __init__(
@@ -128,8 +131,9 @@ class EpisodeRunner:
         sampling: SamplingParams,
         tools: ToolRuntime | None = None,
         batch_wait_s: float = 0.05,
+        spill: Callable[[ImagePart], ImagePart] | None = None,
     ):
-        self.builder, self.engine, self.env_factory = builder, engine, env_factory
+        self.builder, self.engine, self.env_factory, self.spill = builder, engine, env_factory, spill
         self.limits, self.sampling, self._tools, self.batch_wait_s = limits, sampling, tools, batch_wait_s
         # handler method names, looked up on `self` at call time (a copy of the runner runs its own state)
         self.handlers = {
@@ -301,6 +305,8 @@ class EpisodeRunner:
         else:
             self.builder.extend(ep.seq, piece)
         ep.messages.extend(ep.observation)
+        if view is not None and self.spill is not None and ep.window is not None:
+            ep.messages = spill_images(ep.messages, ep.window.hidden, self.spill)
         ep.observation, ep.state = [], State.GENERATE
 
     @staticmethod

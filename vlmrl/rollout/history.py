@@ -24,13 +24,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Callable
 
 from vlmrl.tokens.base import Piece, TokenBuilder
-from vlmrl.types import Generation, ImagePart, Message, Part, TextPart, TokenSeq
+from vlmrl.types import Generation, ImagePart, Message, Part, StoredImagePart, TextPart, TokenSeq
 
 
 def count_images(messages: list[Message]) -> int:
-    return sum(len(m.images) for m in messages)
+    """The image parts of `messages` (without reading a `StoredImagePart`'s file)."""
+    return sum(isinstance(p, ImagePart) for m in messages for p in m.content)
 
 
 def stub_images(messages: list[Message], hide: int, stub: str) -> list[Message]:
@@ -51,6 +53,25 @@ def stub_images(messages: list[Message], hide: int, stub: str) -> list[Message]:
             else:
                 parts.append(p)
         out.append(Message(m.role, parts))
+    return out
+
+
+def spill_images(messages: list[Message], hidden: int, spill: Callable[[ImagePart], ImagePart]) -> list[Message]:
+    """`messages` with their first `hidden` images (in order) replaced by `spill(part)`, e.g. `ImageStore.spill`: a
+    `StoredImagePart` that keeps its place (and record) but not its pixels. Messages that change are new objects (a
+    GRPO group's episodes share their prompt's); parts already stored are kept. The images' memory is freed once
+    nothing else holds them (`HistoryWindow` drops its own references as segments freeze)."""
+    out, seen = [], 0
+    for m in messages:
+        parts: list[Part] = []
+        for p in m.content:
+            if isinstance(p, ImagePart):
+                seen += 1
+                if seen <= hidden and not isinstance(p, StoredImagePart):
+                    p = spill(p)
+            parts.append(p)
+        changed = any(a is not b for a, b in zip(parts, m.content))
+        out.append(Message(m.role, parts) if changed else m)
     return out
 
 

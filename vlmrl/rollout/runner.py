@@ -14,6 +14,7 @@ from vlmrl.envs import make_env_factory
 from vlmrl.rollout.engine import SamplingParams
 from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner
 from vlmrl.rollout.tool_setup import tool_setup
+from vlmrl.runfiles import ImageStore
 from vlmrl.tokens import get_builder
 from vlmrl.tokens.base import TokenBuilder
 
@@ -26,7 +27,9 @@ def build_runner(
 ) -> tuple[EpisodeRunner, TokenBuilder]:
     """The episode runner for `cfg`: env factory (+ tools), the family's token builder (tool schemas passed to the
     chat template), the engine named by `rollout.engine` over `policy` (a context manager yielding the module).
-    training: False when nothing trains on the trajectories (a history window's earlier views keep no pixels)."""
+    training: False when nothing trains on the trajectories: a history window's earlier views keep no pixels, and
+    the images that left the window are written to `<logging.output_dir>/images/` and dropped from memory
+    (`ImageStore.spill`)."""
     tooling = tool_setup(cfg, processor, make_env_factory(cfg.env))  # env tools + tools.functions/environment
     builder = get_builder(cfg.model.family, processor, **tooling.builder_kwargs())
     engine = rollout.make_engine(cfg.rollout, policy, processor, builder)  # looked up at call time
@@ -44,5 +47,6 @@ def build_runner(
         sampling,
         tools=tooling.runtime,
         batch_wait_s=cfg.rollout.batch_wait_s,
+        spill=None if training else ImageStore(cfg.logging.output_dir).spill,
     )
     return runner, builder

@@ -10,14 +10,17 @@ positions and computes the M-RoPE positions from the ids and `image_grid_thw` as
 and assembles the batch's output from the cache; the logprobs equal the uncached path's (tests/test_vision_cache.py).
 
 Keyed by the image object (`EnginePrompt.images`: a trajectory's turns, the samples of a GRPO group and a history
-window's views share them; an image sent again is encoded once). Valid for one set of weights: the engine makes a new
-cache per rollout session. Families: those whose inputs are Qwen-VL's (`input_style` "qwen": Qwen2-VL, Qwen2.5-VL,
+window's views share them; an image sent again is encoded once). An entry lives as long as its image: the cache holds
+the image by weak reference and drops the entry when the image is freed (an image that left a history window and was
+spilled to the run folder), so a long episode's cache stays O(window). Valid for one set of weights: the engine makes
+a new cache per rollout session. Families: those whose inputs are Qwen-VL's (`input_style` "qwen": Qwen2-VL, Qwen2.5-VL,
 Qwen3-VL with its deepstack features, Qwen3.5, GLM-4.xV) when the model takes `mm_encoder_outputs`; others get their
 pixels every turn as before.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +32,7 @@ from vlmrl.types import VisionInputs
 
 @dataclass
 class _Encoded:
-    image: Any  # the image object, kept alive so its id() is not reused while cached
+    image: Any  # a weak reference to the image (its id() is the key; the entry goes with it), or the image itself
     pooler: torch.Tensor  # [tokens, hidden]
     deepstack: list[torch.Tensor] | None  # per deepstack layer (Qwen3-VL), else None
 
@@ -72,7 +75,7 @@ class VisionCache:
             deep = getattr(out, "deepstack_features", None)
             for k, (key, (im, _)) in enumerate(new.items()):
                 layers = [layer[k] for layer in deep] if deep is not None else None
-                self._images[key] = _Encoded(im, out.pooler_output[k], layers)
+                self._images[key] = _Encoded(self._hold(key, im), out.pooler_output[k], layers)
             self.encoded += len(new)
         enc = [self._images[id(im)] for im in images]
         fields: dict = {"pooler_output": tuple(e.pooler for e in enc)}
@@ -81,3 +84,12 @@ class VisionCache:
             fields["deepstack_features"] = [tuple((e.deepstack or [])[k] for e in enc) for k in range(depth)]
         assert self._kind is not None
         return self._kind(**fields)
+
+    def _hold(self, key: int, image: Any) -> Any:
+        """A weak reference to `image` that removes its entry when the image is freed (so `key`, its id(), is never
+        reused while cached); the image itself if it takes no weak references."""
+        entries = self._images
+        try:
+            return weakref.ref(image, lambda _: entries.pop(key, None))
+        except TypeError:
+            return image
