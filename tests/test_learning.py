@@ -46,11 +46,19 @@ def _cli(*args: str) -> None:
     assert res.returncode == 0, f"vlmrl {' '.join(args)} failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
 
 
-def sft_then_train(tmp_path: Path, sft_recipe: str, train_recipe: str, steps: int) -> Path:
+def sft_then_train(
+    tmp_path: Path,
+    sft_recipe: str,
+    train_recipe: str,
+    steps: int,
+    env: tuple[str, ...] = (),
+    train: tuple[str, ...] = (),
+) -> Path:
     """The README's two commands: `vlmrl sft recipe=<sft_recipe>`, then `vlmrl train recipe=<train_recipe>` from its
-    checkpoint for `steps` steps; returns the training run's folder."""
+    checkpoint for `steps` steps; `env` overrides go to both, `train` ones to the second. Returns the training run's
+    folder."""
     sft, run = tmp_path / "sft", tmp_path / "train"
-    _cli("sft", f"recipe={sft_recipe}", f"logging.output_dir={sft}", "logging.progress=false")
+    _cli("sft", f"recipe={sft_recipe}", f"logging.output_dir={sft}", "logging.progress=false", *env)
     _cli(
         "train",
         f"recipe={train_recipe}",
@@ -58,6 +66,8 @@ def sft_then_train(tmp_path: Path, sft_recipe: str, train_recipe: str, steps: in
         f"logging.output_dir={run}",
         f"trainer.steps={steps}",
         "logging.progress=false",
+        *env,
+        *train,
     )
     return run
 

@@ -31,6 +31,18 @@ def test_sides_pictures_put_red_on_the_answer_side_with_the_same_colours_either_
         assert {c for _, c in image.getcolors()} == {sides.BACKGROUND, sides.RED, sides.BLUE}, t.id
 
 
+def test_sides_square_sizes_come_from_the_config():
+    """env.min_size/max_size: each square's side (red and blue pixel counts are side+1 squared: PIL's rectangle
+    includes both corners) lies in the range; a range off the half is a config error."""
+    cfg = sides.SidesConfig(min_size=36, max_size=44)
+    for t in sides.make_tasks(cfg, DataConfig(path="generated", split="train", limit=6)):
+        counts = {c: n for n, c in t.messages[0].content[0].image.getcolors()}
+        for color in (sides.RED, sides.BLUE):
+            assert 37**2 <= counts[color] <= 45**2 and int(counts[color] ** 0.5) ** 2 == counts[color], t.id
+    with pytest.raises(ValueError, match="env.min_size"):
+        sides.make_tasks(sides.SidesConfig(min_size=30, max_size=53), DataConfig(path="generated", limit=2))
+
+
 def test_sides_eval_split_is_held_out():
     cfg = sides.SidesConfig()
     train = sides.make_tasks(cfg, DataConfig(path="generated", split="train", limit=64))
