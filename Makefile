@@ -56,8 +56,8 @@ TEST_ENV := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 RAYON_NUM_THREADS=1 $(MALLOC_ENV
 test: fixtures
 	$(TEST_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests -m "not learning"
 
-# the learning runs (marked learning: the README's colour and guess recipes learn through the whole pipeline, side by
-# side, one thread each as they were measured: ~5.5 min on 2 cores); CI runs them after `make test`
+# the learning runs (marked learning: the README's colour, guess and sides recipes learn through the whole pipeline,
+# side by side, one thread each as they were measured: ~6 min on 2 cores); CI runs them after `make test`
 test-learning: fixtures
 	$(TEST_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadfile tests -m learning
 

@@ -292,7 +292,9 @@ def test_prefix_and_encoder_caches_encode_each_image_once(setup):
     2 x (1 + 2 + 3 + 4) = 20 images (hand-derived). With the prefix cache (the earlier turns' KV blocks, image
     placeholders included, keyed by the images' hashes) and the encoder cache (outputs by image hash, shared by the
     group's samples), it encodes each of the 4 distinct images once: counted inside vLLM's worker, around the model's
-    `embed_multimodal`. The episodes are checked as usual: their logprobs equal the trainer's."""
+    `embed_multimodal`. The encoder cache alone does it (with enable_prefix_caching=False the count is still 4); with
+    both caches reset before every request it is 10 and this fails. The episodes are checked as usual: their
+    logprobs equal the trainer's."""
     backend = setup.engine.backend
     _on_engine(backend, lambda llm: llm.reset_prefix_cache())
     _on_engine(backend, lambda llm: llm.reset_encoder_cache())
