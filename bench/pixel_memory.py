@@ -18,8 +18,9 @@ Each case runs in a fresh process. Columns: peak RSS during the episode (VmHWM, 
 once the policy and processor are loaded and a 1-turn episode has warmed up) minus the RSS at that point; Σ
 pixel_values (bytes of the `pixel_values` storage the trajectory holds: a re-sent image's part is a view of the
 first, counted once); that difference over Σ; image-processor calls (once per image: N for `new`, 1 for `same`);
-the token ids the trajectory holds over all its views (with a window every earlier view keeps its ids for its record:
-O(turns²) ints, what is left of the growth once the frames are spilled).
+the token ids of all the trajectory's views (with a window every earlier view keeps its ids for its record: O(turns²)
+ints), and how many of them memory stores (a released view shares the window's frozen prefix, `share_prefix`: each
+view stores only its own tail, about the window's image placeholders plus recent text).
 Before the vision cache the transformers engine concatenated every image's pixels for each `generate` (one block per
 image occurrence: ~2 x Σ for `new`, 33 x for `same` at 32 turns); ~1 x Σ (what the trajectory holds) is the floor. RSS
 counts whole pages the allocator keeps, so small episodes can show 0: the signal needs ~100 MiB of pixels (the
@@ -66,6 +67,7 @@ COLUMNS = (
     "(peak − base) / Σ",
     "processor calls",
     "ids held",
+    "ids stored",
 )
 
 
@@ -134,6 +136,7 @@ def run_case(case: str, turns: int, size: int, engine: str = "transformers", kee
                     builder.extend(seq, piece)
                 else:
                     seq.release_pixels()
+                    window.share_prefix(seq)
                     views.append(seq)
                     seq = view
                     messages = spill_images(messages, window.hidden, store.spill)
@@ -145,13 +148,14 @@ def run_case(case: str, turns: int, size: int, engine: str = "transformers", kee
                 read = prompt.image_grid_thw
             (window or builder).add_generation(seq, gen)
             del prompt, read
-        return seq, views, messages
+        shared = len(window.frozen[1].ids) if window is not None and window.frozen is not None else 0
+        return seq, views, shared
 
     episode(1, None)  # warm-up: lazy imports, caches, allocator pools
     calls["n"] = 0
     _reset_peak()
     base = _status_bytes("VmRSS")
-    seq, views, _ = episode(turns, image(0) if case == "same" else None)
+    seq, views, shared = episode(turns, image(0) if case == "same" else None)
     peak = _status_bytes("VmHWM")
     parts = [p for s in (seq, *views) for p in s.vision_parts]
     storages = {p.pixel_values.untyped_storage().data_ptr(): p.pixel_values.untyped_storage() for p in parts}
@@ -167,7 +171,9 @@ def run_case(case: str, turns: int, size: int, engine: str = "transformers", kee
         "peak_minus_base": peak - base,
         "ratio": (peak - base) / pixels if pixels else float("nan"),
         "processor_calls": calls["n"],
-        "ids_held": sum(len(s.ids) for s in (seq, *views)),  # every view keeps its ids (its record's input_ids)
+        "ids_held": sum(len(s.ids) for s in (seq, *views)),  # the views' ids (their records' input_ids)
+        # what memory holds of them: a released view's own tail, the frozen prefix the views share once
+        "ids_stored": shared + sum(len(getattr(s.ids, "tail", s.ids)) for s in (seq, *views)),
     }
 
 
@@ -203,6 +209,7 @@ def table(rows: list[dict]) -> Table:
             f"{r['ratio']:.2f}",
             str(r["processor_calls"]),
             str(r["ids_held"]),
+            str(r["ids_stored"]),
         )
     return t
 

@@ -334,3 +334,34 @@ def test_a_24_turn_frozenlake_episode_runs_to_the_end_with_a_window(tmp_path):
     assert all((run / ref).is_file() for ref in refs)  # (the same frame each turn: the random model never moves)
     result = verify_run(run, logprobs=False)
     assert result.ok and result.token_failures == 0
+
+
+def test_shared_prefix_reads_as_its_list():
+    from vlmrl.rollout.history import SharedPrefix
+
+    shared, tail = [10, 11, 12, 13], [20, 21]
+    seq = SharedPrefix(shared, 3, tail)
+    shared.append(14)  # the shared list grows at its end: the first 3 stay this view's
+    expect = [10, 11, 12, 20, 21]
+    assert len(seq) == 5 and list(seq) == expect and seq == expect and seq[3] == 20 and seq[-1] == 21
+    assert seq[1:4] == [11, 12, 20] and seq[::-2] == expect[::-2]
+    with pytest.raises(IndexError):
+        seq[5]
+
+
+def test_released_views_share_the_frozen_prefix_and_read_as_before(processors):
+    """`vlmrl generate` (view_pixels=False): each released view holds the window's frozen prefix by reference
+    (`share_prefix`), one list for all views, and reads exactly as the same episode's views kept whole in training
+    (view_pixels=True), ids, mask and logprobs."""
+    from vlmrl.rollout.history import SharedPrefix
+
+    builder = get_builder("qwen2_5_vl", processors("qwen2_5_vl"))
+    _, _, whole, _ = run_episode_with(builder, "qwen2_5_vl", processors)
+    _, _, shared, _ = run_episode_with(builder, "qwen2_5_vl", processors, view_pixels=False)
+    assert len(whole.views) == len(shared.views) >= 3
+    for a, b in zip(whole.views, shared.views, strict=True):
+        assert (list(a.ids), list(a.loss_mask), list(a.logprobs)) == (list(b.ids), list(b.loss_mask), list(b.logprobs))
+    prefixes = [v.ids for v in shared.views if isinstance(v.ids, SharedPrefix)]
+    assert len(prefixes) >= 2 and len({id(p.shared) for p in prefixes}) == 1 and all(p.n > 0 for p in prefixes)
+    stored = sum(len(getattr(v.ids, "tail", v.ids)) for v in shared.views)
+    assert stored < sum(len(v.ids) for v in shared.views)

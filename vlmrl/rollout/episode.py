@@ -298,8 +298,9 @@ class EpisodeRunner:
             self._end(ep, EndReason.CONTEXT)
             return
         if view is not None:
-            if not self.limits.view_pixels:
+            if not self.limits.view_pixels:  # nothing trains on it: no pixels, the frozen prefix by reference
                 ep.seq.release_pixels()
+                ep.window.share_prefix(ep.seq)  # type: ignore[union-attr]  # (a new view comes only from a window)
             ep.views.append(ep.seq)
             ep.seq = view
         else:

@@ -16,6 +16,9 @@ prefix-preserving family is the processor's own full render of it (tested agains
   plus copying the view's id lists.
 - Training: a windowed trajectory exports `individual` samples, one per turn: that turn's view up to the end of its
   sampled ids (`vlmrl.export`).
+- Memory without training (`vlmrl generate`): a released view holds the frozen prefix by reference (`share_prefix`:
+  the frozen render only grows at its end, so one copy serves every view), so the views of an episode store O(turns)
+  ids in all, and the images that left the window go to the run folder (`spill_images`).
 
 `HistoryWindow` is per episode; `keep=None` is no window (nothing here runs).
 """
@@ -23,8 +26,10 @@ prefix-preserving family is the processor's own full render of it (tested agains
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from vlmrl.tokens.base import Piece, TokenBuilder
 from vlmrl.types import Generation, ImagePart, Message, Part, StoredImagePart, TextPart, TokenSeq
@@ -80,6 +85,36 @@ def windowed(messages: list[Message], keep: int | None, stub: str) -> list[Messa
     return messages if keep is None else stub_images(messages, count_images(messages) - keep, stub)
 
 
+class SharedPrefix(Sequence):
+    """A read-only list: the first `n` items of `shared`, a list that only ever grows at its end and that several of
+    these share, then `tail`. A released view keeps its frozen prefix this way (`HistoryWindow.share_prefix`), so the
+    views of an episode hold O(turns) tokens in all instead of O(turns^2). Slicing returns a list."""
+
+    __slots__ = ("shared", "n", "tail")
+
+    def __init__(self, shared: list, n: int, tail: list):
+        self.shared, self.n, self.tail = shared, n, tail
+
+    def __len__(self) -> int:
+        return self.n + len(self.tail)
+
+    def __iter__(self) -> Iterator:
+        return itertools.chain(itertools.islice(self.shared, self.n), self.tail)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return list(self)[i]
+        k = i + len(self) if i < 0 else i
+        if not 0 <= k < len(self):
+            raise IndexError(i)
+        return self.shared[k] if k < self.n else self.tail[k - self.n]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, (list, SharedPrefix)) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]  # a list, not a value
+
+
 @dataclass
 class _Segment:
     """One stretch of the episode: non-assistant `messages` (the prompt first) or a sampled `generation`."""
@@ -109,6 +144,8 @@ class HistoryWindow:
         self.total = 0  # images so far
         self.hidden = 0  # the oldest images shown as stubs in the current view
         self.frozen: tuple[int, TokenSeq] | None = None  # (segments, their render) with every image hidden
+        self.base = 0  # the current view starts with this many ids of the frozen render (`share_prefix`)
+        self.released_base = 0  # the same for the view `observe` last replaced
 
     def _hide_in(self, s: _Segment) -> int:
         return min(max(self.hidden - s.first, 0), s.n)
@@ -141,13 +178,30 @@ class HistoryWindow:
         if hidden == self.hidden:
             return None
         self.hidden = hidden
+        self.released_base = self.base
         return self._rebuild(seq, piece)
+
+    def share_prefix(self, view: TokenSeq) -> None:
+        """Let `view`, the view that `observe` has just replaced, hold the frozen prefix it starts with by reference
+        (`SharedPrefix` over the window's one growing frozen render) instead of its own copy. For a view that nothing
+        extends or trains on any more (`vlmrl generate`: after `release_pixels`). Raises RuntimeError if `view` does
+        not start with that prefix (not the view `observe` replaced)."""
+        n = self.released_base
+        if self.frozen is None or n == 0:
+            return
+        frozen = self.frozen[1]
+        for name in ("ids", "loss_mask", "logprobs"):
+            own, shared = getattr(view, name), getattr(frozen, name)
+            if isinstance(own, SharedPrefix) or own[:n] != shared[:n]:
+                raise RuntimeError(f"share_prefix: this view does not start with the window's frozen {name}")
+            setattr(view, name, SharedPrefix(shared, n, own[n:]))
 
     def copy(self) -> "HistoryWindow":
         """An independent window with the same segments so far (the episodes of a GRPO group share a prompt)."""
         out = HistoryWindow(self.builder, self.keep)
         out.segments = [dataclasses.replace(s) for s in self.segments]
-        out.total, out.hidden, out.frozen = self.total, self.hidden, self.frozen
+        out.total, out.hidden, out.base = self.total, self.hidden, self.base
+        out.frozen = (self.frozen[0], self.frozen[1].fork()) if self.frozen is not None else None  # grows in place
         return out
 
     def _rebuild(self, old: TokenSeq, piece: Piece) -> TokenSeq:
@@ -177,8 +231,30 @@ class HistoryWindow:
                 assert s.piece is not None
                 self.builder.extend(seq, s.piece)
             if k == last_frozen:
-                self.frozen = (k + 1, seq.fork())
+                self._freeze(k + 1, seq)
                 for done in self.segments[: k + 1]:  # never rendered again: let their images and pieces go
                     done.messages, done.piece, done.start = None, None, None
         seq.carried = {}
+        self.base = len(self.frozen[1].ids) if self.frozen is not None else 0  # the new view starts with all of it
         return seq
+
+    def _freeze(self, segments: int, seq: TokenSeq) -> None:
+        """The first `segments` segments, rendered as `seq` so far, are final. The frozen render grows in place (its
+        id lists only ever get items appended: released views share them, `share_prefix`)."""
+        if self.frozen is None:
+            self.frozen = (segments, seq.fork())
+            return
+        frozen = self.frozen[1]
+        n = len(frozen.ids)
+        frozen.ids.extend(seq.ids[n:])
+        frozen.loss_mask.extend(seq.loss_mask[n:])
+        frozen.logprobs.extend(seq.logprobs[n:])
+        rest = seq.fork()
+        frozen.images, frozen.vision_parts, frozen.turn_spans, frozen.boundary = (
+            rest.images,
+            rest.vision_parts,
+            rest.turn_spans,
+            rest.boundary,
+        )
+        frozen.carried, frozen._image_index, frozen._indexed, frozen._per_image, frozen._split_parts = {}, {}, 0, [], 0
+        self.frozen = (segments, frozen)
