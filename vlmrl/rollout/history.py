@@ -249,12 +249,5 @@ class HistoryWindow:
         frozen.ids.extend(seq.ids[n:])
         frozen.loss_mask.extend(seq.loss_mask[n:])
         frozen.logprobs.extend(seq.logprobs[n:])
-        rest = seq.fork()
-        frozen.images, frozen.vision_parts, frozen.turn_spans, frozen.boundary = (
-            rest.images,
-            rest.vision_parts,
-            rest.turn_spans,
-            rest.boundary,
-        )
-        frozen.carried, frozen._image_index, frozen._indexed, frozen._per_image, frozen._split_parts = {}, {}, 0, [], 0
-        self.frozen = (segments, frozen)
+        copies = (list(seq.images), list(seq.vision_parts), list(seq.turn_spans), list(seq.boundary))
+        self.frozen = (segments, TokenSeq(frozen.ids, frozen.loss_mask, frozen.logprobs, *copies))
