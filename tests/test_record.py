@@ -118,3 +118,64 @@ def test_a_trajectorys_grids_are_recorded_without_copying_its_pixels(monkeypatch
     record = TrajectoryRecord.from_trajectory(Trajectory("t", 0, [], seq, []), step=1)
     assert record.image_grid_thw == [[1, 2, 2], [1, 4, 4], [1, 2, 4]]
     assert TrajectoryRecord.from_trajectory(Trajectory("t", 0, [], TokenSeq(), []), step=1).image_grid_thw == []
+
+
+def test_line_chunks_join_to_the_one_shot_json_line():
+    """`line_chunks` (how `append_jsonl` writes a row in pieces) joins to exactly `json.dumps` of the NaN-free row:
+    nested dicts and lists, NaN/inf, non-ASCII text, tuples, empty containers, a dict with non-string keys (one leaf),
+    and a read-only `Sequence` (a view's `SharedPrefix`), which is written as its list."""
+    import json
+
+    from vlmrl.jsonl import line_chunks
+    from vlmrl.rollout.history import SharedPrefix
+
+    row = {
+        "a": [1, 2, [3, {"b": math.nan}], (4.5, -math.inf)],
+        "ü": "naïve → ✓",
+        "empty": [[], {}, ()],
+        "keys": {1: "one", None: [2]},
+        "views": [{"input_ids": SharedPrefix([7, 8, 9, 10], 2, [11]), "loss_mask": [0, 1]}],
+    }
+    plain = {
+        "a": [1, 2, [3, {"b": None}], [4.5, None]],
+        "ü": "naïve → ✓",
+        "empty": [[], {}, []],
+        "keys": {"1": "one", "null": [2]},
+        "views": [{"input_ids": [7, 8, 11], "loss_mask": [0, 1]}],
+    }
+    assert "".join(line_chunks(row)) == json.dumps(plain, ensure_ascii=False) == dump_lines([row])[:-1]
+
+
+def test_a_windowed_record_writes_each_view_whole_and_in_its_own_pieces(tmp_path):
+    """A history window's record (`from_trajectory` + `append_jsonl`): each earlier view is read back as its full
+    lists (hand-written; logprobs rounded to 6 digits) although the views share their prefix (`SharedPrefix`), and no
+    piece written holds more than one view's list, so writing a 128-turn episode (455k ids in its views) does not
+    build the whole line in memory (the issue 23 measurement: +158 MiB at the write before)."""
+    import json
+
+    from vlmrl.jsonl import append_jsonl, line_chunks
+    from vlmrl.rollout.history import SharedPrefix
+    from vlmrl.types import TokenSeq, Trajectory
+
+    frozen_ids, frozen_lp = [5, 6, 7, 8], [0.0, -0.1234567891, 0.0, -2.0]
+    views = [
+        TokenSeq(ids=[5, 6, 9], loss_mask=[0, 1, 1], logprobs=[0.0, -0.1234567891, -1.0]),
+        TokenSeq(
+            ids=SharedPrefix(frozen_ids, 3, [30, 31]),
+            loss_mask=SharedPrefix([0, 0, 0, 0], 3, [1, 1]),
+            logprobs=SharedPrefix(frozen_lp, 3, [-0.5, -0.3333333333]),
+        ),
+    ]
+    final = TokenSeq(ids=[5, 6, 7, 8, 40], loss_mask=[0, 0, 0, 0, 1], logprobs=[0.0] * 4 + [-0.25])
+    traj = Trajectory("t", 0, [], final, [], views=views, turn_views=[0, 1, 2], keep_images=1)
+    record = TrajectoryRecord.from_trajectory(traj, step=1)
+    path = tmp_path / "trajectories.jsonl"
+    append_jsonl(path, [record.to_json(), record.to_json()])
+    lines = path.read_text().splitlines()
+    assert len(lines) == 2 and lines[0] == lines[1]
+    written = json.loads(lines[0])["views"]
+    assert [v["input_ids"] for v in written] == [[5, 6, 9], [5, 6, 7, 30, 31]]
+    assert [v["loss_mask"] for v in written] == [[0, 1, 1], [0, 0, 0, 1, 1]]
+    assert [v["logprobs"] for v in written] == [[0.0, -0.123457, -1.0], [0.0, -0.123457, 0.0, -0.5, -0.333333]]
+    assert read_records(path)[0][0].views == written
+    assert max(len(c) for c in line_chunks(record.to_json())) <= len("[0.0, -0.123457, 0.0, -0.5, -0.333333]")

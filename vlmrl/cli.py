@@ -170,7 +170,10 @@ def generate(overrides: Optional[list[str]] = OVERRIDES) -> None:
     _check_model_or_exit(cfg)
     _setup_logging()
     from vlmrl.evaluation.generate import generate as run_generate
+    from vlmrl.malloc import mmap_large_blocks
     from vlmrl.runfiles import RunFolderError
+
+    mmap_large_blocks()  # frames freed by a history window go back to the OS: flat memory (vlmrl/malloc.py)
 
     try:
         result = run_generate(cfg, Console())

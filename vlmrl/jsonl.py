@@ -15,6 +15,7 @@ import json
 import math
 import os
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, cast
@@ -107,12 +108,14 @@ def read_jsonl(path: str | Path) -> JsonlRead:
 
 
 def finite_json(value: Any) -> Any:
-    """`value` with NaN/inf floats replaced by None (recursively through dicts, lists and tuples)."""
+    """`value` with NaN/inf floats replaced by None, recursively through dicts and sequences: lists, tuples and any
+    other `Sequence` but a string (a read-only view of a list, e.g. `vlmrl.rollout.history.SharedPrefix`) become
+    lists."""
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):
         return {k: finite_json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
         return [finite_json(v) for v in value]
     return value
 
@@ -120,6 +123,29 @@ def finite_json(value: Any) -> Any:
 def dump_lines(rows: list[dict]) -> str:
     """Rows as strict JSON lines (NaN/inf -> null), each ending with a newline."""
     return "".join(json.dumps(finite_json(r), ensure_ascii=False, allow_nan=False) + "\n" for r in rows)
+
+
+def line_chunks(value: Any) -> Iterator[str]:
+    """`value` as strict JSON (NaN/inf -> null) in pieces, joined equal to `dump_lines`' line without its newline
+    (`json.dumps`' separators ", " and ": "). Dicts with string keys and lists holding containers are walked; every
+    other value (a list of numbers, a string) is one `json.dumps`. So writing a row costs memory for its largest
+    leaf, not for the whole line: a long windowed trajectory's line holds every earlier view's ids, mask and logprobs
+    (tens of MB at 128 turns), whose one-shot encoding is several times that."""
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        yield "{"
+        for i, (key, item) in enumerate(value.items()):
+            yield (", " if i else "") + json.dumps(key, ensure_ascii=False) + ": "
+            yield from line_chunks(item)
+        yield "}"
+    elif isinstance(value, (list, tuple)) and any(isinstance(x, (dict, list, tuple)) for x in value):
+        yield "["
+        for i, item in enumerate(value):
+            if i:
+                yield ", "
+            yield from line_chunks(item)
+        yield "]"
+    else:
+        yield json.dumps(finite_json(value), ensure_ascii=False, allow_nan=False)
 
 
 def fsync_path(path: str | Path) -> None:
@@ -181,10 +207,13 @@ def write_jsonl_atomic(path: str | Path, rows: list[dict]) -> None:
 
 
 def append_jsonl(path: str | Path, rows: list[dict]) -> None:
-    """Append rows as JSON lines in one write, then flush + fsync (a crash leaves at most a torn last line)."""
+    """Append rows as JSON lines, each written in pieces (`line_chunks`), then flush + fsync (a crash leaves at most a
+    torn last line, which readers drop)."""
     if not rows:
         return
     with open(path, "a", encoding="utf-8") as f:
-        f.write(dump_lines(rows))
+        for row in rows:
+            f.writelines(line_chunks(row))
+            f.write("\n")
         f.flush()
         os.fsync(f.fileno())

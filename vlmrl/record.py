@@ -26,9 +26,10 @@ back as NaN. Reading checks the line's types with pydantic (`_Line`: strict numb
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Callable
+from typing import Annotated, Any, Callable, Iterator
 
 from pydantic import (
     BaseModel,
@@ -215,14 +216,36 @@ class TrajectoryRecord:
         return _read(d, where)
 
 
+class _Rounded(Sequence):
+    """`values` rounded to 6 digits as they are read: a view's logprobs as written, with no copy held."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, values: Sequence[float]):
+        self.values = values
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def __iter__(self) -> Iterator[float]:
+        return (round(x, 6) for x in self.values)
+
+    def __getitem__(self, i: Any) -> Any:
+        return [round(x, 6) for x in self.values[i]] if isinstance(i, slice) else round(self.values[i], 6)
+
+
 def _view_json(seq: TokenSeq) -> dict:
     """An earlier view of a history window's trajectory: its ids [T_v], loss mask (1 only on the turns sampled in
-    it), logprobs, turn spans (every turn so far), boundary edits and image grids (`_View` reads it back)."""
+    it), logprobs, turn spans (every turn so far), boundary edits and image grids (`_View` reads it back).
+
+    The three [T_v] sequences are the view's own (read-only `Sequence`s: a released view's are `SharedPrefix`es) and
+    become lists only as the line is written (`vlmrl.jsonl.line_chunks`, one view at a time): copied here, an
+    episode's views would hold O(turns^2) items (455k ids each at 128 turns with 4 images kept)."""
     grid = seq.image_grid_thw
     return {
-        "input_ids": list(seq.ids),
-        "loss_mask": list(seq.loss_mask),
-        "logprobs": [round(x, 6) for x in seq.logprobs],
+        "input_ids": seq.ids,
+        "loss_mask": seq.loss_mask,
+        "logprobs": _Rounded(seq.logprobs),
         "turn_spans": [[int(s), int(e)] for s, e in seq.turn_spans],
         "boundary": [{"position": b.position, "token_id": b.token_id, "reason": b.reason} for b in seq.boundary],
         "image_grid_thw": grid.tolist() if grid is not None else [],

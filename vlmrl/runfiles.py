@@ -215,7 +215,7 @@ class RunFiles:
         (self.dir / "config.yaml").write_text(yaml_text)
 
     def append(self, path: Path, rows: list[dict]) -> None:
-        """Append rows as JSON lines in one write, then flush to disk."""
+        """Append rows as JSON lines (`append_jsonl`: written in pieces), then flush to disk."""
         append_jsonl(path, rows)
 
 

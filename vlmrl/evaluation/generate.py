@@ -104,6 +104,8 @@ def _generate(cfg: Config, console: Any) -> GenerateResult:
                     chunk = [tasks[p] for p in missing]
                     recs, dt = rollout_records(runner, chunk, samples, step, missing, ImageStore(files.dir))
                     files.append(files.trajectories, [r.to_json() for r in recs])
+                for r in recs:  # written: the metrics read no view, and a window's views hold O(turns²) ids
+                    r.views = []
                 records += recs
                 end = min(step * max(cfg.trainer.batch_size, 1), len(tasks))
                 metrics = {
