@@ -30,9 +30,9 @@ default: 32 x 448x448).
     python bench/pixel_memory.py --turns 8 --size 224 --json
     python bench/pixel_memory.py --turns 128 --keep-images 4   # a history window (env.keep_images): flat in turns
 
-Each case runs with `GLIBC_TUNABLES=glibc.malloc.mmap_threshold=131072` (`MALLOC`): with glibc's default, dynamic
-threshold the blocks of pixels freed every turn (a window's released images, the image processor's work arrays)
-fragment the heap, and peak RSS grows by several MiB a turn although the live tensors stay flat.
+Each case starts with `vlmrl generate`'s malloc policy (`vlmrl.malloc.mmap_large_blocks`): with glibc's default,
+dynamic threshold the blocks of pixels freed every turn (a window's released images, the image processor's work
+arrays) fragment the heap, and peak RSS grows by several MiB a turn although the live tensors stay flat.
 
 With `--keep-images K` the episode runs as `EpisodeRunner` runs it for `vlmrl generate`: the last K images shown,
 earlier views released (`TokenSeq.release_pixels`), each image that left the window written to a run folder and
@@ -43,7 +43,6 @@ still holds.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -55,7 +54,6 @@ from rich.console import Console
 from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
-MALLOC = "glibc.malloc.mmap_threshold=131072"  # blocks over 128 KiB always mmap-ed, so freed ones return to the OS
 COLUMNS = (
     "case",
     "engine",
@@ -180,7 +178,7 @@ def run_case(case: str, turns: int, size: int, engine: str = "transformers", kee
 def measure(case: str, turns: int, size: int, engine: str = "transformers", keep: int | None = None) -> dict:
     """`run_case` in a fresh Python process (nothing of another case in its heap)."""
     window = ["--keep-images", str(keep)] if keep is not None else []
-    out = subprocess.run(  # a fixed mmap threshold: a block of pixels freed is given back (module doc)
+    out = subprocess.run(
         [sys.executable, __file__, "--case", case, "--engine", engine, "--turns", str(turns), "--size", str(size)]
         + window
         + ["--json"],
@@ -188,7 +186,6 @@ def measure(case: str, turns: int, size: int, engine: str = "transformers", keep
         text=True,
         check=True,
         cwd=ROOT,
-        env={**os.environ, "GLIBC_TUNABLES": MALLOC},
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -225,6 +222,9 @@ def main(
     ),
 ) -> None:
     if case:
+        from vlmrl.malloc import mmap_large_blocks
+
+        mmap_large_blocks()  # as `vlmrl generate` does (module doc)
         rows = [run_case(case, turns, size, engine, keep_images)]
     elif keep_images is not None:
         rows = [measure("new", turns, size, e, keep_images) for e in ("transformers", "vllm")]

@@ -127,8 +127,9 @@ def dump_lines(rows: list[dict]) -> str:
 
 def line_chunks(value: Any) -> Iterator[str]:
     """`value` as strict JSON (NaN/inf -> null) in pieces, joined equal to `dump_lines`' line without its newline
-    (`json.dumps`' separators ", " and ": "). Dicts with string keys and lists holding containers are walked; every
-    other value (a list of numbers, a string) is one `json.dumps`. So writing a row costs memory for its largest
+    (`json.dumps`' separators ", " and ": "). Dicts with string keys and lists whose first item is a container are
+    walked; every other value (a list of numbers, a string) is one `json.dumps` (which branch only changes the pieces,
+    not their join: a list of numbers is not scanned). So writing a row costs memory for its largest
     leaf, not for the whole line: a long windowed trajectory's line holds every earlier view's ids, mask and logprobs
     (tens of MB at 128 turns), whose one-shot encoding is several times that."""
     if isinstance(value, dict) and all(isinstance(k, str) for k in value):
@@ -137,7 +138,7 @@ def line_chunks(value: Any) -> Iterator[str]:
             yield (", " if i else "") + json.dumps(key, ensure_ascii=False) + ": "
             yield from line_chunks(item)
         yield "}"
-    elif isinstance(value, (list, tuple)) and any(isinstance(x, (dict, list, tuple)) for x in value):
+    elif isinstance(value, (list, tuple)) and value and isinstance(value[0], (dict, list, tuple)):
         yield "["
         for i, item in enumerate(value):
             if i:

@@ -16,7 +16,6 @@ keeps the update's [N, vocab] logits blocks in the heap for speed) turned it off
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 
 log = logging.getLogger("vlmrl.malloc")
@@ -31,10 +30,9 @@ def mmap_large_blocks(threshold: int = MMAP_THRESHOLD) -> bool:
     """Serve every block of `threshold` bytes or more by its own mmap for the rest of this process, so a freed one
     returns to the OS at once. Returns False (and changes nothing) where the C library has no glibc `mallopt`
     (musl, macOS) or refuses a setting; a policy, never an error."""
-    name = ctypes.util.find_library("c")
     try:
-        mallopt = ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError, TypeError):
+        mallopt = ctypes.CDLL(None).mallopt  # the C library this process already runs on
+    except (OSError, AttributeError):
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int

@@ -58,6 +58,14 @@ def generate(cfg: Config, console: Any = None) -> GenerateResult:
         runlock.release(cfg.logging.output_dir)
 
 
+def _for_metrics(records: list[TrajectoryRecord]) -> list[TrajectoryRecord]:
+    """`records` (already in the file) as the running metrics keep them: without their views, which the metrics never
+    read and which hold O(turns²) ids for a history window's trajectory (`TrajectoryRecord.views`)."""
+    for r in records:
+        r.views = []
+    return records
+
+
 def _generate(cfg: Config, console: Any) -> GenerateResult:
     from rich.console import Console
     from transformers import set_seed
@@ -75,7 +83,7 @@ def _generate(cfg: Config, console: Any) -> GenerateResult:
     todo = [p for _, missing in plan.steps for p in missing]
     if plan.done:
         log.info("resuming %s: %d of %d problems already done", files.dir, len(plan.done), len(tasks))
-    records = [r for r in plan.records if r.row is not None and r.row < len(tasks)]
+    records = _for_metrics([r for r in plan.records if r.row is not None and r.row < len(tasks)])
     metrics = _summary(records, [], 0.0)
     if not plan.steps:
         return GenerateResult(files.dir, metrics, 0, len(plan.done))
@@ -104,9 +112,7 @@ def _generate(cfg: Config, console: Any) -> GenerateResult:
                     chunk = [tasks[p] for p in missing]
                     recs, dt = rollout_records(runner, chunk, samples, step, missing, ImageStore(files.dir))
                     files.append(files.trajectories, [r.to_json() for r in recs])
-                for r in recs:  # written: the metrics read no view, and a window's views hold O(turns²) ids
-                    r.views = []
-                records += recs
+                records += _for_metrics(recs)
                 end = min(step * max(cfg.trainer.batch_size, 1), len(tasks))
                 metrics = {
                     "step": step,
