@@ -45,7 +45,7 @@ from vlmrl.rollout.episode import EpisodeRunner
 from vlmrl.rollout.runner import build_runner
 from vlmrl.runfiles import ImageStore, RunFiles, RunFolderError
 from vlmrl.tokens.base import TokenBuilder
-from vlmrl.train import loss_agg, overlong, rollout_correction
+from vlmrl.train import dist, loss_agg, overlong, rollout_correction
 from vlmrl.train.async_rollout import BehaviourWeights, Prefetcher, staleness, staleness_metrics
 from vlmrl.train.dynamic_sampling import SampledBatch, sample_until_full
 from vlmrl.train.step_batch import export_style, gather_bad_episodes, step_samples
@@ -387,6 +387,7 @@ def train(cfg: Config, console: Console | None = None) -> Path:
     finally:
         if main_rank:
             runlock.release(cfg.logging.output_dir)
+        dist.shutdown()
 
 
 @contextlib.contextmanager

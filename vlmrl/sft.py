@@ -38,6 +38,7 @@ from vlmrl.modeling.loading import load_policy
 from vlmrl.runfiles import RunFiles
 from vlmrl.tokens import get_builder
 from vlmrl.tokens.base import TokenBuilder
+from vlmrl.train import dist
 from vlmrl.train.step_batch import export_style
 from vlmrl.train.trainer import GRPOTrainer, TrainerSettings
 from vlmrl.types import Generation, ImagePart, Message, Role, StopReason, TextPart, Trajectory
@@ -153,4 +154,5 @@ def sft(cfg: Config) -> Path:
     )
     if trainer.is_main:
         shutil.copytree(path / "hf", root / "hf", dirs_exist_ok=True)
+    dist.shutdown()
     return root / "hf"

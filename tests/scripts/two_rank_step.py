@@ -26,6 +26,7 @@ from test_trainer import image_sample, with_old_logprobs
 
 from vlmrl.config import ModelConfig
 from vlmrl.modeling.loading import load_policy
+from vlmrl.train import dist
 from vlmrl.train.grpo import grpo_loss
 from vlmrl.train.logprobs import batch_logprobs, collate
 from vlmrl.train.loss_agg import token_weights
@@ -131,6 +132,7 @@ def main() -> None:
     args = parser.parse_args()
     for stage in args.stages:
         run_stage(stage, json.loads(args.options))
+    dist.shutdown()
 
 
 if __name__ == "__main__":

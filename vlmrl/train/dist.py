@@ -48,6 +48,14 @@ def init_distributed() -> None:
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
 
 
+def shutdown() -> None:
+    """Destroy the default process group of a launched multi-rank run (no barrier): a rank that exits with a live gloo
+    group can abort in its threads' destructors ("terminate called without an active exception", SIGABRT after the
+    work is done). A one-process group (in-memory store) is kept for the next run in the same process."""
+    if initialized() and world_size() > 1:
+        torch_dist.destroy_process_group()
+
+
 def initialized() -> bool:
     return torch_dist.is_available() and torch_dist.is_initialized()
 
