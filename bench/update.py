@@ -8,10 +8,10 @@ model instead of its SFT checkpoint (the lengths are the recipe's: 8 new tokens,
 (v) vlmrl: `GRPOTrainer.train_step(samples)`, the trainer `vlmrl train` builds (DeepSpeed, the recipe's ZeRO stage
     as the trainer resolves it at one rank, the log-prob kernel `token_logprobs` picks).
 (f) the floor, the true minimum of the same work: a deep copy of the same model, no DeepSpeed; per micro-batch of
-    the same size one forward with logits only at the loss positions (`logits_to_keep`), torch's fused
-    `log_softmax` + gather, the reference forward under no_grad when the recipe has a KL term, the GRPO loss written
-    out (PPO-clip + k3 KL over the step's loss tokens), backward; then `clip_grad_norm_` and torch AdamW
-    (its fused kernel, the same hyper-parameters).
+    the same size one forward with logits only at the loss positions (`logits_to_keep`), our fused log-softmax
+    kernel (`fused_log_softmax`: torch's `log_softmax`, the gradient written in one go), the reference forward
+    under no_grad when the recipe has a KL term, the GRPO loss written out (PPO-clip + k3 KL over the step's loss
+    tokens), backward; then `clip_grad_norm_` and torch AdamW (its fused kernel, the same hyper-parameters).
 Breakdown per step: forward (collate, policy and reference forward, log-softmax, loss), backward, optimizer
 (clip + AdamW; vlmrl: `engine.step()`), other (the rest of `train_step`: token counts, all-reduces, stats).
 
@@ -19,8 +19,8 @@ Each repetition runs every batch through (v) and (f), the order alternating; the
 `--repeats` repetitions after one warm-up step each, ratio = median of the per-repetition ratios.
 
 `--kernels`: the log-prob kernels alone (`vlmrl.train.logprobs`), forward + backward of log_softmax(logits / T) at
-the sampled ids for an [N, 151,936] fp32 logits block: torch's fused `log_softmax` + gather, which keeps an fp32
-[N, V] block for backward, against `SelectiveLogSoftmax`, which keeps one fp32 logsumexp per row; the rule
+the sampled ids for an [N, 151,936] fp32 logits block: `FusedLogSoftmax` (torch's `log_softmax`), which keeps an
+fp32 [N, V] block for backward, against `SelectiveLogSoftmax`, which keeps one fp32 logsumexp per row; the rule
 `token_logprobs` applies (fused up to FUSED_MAX_BYTES of fp32 block) is the last column.
 
 Run it as `make test` runs the tests on a CPU (README, "Learning on a CPU"):
@@ -121,8 +121,7 @@ class Floor:
         keep[:, :-1] = need[:, 1:]
         inputs = {k: v for k, v in batch.items() if k not in ("loss_mask", "old_logprobs")}
         logits = model(**inputs, use_cache=False, logits_to_keep=keep).logits
-        logp = torch.log_softmax(logits.float() / self.cfg.temperature, dim=-1)
-        return logp.gather(1, batch["input_ids"][need][:, None]).squeeze(1), need
+        return fused_log_softmax(logits, batch["input_ids"][need], self.cfg.temperature), need
 
     def step(self, samples: list[Sample], clock: Clock) -> float:
         """One update over `samples`; returns the step's loss (as `StepStats.loss`)."""

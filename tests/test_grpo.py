@@ -115,20 +115,21 @@ def _reference_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: fl
     return (x - m - (x - m).exp().sum(-1, keepdim=True).log()).gather(1, ids[:, None]).squeeze(1)
 
 
+@pytest.mark.parametrize("temperature", [0.7, 1.0])  # 1.0: the fused kernel skips the division
 @pytest.mark.parametrize("kernel", [selective_log_softmax, fused_log_softmax])
-def test_log_softmax_kernels_match_a_hand_written_reference_and_gradcheck(kernel):
+def test_log_softmax_kernels_match_a_hand_written_reference_and_gradcheck(kernel, temperature):
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(300, 50, generator=g, dtype=torch.float64, requires_grad=True)  # > one chunk of rows
     ids = torch.randint(0, 50, (300,), generator=g)
-    out = kernel(logits, ids, 0.7)
-    ref = _reference_logprobs(logits, ids, 0.7)
+    out = kernel(logits, ids, temperature)
+    ref = _reference_logprobs(logits, ids, temperature)
     torch.testing.assert_close(out, ref)
     w = torch.randn(300, generator=g, dtype=torch.float64)
     (ga,) = torch.autograd.grad((out * w).sum(), logits)
     (gb,) = torch.autograd.grad((ref * w).sum(), logits)
     torch.testing.assert_close(ga, gb)
     small = torch.randn(5, 11, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda x: kernel(x, ids[:5] % 11, 0.7), (small,))
+    assert torch.autograd.gradcheck(lambda x: kernel(x, ids[:5] % 11, temperature), (small,))
     bf16 = kernel(logits.detach().bfloat16(), ids, 1.0)  # computed in fp32 at least
     assert bf16.dtype == torch.float32
     ref32 = _reference_logprobs(logits.detach().bfloat16().float(), ids, 1.0).float()

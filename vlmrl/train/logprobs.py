@@ -8,9 +8,9 @@ the ratio pi / pi_old of the GRPO loss is 1 at the first update when trainer and
 Memory: the LM head is the largest activation of a VLM with a 150k vocabulary. We (1) ask the model for logits only at
 the positions we need (`logits_to_keep` as a boolean [B, T] mask, transformers >= 5; models without it give all
 logits and we index them), and (2) pick the log-softmax kernel by the size of that [N, V] block (`token_logprobs`):
-- up to FUSED_MAX_BYTES of fp32 (N * V * 4 bytes): torch's fused `log_softmax` + `gather`. Autograd keeps the fp32
-  [N, V] output for backward; fewest passes over the block (on 2 CPU cores, 192 rows x 151,936: forward + backward
-  0.49 s against 0.83 s for the selective kernel);
+- up to FUSED_MAX_BYTES of fp32 (N * V * 4 bytes): `FusedLogSoftmax`, torch's fused `log_softmax` forward whose
+  fp32 [N, V] output it keeps for a one-pass backward; fewest passes over the block (on 2 CPU cores, 192 rows x
+  151,936: forward + backward 0.054 s against 0.111 s for the selective kernel, `bench/update.py --kernels`);
 - above it: `SelectiveLogSoftmax`, which never materialises an fp32 [N, V] log_softmax for autograd: it keeps the
   logits in their own dtype plus one fp32 logsumexp per row and recomputes softmax chunk-wise in backward (the trick
   of trl's `selective_log_softmax`, done as a custom autograd function). A GPU micro-batch of 8k loss tokens over a
@@ -73,10 +73,36 @@ def selective_log_softmax(logits: torch.Tensor, ids: torch.Tensor, temperature: 
     return SelectiveLogSoftmax.apply(logits, ids.long(), float(temperature))
 
 
+class FusedLogSoftmax(torch.autograd.Function):
+    """out[n] = log_softmax(x[n])[ids[n]]; x [N, V] (fp32 or wider), ids [N] -> out [N].
+
+    torch's fused `log_softmax` forward; it keeps that [N, V] output for backward, where the gradient is written in
+    one go: d out[n] / d x[n, v] = 1[v == ids[n]] - exp(logp[n, v]). Autograd's own backward of log_softmax + gather
+    fills an [N, V] zero block, scatters into it, then runs log_softmax's backward over it: on a CPU, at 385 x 151,936,
+    a third more passes over the block.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        logp = torch.log_softmax(x, dim=-1)
+        ctx.save_for_backward(logp, ids)
+        return logp.gather(1, ids[:, None]).squeeze(1)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        logp, ids = ctx.saved_tensors
+        g = grad_out[:, None].to(logp.dtype)
+        grad = logp.exp().mul_(-g)
+        return grad.scatter_add_(1, ids[:, None], g), None
+
+
 def fused_log_softmax(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """The same as `selective_log_softmax` with torch's fused log_softmax (autograd keeps an fp32 [N, V] block)."""
-    dtype = torch.promote_types(logits.dtype, torch.float32)
-    return torch.log_softmax(logits.to(dtype) / temperature, dim=-1).gather(1, ids.long()[:, None]).squeeze(1)
+    """The same as `selective_log_softmax` with torch's fused log_softmax (`FusedLogSoftmax`: an fp32 [N, V] block
+    kept for backward)."""
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if temperature != 1:  # x / 1 == x: at T = 1 no division pass over [N, V], forward or backward
+        x = x / temperature
+    return FusedLogSoftmax.apply(x, ids.long())
 
 
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
