@@ -57,8 +57,8 @@ test: fixtures
 	$(TEST_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests -m "not learning"
 
 # the learning runs (marked learning: the README's colour, guess and sides recipes learn through the whole pipeline,
-# side by side, one thread each as they were measured: ~6 min on 2 cores, the guess run (~5.5 min) on one worker, the
-# colour (~2 min) and sides (~2 min) runs on the other); CI runs them after `make test`
+# side by side, one thread each as they were measured: ~5 min on 2 cores, the guess run (~4.5 min) on one worker, the
+# colour (~1.7 min) and sides (~1 min) runs on the other); CI runs them after `make test`
 test-learning: fixtures
 	$(TEST_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadfile tests -m learning
 

@@ -5,16 +5,18 @@ with large squares.
 image) and `vlmrl train recipe=sides_tiny` from that checkpoint, with env.min_size=36 env.max_size=44 (squares of
 36-44 px, larger than one 28 px image token: the small-square default plateaus for ~225 steps, too long for a test)
 and the held-out split (`data.eval_split=test`: canvases whose seeds training never draws) scored every EVAL_EVERY
-steps, at lr 2e-3 (the recipe's 1e-3 needs 50 steps). The HF engine, the episode loop, `SidesEnv`, GRPO advantages
-with KL to the SFT policy and the ZeRO-2 update on `tiny:qwen2_5_vl/learner`; nothing here computes an advantage or a
-loss.
+steps, at lr 2e-3 (the recipe's 1e-3 needs 50 steps) and 8 prompts a step (with the recipe's 16, at twice the cost a
+step, seed 0 rose later). The HF engine, the episode loop, `SidesEnv`, GRPO advantages with KL to the SFT policy and
+the ZeRO-2 update on `tiny:qwen2_5_vl/learner`; nothing here computes an advantage or a loss.
 
 Both sides show the same two colours, so any policy blind to position scores 1/2. Asserted: the first held-out score
 is at chance (<= 0.65) and the last is >= 0.85, and training accuracy rises likewise (first and last 10 steps).
-Measured at steps 10, 20, 30, 40 with seed 0 (this test): held-out 0.50, 0.52, 0.70, 0.98, training 0.48 -> 0.89;
-seed 1: 0.49, 0.88, 0.94, 0.98; seed 2: 0.50, 0.89, 0.88, 0.97 (README "Seeing where"). The tiny model
-(`qwen2_5_vl_tiny`) stays at chance on this task even supervised (`bench/spatial_probe.py`). With the advantage's sign
-flipped the test fails: see issue 26's note.
+Measured at steps 10, 20, 30, 40 (one thread beside another run, 0.8 s a step): seed 0 (this test) held-out 0.48,
+0.57, 0.98, 0.97, training 0.50 -> 0.97; seed 1: 0.52, 0.67, 0.95, 0.95, training 0.53 -> 0.95. With 16 prompts a
+step (1.6 s) seed 0 reached 0.88 held-out but only 0.65 training accuracy over steps 31-40 (README "Seeing where"). The
+tiny model (`qwen2_5_vl_tiny`) stays at chance on this task even supervised (`bench/spatial_probe.py`). With the
+advantage's sign flipped (group advantages negated) the test fails: held-out 0.45, 0.28, 0.0, 0.0, training 0.0 over
+steps 31-40.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def _rows(run: Path) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.learning  # make test-learning (CI), not make test
 def test_sides_recipe_learns_left_from_right_on_held_out_canvases(tmp_path):
-    evals = [f"trainer.eval_every={EVAL_EVERY}", "data.eval_limit=32", "trainer.lr=2e-3"]
+    evals = [f"trainer.eval_every={EVAL_EVERY}", "data.eval_limit=32", "trainer.lr=2e-3", "trainer.batch_size=8"]
     rows = _rows(sft_then_train(tmp_path, "sides_sft_tiny", "sides_tiny", STEPS, LARGE, tuple(evals)))
     held = [(r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
     train = [r["accuracy"] for r in rows if "accuracy" in r and "step" in r]

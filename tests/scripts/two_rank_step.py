@@ -7,7 +7,9 @@ Per stage: (1) the DeepSpeed gradient of the step equals plain torch's full-batc
 (token-level normalisation over ranks); (2) after a step, a generate of rank-dependent length inside `trainer.policy()`
 and another step, both ranks hold identical parameters. Prints one `OK` line per rank and stage; exits 1 on failure.
 `--options '{"loss_agg": "seq-mean-token-mean", "rollout_correction": "tis+mis", ...}'`: trainer settings of the
-algorithm options (vlmrl.train.loss_agg / rollout_correction), applied to the reference loss the same way.
+algorithm options (vlmrl.train.loss_agg / rollout_correction), applied to the reference loss the same way, for
+`--options-stages` (default: every stage of `--stages`), after the runs of `--stages` with the default options; the
+OK line of an options run ends with `options`. One launch runs them all (a torchrun launch costs two process starts).
 """
 
 from __future__ import annotations
@@ -122,16 +124,22 @@ def run_stage(stage: int, options: dict) -> None:
         flush=True,
     )
     assert trainer.step == 3 and len(set(digests)) == 1, digests
-    print(f"OK rank {trainer.rank} stage {stage}", flush=True)
+    print(f"OK rank {trainer.rank} stage {stage}{' options' if options else ''}", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--stages", type=int, nargs="+", default=[2])
     parser.add_argument("--options", default="{}", help="JSON of TrainerSettings algorithm options")
+    parser.add_argument("--options-stages", type=int, nargs="*", default=None, help="stages run with --options")
     args = parser.parse_args()
-    for stage in args.stages:
-        run_stage(stage, json.loads(args.options))
+    options = json.loads(args.options)
+    if args.options_stages is None:  # --options for every stage of --stages
+        runs = [(stage, options) for stage in args.stages]
+    else:
+        runs = [(stage, {}) for stage in args.stages] + [(stage, options) for stage in args.options_stages]
+    for stage, opts in runs:
+        run_stage(stage, opts)
     dist.shutdown()
 
 
