@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import cast
 
 from rich.console import Console
-from transformers import set_seed
 
 from vlmrl import checkpoint, runlock
 from vlmrl.checks.alignment import sampled_alignment
@@ -44,6 +43,7 @@ from vlmrl.rollout.engine import derive_seed
 from vlmrl.rollout.episode import EpisodeRunner
 from vlmrl.rollout.runner import build_runner
 from vlmrl.runfiles import ImageStore, RunFiles, RunFolderError
+from vlmrl.seeding import set_seed
 from vlmrl.tokens.base import TokenBuilder
 from vlmrl.train import dist, loss_agg, overlong, rollout_correction
 from vlmrl.train.async_rollout import BehaviourWeights, Prefetcher, staleness, staleness_metrics
@@ -176,7 +176,7 @@ def build_job(cfg: Config, plan: ResumePlan | None = None) -> Job:
     Raises RunFolderError for an unusable output folder (e.g. a resumed run with another export style), ValueError
     when the data split has no usable row.
     """
-    set_seed(cfg.seed)  # python, numpy and torch RNGs (transformers.set_seed)
+    set_seed(cfg.seed)  # python, numpy and torch RNGs (vlmrl.seeding)
     main_rank = int(os.environ.get("RANK", "0")) == 0  # known before torch.distributed starts
     keep_until = None if plan is None or plan.fresh else plan.step
     needed = checkpoint.checkpoint_bytes(plan.checkpoint) if plan is not None and plan.checkpoint else 0

@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 from PIL import Image
-from transformers import set_seed
 
 from vlmrl import checkpoint
 from vlmrl.config import Config, to_yaml
@@ -36,6 +35,7 @@ from vlmrl.envs.plugins import env_class
 from vlmrl.export import to_samples
 from vlmrl.modeling.loading import load_policy
 from vlmrl.runfiles import RunFiles
+from vlmrl.seeding import set_seed
 from vlmrl.tokens import get_builder
 from vlmrl.tokens.base import TokenBuilder
 from vlmrl.train import dist

@@ -68,12 +68,12 @@ def _for_metrics(records: list[TrajectoryRecord]) -> list[TrajectoryRecord]:
 
 def _generate(cfg: Config, console: Any) -> GenerateResult:
     from rich.console import Console
-    from transformers import set_seed
 
     from vlmrl.envs import load_env_tasks
     from vlmrl.logging_backends import make_loggers
     from vlmrl.modeling.loading import load_policy
     from vlmrl.progress import StepProgress
+    from vlmrl.seeding import set_seed
 
     console = console or Console()
     samples = cfg.algorithm.group_size
