@@ -52,15 +52,15 @@ TEST_ENV := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 RAYON_NUM_THREADS=1 $(MALLOC_ENV
 
 # two workers, one test file each at a time (module fixtures built once per file): most tests wait on subprocess
 # start-up and Python, so the 2 cores are busier than with one worker. Files go to the workers in collection order
-# (--no-loadscope-reorder), where tests/conftest.py puts the longest test (marked `first`) at the front.
+# (--no-loadscope-reorder), where tests/conftest.py puts the longest tests (marked `first`: the three learning runs,
+# the guess run ~3.5 min on one worker, the colour ~1.4 min and sides ~0.7 min runs on the other) at the front.
 test: fixtures
-	$(TEST_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests -m "not learning"
+	$(TEST_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
 
-# the learning runs (marked learning: the README's colour, guess and sides recipes learn through the whole pipeline,
-# side by side, one thread each as they were measured: ~5 min on 2 cores, the guess run (~4.5 min) on one worker, the
-# colour (~1.7 min) and sides (~1 min) runs on the other); CI runs them after `make test`
+# only the learning runs (marked learning: the README's colour, guess and sides recipes learn through the whole
+# pipeline, one thread each as they were measured; ~4 min): rerun them after a change to a kernel's rounding
 test-learning: fixtures
-	$(TEST_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadfile tests -m learning
+	$(TEST_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests -m learning
 
 # the inner loop (<= 2 min): the same, without the end-to-end runs (marked slow: the CLI, torchrun, the loop fuzz)
 test-fast:

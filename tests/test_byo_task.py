@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_inprocess import vlmrl  # tests/ is on sys.path (pytest's rootdir-relative import)
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,13 +24,7 @@ FAST = [
 
 
 def _train(out: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {
-        **os.environ,
-        "DS_ACCELERATOR": "cpu",
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
-    cmd = [sys.executable, "-m", "vlmrl.cli", "train", *args, f"logging.output_dir={out}"]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    return vlmrl("train", *args, f"logging.output_dir={out}", path=(ROOT,))  # PYTHONPATH=. as examples/README.md
 
 
 def _check_run(out: Path, proc: subprocess.CompletedProcess, images_per_prompt: int) -> list[dict]:

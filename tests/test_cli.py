@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_inprocess import vlmrl  # tests/ is on sys.path (pytest's rootdir-relative import)
 from conftest import GEOMETRY3K
 from typer.testing import CliRunner
 
@@ -79,6 +80,8 @@ def _train(tmp_path: Path, *extra: str, launcher: list[str] | None = None) -> su
         "logging.progress=false",
         *extra,
     ]
+    if launcher is None:  # no process of its own needed: the same command in this one (tests/cli_inprocess.py)
+        return vlmrl(*cmd[3:])
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 

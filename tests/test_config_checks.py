@@ -307,6 +307,7 @@ def test_failed_start_does_not_block_the_corrected_rerun(tmp_path):
     """A bad model folder fails at once (the CLI checks it before torch loads); the corrected command trains there."""
     import json
 
+    from cli_inprocess import vlmrl
     from conftest import GEOMETRY3K
 
     folder = _garbage_model_folder(tmp_path)
@@ -326,7 +327,7 @@ def test_failed_start_does_not_block_the_corrected_rerun(tmp_path):
     assert bad.returncode == 1 and "cannot load its weights" in bad.stderr and "Traceback" not in bad.stderr
     assert not (tmp_path / "run" / "config.yaml").exists()
     print(f"garbage model folder: first error after {seconds:.1f} s")
-    good, _ = _cli(*base)
+    good = vlmrl(*base, env={"COLUMNS": "200"})  # no process of its own needed (tests/cli_inprocess.py)
     assert good.returncode == 0, good.stderr[-2000:]
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1]

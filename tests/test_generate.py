@@ -336,18 +336,12 @@ def test_eval_during_training_with_a_stand_in_trainer(tmp_path, letter_engine):
 def test_train_eval_every_tensorboard_then_generate_and_evaluate_cli(tmp_path):
     """`vlmrl train ... trainer.eval_every=1 logging.tensorboard=true`, then `vlmrl generate` from its checkpoint and
     `vlmrl evaluate` on both folders."""
-    import os
-    import subprocess
-    import sys
+    from cli_inprocess import vlmrl  # tests/ is on sys.path (pytest's rootdir-relative import)
 
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
     run = tmp_path / "train"
 
-    def cli(*args: str) -> subprocess.CompletedProcess:
-        proc = subprocess.run(
-            [sys.executable, "-m", "vlmrl.cli", *args], cwd=root, env=env, capture_output=True, text=True, timeout=900
-        )
+    def cli(*args: str):
+        proc = vlmrl(*args)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return proc
 

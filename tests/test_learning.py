@@ -7,13 +7,14 @@ GRPO advantages, export and the DeepSpeed ZeRO-2 update, with the real Qwen toke
 Nothing here computes an advantage or a loss itself: a sign or mask error anywhere between the engine and the loss
 keeps the accuracy at chance and fails the test.
 
-Seeds: trainer.seed 0 (the recipe's), data.shuffle_seed unset (0). The run is cut to STEPS steps (the recipe's
-first STEPS). The assertions: the first FIRST steps are at chance (<= BLIND + 0.05), the mean accuracy over the last
-LAST steps minus the first FIRST >= RISE, and the last LAST beat BLIND + 0.05: with balanced colours, a policy whose
-answer does not depend on the image scores sum_c 1/4 p(c) <= 1/4 in expectation, so only reading the image gets above
-it. A failure prints the curve. Marked `learning`: `make test-learning` (CI) runs it, `make test` does not.
-Measured with `make test`'s settings (one thread, the malloc setting): SFT and 40
-steps in 105 s (1.9 s/step); first 8 steps 0.17, last 8 0.35 (+0.18). With the GRPO advantage's sign flipped the
+Seeds: `seed` 0 (conf/config.yaml), data.shuffle_seed 0. The run is cut to STEPS steps (the recipe's first STEPS).
+The assertions: the first FIRST steps are at chance (<= BLIND + 0.05), the mean accuracy over the last LAST steps
+minus the first FIRST >= RISE, and the last LAST beat BLIND + 0.05: with balanced colours, a policy whose answer does
+not depend on the image scores sum_c 1/4 p(c) <= 1/4 in expectation, so only reading the image gets above it. A
+failure prints the curve. Marked `learning` (`make test` runs it; `make test-learning` runs only the learning tests).
+The two commands run in the test's process (tests/cli_inprocess.py): the same per-step accuracies as two `vlmrl`
+processes, to the digit. Measured with `make test`'s settings (one thread, the malloc setting), alone: SFT and 40
+steps in 76 s (1.4 s/step); first 8 steps 0.19, last 8 0.39 (+0.20). With the GRPO advantage's sign flipped the
 accuracy falls to 0.00 from step 3 and the test fails.
 
 Why 40 steps, not fewer: the rise is bound by the optimizer, not by the signal. At the
@@ -26,23 +27,17 @@ instead of four, a larger square, and LoRA at lr 1e-2..3e-2 (5x slower per step)
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_inprocess import vlmrl  # tests/ is on sys.path (pytest's rootdir-relative import)
 
-ROOT = Path(__file__).resolve().parents[1]
 STEPS, FIRST, LAST, RISE = 40, 8, 8, 0.12
 BLIND = 0.25  # the most any answer independent of the image can score: the 4 colours are balanced
 
 
 def _cli(*args: str) -> None:
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
-    res = subprocess.run(
-        [sys.executable, "-m", "vlmrl.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800
-    )
+    res = vlmrl(*args)  # in this process: the same command without ~4 s of imports (tests/cli_inprocess.py)
     assert res.returncode == 0, f"vlmrl {' '.join(args)} failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
 
 
@@ -78,7 +73,8 @@ def _curve(run: Path) -> list[float]:
 
 
 @pytest.mark.slow
-@pytest.mark.learning  # make test-learning (CI), not make test
+@pytest.mark.learning  # make test runs it first (tests/conftest.py); make test-learning runs only these
+@pytest.mark.first
 def test_colors_recipe_learns_to_read_the_image(tmp_path):
     acc = _curve(sft_then_train(tmp_path, "colors_sft_tiny", "colors_tiny", STEPS))
     curve = " ".join(f"{a:.2f}" for a in acc)

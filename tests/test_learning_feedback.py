@@ -41,7 +41,8 @@ def _mean(rows: list[dict], key: str) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.learning  # make test-learning (CI), not make test
+@pytest.mark.learning  # make test runs it first (tests/conftest.py); make test-learning runs only these
+@pytest.mark.first
 def test_guess_recipe_learns_to_use_the_feedback(tmp_path):
     rows = _rows(sft_then_train(tmp_path, "guess_sft_tiny", "guess_tiny", STEPS, train=("trainer.lr=2e-3",)))
     assert len(rows) == STEPS, f"{len(rows)} steps logged"

@@ -36,7 +36,8 @@ def _rows(run: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.learning  # make test-learning (CI), not make test
+@pytest.mark.learning  # make test runs it first (tests/conftest.py); make test-learning runs only these
+@pytest.mark.first
 def test_sides_recipe_learns_left_from_right_on_held_out_canvases(tmp_path):
     evals = [f"trainer.eval_every={EVAL_EVERY}", "data.eval_limit=32", "trainer.lr=2e-3", "trainer.batch_size=8"]
     rows = _rows(sft_then_train(tmp_path, "sides_sft_tiny", "sides_tiny", STEPS, LARGE, tuple(evals)))

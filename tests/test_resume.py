@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_inprocess import vlmrl  # tests/ is on sys.path (pytest's rootdir-relative import)
 from conftest import GEOMETRY3K
 
 from vlmrl import checkpoint
@@ -74,9 +75,9 @@ def _start(out: Path, *extra: str) -> subprocess.Popen:
 
 
 def _run(out: Path, *extra: str) -> subprocess.CompletedProcess:
-    proc = _start(out, *extra)
-    stdout, stderr = proc.communicate(timeout=600)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    """A run to its end: no process of its own needed (tests/cli_inprocess.py; tests/ is importable here, as
+    train_test_env.py makes it for `_start`'s)."""
+    return vlmrl(*_args(out, *extra))
 
 
 def _wait_for(proc: subprocess.Popen, ready, timeout: float = 300.0) -> None:

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_inprocess import vlmrl  # tests/ is on sys.path (pytest's rootdir-relative import)
 from conftest import GEOMETRY3K
 from test_generate import LetterEngine as LetterAnswers
 from typer.testing import CliRunner
@@ -135,14 +136,7 @@ def test_two_concurrent_train_runs_then_a_torn_middle_line_and_resume(tmp_path, 
     while not (out / runlock.INFO_NAME).exists():
         assert first.poll() is None and time.time() < end, first.stderr.read()[-3000:]
         time.sleep(0.1)
-    second = subprocess.run(
-        [sys.executable, str(SCRIPT), *args, "trainer.steps=3"],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    second = vlmrl(*args, "trainer.steps=3")  # in this process (tests/cli_inprocess.py): A is the other one
     go.touch()
     _, first_err = first.communicate(timeout=600)
     assert first.returncode == 0, first_err[-3000:]
@@ -161,14 +155,7 @@ def test_two_concurrent_train_runs_then_a_torn_middle_line_and_resume(tmp_path, 
     (out / "trajectories.jsonl").write_bytes(
         "".join(lines[:3]).encode() + b'{"step": 2, "x": "\xff"}\n' + "".join(lines[3:]).encode()
     )
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), *args, "trainer.steps=5"],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = vlmrl(*args, "trainer.steps=5")
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = _squash(proc.stderr)
     assert f"{out}/metrics.jsonl:2:notJSON" in log and "metrics.jsonl.quarantine" in log

@@ -4,13 +4,11 @@ cross-entropy objective of the trainer, and a checkpoint that `vlmrl train` and 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from cli_inprocess import vlmrl  # tests/ is on sys.path (pytest's rootdir-relative import)
 
 from vlmrl.config import ExportStyle, ModelConfig, load
 from vlmrl.envs import colors
@@ -109,17 +107,10 @@ def test_demos_from_jsonl(tmp_path):
         load_demos(load("colors_sft_tiny", [f"sft.demos={tmp_path / 'torn.jsonl'}"]))
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.run(
-        [sys.executable, "-m", "vlmrl.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
-    )
-
-
 @pytest.mark.slow
 def test_sft_checkpoint_loads_in_train_and_generate(tmp_path):
     out = tmp_path / "sft"
-    res = _cli(
+    res = vlmrl(
         "sft",
         "recipe=colors_sft_tiny",
         "trainer.steps=2",
@@ -144,10 +135,10 @@ def test_sft_checkpoint_loads_in_train_and_generate(tmp_path):
         "algorithm.group_size=2",
         "logging.progress=false",
     ]
-    res = _cli("train", *common, f"logging.output_dir={tmp_path / 'rl'}")
+    res = vlmrl("train", *common, f"logging.output_dir={tmp_path / 'rl'}")
     assert res.returncode == 0, res.stdout + res.stderr
     assert (tmp_path / "rl" / "checkpoints" / "step_1" / "hf").is_dir()
-    res = _cli("generate", *common, "data.limit=2", f"logging.output_dir={tmp_path / 'gen'}")
+    res = vlmrl("generate", *common, "data.limit=2", f"logging.output_dir={tmp_path / 'gen'}")
     assert res.returncode == 0, res.stdout + res.stderr
     assert len((tmp_path / "gen" / "trajectories.jsonl").read_text().splitlines()) == 4
 

@@ -110,7 +110,15 @@ def _conversation(rec: dict, root: Path, where: str) -> list[Message]:
 def sft(cfg: Config) -> Path:
     """Run `cfg.trainer.steps` SFT steps of `cfg.trainer.batch_size` demonstrations each (cycling over the shuffled
     demos); write config.yaml, metrics.jsonl (loss per step), the final checkpoint and `<output_dir>/hf`.
-    Returns the `hf` folder. Raises ConfigError for a plug-in path that does not resolve, before the model loads."""
+    Returns the `hf` folder. Raises ConfigError for a plug-in path that does not resolve, before the model loads.
+    A multi-rank run's process group is destroyed at the end, as `vlmrl.run.train` does, whether it ends or raises."""
+    try:
+        return _sft(cfg)
+    finally:
+        dist.shutdown()
+
+
+def _sft(cfg: Config) -> Path:
     check_plugins(cfg)
     set_seed(cfg.seed)
     model, processor = load_policy(cfg.model)
@@ -154,5 +162,4 @@ def sft(cfg: Config) -> Path:
     )
     if trainer.is_main:
         shutil.copytree(path / "hf", root / "hf", dirs_exist_ok=True)
-    dist.shutdown()
     return root / "hf"
