@@ -85,8 +85,10 @@ $(VLLM_VENV)/.installed: pyproject.toml tests/real_vllm/constraints.txt tests/re
 	$(VLLM_BIN)/pip install -q -c tests/real_vllm/constraints.txt -e '.[dev]'
 	touch $@
 
+# vLLM binds zmq IPC sockets at $VLLM_RPC_BASE_PATH/<uuid> (default /tmp) and leaves them there at exit (~40 a run):
+# here they go to a folder of their own, removed afterwards
 test-vllm: $(VLLM_VENV)/.installed
-	$(MALLOC_ENV) VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_LOGGING_LEVEL=WARNING $(VLLM_BIN)/python -m pytest -q -s -p no:cacheprovider tests/real_vllm tests/test_vllm_convert.py
+	rpc=$$(mktemp -d) && trap 'rm -rf "$$rpc"' EXIT && VLLM_RPC_BASE_PATH=$$rpc $(MALLOC_ENV) VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_LOGGING_LEVEL=WARNING $(VLLM_BIN)/python -m pytest -q -s -p no:cacheprovider tests/real_vllm tests/test_vllm_convert.py
 
 lint: setup
 	$(BIN)/ruff format --check vlmrl tests bench examples

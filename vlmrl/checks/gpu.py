@@ -358,26 +358,28 @@ def checks(b: Bench, vllm: bool) -> list[tuple[str, Callable[[], str]]]:
         rows += [("vllm sleep", lambda: sleep_row(b))]
     rows.append(("train", lambda: train_row(b)))
     if vllm:
-        rows.append(("train rollout=vllm", lambda: train_row(b, *_vllm_train_overrides(b))))
+        rows.append(("train rollout=vllm", lambda: vllm_train_row(b)))
     return rows
 
 
-def _vllm_train_overrides(b: Bench) -> list[str]:
-    """`rollout=vllm` with the head-32 tiny model saved next to the run (vLLM's kernels need head size 32)."""
+def vllm_train_row(b: Bench) -> str:
+    """`train_row` with `rollout=vllm` and the head-32 tiny model (vLLM's kernels need head size 32), saved in a
+    temporary folder that is removed afterwards (~170 MB)."""
     from vlmrl.modeling.loading import tiny_vllm_model
 
-    folder = Path(tempfile.mkdtemp(prefix="vlmrl-gpu-check-model-"))
-    tiny_vllm_model(seed=0).save_pretrained(folder)
-    b.processor.save_pretrained(folder)
-    kv = KV_GB if b.device == "cuda" else 0.25
-    dtype = "bfloat16" if b.device == "cuda" else "float32"
-    return [
-        f"model.dtype={dtype}",
-        "rollout=vllm",
-        f"model.name_or_path={folder}",
-        "rollout.max_context_tokens=2048",
-        f"rollout.vllm.kv_cache_gb={kv}",
-    ]
+    with tempfile.TemporaryDirectory(prefix="vlmrl-gpu-check-model-") as folder:
+        tiny_vllm_model(seed=0).save_pretrained(folder)
+        b.processor.save_pretrained(folder)
+        kv = KV_GB if b.device == "cuda" else 0.25
+        dtype = "bfloat16" if b.device == "cuda" else "float32"
+        return train_row(
+            b,
+            f"model.dtype={dtype}",
+            "rollout=vllm",
+            f"model.name_or_path={folder}",
+            "rollout.max_context_tokens=2048",
+            f"rollout.vllm.kv_cache_gb={kv}",
+        )
 
 
 def print_table(rows: list[Row]) -> None:
