@@ -67,7 +67,7 @@ def test_show_config_applies_every_knob():
 
 
 def _train(tmp_path: Path, *extra: str, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
-    cmd = (launcher or [sys.executable, "-m", "vlmrl.cli"]) + [
+    args = [
         "train",
         "recipe=geometry3k_tiny",
         f"data.path={GEOMETRY3K}",
@@ -81,9 +81,9 @@ def _train(tmp_path: Path, *extra: str, launcher: list[str] | None = None) -> su
         *extra,
     ]
     if launcher is None:  # no process of its own needed: the same command in this one (tests/cli_inprocess.py)
-        return vlmrl(*cmd[3:])
+        return vlmrl(*args)
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(launcher + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
 @pytest.mark.slow
