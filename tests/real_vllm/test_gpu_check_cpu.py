@@ -2,7 +2,7 @@
 the trainer bf16 row, the shm and file routes (digests equal, sampled logprobs vs the trainer's), and the 2-step
 trains: the transformers engine, and `vlmrl train recipe=geometry3k_tiny rollout=vllm` on real diagrams (4
 trajectories with their images, every weight-sync check within 1e-4, the shm route recorded in config.yaml); the
-CUDA-only rows (cuda, ipc, sleep, nccl) say they are skipped."""
+CUDA-only rows (cuda, ipc, sleep, nccl, scale) say they are skipped."""
 
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ def test_gpu_check_rows_pass_on_cpu():
         "vllm digests": "ok",
         "vllm nccl": "skip",  # one GPU at most here
         "vllm sleep": "skip",
+        "vllm scale": "skip",  # a 3.75e9-parameter model on a GPU
         "train": "ok",
         "train rollout=vllm": "ok",
     }

@@ -11,6 +11,8 @@ no hub; a few minutes. It prints one row per check and exits 1 if any failed.
   is skipped on one GPU).
 - `vllm sleep`: free GPU memory (`torch.cuda.mem_get_info`) before and after `sleep` (level 1), then a sync wakes
   the weights, loads new ones, wakes the KV cache, and the parity holds again.
+- `vllm scale` (vlmrl/checks/gpu_scale.py): a random bf16 model of Qwen2.5-VL-3B's shapes (`--scale-config`) synced
+  by the ipc and file routes: seconds and GB/s of a sync, digests equal (not run on a GPU yet).
 - `train`: `vlmrl train recipe=geometry3k_tiny` for 2 steps on the GPU (transformers engine), and with `rollout=vllm`.
 
 Without a CUDA GPU it says so in one line (exit 1). `--no-vllm` skips the vLLM rows (they fail without vLLM
@@ -116,11 +118,15 @@ def trainer_row(b: Bench) -> str:
 
 
 def _perturb(model: torch.nn.Module, base: dict[str, torch.Tensor], seed: int) -> None:
-    """The model's weights = its initial ones + N(0, 0.02²) noise drawn from `seed` (the same for every route)."""
+    """The model's weights = its initial ones (`base`, by parameter name, on each parameter's device) + N(0, 0.02²)
+    noise drawn from `seed` (the same for every route). The noise is drawn on the CPU, in `named_parameters()`
+    order, so it is the same numbers whatever the weights' device, then cast to each weight's dtype and moved to its
+    device. Raises KeyError for a parameter missing from `base`."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(base[name] + torch.randn(p.shape, generator=gen).to(p.dtype) * 0.02)
+            noise = torch.randn(p.shape, generator=gen).to(p.dtype) * 0.02
+            p.copy_(base[name] + noise.to(p.device))
 
 
 def _engine(b: Bench, route: str, sleep: bool) -> Any:
@@ -179,14 +185,20 @@ def route_row(b: Bench, route: str) -> str:
 
 
 def digests_row(b: Bench) -> str:
-    if "file" not in b.digests or len(b.digests) < 2:
-        raise RuntimeError(f"too few routes ran to compare digests: {sorted(b.digests)}")
-    ref = b.digests["file"]
-    for route, sums in b.digests.items():
+    return same_digests(b.digests)
+
+
+def same_digests(digests: dict[str, dict[str, str]]) -> str:
+    """One line saying every route's vLLM parameter digests ({route: {parameter: digest}}) equal the file route's.
+    Raises RuntimeError when fewer than two routes (or no file route) ran, or naming a route whose digests differ."""
+    if "file" not in digests or len(digests) < 2:
+        raise RuntimeError(f"too few routes ran to compare digests: {sorted(digests)}")
+    ref = digests["file"]
+    for route, sums in digests.items():
         wrong = [k for k in ref if sums.get(k) != ref[k]]
         if wrong or len(sums) != len(ref):
             raise RuntimeError(f"{route}: {len(wrong)} of {len(ref)} digests differ from the file route's: {wrong[:3]}")
-    return f"{len(ref)} parameter digests equal across {', '.join(sorted(b.digests))}"
+    return f"{len(ref)} parameter digests equal across {', '.join(sorted(digests))}"
 
 
 def sleep_row(b: Bench) -> str:
@@ -345,8 +357,10 @@ def setup(device: str) -> Bench:
     return Bench(device, dtype, processor, builder, seq.prompt(), model, base)
 
 
-def checks(b: Bench, vllm: bool) -> list[tuple[str, Callable[[], str]]]:
-    """The rows to run, in order."""
+def checks(b: Bench, vllm: bool, scale_config: Path | None = None) -> list[tuple[str, Callable[[], str]]]:
+    """The rows to run, in order; `scale_config`: the `vllm scale` row's model config (None: the 3B one)."""
+    from vlmrl.checks.gpu_scale import DEFAULT_SCALE_CONFIG, scale_row
+
     rows: list[tuple[str, Callable[[], str]]] = [
         ("cuda", lambda: cuda_row(b)),
         ("trainer bf16", lambda: trainer_row(b)),
@@ -356,6 +370,7 @@ def checks(b: Bench, vllm: bool) -> list[tuple[str, Callable[[], str]]]:
         rows += [(f"vllm {r}", lambda r=r: route_row(b, r)) for r in routes]  # type: ignore[misc]
         rows += [("vllm digests", lambda: digests_row(b)), ("vllm nccl", lambda: nccl_row(b))]
         rows += [("vllm sleep", lambda: sleep_row(b))]
+        rows += [("vllm scale", lambda: scale_row(b, scale_config or DEFAULT_SCALE_CONFIG))]
     rows.append(("train", lambda: train_row(b)))
     if vllm:
         rows.append(("train rollout=vllm", lambda: vllm_train_row(b)))
@@ -400,18 +415,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="make gpu-check", description=__doc__.split("\n")[0])
     parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM rows")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--scale-config",
+        type=Path,
+        default=ROOT / "assets" / "scale" / "qwen2_5_vl_3b",
+        help="config.json (or its folder) of the `vllm scale` row's random model (default: Qwen2.5-VL-3B's shapes)",
+    )
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu-check: no CUDA GPU on this machine (torch.cuda.is_available() is False); run it on a GPU machine")
         return 1
     vllm = not args.no_vllm and importlib.util.find_spec("vllm") is not None
     b = setup(args.device)
-    rows = [run_row(name, fn) for name, fn in checks(b, vllm)]
+    rows = [run_row(name, fn) for name, fn in checks(b, vllm, args.scale_config)]
     if not args.no_vllm and not vllm:
         rows.append(Row("vllm", False, "vLLM is not installed: make setup-gpu (or --no-vllm to skip these rows)", 0.0))
     print_table(rows)
     return 1 if any(r.ok is False for r in rows) else 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # main of the imported module: gpu_scale's rows raise its Skip, not a `__main__` copy's
+    from vlmrl.checks import gpu
+
+    sys.exit(gpu.main())
