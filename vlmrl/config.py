@@ -134,7 +134,7 @@ class VLLMConfig:
     # colocated vllm.LLM (in this process) -> direct; server -> nccl on CUDA, file on CPU. file: a safetensors
     # checkpoint vLLM reloads (any setup)
     weight_sync: str = "auto"  # auto | file | direct | shm | ipc | nccl
-    sync_bucket_mb: int = 512  # shm/ipc/nccl: weights move in buckets of this size (the extra memory a sync needs)
+    sync_bucket_mb: int = 512  # shm/ipc/nccl: weights move in buckets of this size, or of the largest tensor if larger
     # colocated on CUDA: vLLM sleeps (level 1: weights to host memory, KV cache freed) during the trainer's update;
     # null: on when colocated on CUDA without off-policy rollouts (resolved when the config loads)
     sleep: Optional[bool] = None

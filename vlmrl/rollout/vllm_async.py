@@ -12,12 +12,12 @@ functions only.
 - Weights (`rollout.vllm.weight_sync`, `vllm_transfer`): tensors cannot go through `collective_rpc` to that process
   (vLLM 0.32 decodes untyped RPC arguments, a tensor arrives as a list). Route `shm` (CPU default) and `ipc` (CUDA
   default) go through vLLM's weight-transfer API: generation is paused (`pause_generation(mode="wait")`: requests in
-  flight finish first), the buckets are sent, generation resumes, then the prefix and encoder caches are reset.
+  flight finish first), the buckets are sent, the prefix and encoder caches are reset, then generation resumes.
   Route `file` writes `model.safetensors` into the engine's model folder (atomically) and reloads it with
   `collective_rpc("reload_weights", kwargs={"weights_path": folder, "is_checkpoint_format": True})`.
 - Sleep (CUDA, `rollout.vllm.sleep`): `sleep(level=1)` during the trainer's update (weights to host memory, KV cache
-  freed); the sync wakes the weights first, loads the new ones, then wakes the KV cache (vLLM 0.32
-  `AsyncLLM.sleep`/`wake_up(tags)`).
+  freed); the sync, with generation paused throughout, wakes the weights, loads the new ones, wakes the KV cache and
+  only then resumes generation (`ColocatedBackend.swap_weights`; vLLM 0.32/0.33 `AsyncLLM.sleep`/`wake_up(tags)`).
 - Seeds: each request carries its own seed (sample k: vLLM's seed + k), so results do not depend on the order or
   the moment requests arrive.
 """
@@ -25,10 +25,11 @@ functions only.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import threading
 from pathlib import Path
-from typing import Any, Coroutine, TypeVar
+from typing import Any, Coroutine, Iterator, TypeVar
 
 import torch
 
@@ -36,7 +37,7 @@ from vlmrl.config import VLLMConfig
 from vlmrl.rollout.engine import GenerateRequest
 from vlmrl.rollout.vllm_colocated import ColocatedBackend
 from vlmrl.rollout.vllm_convert import PROMPT_LOGPROBS, TokenIO
-from vlmrl.rollout.vllm_transfer import TRANSFER_ROUTES, AsyncLLMClient, items_source, make_sender
+from vlmrl.rollout.vllm_transfer import TRANSFER_ROUTES, AsyncLLMClient, items_source, make_sender, send
 from vlmrl.rollout.vllm_weights import write_items
 from vlmrl.types import EnginePrompt, Generation
 
@@ -69,12 +70,11 @@ class AsyncColocated(ColocatedBackend):
             self._stop_loop()
             raise
         self.vllm_config = self.llm.vllm_config
+        self.config = config
         self.source: Any = None
-        self.sender: Any = None  # vLLM's trainer-side weight-transfer engine (shm, ipc)
-        if route in TRANSFER_ROUTES:
-            self.source = items_source()
-            client = AsyncLLMClient(self.llm, lambda coro: asyncio.run_coroutine_threadsafe(coro, self._loop))
-            self.sender = make_sender(route, client, self.source, config)
+        self.sender: Any = None  # vLLM's trainer-side weight-transfer engine (shm, ipc), made at the first sync
+        self.client = AsyncLLMClient(self.llm, lambda coro: asyncio.run_coroutine_threadsafe(coro, self._loop))
+        self._pauses = 0  # `paused` depth
 
     # --- requests ------------------------------------------------------------------------------------------------
     async def agenerate(self, request: GenerateRequest) -> list[Generation]:
@@ -110,18 +110,34 @@ class AsyncColocated(ColocatedBackend):
 
     # --- weights, lifetime ---------------------------------------------------------------------------------------
     def load_weights(self, items: list[tuple[str, torch.Tensor]]) -> None:
-        if self.sender is None:  # route file
-            write_items(items, self.folder)
-            self._call(self.llm.collective_rpc("reload_weights", kwargs=self._reload_kwargs()))
-        else:
+        with self.paused():
+            if self.route not in TRANSFER_ROUTES:  # route file
+                write_items(items, self.folder)
+                self._call(self.llm.collective_rpc("reload_weights", kwargs=self._reload_kwargs()))
+            else:
+                if self.sender is None:  # made at the first sync: vLLM 0.33 reads the layout when it is made
+                    self.source = items_source(items)
+                    self.sender = make_sender(self.route, self.client, self.source, self.config)
+                try:
+                    self.source.load(items)
+                    send(self.sender, self.client)
+                finally:
+                    self.source.clear()
+            self._call(self._reset_caches())
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """vLLM's scheduler paused (`pause_generation(mode="wait")`: requests in flight finish first) until the block
+        ends (`resume_generation`, even after an error); nested blocks pause once."""
+        if self._pauses == 0:
             self._call(self.llm.pause_generation(mode="wait", clear_cache=True))
-            try:
-                self.source.items = items
-                self.sender.send_weights()
-            finally:
-                self.source.items = []
+        self._pauses += 1
+        try:
+            yield
+        finally:
+            self._pauses -= 1
+            if self._pauses == 0:
                 self._call(self.llm.resume_generation())
-        self._call(self._reset_caches())
 
     def _reload_kwargs(self) -> dict:
         return {"weights_path": str(self.folder), "is_checkpoint_format": True}

@@ -11,13 +11,14 @@ group (`distributed_executor_backend="external_launcher"`, as trl's colocate mod
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import tempfile
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, cast
+from typing import TYPE_CHECKING, Any, Callable, TypeVar, cast
 
 import torch
 
@@ -30,6 +31,8 @@ from vlmrl.types import EnginePrompt, Generation
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
+
+T = TypeVar("T")
 
 
 def _vllm_dtype(module: torch.nn.Module) -> str:
@@ -134,6 +137,23 @@ class ColocatedBackend(ABC):
     def push_weights(self, module: torch.nn.Module) -> None:
         """`load_weights` of the module's full state dict (tied entries included, see `full_state_items`)."""
         self.load_weights(full_state_items(module))
+
+    def paused(self) -> AbstractContextManager[None]:
+        """Generation held off for the block (default: nothing to do, vLLM runs only when called)."""
+        return contextlib.nullcontext()
+
+    def swap_weights(self, push: Callable[[], T], asleep: bool) -> T:
+        """`push()` (which loads new weights) with generation paused throughout; a sleeping engine (`asleep`) wakes
+        its weights first and its KV cache after the new weights are in, both before generation resumes (vLLM's
+        engine core resumes scheduling once every allocation is awake, `EngineCore.wake_up`, and `resume_generation`
+        would otherwise schedule requests with the KV cache still freed). Returns what `push` returns."""
+        with self.paused():
+            if asleep:
+                self.wake(["weights"])
+            out = push()
+            if asleep:
+                self.wake(["kv_cache"])
+        return out
 
 
 class SyncColocated(ColocatedBackend):

