@@ -104,3 +104,35 @@ def test_spatial_probe_bench_small():
     assert bench.config_for("mrope").text_config.rope_parameters["mrope_section"] == [0, 0, 8]
     assert bench.config_for("init").text_config.rope_parameters["mrope_section"] == [2, 3, 3]
     assert bench.config_for("init").vision_config.initializer_range == 0.1
+
+
+def test_update_gpu_bench_cpu_path(capsys):
+    """bench/update_gpu.py's CPU path at the tiny Qwen2.5-VL config, 2 samples x 64 tokens (fp32: CPU bf16 matmuls
+    are ~15x slower): every number of the table is positive, the FLOPs are the hand-derived ones, and the floor's
+    first loss equals the trainer's. Tiny text model per layer: q 64*64+64, k and v 32*64+32, o 64*64, MLP 3*64*128,
+    2 norms of 64 = 37,120; N_lm = 2 layers + the final norm's 64 = 74,304; FLOPs = 6 * 74,304 * 128 tokens +
+    12 * 2 layers * 64 hidden * 2 * 64^2 = 57,065,472 + 12,582,912 = 69,648,384."""
+    bench = _load("update_gpu")
+    if not bench.torch.cuda.is_available():  # the GPU mode refuses in one line
+        with pytest.raises(bench.typer.Exit) as exit_:
+            bench.main(device="cuda")
+        assert exit_.value.exit_code == 1
+        assert capsys.readouterr().out.startswith("bench/update_gpu.py needs a CUDA GPU: ")
+    tiny = Path(__file__).resolve().parents[1] / "vlmrl" / "assets" / "tiny" / "qwen2_5_vl"
+    row = bench.measure(tiny, samples=2, tokens=64, repeats=1, device="cpu", dtype="fp32")
+    assert (row["samples"], row["tokens"], row["loss_tokens"], row["image"]) == (2, 128, 2 * 48, False)
+    assert (row["n_lm"], row["attention_flops"], row["flops"]) == (74_304, 12_582_912, 69_648_384)
+    assert row["zero_stage"] == 0 and row["dtype"] == "fp32" and row["skipped_steps"] == 0
+    assert row["first_loss"]["floor"] == pytest.approx(row["first_loss"]["vlmrl"], abs=1e-5)
+    row["device"], row["peak_flops"] = bench.peak_flops(bench.torch.device("cpu"), None)
+    assert row["peak_flops"] is None
+    row.update(bench.rates(row, 1e12))
+    for who in ("vlmrl", "floor"):
+        for key in ("total", "forward", "backward", "optimizer", "tok_s", "loss_tok_s", "tflops", "mfu"):
+            assert row[f"{who}_{key}"] > 0, (who, key)
+        assert row[f"{who}_mfu"] == pytest.approx(row["flops"] / row[f"{who}_total"] / 1e12)
+    text = _render(bench.table(row))
+    header = next(line for line in text.splitlines() if "who" in line)
+    assert [c.strip() for c in header.strip("┃│ ").split("┃" if "┃" in header else "│")] == list(bench.COLUMNS)
+    row.update(bench.rates(row, None))
+    assert "n/a" in _render(bench.table(row))
