@@ -247,10 +247,21 @@ def make_sender(route: str, client: Any, source: Any, config: VLLMConfig, *, ran
             world_size=1 + workers,
             packed=True,
             packed_buffer_size_bytes=bucket,
+            packed_num_buffers=nccl_buffers(),
         )
     else:
         raise ValueError(f"weight_sync={route} is not a weight-transfer route ({', '.join(TRANSFER_ROUTES)})")
     return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+
+
+def nccl_buffers() -> int:
+    """The packed NCCL transfer's buffers (streams) on each side: 2 from vLLM 0.33 on; 1 on vLLM 0.32, whose
+    receiver (`packed_nccl_broadcast_consumer`) loads each chunk on its slot's stream while the layerwise reload may
+    still read views of the other slot's chunk, its broadcast not waited for (0.33 chains the slots with events).
+    With one slot every receive and load runs on one stream, in order; only the overlap of packing and sending goes."""
+    from vllm.distributed.weight_transfer.base import WeightSource
+
+    return 2 if hasattr(WeightSource, "iter_full") else 1
 
 
 def bucket_bytes(config: VLLMConfig, params: list[Any]) -> int:
