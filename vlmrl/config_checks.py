@@ -74,7 +74,7 @@ def validate_config(cfg: Config, training: bool = True) -> None:
         (cfg.tools.memory_mb >= 256, "tools.memory_mb must be >= 256"),
         (cfg.tools.cpu_s > 0, "tools.cpu_s must be > 0"),
         (cfg.tools.isolation in ("auto", "bwrap", "rlimits"), "tools.isolation must be auto, bwrap or rlimits"),
-        # algorithm toolbox (issue 12)
+        # algorithm toolbox: rollout correction, loss aggregation, advantage estimator
         (
             cfg.algorithm.rollout_correction in ("auto", "off", "tis", "mis", "tis+mis"),
             "algorithm.rollout_correction must be auto, off, tis, mis or tis+mis",

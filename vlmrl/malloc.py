@@ -4,7 +4,7 @@ A long visual episode with a history window (`env.keep_images`) frees a frame's 
 image processor's work arrays every turn. glibc serves blocks over `M_MMAP_THRESHOLD` with their own mmap, but its
 threshold is dynamic: the first such block freed raises it (up to 32 MiB), after which these blocks come from the
 heap, whose holes between long-lived objects are never returned. The live objects stay flat while the RSS grows a
-few MiB a turn (issue 23: `vlmrl generate recipe=frozenlake_tiny ... env.keep_images=4`, +117 / +310 MiB of max RSS
+few MiB a turn (measured: `vlmrl generate recipe=frozenlake_tiny ... env.keep_images=4`, +117 / +310 MiB of max RSS
 at 32 / 64 turns over 1 turn with glibc's default; see README, "Long episodes").
 
 `mmap_large_blocks()` pins the threshold (setting it through `mallopt` turns the dynamic rule off) and allows mmap

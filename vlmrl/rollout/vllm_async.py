@@ -1,6 +1,6 @@
 """Colocated vLLM as `AsyncLLM` (`rollout.vllm.colocate_engine=async`): every request goes to vLLM the moment an
-episode submits it, so its continuous batching sees every pending episode (issue 10). vllm is imported inside
-functions only.
+episode submits it, so its continuous batching sees every pending episode (no episode waits for a batch to fill).
+vllm is imported inside functions only.
 
 - Event loop: `AsyncLLM` is bound to the loop it runs on (its output handler task and its ZMQ sockets), while the
   episode loop runs one `asyncio.run` per rollout. The backend therefore owns one long-lived loop in a daemon thread;

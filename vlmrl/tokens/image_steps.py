@@ -1,5 +1,5 @@
 """`ImageStepsBuilder`: a `TemplateBuilder` that takes the processor's steps itself, so that each image object of a
-trajectory is processed once and its pixel values are held once (issue 10).
+trajectory is processed once and its pixel values are held once (a long episode re-renders its history every turn).
 
 `TemplateBuilder._process` calls the processor with the text and every image in it, so an image sent again (the
 diagram re-sent beside a crop, a tool returning the same crop) goes through the image processor again. This builder

@@ -1,5 +1,5 @@
-"""Each image object of a trajectory processed once and its pixel values held once (issue 10): the family-independent
-steps a builder takes instead of the processor's call when it renders text with images.
+"""Each image object of a trajectory processed once and its pixel values held once (the history is re-rendered every
+turn): the family-independent steps a builder takes instead of the processor's call when it renders text with images.
 
 An image object the trajectory already holds (sent again, by a user or a tool: the same object, `is`) is not given
 to the image processor again; its processed `VisionInputs` is the per-image view of what the trajectory holds
