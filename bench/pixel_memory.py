@@ -92,7 +92,7 @@ def run_case(case: str, turns: int, size: int, engine: str = "transformers", kee
     from vlmrl.modeling.loading import load_policy
     from vlmrl.rollout.history import HistoryWindow, spill_images
     from vlmrl.rollout.vision_cache import VisionCache
-    from vlmrl.runfiles import ImageStore
+    from vlmrl.runs.files import ImageStore
     from vlmrl.tokens import get_builder
     from vlmrl.types import Generation, ImagePart, Message, Role, StopReason, TextPart
 

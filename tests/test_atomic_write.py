@@ -1,4 +1,5 @@
-"""The one atomic writer (`vlmrl.jsonl.atomic_path` / `write_atomic`) and its users: an exception mid-write leaves the
+"""The one atomic writer (`vlmrl.runs.jsonl.atomic_path` / `write_atomic`) and its users: an exception mid-write
+leaves the
 old file intact and no partial or temporary file behind."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vlmrl.jsonl import atomic_path, write_atomic
+from vlmrl.runs.jsonl import atomic_path, write_atomic
 
 
 def _disk_full_after(n: int):
@@ -61,11 +62,11 @@ def test_atomic_path_of_a_file_and_of_a_folder(tmp_path):
 
 
 def test_weight_sync_file_survives_a_failed_write(tmp_path, monkeypatch):
-    """`vlmrl.rollout.vllm_weights.write_weights`: a save cut short keeps the previous model.safetensors."""
+    """`vlmrl.rollout.vllm.weights.write_weights`: a save cut short keeps the previous model.safetensors."""
     import safetensors.torch
     from safetensors.torch import load_file
 
-    from vlmrl.rollout.vllm_weights import write_weights
+    from vlmrl.rollout.vllm.weights import write_weights
 
     write_weights(torch.nn.Linear(2, 3), tmp_path)
     before = load_file(tmp_path / "model.safetensors")

@@ -157,10 +157,10 @@ def _write_run(out: Path, model, processor, builder=None):
     tiny seeded Qwen2.5-VL (the config's model); returns (folder, in-memory trajectories, builder)."""
     from vlmrl.config import load, to_yaml
     from vlmrl.envs import load_env_tasks, make_env_factory
-    from vlmrl.record import TrajectoryRecord
     from vlmrl.rollout import make_engine
     from vlmrl.rollout.engine import SamplingParams
     from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner
+    from vlmrl.runs.record import TrajectoryRecord
 
     cfg = load(
         "geometry3k_tiny",
@@ -329,7 +329,7 @@ def test_verify_run_scores_each_step_with_the_weights_that_sampled_it(tiny_run, 
 
 
 def test_verify_run_reads_images_saved_in_the_run_folder(tiny_run, tmp_path):
-    """Refs relative to the run folder (`<run>/images/…`, vlmrl.runfiles.ImageStore) are read from there; a ref that
+    """Refs relative to the run folder (`<run>/images/…`, vlmrl.runs.files.ImageStore) are read from there; a ref that
     is no file gets a same-grid stand-in: tokens are still checked, logprobs skipped."""
     from PIL import Image
 

@@ -153,9 +153,9 @@ def test_a_weight_sync_route_this_machine_lacks_is_one_line(overrides, needle):
 
 
 def test_weight_sync_auto_per_platform_and_setup():
-    """`auto` by how vLLM runs and whether there is CUDA (the table of vlmrl/rollout/vllm_transfer.py), and sleep."""
+    """`auto` by how vLLM runs and whether there is CUDA (the table of vlmrl/rollout/vllm/transfer.py), and sleep."""
     from vlmrl.config import VLLMConfig
-    from vlmrl.config_checks import resolve_sleep, resolve_weight_sync
+    from vlmrl.config.validate import resolve_sleep, resolve_weight_sync
 
     server = dict(mode="server", url="http://h:1")
     cases = [  # (config, ranks, route on CUDA, route on CPU)
@@ -284,9 +284,9 @@ def test_start_failing_after_the_folder_opened_leaves_nothing_that_blocks(tmp_pa
     written only after a successful start, so the corrected config plans a fresh run and the folder is accepted."""
     from vlmrl.config import to_yaml
     from vlmrl.modeling.sources import ModelLoadError, check_model_source
-    from vlmrl.resume import plan_resume
     from vlmrl.run import train
-    from vlmrl.runfiles import RunFiles
+    from vlmrl.runs.files import RunFiles
+    from vlmrl.runs.resume import plan_resume
 
     out = tmp_path / "run"
     bad = load(

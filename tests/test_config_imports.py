@@ -1,4 +1,4 @@
-"""The config layer (`vlmrl.config`, `vlmrl.config_compose`, `vlmrl.config_checks`) never imports the environment or
+"""The config layer (`vlmrl.config`, `vlmrl.config.compose`, `vlmrl.config.validate`) never imports the environment or
 data packages: environments depend on the config, not the other way round (no import circle config -> envs.plugins
 -> envs.base -> data -> config). An environment named by `env._target_` is imported by path when a config is loaded,
 like any other plug-in."""
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIG_MODULES = ["vlmrl/config.py", "vlmrl/config_compose.py", "vlmrl/config_checks.py"]
+CONFIG_MODULES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "vlmrl" / "config").glob("*.py"))
 FORBIDDEN = ("vlmrl.envs", "vlmrl.data")
 
 
@@ -27,7 +27,7 @@ def test_config_imports_no_environment_package_in_a_fresh_process():
         "import json, sys\n"
         "import vlmrl.config\n"
         "from vlmrl.config import Config, to_yaml, flatten\n"
-        "from vlmrl.config_checks import check_vllm_config, validate_config\n"
+        "from vlmrl.config.validate import check_vllm_config, validate_config\n"
         "cfg = Config()\n"
         "validate_config(cfg)\n"
         "check_vllm_config(cfg.rollout.vllm)\n"

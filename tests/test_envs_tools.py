@@ -14,11 +14,11 @@ from PIL import Image
 from vlmrl.config import ConfigError, DataConfig, ExportStyle, load
 from vlmrl.envs import load_env_tasks, make_env_factory
 from vlmrl.export import count_images, to_samples
-from vlmrl.metrics import episode_metrics
-from vlmrl.record import TrajectoryRecord
 from vlmrl.rollout.engine import Engine, SamplingParams
 from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner
 from vlmrl.rollout.tool_setup import tool_setup
+from vlmrl.runs.episode_metrics import episode_metrics
+from vlmrl.runs.record import TrajectoryRecord
 from vlmrl.tokens import get_builder
 from vlmrl.tools import HermesParser, ImageBounds
 from vlmrl.types import Generation, Role, StopReason

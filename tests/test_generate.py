@@ -21,9 +21,9 @@ from vlmrl.evaluation.metrics import eval_metrics, pass_at_k, pass_ks
 from vlmrl.evaluation.report.run_data import EVAL_TRAJECTORIES
 from vlmrl.evaluation.rollouts import build_eval_runner
 from vlmrl.evaluation.run_folder import identity_diff
-from vlmrl.record import TrajectoryRecord
 from vlmrl.rollout.engine import Engine
-from vlmrl.runfiles import RunFolderError
+from vlmrl.runs.files import RunFolderError
+from vlmrl.runs.record import TrajectoryRecord
 from vlmrl.types import Generation, StopReason
 
 # ------------------------------------------------------------------------------------------------ pass@k
@@ -305,7 +305,7 @@ def test_generate_with_the_tiny_model(tmp_path):
 def test_eval_during_training_with_a_stand_in_trainer(tmp_path, letter_engine):
     """The hook run by `run_step` every trainer.eval_every steps: one policy() block, eval/* keys, eval records."""
     from vlmrl.modeling.loading import load_policy
-    from vlmrl.runfiles import RunFiles
+    from vlmrl.runs.files import RunFiles
 
     cfg = _cfg(tmp_path, "data.eval_split=test", "data.eval_limit=2")
     model, processor = load_policy(cfg.model)

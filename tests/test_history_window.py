@@ -285,7 +285,7 @@ def test_verify_finds_loss_on_a_turn_sampled_in_another_view(window_run, tmp_pat
 def test_without_training_the_earlier_views_keep_grids_but_no_pixels(processors):
     """`vlmrl generate` / evaluation (`view_pixels=False`): an earlier view drops its pixel_values when the window
     moves on; its record still has its grids, and the live view keeps the images it shows."""
-    from vlmrl.record import TrajectoryRecord
+    from vlmrl.runs.record import TrajectoryRecord
 
     builder = get_builder("gemma3", processors("gemma3"))
     _, _, traj, keep = run_episode_with(builder, "gemma3", processors, view_pixels=False)

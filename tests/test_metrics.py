@@ -1,4 +1,5 @@
-"""The one metrics implementation (`vlmrl.metrics.episode_metrics`, and `eval_metrics` on top of it) on three
+"""The one metrics implementation (`vlmrl.runs.episode_metrics.episode_metrics`, and `eval_metrics` on top of it) on
+three
 hand-made records: a tool turn, retries, a NaN reward, an environment's own per-turn key; numbers derived by hand."""
 
 from __future__ import annotations
@@ -8,8 +9,8 @@ import math
 import pytest
 
 from vlmrl.evaluation.metrics import eval_metrics
-from vlmrl.metrics import episode_metrics
-from vlmrl.record import TrajectoryRecord
+from vlmrl.runs.episode_metrics import episode_metrics
+from vlmrl.runs.record import TrajectoryRecord
 
 IMG = {"type": "image", "ref": "x.png"}
 

@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 
 from vlmrl.cli import app
 from vlmrl.evaluation.generate import generate
-from vlmrl.progress import StepProgress, train_line
-from vlmrl.record import TrajectoryRecord
+from vlmrl.runs.progress import StepProgress, train_line
+from vlmrl.runs.record import TrajectoryRecord
 
 ROW = {"step": 2, "reward_mean": 0.625, "accuracy": 0.5, "turns_per_episode": 1.75, "loss": -0.0123, "step_s": 4.25}
 
@@ -81,7 +81,7 @@ def _logging_cfg(out: Path):
 
 
 def test_wandb_resumes_the_run_id_and_logs_a_samples_table(tmp_path, monkeypatch):
-    from vlmrl import logging_backends
+    from vlmrl.runs import trackers as logging_backends
 
     fake = FakeWandb()
     monkeypatch.setitem(sys.modules, "wandb", fake)

@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from vlmrl.jsonl import dump_lines
-from vlmrl.record import TrajectoryRecord, read_records
+from vlmrl.runs.jsonl import dump_lines
+from vlmrl.runs.record import TrajectoryRecord, read_records
 from vlmrl.types import EndReason, StopReason
 
 # A line as the first writer (`export.trajectory_record` at the spine commit) wrote it: no formatted, turn_metrics,
@@ -126,8 +126,8 @@ def test_line_chunks_join_to_the_one_shot_json_line():
     and a read-only `Sequence` (a view's `SharedPrefix`), which is written as its list."""
     import json
 
-    from vlmrl.jsonl import line_chunks
     from vlmrl.rollout.history import SharedPrefix
+    from vlmrl.runs.jsonl import line_chunks
 
     row = {
         "a": [1, 2, [3, {"b": math.nan}], (4.5, -math.inf)],
@@ -153,8 +153,8 @@ def test_a_windowed_record_writes_each_view_whole_and_in_its_own_pieces(tmp_path
     build the whole line in memory (the issue 23 measurement: +158 MiB at the write before)."""
     import json
 
-    from vlmrl.jsonl import append_jsonl, line_chunks
     from vlmrl.rollout.history import SharedPrefix
+    from vlmrl.runs.jsonl import append_jsonl, line_chunks
     from vlmrl.types import TokenSeq, Trajectory
 
     frozen_ids, frozen_lp = [5, 6, 7, 8], [0.0, -0.1234567891, 0.0, -2.0]

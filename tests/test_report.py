@@ -324,7 +324,7 @@ def test_evaluate_cli(run_dir, tmp_path):
 def test_tensorboard_sink_writes_the_metric_rows(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from vlmrl.logging_backends import make_loggers
+    from vlmrl.runs.trackers import make_loggers
 
     cfg = SimpleNamespace(
         logging=SimpleNamespace(output_dir=str(tmp_path), tensorboard=True, wandb=False, trackio=False, project="vlmrl")
@@ -345,7 +345,7 @@ def test_tensorboard_sink_writes_the_metric_rows(tmp_path):
 def test_sinks_off_by_default_and_missing_packages_skipped(tmp_path, monkeypatch, caplog):
     import importlib.util
 
-    from vlmrl.logging_backends import make_loggers
+    from vlmrl.runs.trackers import make_loggers
 
     cfg = config_mod.load("geometry3k_eval_tiny", [f"logging.output_dir={tmp_path}"])
     assert not make_loggers(cfg) and not (tmp_path / "tensorboard").exists()

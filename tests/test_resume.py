@@ -20,9 +20,10 @@ import pytest
 from cli_inprocess import vlmrl  # tests/ is on sys.path (pytest's rootdir-relative import)
 from conftest import GEOMETRY3K
 
-from vlmrl import checkpoint
 from vlmrl.config import load
-from vlmrl.resume import (
+from vlmrl.runs import checkpoint
+from vlmrl.runs.files import RunFiles, RunFolderError, truncate_after
+from vlmrl.runs.resume import (
     StepAbandoned,
     StopSignals,
     config_changes,
@@ -30,7 +31,6 @@ from vlmrl.resume import (
     plan_resume,
     split_unusable,
 )
-from vlmrl.runfiles import RunFiles, RunFolderError, truncate_after
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is deprecated.*:FutureWarning")
 
@@ -276,8 +276,8 @@ def test_bad_rewards_leave_their_group_and_a_bad_streak_stops_the_run(tmp_path, 
     `usable_reward`.)"""
     import resume_envs
 
-    from vlmrl.resume import TooManyBadSteps
     from vlmrl.run import train
+    from vlmrl.runs.resume import TooManyBadSteps
 
     monkeypatch.setenv("VLMRL_TEST_NAN_GROUPS", "0,2,3")
     monkeypatch.setenv("VLMRL_TEST_BAD_REWARD", bad)

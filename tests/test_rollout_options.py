@@ -169,8 +169,8 @@ def test_dynamic_sampling_resume_continues_from_the_recorded_data_position(tmp_p
     max_sampling_rounds=2 rounds: the data position after 2 steps is 8 prompts, not steps * batch_size = 4. A 2-step
     run resumed to 3 steps gives the same step-3 prompts and rollouts as an uninterrupted 3-step run; state.json
     records the prompts consumed."""
-    from vlmrl import checkpoint
     from vlmrl.run import train
+    from vlmrl.runs import checkpoint
 
     args = [
         f"data.path={GEOMETRY3K}",

@@ -22,9 +22,10 @@ from conftest import GEOMETRY3K
 from test_generate import LetterEngine as LetterAnswers
 from typer.testing import CliRunner
 
-from vlmrl import checkpoint, runlock
 from vlmrl.config import load
-from vlmrl.runfiles import RunFiles, RunFolderError
+from vlmrl.runs import checkpoint
+from vlmrl.runs import lock as runlock
+from vlmrl.runs.files import RunFiles, RunFolderError
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is deprecated.*:FutureWarning")
 
@@ -54,7 +55,7 @@ def _squash(text: str) -> str:
 
 HOLDER = """
 import sys, time
-from vlmrl import runlock
+from vlmrl.runs import lock as runlock
 runlock.acquire(sys.argv[1], command="vlmrl train holder-command")
 print("held", flush=True)
 time.sleep(600)
@@ -72,7 +73,7 @@ def _hold(folder: Path) -> subprocess.Popen:
 def test_a_held_folder_refuses_train_and_generate_and_a_killed_holder_does_not_block(tmp_path):
     from vlmrl.evaluation.generate import generate
     from vlmrl.run import train
-    from vlmrl.runlock import RunLocked
+    from vlmrl.runs.lock import RunLocked
 
     out = tmp_path / "run"
     holder = _hold(out)

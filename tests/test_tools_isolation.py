@@ -21,8 +21,8 @@ import tools_hostile as h
 from conftest import GEOMETRY3K
 
 from vlmrl.config import ConfigError, load
-from vlmrl.metrics import tool_metrics
 from vlmrl.rollout.tool_setup import tools_data_dir, tools_sandbox
+from vlmrl.runs.episode_metrics import tool_metrics
 from vlmrl.tools import HermesParser, Tool, ToolLimits, ToolRuntime, calculate
 from vlmrl.tools.isolation import Sandbox, bwrap_argv, isolation_mode
 from vlmrl.types import ToolStats

@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_trainer import image_sample, with_old_logprobs
 
-from vlmrl import checkpoint
+from vlmrl.runs import checkpoint
 from vlmrl.train.settings import TrainerSettings, effective_zero_stage, load_deepspeed_config, with_fused_adam
 from vlmrl.train.trainer import GRPOTrainer
 

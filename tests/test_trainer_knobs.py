@@ -177,7 +177,7 @@ def test_lora_trains_only_adapters_and_exports_merged_weights(qwen25_model, tmp_
 
     from vlmrl.config import LoraSettings
     from vlmrl.modeling.adapters import prepare_policy
-    from vlmrl.rollout.vllm_weights import full_state_items
+    from vlmrl.rollout.vllm.weights import full_state_items
     from vlmrl.train.logprobs import sequence_logprobs
 
     lora = LoraSettings(r=4, alpha=8, target_modules=["q_proj", "v_proj"])

@@ -15,11 +15,11 @@ from test_history_window import FramesEnv
 
 from vlmrl.config import ModelConfig
 from vlmrl.modeling.loading import load_policy
-from vlmrl.record import TrajectoryRecord
 from vlmrl.rollout.engine import SamplingParams
 from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner
 from vlmrl.rollout.hf import TransformersEngine
-from vlmrl.runfiles import ImageStore
+from vlmrl.runs.files import ImageStore
+from vlmrl.runs.record import TrajectoryRecord
 from vlmrl.tokens import get_builder
 from vlmrl.types import ImagePart, StoredImagePart, Task
 

@@ -1,4 +1,4 @@
-"""Conversions to and from vLLM's inputs and outputs (`vlmrl.rollout.vllm_engine`), with fake vLLM objects: runs
+"""Conversions to and from vLLM's inputs and outputs (`vlmrl.rollout.vllm.engine`), with fake vLLM objects: runs
 without vllm installed. The real engine is tested by `make test-vllm` (tests/real_vllm/; not tests/vllm, which
 would shadow the vllm package on sys.path)."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from vlmrl.rollout.engine import SamplingParams
-from vlmrl.rollout.vllm_convert import (
+from vlmrl.rollout.vllm.convert import (
     choose_logprobs_mode,
     collapse_image_placeholders,
     generate_body,
@@ -25,7 +25,7 @@ from vlmrl.rollout.vllm_convert import (
     to_stop_reason,
     to_vllm_prompt,
 )
-from vlmrl.rollout.vllm_weights import write_weights
+from vlmrl.rollout.vllm.weights import write_weights
 from vlmrl.types import EnginePrompt, StopReason, VisionInputs
 
 IMG = 151655
@@ -256,9 +256,9 @@ def test_nested_vllm_config_reaches_the_engine_as_it_is(monkeypatch):
         def __init__(self, policy, processor, eos_ids, image_token_id, config, **kwargs):
             seen.update(config=config, eos_ids=eos_ids, image_token_id=image_token_id, **kwargs)
 
-    fake = types.ModuleType("vlmrl.rollout.vllm_engine")
+    fake = types.ModuleType("vlmrl.rollout.vllm.engine")
     fake.make_vllm_engine = RecordingEngine
-    monkeypatch.setitem(sys.modules, "vlmrl.rollout.vllm_engine", fake)
+    monkeypatch.setitem(sys.modules, "vlmrl.rollout.vllm.engine", fake)
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real_find_spec(name, *a)

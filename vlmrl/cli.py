@@ -97,9 +97,9 @@ def train(overrides: Optional[list[str]] = OVERRIDES) -> None:
     cfg = _load_or_exit(overrides)  # config errors first: before transformers/torch are imported
     _check_model_or_exit(cfg)
     _setup_logging()
-    from vlmrl.resume import TooManyBadSteps, TrainingInterrupted
     from vlmrl.run import train as run_train
-    from vlmrl.runfiles import RunFolderError
+    from vlmrl.runs.files import RunFolderError
+    from vlmrl.runs.resume import TooManyBadSteps, TrainingInterrupted
 
     try:
         out = run_train(cfg, Console())
@@ -119,7 +119,7 @@ def sft(overrides: Optional[list[str]] = OVERRIDES) -> None:
     through the same token builder, export and DeepSpeed trainer; writes OUTPUT_DIR/hf for `train`/`generate`."""
     _setup_logging()
     cfg = _load_or_exit(overrides)
-    from vlmrl.runfiles import RunFolderError
+    from vlmrl.runs.files import RunFolderError
     from vlmrl.sft import sft as run_sft
 
     try:
@@ -171,7 +171,7 @@ def generate(overrides: Optional[list[str]] = OVERRIDES) -> None:
     _setup_logging()
     from vlmrl.evaluation.generate import generate as run_generate
     from vlmrl.malloc import mmap_large_blocks
-    from vlmrl.runfiles import RunFolderError
+    from vlmrl.runs.files import RunFolderError
 
     mmap_large_blocks()  # frames freed by a history window go back to the OS: flat memory (vlmrl/malloc.py)
 

@@ -1,4 +1,4 @@
-"""Trajectory -> training `Sample`s (a trajectory's `trajectories.jsonl` line is `vlmrl.record.TrajectoryRecord`).
+"""Trajectory -> training `Sample`s (a trajectory's `trajectories.jsonl` line is `vlmrl.runs.record.TrajectoryRecord`).
 
 - `concat`: one sample per trajectory: all its ids, loss mask 1 on every sampled token. Exact only when the
   template is prefix-preserving (the model saw exactly these ids at every turn).

@@ -22,7 +22,7 @@ _MAX_EXPONENT = 10_000  # sympy exponents above this (or power towers) are refus
 
 # |reward| above this is a bug in the environment or reward function (GRPO normalises rewards per group, so no
 # designed reward needs the scale; 1e30 or inf poisons the group's mean and std): such an episode, like a NaN one,
-# is counted and its step's update skipped (`vlmrl.resume.nonfinite_episodes`, `BadStepGuard`)
+# is counted and its step's update skipped (`vlmrl.runs.resume.nonfinite_episodes`, `BadStepGuard`)
 REWARD_BOUND = 1e6
 
 _BOXED_RE = re.compile(r"\\boxed\s*\{")

@@ -17,18 +17,22 @@ from typing import cast
 
 from rich.console import Console
 
-from vlmrl import checkpoint, runlock
 from vlmrl.checks.alignment import sampled_alignment
 from vlmrl.config import AlgorithmConfig, Config, ExportStyle, to_yaml
 from vlmrl.envs import check_plugins, load_env_tasks
 from vlmrl.evaluation.during_training import EvalSetup, eval_during_training
-from vlmrl.logging_backends import make_loggers
-from vlmrl.metrics import episode_metrics
 from vlmrl.modeling.adapters import prepare_policy
 from vlmrl.modeling.loading import load_policy
-from vlmrl.progress import StepProgress, train_line
-from vlmrl.record import TrajectoryRecord
-from vlmrl.resume import (
+from vlmrl.rollout.engine import derive_seed
+from vlmrl.rollout.episode import EpisodeRunner
+from vlmrl.rollout.runner import build_runner
+from vlmrl.runs import checkpoint
+from vlmrl.runs import lock as runlock
+from vlmrl.runs.episode_metrics import episode_metrics
+from vlmrl.runs.files import ImageStore, RunFiles, RunFolderError
+from vlmrl.runs.progress import StepProgress, train_line
+from vlmrl.runs.record import TrajectoryRecord
+from vlmrl.runs.resume import (
     STYLE_FALLBACK,
     BadStepGuard,
     ResumePlan,
@@ -39,10 +43,7 @@ from vlmrl.resume import (
     plan_resume,
     record_resume,
 )
-from vlmrl.rollout.engine import derive_seed
-from vlmrl.rollout.episode import EpisodeRunner
-from vlmrl.rollout.runner import build_runner
-from vlmrl.runfiles import ImageStore, RunFiles, RunFolderError
+from vlmrl.runs.trackers import make_loggers
 from vlmrl.seeding import set_seed
 from vlmrl.tokens.base import TokenBuilder
 from vlmrl.train import dist, loss_agg, overlong, rollout_correction
@@ -156,7 +157,7 @@ class Job:
     style: ExportStyle
     files: RunFiles | None
     processor: object
-    stop: StopSignals = field(default_factory=StopSignals)  # Ctrl-C / SIGTERM (vlmrl.resume)
+    stop: StopSignals = field(default_factory=StopSignals)  # Ctrl-C / SIGTERM (vlmrl.runs.resume)
     guard: BadStepGuard = field(default_factory=BadStepGuard)  # updates skipped for non-finite numbers
     saved_step: int = -1  # step of the newest checkpoint of this run
     evaluation: EvalSetup | None = None  # trainer.eval_every: made at the first eval, keeps the eval split's tasks
@@ -172,7 +173,7 @@ class Job:
 def build_job(cfg: Config, plan: ResumePlan | None = None) -> Job:
     """Load everything the loop needs; fail on an unusable output folder before any rollout.
 
-    plan (`vlmrl.resume.plan_resume`): continue the folder's run files after `plan.step` instead of starting them.
+    plan (`vlmrl.runs.resume.plan_resume`): continue the folder's run files after `plan.step` instead of starting them.
     Raises RunFolderError for an unusable output folder (e.g. a resumed run with another export style), ValueError
     when the data split has no usable row.
     """
@@ -305,7 +306,7 @@ def merge_rollout_rows(rows: list[dict]) -> dict:
 
 
 def save(job: Job, step: int) -> Path:
-    """Checkpoint `checkpoints/step_<n>/` atomically (`vlmrl.checkpoint`): DeepSpeed state, `hf/` weights and
+    """Checkpoint `checkpoints/step_<n>/` atomically (`vlmrl.runs.checkpoint`): DeepSpeed state, `hf/` weights and
     processor, RNG states, config, and the run state (step, data position, skip counters)."""
     cfg = job.cfg
     state = {
@@ -375,7 +376,7 @@ def _stop_signal(job: Job) -> int | None:
 def train(cfg: Config, console: Console | None = None) -> Path:
     """Run `cfg.trainer.steps` GRPO steps; write the run folder; return its path.
 
-    Rank 0 holds the run folder's lock (`vlmrl.runlock`) throughout: a second run into the same folder raises
+    Rank 0 holds the run folder's lock (`vlmrl.runs.lock`) throughout: a second run into the same folder raises
     RunLocked (a RunFolderError naming the holder) before anything is read or loaded. Raises ConfigError for a
     plug-in path that does not resolve (`check_plugins`), before that."""
     check_plugins(cfg)

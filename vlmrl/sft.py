@@ -27,14 +27,14 @@ from pathlib import Path
 
 from PIL import Image
 
-from vlmrl import checkpoint
 from vlmrl.config import Config, to_yaml
 from vlmrl.data import to_rgb
 from vlmrl.envs import check_plugins, env_config
 from vlmrl.envs.plugins import env_class
 from vlmrl.export import to_samples
 from vlmrl.modeling.loading import load_policy
-from vlmrl.runfiles import RunFiles
+from vlmrl.runs import checkpoint
+from vlmrl.runs.files import RunFiles
 from vlmrl.seeding import set_seed
 from vlmrl.tokens import get_builder
 from vlmrl.tokens.base import TokenBuilder

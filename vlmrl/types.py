@@ -41,7 +41,7 @@ class ImagePart:
 class StoredImagePart(ImagePart):
     """An `ImagePart` whose pixels live in a PNG file (`path`) and are read back on each access of `image`, so the
     part holds no pixels: an image that has left a history window keeps its place in the trajectory's messages (for
-    its record) at no memory cost (`vlmrl.runfiles.ImageStore.spill`). `ref` is the path recorded for it in
+    its record) at no memory cost (`vlmrl.runs.files.ImageStore.spill`). `ref` is the path recorded for it in
     trajectories.jsonl (relative to the run folder). Reading `image` raises OSError if the file has gone."""
 
     path: str
@@ -126,7 +126,7 @@ class EndReason(str, Enum):
 # Conventional per-turn metric keys, the one place they are defined: what an environment reports for a graded turn
 # (`vlmrl.envs.StepResult.metrics`, kept on `Turn.metrics` and in a record's `turn_metrics`), as floats (1.0 / 0.0 for
 # flags; an environment reports the ones that apply to it, others of its own). The run metrics
-# (`vlmrl.metrics.episode_metrics`) read:
+# (`vlmrl.runs.episode_metrics.episode_metrics`) read:
 CORRECT = "correct"  # the answer is right: accuracy, first/second_turn_accuracy, pass@k; `Turn.correct` is > 0
 FORMATTED = "formatted"  # the answer has the format asked for (e.g. a \boxed{}): format_rate
 PARSE_FAIL = "parse_fail"  # the answer could not be read: parse_fail_rate
@@ -187,7 +187,7 @@ class ToolCall:
 
 @dataclass
 class ToolStats:
-    """Per-episode tool counters (summed into the step metrics by `vlmrl.metrics`).
+    """Per-episode tool counters (summed into the step metrics by `vlmrl.runs.episode_metrics`).
 
     calls: tool calls the model made (parsed or not, run or not); ok: calls that returned a result;
     failures: ToolFailure value -> count; latency_s: wall time of each executed call; images: images returned by
@@ -440,7 +440,7 @@ class TokenSeq:
 
 
 class TurnOutcome:
-    """What `Turn` and `vlmrl.record.TurnRecord` derive from their `metrics` and `tool_calls`."""
+    """What `Turn` and `vlmrl.runs.record.TurnRecord` derive from their `metrics` and `tool_calls`."""
 
     metrics: dict[str, float]
     tool_calls: list[ToolCall]

@@ -321,8 +321,8 @@ VLLM_MODULES = (
     "vllm.distributed.weight_transfer.packed_tensor",
     "vllm.distributed.weight_transfer.ipc_engine",
     "vllm.distributed.weight_transfer.nccl_engine",
-    "vlmrl.rollout.vllm_transfer",
-    "vlmrl.rollout.vllm_engine",
+    "vlmrl.rollout.vllm.transfer",
+    "vlmrl.rollout.vllm.engine",
 )
 
 

@@ -31,7 +31,7 @@ from cuda_stand_in import FakeAsyncLLM, FakeServer, RecordingModel, make_worker,
 
 import vlmrl  # noqa: E402
 from vlmrl.config import VLLMConfig  # noqa: E402
-from vlmrl.rollout.vllm_weights import full_state_items  # noqa: E402
+from vlmrl.rollout.vllm.weights import full_state_items  # noqa: E402
 
 SCALE = Path(vlmrl.__file__).parent / "assets" / "scale"
 BASE_LEN = 1 << 21  # elements of the buffer every trainer tensor is a view of (4 MiB in bf16)
@@ -85,7 +85,7 @@ def async_backend(monkeypatch, llm: FakeAsyncLLM, route: str, config: VLLMConfig
     """vlmrl's colocated `AsyncColocated` over `llm` (vLLM's `AsyncLLM.from_engine_args` returns it)."""
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from vlmrl.rollout.vllm_async import AsyncColocated
+    from vlmrl.rollout.vllm.async_engine import AsyncColocated
 
     monkeypatch.setattr(AsyncLLM, "from_engine_args", classmethod(lambda cls, args, **kw: llm))
     return AsyncColocated({"model": str(folder)}, None, config, route)
@@ -107,7 +107,7 @@ def sync_ipc(monkeypatch, tmp_path, items, device: str, bucket_mb: int = 512):
 def sync_nccl(monkeypatch, items, device: str, bucket_mb: int = 512, syncs: int = 1):
     """`items` through vlmrl's nccl route (server mode), `syncs` times over one sender: (the receiving model, the
     stand-in, the server's calls). vLLM 0.33's sender sends the names, dtypes and shapes only at the first sync."""
-    import vlmrl.rollout.vllm_server as vllm_server
+    import vlmrl.rollout.vllm.server as vllm_server
 
     model = RecordingModel(dict(items))
     with stand_in(monkeypatch, device) as si:
@@ -179,7 +179,7 @@ class Tiny:
         from tiny_head32 import tiny_qwen25_vl_head32
 
         from vlmrl.modeling.loading import load_processor
-        from vlmrl.rollout.vllm_engine import make_vllm_engine
+        from vlmrl.rollout.vllm.engine import make_vllm_engine
 
         self.policy_module = tiny_qwen25_vl_head32()
         self.model = RecordingModel({})
@@ -239,7 +239,7 @@ def test_trainer_side_failure_is_retried(tiny):
     """An out-of-memory error allocating vLLM's IPC buffer, after the worker started the update: the update is
     finished on the worker, the retry sends every weight, and they all arrive right."""
     tiny.perturb(2)
-    import vlmrl.rollout.vllm_transfer as transfer
+    import vlmrl.rollout.vllm.transfer as transfer
 
     transfer.torch.fail_alloc = 1  # the stand-in torch of the transfer modules (one proxy for all of them)
     metrics = tiny.engine.sync_weights()
@@ -275,7 +275,7 @@ def test_failure_after_some_buckets_is_retried(tiny, monkeypatch):
 
 # --- shm: buffers with real pages --------------------------------------------------------------------------------
 def test_shm_buffers_are_allocated_not_sparse(monkeypatch):
-    import vlmrl.rollout.vllm_shm as shm
+    import vlmrl.rollout.vllm.shm as shm
 
     seen = []
     unlink = os.unlink
@@ -300,8 +300,8 @@ def test_shm_buffers_are_allocated_not_sparse(monkeypatch):
 def test_shm_without_room_is_one_line(monkeypatch):
     import shutil
 
-    import vlmrl.rollout.vllm_shm as shm
-    from vlmrl.config_checks import ConfigError
+    import vlmrl.rollout.vllm.shm as shm
+    from vlmrl.config.validate import ConfigError
 
     usage = shutil.disk_usage("/")
     monkeypatch.setattr(shm.shutil, "disk_usage", lambda p: usage._replace(free=64 << 20))
@@ -319,7 +319,7 @@ def test_shm_without_room_is_one_line(monkeypatch):
 
 def test_source_metadata_follows_the_pairs():
     """vLLM 0.32 calls `metadata()`, 0.33 reads a cached `metadata`: both see the layout of the pairs loaded last."""
-    from vlmrl.rollout.vllm_transfer import items_source
+    from vlmrl.rollout.vllm.transfer import items_source
 
     source = items_source([("a", torch.zeros(2)), ("b", torch.zeros(3, 4, dtype=torch.bfloat16))])
 

@@ -35,8 +35,8 @@ from vlmrl.rollout import make_engine
 from vlmrl.rollout.batcher import ConcurrentDispatcher
 from vlmrl.rollout.engine import ConcurrentEngine, GenerateRequest, SamplingParams
 from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner
-from vlmrl.rollout.vllm_async import AsyncColocated
-from vlmrl.rollout.vllm_engine import METRIC
+from vlmrl.rollout.vllm.async_engine import AsyncColocated
+from vlmrl.rollout.vllm.engine import METRIC
 from vlmrl.types import StopReason
 
 OVERRIDES = [

@@ -39,7 +39,7 @@ from vlmrl.modeling.qwen_bpe import qwen_tokenizer
 from vlmrl.rollout import make_engine
 from vlmrl.rollout.engine import SamplingParams
 from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner
-from vlmrl.rollout.vllm_engine import METRIC, BatchedVLLMEngine, ConcurrentVLLMEngine, VLLMEngine
+from vlmrl.rollout.vllm.engine import METRIC, BatchedVLLMEngine, ConcurrentVLLMEngine, VLLMEngine
 from vlmrl.train.logprobs import sequence_logprobs
 from vlmrl.types import EnginePrompt, Message, Role, StopReason, Task
 

@@ -50,7 +50,7 @@ from vlmrl.modeling.loading import load_processor
 from vlmrl.rollout import make_engine
 from vlmrl.rollout.engine import SamplingParams
 from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner
-from vlmrl.rollout.vllm_engine import METRIC
+from vlmrl.rollout.vllm.engine import METRIC
 from vlmrl.tokens.qwen_vl import QwenVLBuilder
 from vlmrl.train.logprobs import collate, prompt_logprobs, sequence_logprobs
 from vlmrl.types import (

@@ -1,5 +1,5 @@
 """The in-memory weight sync of a colocated `AsyncLLM` on CPU (issue 22; `rollout.vllm.weight_sync=shm`, the CPU
-default): a /dev/shm buffer in buckets through vLLM 0.32's weight-transfer API (`vlmrl/rollout/vllm_shm.py`).
+default): a /dev/shm buffer in buckets through vLLM 0.32's weight-transfer API (`vlmrl/rollout/vllm/shm.py`).
 
 The tiny Qwen2.5-VL (head size 32, tests/real_vllm/tiny_head32.py), real diagrams, fp32, 1 MiB buckets (so a sync is
 several buckets). References are independent of the shm route: the trainer's own forward, and a second engine on the
@@ -34,12 +34,12 @@ import psutil  # noqa: E402  (vLLM's own dependency)
 from test_vllm_multimodal import TOL, perturb, rollout_cfg, run_episodes, worst_delta  # noqa: E402
 from tiny_head32 import tiny_qwen25_vl_head32  # noqa: E402
 
-import vlmrl.rollout.vllm_colocated as colocated  # noqa: E402
+import vlmrl.rollout.vllm.colocated as colocated  # noqa: E402
 from vlmrl.config import ExportStyle  # noqa: E402
 from vlmrl.export import to_samples  # noqa: E402
 from vlmrl.modeling.loading import load_processor  # noqa: E402
 from vlmrl.rollout import make_engine  # noqa: E402
-from vlmrl.rollout.vllm_engine import METRIC, WeightSyncError  # noqa: E402
+from vlmrl.rollout.vllm.engine import METRIC, WeightSyncError  # noqa: E402
 from vlmrl.tokens.qwen_vl import QwenVLBuilder  # noqa: E402
 
 EMPTY_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"

@@ -22,10 +22,10 @@ from vlmrl.config import ExportStyle, load, to_yaml
 from vlmrl.envs import load_env_tasks, make_env_factory
 from vlmrl.export import to_samples
 from vlmrl.modeling.loading import load_policy
-from vlmrl.record import TrajectoryRecord
 from vlmrl.rollout.engine import Engine, SamplingParams
 from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner
 from vlmrl.rollout.tool_setup import tool_setup
+from vlmrl.runs.record import TrajectoryRecord
 from vlmrl.tokens import get_builder
 from vlmrl.train.logprobs import sequence_logprobs
 from vlmrl.types import Generation, ImagePart, Message, StopReason

@@ -11,7 +11,7 @@ A difference at a token the builder recorded as a `BoundaryEdit` is reported (ki
 builders that declare `PrefixMode.REWRITES_HISTORY` (thinking templates), differences confined to earlier assistant
 turns and their generation prompts are reported as "history_rewrite" (expected: the builder keeps what the model saw).
 
-Mode 2, a run (`verify_run`): for each line of the run's `trajectories.jsonl` (`vlmrl.record.TrajectoryRecord`),
+Mode 2, a run (`verify_run`): for each line of the run's `trajectories.jsonl` (`vlmrl.runs.record.TrajectoryRecord`),
 compare the recorded ids with an independent reference. For prefix-preserving families (`PrefixMode.EXTENDS`) that is
 the processor's own full render of the recorded messages (`apply_chat_template` with the run's tools, then the
 processor on the text and images) with each assistant message replaced by its recorded sampled ids

@@ -163,7 +163,7 @@ def _tolerance(b: Bench) -> float:
 
 
 def route_row(b: Bench, route: str) -> str:
-    from vlmrl.rollout.vllm_engine import METRIC
+    from vlmrl.rollout.vllm.engine import METRIC
 
     _perturb(b.model, b.base, seed=0)
     engine = _engine(b, route, sleep=False)

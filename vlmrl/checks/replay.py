@@ -13,7 +13,7 @@ from typing import cast
 from vlmrl.checks.diff import FAIL, NOTE, Mismatch, _decoder, _vision_of, diff_tokens
 from vlmrl.checks.reference import _segments, compare_tokens, compare_vision, full_reference
 from vlmrl.checks.scenarios import turns
-from vlmrl.record import TrajectoryRecord
+from vlmrl.runs.record import TrajectoryRecord
 from vlmrl.tokens.base import PrefixMode
 from vlmrl.types import (
     BoundaryEdit,
@@ -54,7 +54,7 @@ class ViewTokens:
 
     @staticmethod
     def from_json(d: dict) -> "ViewTokens":
-        """A record's `views` entry (`vlmrl.record._view_json`; its types were checked when the line was read)."""
+        """A record's `views` entry (`vlmrl.runs.record._view_json`; its types were checked when the line was read)."""
         return ViewTokens(
             list(d.get("input_ids", [])),
             list(d.get("loss_mask", [])),
@@ -162,7 +162,7 @@ class Recorded:
 def _open_image(ref: str, run_dir: Path | None):
     """The image a record refers to, as the rollout gave it to the processor, or None when `ref` is not a file.
 
-    A path inside the run folder (`<run>/images/<sha1>.png`, `vlmrl.runfiles.ImageStore`: tool results, env frames)
+    A path inside the run folder (`<run>/images/<sha1>.png`, `vlmrl.runs.files.ImageStore`: tool results, env frames)
     is the saved image itself, loaded as is; any other file is a dataset image, which the data loader turned RGB
     (`vlmrl.data.to_rgb`)."""
     from PIL import Image
@@ -287,7 +287,7 @@ def replay(builder, rec: Recorded) -> tuple[TokenSeq | None, list[Mismatch]]:
             )
         )
         mismatches += _against_rerender(rec, seq, rec_b, decode)
-    vision = seq.vision  # the recorded grid is `seq.vision`'s (vlmrl.record.TrajectoryRecord)
+    vision = seq.vision  # the recorded grid is `seq.vision`'s (vlmrl.runs.record.TrajectoryRecord)
     grid = vision.image_grid_thw.tolist() if vision is not None else None
     if (rec.image_grid_thw or None) != (grid or None):
         mismatches.append(Mismatch("image_grid_thw", -1, FAIL, str(grid), str(rec.image_grid_thw)))

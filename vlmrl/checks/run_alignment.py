@@ -16,7 +16,7 @@ from vlmrl.checks.diff import BOUNDARY, FAIL, Mismatch, _vision_of
 from vlmrl.checks.logprobs import LogprobStats, logprob_deltas
 from vlmrl.checks.replay import Recorded, replay
 from vlmrl.checks.views import split_views
-from vlmrl.record import TrajectoryRecord
+from vlmrl.runs.record import TrajectoryRecord
 
 
 @dataclass
@@ -61,9 +61,9 @@ class RunAlignment:
 
 def _read_records(path: Path, limit: int | None) -> Iterable[tuple[int, dict | None, str]]:
     """(0-based line index, the record or None, why it is unreadable) for the first `limit` non-blank lines of a
-    `trajectories.jsonl` (read with `vlmrl.jsonl.iter_jsonl`): a torn line, or one that is not UTF-8, not JSON or
+    `trajectories.jsonl` (read with `vlmrl.runs.jsonl.iter_jsonl`): a torn line, or one that is not UTF-8, not JSON or
     not a JSON object, is returned with its reason."""
-    from vlmrl.jsonl import iter_jsonl
+    from vlmrl.runs.jsonl import iter_jsonl
 
     n = 0
     for line in iter_jsonl(path):

@@ -27,7 +27,7 @@ class StepResult:
     messages: what to show the model next if the episode goes on (feedback, observations, tool results);
     metrics: what the environment measured of the turn, as floats: the conventional keys of `vlmrl.types`
     (CORRECT drives accuracy and pass@k, FORMATTED format_rate, PARSE_FAIL parse_fail_rate) where they apply, and any
-    of its own (reported as `env_<key>`, `vlmrl.metrics.episode_metrics`).
+    of its own (reported as `env_<key>`, `vlmrl.runs.episode_metrics.episode_metrics`).
     """
 
     reward: float

@@ -2,7 +2,7 @@
 typed config), reward functions (`env.rewards[i].fn`) and tools (`tools.functions`, `tools.environment`).
 
 Import paths are `package.module:Name` or `package.module.Name` (Hydra's `_target_` form, resolved by
-`vlmrl.config_compose.import_path`). `vlmrl.config.load` types `env` by its target's `config_class`;
+`vlmrl.config.compose.import_path`). `vlmrl.config.load` types `env` by its target's `config_class`;
 `check_plugins` then resolves every path of a run's config: the CLI calls it right after loading the config, and
 `vlmrl.run.train`, `vlmrl.sft.sft` and `vlmrl.evaluation.generate.generate` before they load a model, so a typo is a
 one-line `ConfigError` naming the key within seconds.
@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any, cast
 from omegaconf import OmegaConf
 
 from vlmrl.config import Config, EnvConfig, env_target
-from vlmrl.config_checks import ConfigError
-from vlmrl.config_compose import env_node, import_path, not_an_environment, one_line
+from vlmrl.config.compose import env_node, import_path, not_an_environment, one_line
+from vlmrl.config.validate import ConfigError
 
 if TYPE_CHECKING:
     from vlmrl.envs.base import Environment

@@ -29,7 +29,7 @@ class RewardSpec:
 
 def load_reward_funcs(specs: Sequence[RewardSpec]) -> list[tuple[RewardFunc, float, str]]:
     """(function, weight, path) for each spec. Raises ConfigError naming `env.rewards[i].fn`."""
-    from vlmrl.config_compose import import_path
+    from vlmrl.config.compose import import_path
 
     return [(import_path(s.fn, f"env.rewards[{i}].fn"), float(s.weight), s.fn) for i, s in enumerate(specs)]
 

@@ -12,13 +12,13 @@ from vlmrl.config import Config
 from vlmrl.evaluation.metrics import _summary
 from vlmrl.evaluation.report.run_data import EVAL_TRAJECTORIES
 from vlmrl.evaluation.rollouts import chunks, eval_data_cfg, rollout_records
-from vlmrl.jsonl import read_jsonl, write_jsonl_atomic
+from vlmrl.runs.jsonl import read_jsonl, write_jsonl_atomic
 
 if TYPE_CHECKING:
     import torch
 
     from vlmrl.rollout.episode import EpisodeRunner
-    from vlmrl.runfiles import RunFiles
+    from vlmrl.runs.files import RunFiles
     from vlmrl.tokens.base import TokenBuilder
     from vlmrl.types import Task
 

@@ -26,8 +26,8 @@ from vlmrl.config import Config, to_yaml
 from vlmrl.evaluation.metrics import _summary
 from vlmrl.evaluation.rollouts import build_eval_runner, eval_data_cfg, rollout_records
 from vlmrl.evaluation.run_folder import GenerateFiles
-from vlmrl.record import TrajectoryRecord
-from vlmrl.runfiles import ImageStore
+from vlmrl.runs.files import ImageStore
+from vlmrl.runs.record import TrajectoryRecord
 
 log = logging.getLogger("vlmrl.generate")
 
@@ -44,11 +44,11 @@ def generate(cfg: Config, console: Any = None) -> GenerateResult:
     """Run `algorithm.group_size` episodes per problem of the eval split (`data.eval_split`, else `data.split`) in
     chunks of `trainer.batch_size` problems; append their records and a cumulative metrics row per chunk.
 
-    The process holds the run folder's lock (`vlmrl.runlock`) throughout: a second run into the folder raises
+    The process holds the run folder's lock (`vlmrl.runs.lock`) throughout: a second run into the folder raises
     RunLocked naming the holder. A rerun resumes on the chunk grid of `vlmrl.evaluation.run_folder`. Raises
     ConfigError for a plug-in path that does not resolve (`check_plugins`), before anything else."""
-    from vlmrl import runlock
     from vlmrl.envs import check_plugins
+    from vlmrl.runs import lock as runlock
 
     check_plugins(cfg)
     runlock.acquire(cfg.logging.output_dir)
@@ -70,9 +70,9 @@ def _generate(cfg: Config, console: Any) -> GenerateResult:
     from rich.console import Console
 
     from vlmrl.envs import load_env_tasks
-    from vlmrl.logging_backends import make_loggers
     from vlmrl.modeling.loading import load_policy
-    from vlmrl.progress import StepProgress
+    from vlmrl.runs.progress import StepProgress
+    from vlmrl.runs.trackers import make_loggers
     from vlmrl.seeding import set_seed
 
     console = console or Console()

@@ -1,4 +1,5 @@
-"""Metrics of evaluation records (`vlmrl.record.TrajectoryRecord`s): unbiased pass@k, accuracy, format/parse rates, tool
+"""Metrics of evaluation records (`vlmrl.runs.record.TrajectoryRecord`s): unbiased pass@k, accuracy, format/parse
+rates, tool
 statistics, and the speed of a batch of rollouts."""
 
 from __future__ import annotations
@@ -7,8 +8,8 @@ import math
 import statistics
 from collections import defaultdict
 
-from vlmrl.metrics import episode_metrics
-from vlmrl.record import TrajectoryRecord
+from vlmrl.runs.episode_metrics import episode_metrics
+from vlmrl.runs.record import TrajectoryRecord
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -29,7 +30,8 @@ def pass_ks(n: int) -> list[int]:
 
 
 def eval_metrics(records: list[TrajectoryRecord]) -> dict[str, float]:
-    """The metrics of evaluation records (several samples per problem): `vlmrl.metrics.episode_metrics` (the same
+    """The metrics of evaluation records (several samples per problem): `vlmrl.runs.episode_metrics.episode_metrics`
+    (the same
     names as the training metrics) plus `problems` and unbiased pass@k for every k of `pass_ks` of the smallest
     sample count of a problem. A problem is a `task_id` and, for `vlmrl generate`, its `row` (ids may repeat).
     Empty for no records."""

@@ -1,5 +1,5 @@
 """Eval-only rollouts with a plain module (no trainer): the eval split's data config, the runner, and the records
-(`vlmrl.record.TrajectoryRecord`, with each episode's sample index) `vlmrl generate` and `trainer.eval_every`
+(`vlmrl.runs.record.TrajectoryRecord`, with each episode's sample index) `vlmrl generate` and `trainer.eval_every`
 write."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 from typing import Any, Callable, Iterable
 
 from vlmrl.config import Config, DataConfig
-from vlmrl.record import TrajectoryRecord
+from vlmrl.runs.record import TrajectoryRecord
 from vlmrl.types import ImagePart, Task
 
 

@@ -18,9 +18,9 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from vlmrl.jsonl import BadLine, dump_lines, read_jsonl, write_jsonl_atomic
-from vlmrl.record import TrajectoryRecord
-from vlmrl.runfiles import RunFiles, RunFolderError, quarantine
+from vlmrl.runs.files import RunFiles, RunFolderError, quarantine
+from vlmrl.runs.jsonl import BadLine, dump_lines, read_jsonl, write_jsonl_atomic
+from vlmrl.runs.record import TrajectoryRecord
 from vlmrl.types import Task
 
 log = logging.getLogger("vlmrl.generate")

@@ -13,11 +13,11 @@ import torch
 
 from vlmrl.config import ModelConfig
 from vlmrl.families import InputStyle, get_family
-from vlmrl.jsonl import atomic_path
 from vlmrl.modeling.cache import cache_dir
 from vlmrl.modeling.families import _ASSETS, chat_template, tiny_families, tiny_family
 from vlmrl.modeling.sources import _check_hub, _check_path, _check_weight_files, model_load_errors
 from vlmrl.modeling.tokenizer_fetch import family_tokenizer_json
+from vlmrl.runs.jsonl import atomic_path
 
 
 def tiny_processor_dir(family: str) -> Path:

@@ -12,8 +12,8 @@ import hashlib
 from importlib import resources
 from pathlib import Path
 
-from vlmrl.jsonl import write_atomic
 from vlmrl.modeling.cache import _RECIPE_VERSION, cache_dir
+from vlmrl.runs.jsonl import write_atomic
 
 # Added tokens from id 151643, in order; `False` marks the non-special ones (Qwen's tokenizer.json).
 _ADDED = [

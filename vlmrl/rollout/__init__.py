@@ -24,12 +24,12 @@ def make_engine(rollout_cfg: RolloutConfig, policy, processor, builder) -> Engin
     if rollout_cfg.engine == "vllm":
         import importlib.util
 
-        if importlib.util.find_spec("vllm") is None:  # only vllm_engine imports vllm
+        if importlib.util.find_spec("vllm") is None:  # only vlmrl.rollout.vllm imports vllm
             raise ValueError(
                 "rollout.engine=vllm needs vLLM: pip install 'vlmrl[vllm]' (CUDA), or the CPU build "
                 "as in `make test-vllm`"
             )
-        from vlmrl.rollout.vllm_engine import make_vllm_engine
+        from vlmrl.rollout.vllm.engine import make_vllm_engine
 
         tok = processor.tokenizer
         eos = sorted(builder.stop_token_ids)

@@ -14,7 +14,7 @@ from vlmrl.envs import make_env_factory
 from vlmrl.rollout.engine import SamplingParams
 from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner
 from vlmrl.rollout.tool_setup import tool_setup
-from vlmrl.runfiles import ImageStore
+from vlmrl.runs.files import ImageStore
 from vlmrl.tokens import get_builder
 from vlmrl.tokens.base import TokenBuilder
 

@@ -46,7 +46,7 @@ class TrainerSettings:
     gradient_checkpointing: bool = TrainerConfig.gradient_checkpointing
     deepspeed_config: str | None = TrainerConfig.deepspeed_config  # a user JSON merged under ours
     # ZeRO-1/2/3 at one rank: False runs them as stage 0 (`effective_zero_stage`); True keeps the stage (resuming a
-    # checkpoint written partitioned, `vlmrl.checkpoint.zero_partitioned`; tests of the stages in one process)
+    # checkpoint written partitioned, `vlmrl.runs.checkpoint.zero_partitioned`; tests of the stages in one process)
     partition_one_rank: bool = False
 
     @property

@@ -4,7 +4,7 @@ exclusion of episodes with unusable rewards from their group, and the samples (`
 - `export_style`: `concat` needs a prefix-preserving template and no history window, else `individual`.
 - `assign_step_advantages`: `algorithm.advantage` episode (GRPO per trajectory) or turn (per-turn reward-to-go).
 - `step_samples`: episodes whose reward is NaN, inf or beyond `vlmrl.rewards.REWARD_BOUND` leave their GRPO group
-  (`vlmrl.resume.split_unusable`) before the advantages; a rank left with nothing trains with loss mask 0.
+  (`vlmrl.runs.resume.split_unusable`) before the advantages; a rank left with nothing trains with loss mask 0.
 - `gather_bad_episodes`: over all ranks, the excluded episodes and the ones that skip the step's update.
 """
 
@@ -18,8 +18,8 @@ import torch
 
 from vlmrl.config import Config, ExportStyle
 from vlmrl.export import to_samples
-from vlmrl.resume import nonfinite_episodes, split_unusable
 from vlmrl.rewards import REWARD_BOUND
+from vlmrl.runs.resume import nonfinite_episodes, split_unusable
 from vlmrl.tokens.base import PrefixMode, TokenBuilder
 from vlmrl.train import overlong
 from vlmrl.train.advantages import group_advantages

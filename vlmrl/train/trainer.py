@@ -241,7 +241,7 @@ class GRPOTrainer:
     @property
     def master_weights(self) -> bool:
         """True when the optimizer steps its own fp32 copy of the weights (ZeRO-1/2/3, or bf16 training), False for
-        ZeRO-0 over fp32 weights, which torch AdamW steps in place (checkpoint size: `vlmrl.checkpoint`)."""
+        ZeRO-0 over fp32 weights, which torch AdamW steps in place (checkpoint size: `vlmrl.runs.checkpoint`)."""
         return self.cfg.zero_stage > 0 or self.cfg.dtype == "bf16"
 
     @property
@@ -421,7 +421,7 @@ class GRPOTrainer:
         optimizer state when this engine runs stage 0 (build the trainer with `partition_one_rank=True`, as
         `vlmrl.run.build_job` does on resume; DeepSpeed itself fails with an AttributeError).
         """
-        from vlmrl.checkpoint import zero_partitioned
+        from vlmrl.runs.checkpoint import zero_partitioned
 
         if self.cfg.zero_stage == 0 and zero_partitioned(Path(directory)):
             raise ValueError(

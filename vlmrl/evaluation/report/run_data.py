@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vlmrl.jsonl import read_jsonl
-from vlmrl.record import TrajectoryRecord, read_records
+from vlmrl.runs.jsonl import read_jsonl
+from vlmrl.runs.record import TrajectoryRecord, read_records
 
 log = logging.getLogger("vlmrl.evaluation.report")
 

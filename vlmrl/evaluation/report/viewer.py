@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
-from vlmrl.record import TrajectoryRecord
+from vlmrl.runs.record import TrajectoryRecord
 from vlmrl.types import CORRECT, FORMATTED, PARSE_FAIL
 
 log = logging.getLogger("vlmrl.evaluation.report")

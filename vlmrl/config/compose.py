@@ -24,9 +24,9 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
-from vlmrl.config_checks import ConfigError, moved_key_message
+from vlmrl.config.validate import ConfigError, moved_key_message
 
-ROOT = Path(os.environ.get("VLMRL_ROOT", Path(__file__).resolve().parents[1]))  # holds conf/ and recipes/
+ROOT = Path(os.environ.get("VLMRL_ROOT", Path(__file__).resolve().parents[2]))  # holds conf/ and recipes/
 
 
 def one_line(exc: BaseException) -> str:

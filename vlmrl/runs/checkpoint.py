@@ -1,4 +1,4 @@
-"""Checkpoint folders of a run: atomic, self-checking, pruned. Used by `vlmrl.run` (save) and `vlmrl.resume` (load).
+"""Checkpoint folders of a run: atomic, self-checking, pruned. Used by `vlmrl.run` (save) and `vlmrl.runs.resume` (load).
 
     <run>/checkpoints/
       step_4/                 a complete checkpoint (renamed into place only once fully written)
@@ -38,10 +38,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from vlmrl.jsonl import fsync_path, write_atomic
-from vlmrl.runfiles import RunFolderError
+from vlmrl.runs.jsonl import fsync_path, write_atomic
+from vlmrl.runs.files import RunFolderError
 
-log = logging.getLogger("vlmrl.checkpoint")
+log = logging.getLogger("vlmrl.runs.checkpoint")
 
 FORMAT = 1
 STATE = "state.json"

@@ -9,7 +9,7 @@ vllm is imported inside functions only.
 - Process: vLLM 0.32's `AsyncLLM` always runs its engine core in a child process (`AsyncMPClient`; the model and
   its KV cache live there; requests and outputs cross over ZMQ). With VLLM_ENABLE_V1_MULTIPROCESSING=0 the child
   runs the model itself; with 1 (the CPU platform then picks the multiprocess executor) in one more process.
-- Weights (`rollout.vllm.weight_sync`, `vllm_transfer`): tensors cannot go through `collective_rpc` to that process
+- Weights (`rollout.vllm.weight_sync`, `transfer`): tensors cannot go through `collective_rpc` to that process
   (vLLM 0.32 decodes untyped RPC arguments, a tensor arrives as a list). Route `shm` (CPU default) and `ipc` (CUDA
   default) go through vLLM's weight-transfer API: generation is paused (`pause_generation(mode="wait")`: requests in
   flight finish first), the buckets are sent, the prefix and encoder caches are reset, then generation resumes.
@@ -35,17 +35,17 @@ import torch
 
 from vlmrl.config import VLLMConfig
 from vlmrl.rollout.engine import GenerateRequest
-from vlmrl.rollout.vllm_colocated import ColocatedBackend
-from vlmrl.rollout.vllm_convert import PROMPT_LOGPROBS, TokenIO
-from vlmrl.rollout.vllm_transfer import TRANSFER_ROUTES, AsyncLLMClient, items_source, make_sender, send
-from vlmrl.rollout.vllm_weights import write_items
+from vlmrl.rollout.vllm.colocated import ColocatedBackend
+from vlmrl.rollout.vllm.convert import PROMPT_LOGPROBS, TokenIO
+from vlmrl.rollout.vllm.transfer import TRANSFER_ROUTES, AsyncLLMClient, items_source, make_sender, send
+from vlmrl.rollout.vllm.weights import write_items
 from vlmrl.types import EnginePrompt, Generation
 
 T = TypeVar("T")
 
 
 class AsyncColocated(ColocatedBackend):
-    """`AsyncLLM` over the model folder `kwargs["model"]` (`vllm_colocated.engine_kwargs`, which also carry the
+    """`AsyncLLM` over the model folder `kwargs["model"]` (`colocated.engine_kwargs`, which also carry the
     route's weight-transfer settings), on its own event loop thread; weights by `route` (file | shm | ipc).
     `agenerate` may be awaited from any other event loop, many requests at once; the other methods block the
     calling thread (never call them from the engine's own loop). Engine errors are raised to the caller."""

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Callable, cast
 
 import torch
 
-from vlmrl.jsonl import atomic_path
+from vlmrl.runs.jsonl import atomic_path
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

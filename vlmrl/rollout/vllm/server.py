@@ -37,7 +37,7 @@ import torch
 
 from vlmrl.config import VLLMConfig
 from vlmrl.rollout.engine import GenerateRequest
-from vlmrl.rollout.vllm_convert import (
+from vlmrl.rollout.vllm.convert import (
     PROMPT_LOGPROBS,
     TokenIO,
     check_expanded,
@@ -45,7 +45,7 @@ from vlmrl.rollout.vllm_convert import (
     generation_from_generate_choice,
     prompt_logprobs_list,
 )
-from vlmrl.rollout.vllm_weights import _world, full_state_items, write_weights
+from vlmrl.rollout.vllm.weights import _world, full_state_items, write_weights
 from vlmrl.types import EnginePrompt, Generation
 
 GENERATE = "/inference/v1/generate"
@@ -67,7 +67,7 @@ class VLLMServer:
             raise ValueError("rollout.vllm.mode=server needs rollout.vllm.url")
         self.config, self.io, self.route = config, io, route
         self.source: Any = None
-        self.client: Any = None  # nccl: `vllm_transfer.ServerClient`
+        self.client: Any = None  # nccl: `transfer.ServerClient`
         self.sender: Any = None  # nccl: vLLM's trainer-side engine, rendezvoused at the first sync
         self.url = config.url.rstrip("/")
         self.served_model = config.served_model or self.first_served_model()
@@ -148,7 +148,7 @@ class VLLMServer:
 
     def _send_nccl(self, module: torch.nn.Module) -> None:
         """The module's full state dict over vLLM's NCCL weight transfer (see the module docstring)."""
-        from vlmrl.rollout.vllm_transfer import ServerClient, items_source, make_sender, send
+        from vlmrl.rollout.vllm.transfer import ServerClient, items_source, make_sender, send
 
         items = full_state_items(module)
         if self.sender is None:

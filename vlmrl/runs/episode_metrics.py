@@ -9,7 +9,7 @@ import math
 import statistics
 from collections import Counter, defaultdict
 
-from vlmrl.record import TrajectoryRecord
+from vlmrl.runs.record import TrajectoryRecord
 from vlmrl.types import CORRECT, ENV_METRIC_PREFIX, FORMATTED, PARSE_FAIL, ToolFailure, ToolStats
 
 CONVENTIONAL = (CORRECT, FORMATTED, PARSE_FAIL)

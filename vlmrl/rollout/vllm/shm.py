@@ -50,7 +50,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
-from vlmrl.config_checks import ConfigError
+from vlmrl.config.validate import ConfigError
 
 BACKEND = "vlmrl_shm"
 ALIGN = 64  # bytes: each tensor starts at a multiple of this offset in the buffer
@@ -258,7 +258,7 @@ class ShmTrainerEngine(TrainerWeightTransferEngine[ShmTrainerInitInfo]):
 
     def send_weights(self) -> None:
         assert self.source is not None
-        meta = self.source.params()  # `vllm_transfer.items_source`, on every vLLM version
+        meta = self.source.params()  # `transfer.items_source`, on every vLLM version
         largest = max((int(torch.Size(m.shape).numel()) * m.dtype.itemsize for m in meta), default=0)
         buffers = self._ensure(max(self.bucket_bytes, largest, ALIGN))
         tensors = [t for _, t in self.source.tensors()]

@@ -5,7 +5,7 @@ the end of the step, trajectories before the step's metrics row), and a resumed 
 (`truncate_after`): rows of steps its checkpoint covers are kept, rows of later steps and a torn last line are
 dropped (redone), and any other unusable line (torn or corrupt in the middle, not UTF-8, not a JSON object) is moved
 to `<file>.quarantine` and named in the log with its line number. Non-finite floats are written as `null` (strict
-JSON). Reading and writing go through `vlmrl.jsonl`.
+JSON). Reading and writing go through `vlmrl.runs.jsonl`.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import shutil
 from pathlib import Path
 from typing import cast
 
-from vlmrl.jsonl import append_jsonl, atomic_path, parse_line, write_atomic
+from vlmrl.runs.jsonl import append_jsonl, atomic_path, parse_line, write_atomic
 
-log = logging.getLogger("vlmrl.runfiles")
+log = logging.getLogger("vlmrl.runs.files")
 
 QUARANTINE_SUFFIX = ".quarantine"
 

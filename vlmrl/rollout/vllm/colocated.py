@@ -1,6 +1,6 @@
 """Colocated vLLM (`rollout.vllm.mode=colocate`): the model folder and engine settings both colocated engines share,
 and the synchronous one, `vllm.LLM` in this process (`rollout.vllm.colocate_engine=sync`). The asynchronous one
-(`AsyncLLM`) is in `vllm_async`. vllm is imported inside functions only.
+(`AsyncLLM`) is in `async_engine`. vllm is imported inside functions only.
 
 `vllm.LLM` runs vLLM's engine core in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, set here unless the
 environment says otherwise); weights (route `direct`) are pushed in memory with `collective_rpc("reload_weights",
@@ -24,9 +24,9 @@ import torch
 
 from vlmrl.config import VLLMConfig
 from vlmrl.rollout.engine import GenerateRequest
-from vlmrl.rollout.vllm_convert import PROMPT_LOGPROBS, TokenIO
-from vlmrl.rollout.vllm_transfer import transfer_engine_kwargs
-from vlmrl.rollout.vllm_weights import full_state_items, write_items, write_weights
+from vlmrl.rollout.vllm.convert import PROMPT_LOGPROBS, TokenIO
+from vlmrl.rollout.vllm.transfer import transfer_engine_kwargs
+from vlmrl.rollout.vllm.weights import full_state_items, write_items, write_weights
 from vlmrl.types import EnginePrompt, Generation
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ def engine_kwargs(
     config: VLLMConfig, model: str, dtype: str, max_model_len: int, logprobs_mode: str, route: str, sleep: bool
 ) -> dict:
     """vLLM engine arguments (`vllm.LLM(**kw)` / `AsyncEngineArgs(**kw)`) for the model folder `model`, the
-    weight-sync `route` (`vllm_transfer.transfer_engine_kwargs`) and sleep mode (CUDA only)."""
+    weight-sync `route` (`transfer.transfer_engine_kwargs`) and sleep mode (CUDA only)."""
     kwargs: dict[str, Any] = dict(
         model=model,
         load_format="safetensors",
@@ -79,7 +79,7 @@ def engine_kwargs(
         enable_sleep_mode=sleep,
         **transfer_engine_kwargs(route),
     )
-    if route == "ipc":  # the CUDA-IPC handles travel pickled (`vllm_transfer._wire_safe`); the engine core inherits it
+    if route == "ipc":  # the CUDA-IPC handles travel pickled (`transfer._wire_safe`); the engine core inherits it
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     kv_gb = config.kv_cache_gb if config.kv_cache_gb is not None else (None if torch.cuda.is_available() else 1.0)
     if kv_gb is not None:

@@ -1,15 +1,9 @@
-"""Config schema and loading: Hydra's compose API over `conf/` (groups) and `recipes/` (experiments).
-
-`load("geometry3k_tiny", ["env.max_turns=3"])` composes `conf/config.yaml`'s defaults, then the recipe
-`recipes/geometry3k_tiny.yaml` (a `# @package _global_` file), then the overrides (`vlmrl.config_compose`), and
-validates the result against the dataclass schema below (unknown keys and wrong types are errors) and the range
-checks of `vlmrl.config_checks`. Every error is a `ConfigError` (defined there, raised by `load`) with a one-line
-message naming the key or value.
-"""
+"""The config schema: one dataclass per section of the config (`model`, `data`, `env`, ...), the Enums of its
+choices, and the Hydra schema node `vlmrl_schema` that conf/config.yaml names first. Each field's default is written
+here and nowhere else."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -18,16 +12,7 @@ from typing import Any, Dict, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from vlmrl.config_checks import (
-    MOVED_VLLM_KEYS,
-    ConfigError,
-    moved_key_message,
-    resolve_vllm_config,
-    validate_config,
-)
-from vlmrl.config_compose import compose_config, env_node, one_line
-
-ASSETS = Path(__file__).resolve().parent / "assets"
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
 SAMPLE_DATA = ASSETS / "data" / "geometry3k"  # 64 + 10 real Geometry3K problems shipped in the package (MIT)
 
 # `${vlmrl_asset:data/geometry3k}` in a config file: a path inside the installed package's assets folder.
@@ -115,8 +100,9 @@ class ToolsConfig:
 
 @dataclass
 class VLLMConfig:
-    """`rollout.vllm`: the vLLM engine's own knobs (`rollout.engine=vllm`; conf/rollout/vllm.yaml, vlmrl/rollout/
-    vllm_engine.py). The engine also reads rollout.max_context_tokens (vLLM's max_model_len), temperature and top_p."""
+    """`rollout.vllm`: the vLLM engine's own knobs (`rollout.engine=vllm`; conf/rollout/vllm.yaml,
+    vlmrl/rollout/vllm/engine.py). The engine also reads rollout.max_context_tokens (vLLM's max_model_len),
+    temperature and top_p."""
 
     mode: str = "colocate"  # colocate (vLLM driven from the trainer process) | server (vLLM's own server at `url`)
     # colocate: async (vLLM's AsyncLLM, each episode's request sent as it is ready) | sync (vllm.LLM, pending
@@ -129,7 +115,7 @@ class VLLMConfig:
     gpu_memory_utilization: float = 0.3  # colocate: GPU memory share for vLLM (weights + KV cache), in (0, 1]
     kv_cache_gb: Optional[float] = None  # colocate: KV cache size in GiB (None: from gpu_memory_utilization; CPU 1)
     tensor_parallel_size: int = 1
-    # how the trainer's weights reach vLLM after each update (vlmrl/rollout/vllm_transfer.py); `auto` is resolved
+    # how the trainer's weights reach vLLM after each update (vlmrl/rollout/vllm/transfer.py); `auto` is resolved
     # when the config loads and config.yaml records the route: colocated AsyncLLM -> ipc on CUDA, shm on CPU;
     # colocated vllm.LLM (in this process) -> direct; server -> nccl on CUDA, file on CPU. file: a safetensors
     # checkpoint vLLM reloads (any setup)
@@ -241,7 +227,7 @@ class ResumeMode(str, Enum):
 
 @dataclass
 class ResumeConfig:
-    """`resume=auto|never` (config group conf/resume/); see vlmrl.resume."""
+    """`resume=auto|never` (config group conf/resume/); see vlmrl.runs.resume."""
 
     mode: ResumeMode = ResumeMode.auto
     allow_config_change: bool = False  # resume even if the config differs from the checkpoint's (logged)
@@ -284,69 +270,3 @@ class _ComposeSchema(Config):
 
 
 ConfigStore.instance().store(name="vlmrl_schema", node=_ComposeSchema)
-
-
-def env_target(env_cfg: Any) -> str:
-    """`env._target_` of a raw node (dict, DictConfig) or a dataclass; the default environment's if unset."""
-    target = env_cfg.get("_target_") if isinstance(env_cfg, Mapping) else getattr(env_cfg, "_target_", None)
-    return str(target or EnvConfig._target_)
-
-
-def load(recipe: Optional[str] = None, overrides: list[str] | None = None, training: bool = True) -> Config:
-    """Compose `conf/config.yaml` + optional `recipes/<recipe>.yaml` + overrides into a validated `Config`.
-
-    recipe: a name inside `recipes/` or an absolute path to a YAML file; overrides may hold `config_dir=PATH`
-    (`vlmrl.config_compose.compose_config`); training: False for `vlmrl generate` (which allows
-    algorithm.group_size=1). Raises ConfigError (one line) for an unknown recipe, group option, key, a value of the
-    wrong type or out of range. The reward and tool import paths are resolved for a run, not here
-    (`vlmrl.envs.plugins.check_plugins`).
-    """
-    raw = compose_config(recipe, overrides)
-    try:
-        cfg = _typed(raw)
-    except ConfigError:
-        raise
-    except Exception as exc:  # omegaconf raises many types; all become one clear line
-        raise ConfigError(one_line(exc)) from exc
-    validate_config(cfg, training)
-    if cfg.rollout.engine == "vllm":
-        resolve_vllm_config(cfg)  # the weight-sync route and sleep mode this machine takes, recorded in config.yaml
-    return cfg
-
-
-def _typed(raw) -> Config:
-    """`raw` merged into the schema, `env` into its environment's own config class (the `config_class` of the class
-    at `env._target_`, imported by path: this module never imports the environment package itself)."""
-    # as plain data: merged as a `_ComposeSchema` node, `raw` would turn the schema's `env` back into an open mapping
-    raw = OmegaConf.create(OmegaConf.to_container(raw, resolve=False)) if raw is not None else None
-    rollout_raw = raw.get("rollout") if raw is not None else None
-    for key in rollout_raw or {}:  # a run folder's config.yaml from before `rollout.vllm`
-        if f"rollout.{key}" in MOVED_VLLM_KEYS:
-            raise ConfigError(moved_key_message(f"rollout.{key}"))
-    schema = OmegaConf.structured(Config)
-    env_raw = raw.get("env") if raw is not None else None
-    if env_raw is not None:
-        schema.env = env_node(env_target(env_raw), env_raw)
-    merged = OmegaConf.merge(schema, raw)
-    cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
-    return cfg
-
-
-def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    """A nested config dict as {"a.b.c": leaf} (dotted keys; lists are leaves)."""
-    if isinstance(tree, dict):
-        out: dict[str, Any] = {}
-        for k, v in tree.items():
-            out.update(flatten(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: tree}
-
-
-def to_yaml(cfg: Config) -> str:
-    """The resolved config as YAML (written to the run folder as `config.yaml`)."""
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
-
-
-def from_yaml(path: Path) -> Config:
-    """Read a run folder's `config.yaml` back into a validated `Config`."""
-    return _typed(OmegaConf.load(path))

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
-    from vlmrl.record import TrajectoryRecord
+    from vlmrl.runs.record import TrajectoryRecord
 
 log = logging.getLogger("vlmrl.logging")
 

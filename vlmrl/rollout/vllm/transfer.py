@@ -1,11 +1,11 @@
 """The weight-sync routes of the vLLM engines (`rollout.vllm.weight_sync`, resolved by
-`vlmrl.config_checks.resolve_weight_sync`), trainer side. vllm is imported inside functions only.
+`vlmrl.config.validate.resolve_weight_sync`), trainer side. vllm is imported inside functions only.
 
 | route  | runs with                                   | what moves the bytes                                          |
 |--------|---------------------------------------------|---------------------------------------------------------------|
 | file   | any                                         | `model.safetensors` written, vLLM's `reload_weights` reads it |
 | direct | colocated `vllm.LLM` (vLLM in this process) | `reload_weights(weights_iterator=...)`, tensors as they are   |
-| shm    | colocated `AsyncLLM` (CPU default)          | one /dev/shm buffer in buckets (`vllm_shm`)                   |
+| shm    | colocated `AsyncLLM` (CPU default)          | one /dev/shm buffer in buckets (`shm`)                   |
 | ipc    | colocated `AsyncLLM` on CUDA (GPU default)  | vLLM's `ipc` engine: packed CUDA-IPC buckets                  |
 | nccl   | vLLM's server on GPUs (GPU default)         | vLLM's `nccl` engine: packed NCCL broadcasts                  |
 
@@ -46,7 +46,7 @@ def transfer_engine_kwargs(route: str) -> dict[str, Any]:
         return {}
     kwargs: dict[str, Any] = {"weight_transfer_config": {"backend": _BACKEND[route]}}
     if route == "shm":
-        kwargs["worker_extension_cls"] = "vlmrl.rollout.vllm_shm.ShmWorkerExtension"
+        kwargs["worker_extension_cls"] = "vlmrl.rollout.vllm.shm.ShmWorkerExtension"
     return kwargs
 
 
@@ -230,7 +230,7 @@ def make_sender(route: str, client: Any, source: Any, config: VLLMConfig, *, ran
         raise RuntimeError(f"rollout.vllm.weight_sync={route} needs CUDA; on CPU use shm (colocated) or file")
     bucket = bucket_bytes(config, source.params())
     if route == "shm":
-        from vlmrl.rollout.vllm_shm import ShmTrainerInitInfo
+        from vlmrl.rollout.vllm.shm import ShmTrainerInitInfo
 
         info: Any = ShmTrainerInitInfo(rank=rank, bucket_bytes=bucket)
     elif route == "ipc":

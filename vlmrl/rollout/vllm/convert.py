@@ -1,6 +1,6 @@
 """Pure conversions between vlmrl's prompts/generations and vLLM's inputs/outputs (no vllm import; unit-tested with
 fake vLLM objects). The conventions (image placeholders, logprobs modes, stop reasons) are described in
-`vlmrl.rollout.vllm_engine`'s docstring."""
+`vlmrl.rollout.vllm.engine`'s docstring."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from vlmrl.types import EnginePrompt, Generation, StopReason
 # --- conversions to vLLM (pure; unit-tested without vllm) --------------------------------------------------------
 def choose_logprobs_mode(temperature: float, top_p: float) -> str:
     """The vLLM `logprobs_mode` whose sampled-token logprobs equal log_softmax(logits / temperature) (see
-    `vlmrl.rollout.vllm_engine`)."""
+    `vlmrl.rollout.vllm.engine`)."""
     if top_p < 1.0 and temperature == 1.0:
         return "raw_logprobs"
     return "processed_logprobs"
@@ -78,7 +78,7 @@ def collapse_image_placeholders(
 
 def to_vllm_prompt(prompt: EnginePrompt, image_token_id: int | None, merge_size: int | None) -> dict:
     """A vLLM token prompt: `{"prompt_token_ids": ids}` (+ `"multi_modal_data": {"image": [PIL, ...]}` with images,
-    each image's placeholder run collapsed to one token, see `vlmrl.rollout.vllm_engine`'s docstring).
+    each image's placeholder run collapsed to one token, see `vlmrl.rollout.vllm.engine`'s docstring).
     Raises ValueError for a prompt with images but no `image_token_id`."""
     if not prompt.images:
         return {"prompt_token_ids": list(prompt.token_ids)}
@@ -145,7 +145,7 @@ def generate_body(
 
 # --- conversions from vLLM --------------------------------------------------------------------------------------
 def to_stop_reason(finish_reason: str | None, stop_reason: int | str | None) -> StopReason:
-    """vLLM's (finish_reason, stop_reason) -> StopReason (see `vlmrl.rollout.vllm_engine`'s docstring).
+    """vLLM's (finish_reason, stop_reason) -> StopReason (see `vlmrl.rollout.vllm.engine`'s docstring).
     Raises RuntimeError for any other finish_reason (e.g. an aborted request)."""
     if finish_reason == "length":
         return StopReason.LENGTH

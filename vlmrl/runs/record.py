@@ -1,7 +1,7 @@
 """`TrajectoryRecord`: one line of `trajectories.jsonl` / `eval_trajectories.jsonl`, typed.
 
 Export writes it (`TrajectoryRecord.from_trajectory(...).to_json()`, appended by the run loop and `vlmrl generate`);
-the metrics (`vlmrl.metrics`), the evaluation, the report and the alignment checks read it (`from_json`, or
+the metrics (`vlmrl.runs.episode_metrics`), the evaluation, the report and the alignment checks read it (`from_json`, or
 `read_records` for a whole file). The JSON layout on disk:
 
     step, task_id, group, [sample, row: `vlmrl generate` / eval only]
@@ -42,7 +42,7 @@ from pydantic import (
     model_validator,
 )
 
-from vlmrl.jsonl import read_jsonl
+from vlmrl.runs.jsonl import read_jsonl
 from vlmrl.types import (
     CORRECT,
     FORMATTED,
@@ -143,7 +143,7 @@ class TrajectoryRecord:
         cls, traj: Trajectory, step: int, image_ref: Callable[[ImagePart], str] | None = None
     ) -> "TrajectoryRecord":
         """The record of a trajectory sampled in `step`. image_ref: gives an image's reference (and may store an
-        image that has no file, `vlmrl.runfiles.ImageStore`); default its `ref`. Logprobs are rounded to 6 digits."""
+        image that has no file, `vlmrl.runs.files.ImageStore`); default its `ref`. Logprobs are rounded to 6 digits."""
         seq = traj.tokens
         return cls(
             step=step,
@@ -172,7 +172,7 @@ class TrajectoryRecord:
         )
 
     def to_json(self) -> dict:
-        """The line's JSON object (module doc for the layout; `vlmrl.jsonl` writes NaN as null)."""
+        """The line's JSON object (module doc for the layout; `vlmrl.runs.jsonl` writes NaN as null)."""
         out: dict[str, Any] = {
             "step": self.step,
             "task_id": self.task_id,
@@ -239,7 +239,7 @@ def _view_json(seq: TokenSeq) -> dict:
     it), logprobs, turn spans (every turn so far), boundary edits and image grids (`_View` reads it back).
 
     The three [T_v] sequences are the view's own (read-only `Sequence`s: a released view's are `SharedPrefix`es) and
-    become lists only as the line is written (`vlmrl.jsonl.line_chunks`, one view at a time): copied here, an
+    become lists only as the line is written (`vlmrl.runs.jsonl.line_chunks`, one view at a time): copied here, an
     episode's views would hold O(turns^2) items (455k ids each at 128 turns with 4 images kept)."""
     grid = seq.image_grid_thw
     return {
@@ -253,7 +253,7 @@ def _view_json(seq: TokenSeq) -> dict:
 
 
 def read_records(path: str | Path) -> tuple[list[TrajectoryRecord], list[str]]:
-    """The records of a `trajectories.jsonl`, and one `file:line: reason` per line that is unusable (`vlmrl.jsonl`)
+    """The records of a `trajectories.jsonl`, and one `file:line: reason` per line that is unusable (`vlmrl.runs.jsonl`)
     or not a valid record. A missing file reads as empty. Raises OSError if the file cannot be read."""
     got = read_jsonl(path)
     records, problems = [], [str(b) for b in got.bad]

@@ -24,14 +24,14 @@ from typing import Any, Iterator, cast
 
 from omegaconf import OmegaConf
 
-from vlmrl import checkpoint
+from vlmrl.runs import checkpoint
 from vlmrl.config import ResumeMode
-from vlmrl.jsonl import read_jsonl
+from vlmrl.runs.jsonl import read_jsonl
 from vlmrl.rewards import REWARD_BOUND, usable_reward
-from vlmrl.runfiles import RunFolderError
-from vlmrl.runlock import LOCK_FILES
+from vlmrl.runs.files import RunFolderError
+from vlmrl.runs.lock import LOCK_FILES
 
-log = logging.getLogger("vlmrl.resume")
+log = logging.getLogger("vlmrl.runs.resume")
 
 # config.yaml records the effective export.style: `individual` when a `concat` request fell back for a template that
 # rewrites earlier turns (vlmrl.run.export_style). The same command then reads as this change; it is accepted at
@@ -112,7 +112,7 @@ def config_changes(old_yaml: str, new_yaml: str) -> list[str]:
 
 
 def _rows(path: Path) -> int:
-    """Usable rows of a run file (`vlmrl.jsonl.read_jsonl`; 0 if it cannot be read)."""
+    """Usable rows of a run file (`vlmrl.runs.jsonl.read_jsonl`; 0 if it cannot be read)."""
     try:
         return len(read_jsonl(path).rows)
     except OSError:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from vlmrl.config import Config, VLLMConfig
+    from vlmrl.config.schema import Config, VLLMConfig
 
 
 class ConfigError(ValueError):
