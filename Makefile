@@ -130,10 +130,10 @@ lint: setup docs-check
 # at http://127.0.0.1:8000, `make docs-check` builds it strictly (a broken link or anchor, a page missing from the nav
 # fails) into a temporary folder, removed afterwards; make lint runs it
 docs: setup
-	$(BIN)/mkdocs serve
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
 
 docs-check: setup
-	site=$$(mktemp -d) && trap 'rm -rf "$$site"' EXIT && $(BIN)/mkdocs build --strict --quiet --site-dir "$$site"
+	site=$$(mktemp -d) && trap 'rm -rf "$$site"' EXIT && NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir "$$site"
 
 bench: setup
 	$(BIN)/python bench/token_building.py
