@@ -128,7 +128,10 @@ def test_nested_vllm_keys_and_their_defaults():
 @pytest.mark.parametrize(
     "overrides, needle",
     [
-        (["rollout.vllm.weight_sync=disk"], r"weight_sync='disk' must be one of auto, file, direct, shm, ipc, nccl$"),
+        (
+            ["rollout.vllm.weight_sync=disk"],
+            r"weight_sync='disk' is not registered \(registered: file, direct, shm, ipc, nccl\)$",
+        ),
         (["rollout.vllm.weight_sync=ipc"], r"weight_sync=ipc needs CUDA GPUs .* on CPU use weight_sync=shm"),
         (["rollout.vllm.weight_sync=nccl"], r"weight_sync=nccl needs CUDA GPUs .* on CPU use weight_sync=shm"),
         (["rollout.vllm.weight_sync=direct"], r"direct does not work with a colocated AsyncLLM .* weight_sync=shm"),

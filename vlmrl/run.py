@@ -23,6 +23,7 @@ from vlmrl.envs import check_plugins, load_env_tasks
 from vlmrl.evaluation.during_training import EvalSetup, eval_during_training
 from vlmrl.modeling.adapters import prepare_policy
 from vlmrl.modeling.loading import load_policy
+from vlmrl.registry import ROLLOUT_ENGINES
 from vlmrl.rollout.engine import derive_seed
 from vlmrl.rollout.episode import EpisodeRunner
 from vlmrl.rollout.runner import build_runner
@@ -185,7 +186,8 @@ def build_job(cfg: Config, plan: ResumePlan | None = None) -> Job:
     model, processor = load_policy(cfg.model)
     model = prepare_policy(model, cfg.model)  # model.lora / freeze_vision_tower / freeze_projector
     off_policy = cfg.algorithm.off_policy_steps > 0
-    behaviour = BehaviourWeights(model) if off_policy and cfg.rollout.engine == "transformers" else None
+    shares_module = ROLLOUT_ENGINES.get(cfg.rollout.engine).shares_policy_module  # samples with the trainer's module
+    behaviour = BehaviourWeights(model) if off_policy and shares_module else None
     settings = TrainerSettings.from_config(cfg.trainer, trainer_algorithm(cfg), cfg.rollout.temperature)
     if plan is not None and plan.checkpoint and checkpoint.zero_partitioned(plan.checkpoint):
         settings = dataclasses.replace(settings, partition_one_rank=True)  # its optimizer state is ZeRO's

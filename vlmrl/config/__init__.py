@@ -40,9 +40,9 @@ from vlmrl.config.validate import (
     MOVED_VLLM_KEYS,
     ConfigError,
     moved_key_message,
-    resolve_vllm_config,
     validate_config,
 )
+from vlmrl.registry import ROLLOUT_ENGINES
 
 __all__ = [
     "ASSETS",
@@ -95,8 +95,9 @@ def load(recipe: Optional[str] = None, overrides: list[str] | None = None, train
     except Exception as exc:  # omegaconf raises many types; all become one clear line
         raise ConfigError(one_line(exc)) from exc
     validate_config(cfg, training)
-    if cfg.rollout.engine == "vllm":
-        resolve_vllm_config(cfg)  # the weight-sync route and sleep mode this machine takes, recorded in config.yaml
+    configure = ROLLOUT_ENGINES.get(cfg.rollout.engine).configure
+    if configure is not None:  # e.g. vllm: the weight-sync route and sleep mode this machine takes, in config.yaml
+        configure(cfg)
     return cfg
 
 
@@ -113,6 +114,7 @@ def _typed(raw) -> Config:
     env_raw = raw.get("env") if raw is not None else None
     if env_raw is not None:
         schema.env = env_node(env_target(env_raw), env_raw)
+        raw.env._target_ = schema.env._target_  # a registered name resolved to the class's import path
     merged = OmegaConf.merge(schema, raw)
     cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
     return cfg

@@ -25,6 +25,7 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
 from vlmrl.config.validate import ConfigError, moved_key_message
+from vlmrl.registry import ENVIRONMENTS
 
 ROOT = Path(os.environ.get("VLMRL_ROOT", Path(__file__).resolve().parents[2]))  # holds conf/ and recipes/
 
@@ -123,7 +124,12 @@ def not_an_environment(target: str) -> ConfigError:
 
 def env_node(target: str, env_raw: Mapping[str, Any]) -> DictConfig:
     """`env_raw` (a config node) merged into the structured config of the class at `target` (its `config_class`, a
-    dataclass): unknown keys and wrong types are ConfigErrors naming `env.<key>`."""
+    dataclass), `_target_` set to the class's import path: unknown keys and wrong types are ConfigErrors naming
+    `env.<key>`. target: an import path (`package.module:Class` or `package.module.Class`) or a name registered in
+    `vlmrl.registry.ENVIRONMENTS` (e.g. `colors`)."""
+    if isinstance(target, str) and target and "." not in target and ":" not in target:
+        registered = ENVIRONMENTS.get(target)  # a registered name (vlmrl.registry), not an import path
+        target = f"{registered.__module__}.{registered.__qualname__}"
     cls = import_path(target, "env._target_")
     config_class = getattr(cls, "config_class", None)
     if not (isinstance(cls, type) and isinstance(config_class, type) and is_dataclass(config_class)):

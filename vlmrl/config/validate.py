@@ -17,8 +17,10 @@ if TYPE_CHECKING:
     from vlmrl.config.schema import Config, VLLMConfig
 
 
-class ConfigError(ValueError):
-    """A config that cannot be composed or validated; the message is one line naming the key or value."""
+from vlmrl.errors import ConfigError
+from vlmrl.registry import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, ROLLOUT_ENGINES, WEIGHT_SYNC_ROUTES
+
+__all__ = ["ConfigError"]  # defined in vlmrl.errors; imported from here by earlier code
 
 
 # the flat `rollout.vllm_*` keys of earlier versions -> their place in `rollout.vllm` (a config error names it)
@@ -45,6 +47,10 @@ MOVED_VLLM_KEYS["rollout.gpu_memory_utilization"] = "rollout.vllm.gpu_memory_uti
 def validate_config(cfg: Config, training: bool = True) -> None:
     """Raise ConfigError (one line naming the key) for the first failing check of `cfg`; training: False for
     `vlmrl generate` (which allows algorithm.group_size=1)."""
+    # each choice is a registered name (an unknown one: a ConfigError listing the registered names)
+    ROLLOUT_ENGINES.get(cfg.rollout.engine)
+    LOSS_AGGREGATIONS.get(cfg.algorithm.loss_agg)
+    ADVANTAGE_ESTIMATORS.get(cfg.algorithm.advantage)
     group_ok = cfg.algorithm.group_size >= (2 if training else 1)
     checks = [
         (cfg.env.max_turns >= 1, "env.max_turns must be >= 1"),
@@ -84,10 +90,6 @@ def validate_config(cfg: Config, training: bool = True) -> None:
             0.0 < cfg.algorithm.mis_low <= 1.0 <= cfg.algorithm.mis_high,
             "algorithm.mis_low/mis_high must satisfy 0 < mis_low <= 1 <= mis_high",
         ),
-        (
-            cfg.algorithm.loss_agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
-            "algorithm.loss_agg must be token-mean, seq-mean-token-mean or seq-mean-token-sum-norm",
-        ),
         (cfg.algorithm.loss_agg_norm >= 0, "algorithm.loss_agg_norm must be >= 0"),
         (
             0 <= cfg.algorithm.overlong_buffer < cfg.rollout.max_new_tokens,
@@ -95,10 +97,10 @@ def validate_config(cfg: Config, training: bool = True) -> None:
         ),
         (cfg.algorithm.overlong_penalty >= 0.0, "algorithm.overlong_penalty must be >= 0"),
         (cfg.algorithm.max_sampling_rounds >= 1, "algorithm.max_sampling_rounds must be >= 1"),
-        (cfg.algorithm.advantage in ("episode", "turn"), "algorithm.advantage must be episode or turn"),
         (
-            cfg.algorithm.advantage == "episode" or cfg.export.style.value == "individual",
-            "algorithm.advantage=turn needs export.style=individual (one sample per turn)",
+            not ADVANTAGE_ESTIMATORS.get(cfg.algorithm.advantage).per_turn or cfg.export.style.value == "individual",
+            f"algorithm.advantage={cfg.algorithm.advantage} writes one advantage per turn: it needs "
+            "export.style=individual (one sample per turn)",
         ),
         (cfg.sft.num_demos >= 1, "sft.num_demos must be >= 1"),
         (bool(cfg.sft.demos), "sft.demos must be 'env' or a JSONL file"),
@@ -141,10 +143,6 @@ def _range_checks(cfg: Config) -> list[tuple[bool, str]]:
         (d.eval_limit is None or d.eval_limit >= 1, "data.eval_limit must be >= 1 (or null)"),
         (_fin(t.timeout_s), "tools.timeout_s must be finite"),
         (t.max_call_chars >= 1, "tools.max_call_chars must be >= 1"),
-        (
-            r.engine in ("transformers", "vllm"),
-            f"rollout.engine={r.engine!r} is not an engine (choose: transformers, vllm)",
-        ),
         (_fin(r.temperature), "rollout.temperature must be finite"),
         (0.0 < r.top_p <= 1.0, "rollout.top_p must be in (0, 1]"),
         (r.max_context_tokens >= 1, "rollout.max_context_tokens must be >= 1"),
@@ -186,7 +184,10 @@ _LOGPROBS_MODES = ("auto", "processed_logprobs", "raw_logprobs")
 
 
 def _vllm_checks(v: VLLMConfig) -> list[tuple[bool, str]]:
-    """The checks of `rollout.vllm` (the only place they are made; `check_vllm_config` raises on the first)."""
+    """The checks of `rollout.vllm` (the only place they are made; `check_vllm_config` raises on the first). An
+    unregistered `weight_sync` (other than auto) raises here, listing the registered routes."""
+    if v.weight_sync != "auto":
+        WEIGHT_SYNC_ROUTES.get(v.weight_sync)
     return [
         (v.mode in ("colocate", "server"), f"rollout.vllm.mode={v.mode!r} must be colocate or server"),
         (
@@ -215,22 +216,11 @@ def _vllm_checks(v: VLLMConfig) -> list[tuple[bool, str]]:
         (v.sync_check_tokens >= 1, "rollout.vllm.sync_check_tokens must be >= 1"),
         (v.sync_warn_dlogprob >= 0, "rollout.vllm.sync_warn_dlogprob must be >= 0"),
         (v.timeout_s > 0 and _fin(v.timeout_s), "rollout.vllm.timeout_s must be > 0 and finite"),
-        (
-            v.weight_sync in WEIGHT_SYNC_ROUTES,
-            f"rollout.vllm.weight_sync={v.weight_sync!r} must be one of {', '.join(WEIGHT_SYNC_ROUTES)}",
-        ),
         (v.sync_bucket_mb >= 1, "rollout.vllm.sync_bucket_mb must be >= 1"),
         (0 <= v.nccl_port < 65536, "rollout.vllm.nccl_port must be in [0, 65535] (0: a free port)"),
     ]
 
 
-WEIGHT_SYNC_ROUTES = ("auto", "file", "direct", "shm", "ipc", "nccl")
-# the routes each way of running vLLM takes (`resolve_weight_sync`), the first the default on CUDA, the second on CPU
-_ROUTES_OF = {
-    "async": ("ipc", "shm", "file"),  # colocated AsyncLLM: engine core in a child process
-    "sync": ("direct", "direct", "file"),  # colocated vllm.LLM: the model lives in this process
-    "server": ("nccl", "file", "file"),  # vLLM's own server
-}
 _WHERE = {
     "async": "a colocated AsyncLLM (colocate_engine=async)",
     "sync": "vLLM in this process (colocate_engine=sync)",
@@ -248,22 +238,28 @@ def vllm_runs_as(v: VLLMConfig, ranks: int) -> str:
     return "async" if ranks == 1 else "sync"
 
 
+def _default_route(runs: str, cuda: bool) -> str:
+    """The route `weight_sync=auto` takes for vLLM running as `runs` with or without CUDA (the registered route whose
+    `default_for` holds the pair; file if none)."""
+    names = WEIGHT_SYNC_ROUTES.names()
+    return next((n for n in names if (runs, cuda) in WEIGHT_SYNC_ROUTES.get(n).default_for), "file")
+
+
 def resolve_weight_sync(v: VLLMConfig, *, cuda: bool, ranks: int) -> str:
     """The weight-sync route for `v` (`rollout.vllm.weight_sync`, `auto` resolved) on a machine with (`cuda`) or
     without GPUs and `ranks` trainer ranks. Raises ConfigError (one line naming the platform and the route that would
     work) for a route this way of running vLLM or this platform lacks: ipc/nccl/sleep need CUDA, direct needs vLLM in
     this process, shm/ipc a colocated AsyncLLM, nccl the server."""
     runs = vllm_runs_as(v, ranks)
-    on_gpu, on_cpu, _ = _ROUTES_OF[runs]
-    route = v.weight_sync if v.weight_sync != "auto" else (on_gpu if cuda else on_cpu)
+    on_cpu, default = _default_route(runs, cuda=False), _default_route(runs, cuda)
+    route = v.weight_sync if v.weight_sync != "auto" else default
     platform = "CUDA" if cuda else "CPU (no CUDA GPU)"
-    if route in ("ipc", "nccl") and not cuda:
+    if WEIGHT_SYNC_ROUTES.get(route).needs_cuda and not cuda:
         raise ConfigError(
             f"rollout.vllm.weight_sync={route} needs CUDA GPUs and this machine has none: on CPU use "
             f"weight_sync={on_cpu} (or auto) for {_WHERE[runs]}"
         )
-    if route not in _ROUTES_OF[runs]:
-        default = on_gpu if cuda else on_cpu
+    if runs not in WEIGHT_SYNC_ROUTES.get(route).runs_with:
         works = " or ".join(f"weight_sync={r}" for r in dict.fromkeys((default, "file")))
         raise ConfigError(
             f"rollout.vllm.weight_sync={route} does not work with {_WHERE[runs]} on {platform}: use {works} "

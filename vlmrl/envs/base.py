@@ -12,10 +12,11 @@ import copy
 import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import ClassVar, Generic, TypeVar
+from typing import Callable, ClassVar, Generic, TypeVar
 
 from vlmrl.config import DataConfig, EnvConfig
 from vlmrl.data import Row, task_of
+from vlmrl.registry import ENVIRONMENTS
 from vlmrl.types import CORRECT, Message, Role, Task
 
 
@@ -136,3 +137,20 @@ class PromptEnv(Environment[C]):
         if self.task is None:
             raise RuntimeError(f"{type(self).__name__}.step called before reset")
         return self.task
+
+
+E = TypeVar("E", bound=type)
+
+
+def register_env(name: str) -> Callable[[E], E]:
+    """Class decorator: register an `Environment` subclass under `name` (`vlmrl.registry.ENVIRONMENTS`), so that
+    `env._target_=name` selects it as its import path does (an environment outside vlmrl is named by its import
+    path, `env._target_=package.module:Class`, and needs no registration)."""
+
+    def deco(cls: E) -> E:
+        if not (isinstance(cls, type) and issubclass(cls, Environment)):
+            raise TypeError(f"register_env({name!r}): {cls!r} is not an Environment subclass")
+        ENVIRONMENTS.add(name, cls)
+        return cls
+
+    return deco

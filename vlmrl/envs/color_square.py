@@ -15,7 +15,7 @@ from typing import cast
 from PIL import Image
 
 from vlmrl.config import DataConfig, EnvConfig
-from vlmrl.envs.base import Environment, StepResult
+from vlmrl.envs.base import Environment, StepResult, register_env
 from vlmrl.rewards import extract_boxed
 from vlmrl.types import CORRECT, FORMATTED, PARSE_FAIL, ImagePart, Message, Role, Task, TextPart
 
@@ -70,6 +70,7 @@ class ColorSquareConfig(EnvConfig):
     _target_: str = "vlmrl.envs.color_square.ColorSquareEnv"
 
 
+@register_env("color_square")
 class ColorSquareEnv(Environment[ColorSquareConfig]):
     """Two questions, one image each (one if `max_turns` is 1)."""
 

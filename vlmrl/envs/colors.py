@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from PIL import Image
 
 from vlmrl.config import DataConfig, EnvConfig
-from vlmrl.envs.base import PromptEnv, StepResult
+from vlmrl.envs.base import PromptEnv, StepResult, register_env
 from vlmrl.rewards import word_turn
 from vlmrl.types import CORRECT, ImagePart, Message, Role, Task, TextPart
 
@@ -91,6 +91,7 @@ class ColorsConfig(EnvConfig):
     max_turns: int = 1
 
 
+@register_env("colors")
 class ColorsEnv(PromptEnv[ColorsConfig]):
     """One square; a wrong answer with turns left gets FEEDBACK and another try."""
 

@@ -30,7 +30,7 @@ from vlmrl.config import (
     DataConfig,
     EnvConfig,
 )
-from vlmrl.envs.base import Environment, StepResult
+from vlmrl.envs.base import Environment, StepResult, register_env
 from vlmrl.rewards import extract_boxed
 from vlmrl.types import CORRECT, FORMATTED, PARSE_FAIL, ImagePart, Message, Role, Task, TextPart
 
@@ -125,6 +125,7 @@ def parse_move(text: str) -> tuple[int | None, bool]:
     return _ALIASES.get(boxed.strip().strip(".").lower()), True
 
 
+@register_env("frozenlake")
 class FrozenLakeEnv(Environment[FrozenLakeConfig]):
     """One FrozenLake episode on the task's map; `seed` drives slips (slippery maps only: the factory's episodes
     get seeds 1, 2, ... from a shared counter, so the episodes of one GRPO group slip differently)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vlmrl.config import EnvConfig
-from vlmrl.envs.base import Environment, StepResult, with_system_prompt
+from vlmrl.envs.base import Environment, StepResult, register_env, with_system_prompt
 from vlmrl.envs.reward_funcs import RewardSpec, load_reward_funcs, weighted_reward
 from vlmrl.types import CORRECT, FORMATTED, Message, Role, Task
 
@@ -46,6 +46,7 @@ class SingleTurnConfig(MultiTurnConfig):
     max_turns: int = 1
 
 
+@register_env("multi_turn")
 class MultiTurnEnv(Environment[MultiTurnConfig]):
     """One episode of a dataset row: reply, reward functions, feedback while below the threshold."""
 
@@ -84,6 +85,7 @@ class MultiTurnEnv(Environment[MultiTurnConfig]):
         return StepResult(reward, done, messages, {CORRECT: float(correct), FORMATTED: float(reward > 0)})
 
 
+@register_env("single_turn")
 class SingleTurnEnv(MultiTurnEnv):
     """One reply per episode (`max_turns` 1), graded by the reward functions."""
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from PIL import Image
 
 from vlmrl.data.row import Row
+from vlmrl.envs.base import register_env
 from vlmrl.envs.geometry3k import Geometry3KConfig, Geometry3KEnv, GeometryRow, format_prompt, geometry_row
 from vlmrl.envs.geometry3k import build_task as geometry_task
 from vlmrl.tools.builtin import calculate, crop_image, zoom_image
@@ -45,6 +46,7 @@ class Geometry3KToolsConfig(Geometry3KConfig):
     max_turns: int = 4
 
 
+@register_env("geometry3k_tools")
 class Geometry3KToolsEnv(Geometry3KEnv):
     """A Geometry3K episode whose tools act on this episode's diagram."""
 

@@ -21,7 +21,7 @@ from PIL import Image
 
 from vlmrl.config import DataConfig, EnvConfig
 from vlmrl.envs import colors
-from vlmrl.envs.base import split_seed_base
+from vlmrl.envs.base import register_env, split_seed_base
 from vlmrl.envs.colors import COLORS, ColorsConfig, ColorsEnv
 from vlmrl.types import ImagePart, Message, Role, Task, TextPart
 
@@ -70,6 +70,7 @@ class GuessConfig(ColorsConfig):
     max_turns: int = 2
 
 
+@register_env("guess")
 class GuessEnv(ColorsEnv):
     """Two colours shown, one is the answer; a wrong answer with turns left gets FEEDBACK and another try
     (`ColorsEnv`'s grading), and each turn reports `shown`: the answer is one of the two colours."""

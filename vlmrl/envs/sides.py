@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from PIL import Image, ImageDraw
 
 from vlmrl.config import DataConfig, EnvConfig
-from vlmrl.envs.base import HELD_OUT, PromptEnv, StepResult, split_seed_base
+from vlmrl.envs.base import HELD_OUT, PromptEnv, StepResult, register_env, split_seed_base
 from vlmrl.rewards import word_turn
 from vlmrl.types import ImagePart, Message, Role, Task, TextPart
 
@@ -88,6 +88,7 @@ def make_demos(env_cfg: SidesConfig, count: int, seed: int = 0) -> list[list[Mes
     return demos
 
 
+@register_env("sides")
 class SidesEnv(PromptEnv[SidesConfig]):
     """One canvas, one answer: left or right."""
 

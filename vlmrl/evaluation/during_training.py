@@ -12,6 +12,7 @@ from vlmrl.config import Config
 from vlmrl.evaluation.metrics import _summary
 from vlmrl.evaluation.report.run_data import EVAL_TRAJECTORIES
 from vlmrl.evaluation.rollouts import chunks, eval_data_cfg, rollout_records
+from vlmrl.registry import ROLLOUT_ENGINES
 from vlmrl.runs.jsonl import read_jsonl, write_jsonl_atomic
 
 if TYPE_CHECKING:
@@ -77,7 +78,8 @@ def eval_during_training(setup: EvalSetup, step: int) -> dict[str, float]:
     with torch.random.fork_rng(devices=devices), trainer.policy() as module:
         torch.manual_seed(cfg.seed + 7919 * step + trainer.rank)
         runner = setup.runner
-        if cfg.rollout.engine == "transformers":  # one gathered block for the whole eval, not one per generate call
+        # an engine sampling with the trainer's module: one gathered block for the whole eval, not one per generate call
+        if ROLLOUT_ENGINES.get(cfg.rollout.engine).shares_policy_module:
             from vlmrl.rollout import make_engine
 
             runner = copy.copy(setup.runner)

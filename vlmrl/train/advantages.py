@@ -1,10 +1,49 @@
-"""GRPO group advantages (pure Python, no torch): `group_advantages`. Per-turn advantages: `turn_advantages`."""
+"""Advantage estimators (`algorithm.advantage`), registered by name in `vlmrl.registry.ADVANTAGE_ESTIMATORS`, and
+GRPO's group advantages (pure Python, no torch): `group_advantages`, the `episode` estimator. The `turn` estimator
+(per-turn reward-to-go) is in `vlmrl.train.turn_advantages`.
+
+An estimator is one function `assign(cfg, trajectories)` that writes `Trajectory.advantage` (and, for a per-turn
+estimator, `Trajectory.turn_advantages`, one per assistant turn) for one step's trajectories, decorated with
+`@register_advantage(name)`. A new estimator is its own module plus one config line
+`algorithm.advantage=package.module:name`.
+"""
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from vlmrl.registry import ADVANTAGE_ESTIMATORS
+
+if TYPE_CHECKING:
+    from vlmrl.config import Config
+    from vlmrl.types import Trajectory
+
+AssignFn = Callable[["Config", "list[Trajectory]"], None]
+
+
+@dataclass(frozen=True)
+class AdvantageEstimator:
+    """A registered advantage estimator. assign: writes the advantages of one step's trajectories (all GRPO groups
+    of this rank); per_turn: it writes one advantage per assistant turn (`Trajectory.turn_advantages`), which only
+    `export.style=individual` (one sample per turn) can train on."""
+
+    name: str
+    assign: AssignFn
+    per_turn: bool = False
+
+
+def register_advantage(name: str, *, per_turn: bool = False) -> Callable[[AssignFn], AssignFn]:
+    """Decorator: register `fn(cfg, trajectories)` as the advantage estimator `name` (see `AdvantageEstimator`)."""
+
+    def deco(fn: AssignFn) -> AssignFn:
+        ADVANTAGE_ESTIMATORS.add(name, AdvantageEstimator(name=name, assign=fn, per_turn=per_turn))
+        return fn
+
+    return deco
 
 
 def group_advantages(
@@ -32,3 +71,14 @@ def group_advantages(
         for i, v in zip(idx, vals):
             out[i] = (v - mean) / (std + eps) if scale_by_std else v - mean
     return out
+
+
+@register_advantage("episode")
+def episode_advantages(cfg: Config, trajs: list[Trajectory]) -> None:
+    """GRPO: one advantage per trajectory, its reward normalised within its group (`group_advantages`, with
+    `algorithm.scale_by_std`)."""
+    advs = group_advantages(
+        [t.reward for t in trajs], [t.group for t in trajs], scale_by_std=cfg.algorithm.scale_by_std
+    )
+    for traj, adv in zip(trajs, advs):
+        traj.advantage = adv

@@ -26,6 +26,8 @@ from enum import Enum
 
 import torch
 
+from vlmrl.registry import ROLLOUT_ENGINES
+
 
 class Correction(str, Enum):
     auto = "auto"
@@ -36,11 +38,16 @@ class Correction(str, Enum):
 
 
 def resolve(mode: Correction | str, engine: str, off_policy_steps: int = 0) -> Correction:
-    """`auto` -> tis for the vLLM engine (`rollout.engine=vllm`) or off-policy rollouts (`algorithm.off_policy_steps`
+    """`auto` -> tis for an engine whose logprobs come from another implementation of the policy (the registered
+    engine's `needs_rollout_correction`: vllm) or off-policy rollouts (`algorithm.off_policy_steps`
     > 0: the behaviour policy is an older version of the weights), off otherwise; other modes unchanged."""
     mode = Correction(mode)
     if mode is Correction.auto:
-        return Correction.tis if engine == "vllm" or off_policy_steps > 0 else Correction.off
+        return (
+            Correction.tis
+            if ROLLOUT_ENGINES.get(engine).needs_rollout_correction or off_policy_steps > 0
+            else Correction.off
+        )
     return mode
 
 

@@ -2,7 +2,7 @@
 exclusion of episodes with unusable rewards from their group, and the samples (`vlmrl.export.to_samples`).
 
 - `export_style`: `concat` needs a prefix-preserving template and no history window, else `individual`.
-- `assign_step_advantages`: `algorithm.advantage` episode (GRPO per trajectory) or turn (per-turn reward-to-go).
+- `assign_step_advantages`: the registered estimator `algorithm.advantage` (`vlmrl.registry.ADVANTAGE_ESTIMATORS`).
 - `step_samples`: episodes whose reward is NaN, inf or beyond `vlmrl.rewards.REWARD_BOUND` leave their GRPO group
   (`vlmrl.runs.resume.split_unusable`) before the advantages; a rank left with nothing trains with loss mask 0.
 - `gather_bad_episodes`: over all ranks, the excluded episodes and the ones that skip the step's update.
@@ -18,13 +18,11 @@ import torch
 
 from vlmrl.config import Config, ExportStyle
 from vlmrl.export import to_samples
+from vlmrl.registry import ADVANTAGE_ESTIMATORS
 from vlmrl.rewards import REWARD_BOUND
 from vlmrl.runs.resume import nonfinite_episodes, split_unusable
 from vlmrl.tokens.base import PrefixMode, TokenBuilder
-from vlmrl.train import overlong
-from vlmrl.train.advantages import group_advantages
 from vlmrl.train.dynamic_sampling import SampledBatch
-from vlmrl.train.turn_advantages import assign_turn_advantages
 from vlmrl.types import Sample, Trajectory
 
 if TYPE_CHECKING:
@@ -53,29 +51,10 @@ def export_style(requested: ExportStyle, builder: TokenBuilder, keep_images: int
     return requested
 
 
-def assign_advantages(trajs: list[Trajectory], scale_by_std: bool) -> None:
-    """GRPO advantages within each group (one group per prompt), written onto the trajectories."""
-    advs = group_advantages([t.reward for t in trajs], [t.group for t in trajs], scale_by_std=scale_by_std)
-    for traj, adv in zip(trajs, advs):
-        traj.advantage = adv
-
-
 def assign_step_advantages(cfg: Config, trajs: list[Trajectory]) -> None:
-    """`algorithm.advantage`: episode (GRPO per trajectory) or turn (discounted reward-to-go per turn, with each
-    turn's overlong penalty; vlmrl.train.turn_advantages)."""
-    alg = cfg.algorithm
-    if alg.advantage != "turn":
-        assign_advantages(trajs, alg.scale_by_std)
-        return
-    pens = (
-        [
-            overlong.turn_penalties(t, cfg.rollout.max_new_tokens, alg.overlong_buffer, alg.overlong_penalty)
-            for t in trajs
-        ]
-        if alg.overlong_buffer
-        else None
-    )
-    assign_turn_advantages(trajs, alg.turn_discount, alg.scale_by_std, pens)
+    """The advantages of `algorithm.advantage` (a registered estimator, `vlmrl.registry.ADVANTAGE_ESTIMATORS`),
+    written onto the trajectories."""
+    ADVANTAGE_ESTIMATORS.get(cfg.algorithm.advantage).assign(cfg, trajs)
 
 
 def step_samples(

@@ -53,11 +53,12 @@ import torch
 
 from vlmrl.modeling.adapters import merged_state_dict, save_pretrained_merged
 from vlmrl.modeling.inputs import family_of_model
+from vlmrl.registry import LOSS_AGGREGATIONS
 from vlmrl.train import dist
 from vlmrl.train.dist import all_gather_object, is_main, world_size
 from vlmrl.train.grpo import LossStats, grpo_loss
 from vlmrl.train.logprobs import batch_logprobs, collate
-from vlmrl.train.loss_agg import LossAgg, token_weights
+from vlmrl.train.loss_agg import token_weights
 from vlmrl.train.rollout_correction import Correction, correction_weights
 from vlmrl.train.settings import (  # noqa: F401 - re-exported
     TrainerSettings,
@@ -167,8 +168,8 @@ class GRPOTrainer:
         self.objective = objective
 
         self.cfg = cfg if cfg is not None else TrainerSettings()
-        if LossAgg(self.cfg.loss_agg) is LossAgg.seq_mean_token_sum_norm and self.cfg.loss_agg_norm <= 0:
-            raise ValueError("loss_agg=seq-mean-token-sum-norm needs loss_agg_norm > 0 (the Dr. GRPO constant)")
+        if LOSS_AGGREGATIONS.get(self.cfg.loss_agg).uses_norm_len and self.cfg.loss_agg_norm <= 0:
+            raise ValueError(f"loss_agg={self.cfg.loss_agg} needs loss_agg_norm > 0 (the constant length L)")
         if self.cfg.dtype == "auto":
             bf16 = next(model.parameters()).dtype == torch.bfloat16
             self.cfg = dataclasses.replace(self.cfg, dtype="bf16" if bf16 else "fp32")

@@ -16,9 +16,14 @@ turn per episode this is exactly `group_advantages`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from vlmrl.train.advantages import group_advantages
+from vlmrl.train import overlong
+from vlmrl.train.advantages import group_advantages, register_advantage
 from vlmrl.types import Trajectory
+
+if TYPE_CHECKING:
+    from vlmrl.config import Config
 
 
 def reward_to_go(rewards: Sequence[float], gamma: float) -> list[float]:
@@ -63,3 +68,19 @@ def assign_turn_advantages(
     for traj, adv in zip(trajs, advs):
         traj.turn_advantages = adv
         traj.advantage = adv[0] if adv else 0.0
+
+
+@register_advantage("turn", per_turn=True)
+def turn_estimator(cfg: Config, trajs: list[Trajectory]) -> None:
+    """`algorithm.advantage=turn`: each turn's discounted (`algorithm.turn_discount`) reward-to-go of the group's
+    normalised turn rewards, each turn's overlong penalty (`algorithm.overlong_buffer` > 0) added to its reward."""
+    alg = cfg.algorithm
+    pens = (
+        [
+            overlong.turn_penalties(t, cfg.rollout.max_new_tokens, alg.overlong_buffer, alg.overlong_penalty)
+            for t in trajs
+        ]
+        if alg.overlong_buffer
+        else None
+    )
+    assign_turn_advantages(trajs, alg.turn_discount, alg.scale_by_std, pens)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from vlmrl.config import EnvConfig
 from vlmrl.data.row import Row
-from vlmrl.envs.base import Environment, StepResult, with_system_prompt
+from vlmrl.envs.base import Environment, StepResult, register_env, with_system_prompt
 from vlmrl.envs.geometry3k.grading import AnswerScore, ParseStatus, geometry_reward, score_choice_answer
 from vlmrl.envs.geometry3k.rows import GeometryRow, geometry_row
 from vlmrl.types import ImagePart, Message, Role, Task, TextPart
@@ -79,6 +79,7 @@ def feedback_text(template: str, score: AnswerScore, turns_left: int) -> str:
     return template.replace("{reason}", reason).replace("{turns_left}", str(turns_left))
 
 
+@register_env("geometry3k")
 class Geometry3KEnv(Environment[Geometry3KConfig]):
     """One Geometry3K episode: up to `max_turns` answers, feedback after each wrong one."""
 

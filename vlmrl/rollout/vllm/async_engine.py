@@ -34,10 +34,11 @@ from typing import Any, Coroutine, Iterator, TypeVar
 import torch
 
 from vlmrl.config import VLLMConfig
+from vlmrl.registry import WEIGHT_SYNC_ROUTES
 from vlmrl.rollout.engine import GenerateRequest
 from vlmrl.rollout.vllm.colocated import ColocatedBackend
 from vlmrl.rollout.vllm.convert import PROMPT_LOGPROBS, TokenIO
-from vlmrl.rollout.vllm.transfer import TRANSFER_ROUTES, AsyncLLMClient, items_source, make_sender, send
+from vlmrl.rollout.vllm.transfer import AsyncLLMClient, items_source, make_sender, send
 from vlmrl.rollout.vllm.weights import write_items
 from vlmrl.types import EnginePrompt, Generation
 
@@ -111,7 +112,7 @@ class AsyncColocated(ColocatedBackend):
     # --- weights, lifetime ---------------------------------------------------------------------------------------
     def load_weights(self, items: list[tuple[str, torch.Tensor]]) -> None:
         with self.paused():
-            if self.route not in TRANSFER_ROUTES:  # route file
+            if WEIGHT_SYNC_ROUTES.get(self.route).transfer_backend is None:  # route file
                 write_items(items, self.folder)
                 self._call(self.llm.collective_rpc("reload_weights", kwargs=self._reload_kwargs()))
             else:

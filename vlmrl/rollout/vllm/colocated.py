@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar, cast
 import torch
 
 from vlmrl.config import VLLMConfig
+from vlmrl.registry import WEIGHT_SYNC_ROUTES
 from vlmrl.rollout.engine import GenerateRequest
 from vlmrl.rollout.vllm.convert import PROMPT_LOGPROBS, TokenIO
 from vlmrl.rollout.vllm.transfer import transfer_engine_kwargs
@@ -79,7 +80,7 @@ def engine_kwargs(
         enable_sleep_mode=sleep,
         **transfer_engine_kwargs(route),
     )
-    if route == "ipc":  # the CUDA-IPC handles travel pickled (`transfer._wire_safe`); the engine core inherits it
+    if WEIGHT_SYNC_ROUTES.get(route).pickled_handles:  # e.g. ipc (`transfer._wire_safe`); the engine core inherits it
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     kv_gb = config.kv_cache_gb if config.kv_cache_gb is not None else (None if torch.cuda.is_available() else 1.0)
     if kv_gb is not None:

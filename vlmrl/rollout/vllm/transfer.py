@@ -30,23 +30,23 @@ from typing import TYPE_CHECKING, Any, Callable, Coroutine, Iterator
 
 import torch
 
+from vlmrl.registry import WEIGHT_SYNC_ROUTES
+
 if TYPE_CHECKING:
     from vlmrl.config import VLLMConfig
 
 log = logging.getLogger("vlmrl.rollout.vllm")
 
-TRANSFER_ROUTES = ("shm", "ipc", "nccl")  # the routes through vLLM's weight-transfer API
-_BACKEND = {"shm": "vlmrl_shm", "ipc": "ipc", "nccl": "nccl"}
-
 
 def transfer_engine_kwargs(route: str) -> dict[str, Any]:
     """The vLLM engine arguments a route needs: `weight_transfer_config` (shm/ipc/nccl) and, for shm, the worker
     extension whose import registers `vlmrl_shm` in vLLM's worker process."""
-    if route not in TRANSFER_ROUTES:
+    spec = WEIGHT_SYNC_ROUTES.get(route)
+    if spec.transfer_backend is None:
         return {}
-    kwargs: dict[str, Any] = {"weight_transfer_config": {"backend": _BACKEND[route]}}
-    if route == "shm":
-        kwargs["worker_extension_cls"] = "vlmrl.rollout.vllm.shm.ShmWorkerExtension"
+    kwargs: dict[str, Any] = {"weight_transfer_config": {"backend": spec.transfer_backend}}
+    if spec.worker_extension:
+        kwargs["worker_extension_cls"] = spec.worker_extension
     return kwargs
 
 
@@ -226,31 +226,12 @@ def make_sender(route: str, client: Any, source: Any, config: VLLMConfig, *, ran
         raise RuntimeError(
             f"rollout.vllm.weight_sync={route} needs vLLM's weight-transfer API (vLLM >= 0.32); use weight_sync=file"
         ) from exc
-    if route in ("ipc", "nccl") and not torch.cuda.is_available():
+    spec = WEIGHT_SYNC_ROUTES.get(route)
+    if spec.init_info is None:
+        raise ValueError(f"weight_sync={route} is not a route through vLLM's weight-transfer API")
+    if spec.needs_cuda and not torch.cuda.is_available():
         raise RuntimeError(f"rollout.vllm.weight_sync={route} needs CUDA; on CPU use shm (colocated) or file")
-    bucket = bucket_bytes(config, source.params())
-    if route == "shm":
-        from vlmrl.rollout.vllm.shm import ShmTrainerInitInfo
-
-        info: Any = ShmTrainerInitInfo(rank=rank, bucket_bytes=bucket)
-    elif route == "ipc":
-        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
-
-        info = IPCTrainerInitInfo(rank=rank, packed=True, packed_buffer_size_bytes=bucket)
-    elif route == "nccl":
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
-
-        info = NCCLTrainerInitInfo(
-            rank=rank,
-            master_address=config.nccl_address,
-            master_port=config.nccl_port or _free_port(),
-            world_size=1 + workers,
-            packed=True,
-            packed_buffer_size_bytes=bucket,
-            packed_num_buffers=nccl_buffers(),
-        )
-    else:
-        raise ValueError(f"weight_sync={route} is not a weight-transfer route ({', '.join(TRANSFER_ROUTES)})")
+    info = spec.init_info(rank, bucket_bytes(config, source.params()), config, workers)
     return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
 
 
@@ -284,7 +265,7 @@ def bucket_bytes(config: VLLMConfig, params: list[Any]) -> int:
     return bucket
 
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket
 
     with socket.socket() as s:

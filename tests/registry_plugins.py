@@ -1,0 +1,24 @@
+"""An advantage estimator and a rollout engine registered from outside the vlmrl package (tests/test_registry.py
+names them by one config line each: `algorithm.advantage=registry_plugins:reward_minus_half`,
+`rollout.engine=registry_plugins:counting`)."""
+
+from __future__ import annotations
+
+from vlmrl.rollout.engines import register_engine, transformers_engine
+from vlmrl.train.advantages import register_advantage
+
+BUILT: list[str] = []  # the `rollout.engine` value of every engine the counting factory built
+
+
+@register_advantage("reward_minus_half")
+def reward_minus_half(cfg, trajs) -> None:
+    """advantage = reward - 0.5, no group statistics (a value GRPO never gives for a group of equal rewards)."""
+    for t in trajs:
+        t.advantage = t.reward - 0.5
+
+
+@register_engine("counting", shares_policy_module=True, needs_rollout_correction=False)
+def counting(rollout_cfg, policy, processor, builder):
+    """The transformers engine, each build counted."""
+    BUILT.append(rollout_cfg.engine)
+    return transformers_engine(rollout_cfg, policy, processor, builder)
