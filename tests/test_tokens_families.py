@@ -16,7 +16,7 @@ import torch
 from conftest import check_held_once, resend_messages
 
 from vlmrl.config import ExportStyle
-from vlmrl.modeling.families import tiny_family
+from vlmrl.families.tiny import tiny_family
 from vlmrl.modeling.inputs import model_inputs
 from vlmrl.modeling.loading import tiny_model
 from vlmrl.tokens import get_builder
