@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from vlmrl.families import FAMILIES, Family, InputStyle, family_of_model_type, get_family, register_family
+from vlmrl.families import FAMILIES, Family, TinyRecipe, family_of_model_type, get_family, register_family
+from vlmrl.families.qwen_vl import QWEN_LAYOUT
 from vlmrl.tokens.base import TokenBuilder
 from vlmrl.tools.parsers import get_parser, parser_names
 
@@ -21,7 +22,7 @@ def test_tiny_fixture_config_is_a_model_type_of_its_family(name):
     model_type = json.loads((TINY / family.tiny.assets / "config.json").read_text())["model_type"]
     assert model_type in family.model_types
     claimed = FAMILIES[family_of_model_type(model_type)]  # may be an earlier family sharing the architecture
-    assert claimed.tiny.assets == family.tiny.assets and claimed.input_style is family.input_style
+    assert claimed.tiny.assets == family.tiny.assets and claimed.input_layout is family.input_layout
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -49,7 +50,14 @@ def test_register_family_reaches_every_consumer(qwen25_processor):
     from vlmrl.tokens.mimo_vl import MiMoVLBuilder
     from vlmrl.tokens.qwen_vl import QwenVLBuilder
 
-    mine = Family("my_vl", "vlmrl.tokens.qwen_vl:QwenVLBuilder", "<|image_pad|>", ("my_vl",), InputStyle.qwen, "hermes")
+    mine = Family(
+        name="my_vl",
+        builder="vlmrl.tokens.qwen_vl:QwenVLBuilder",
+        image_token="<|image_pad|>",
+        model_types=("my_vl",),
+        input_layout=QWEN_LAYOUT,
+        tool_parser="hermes",
+    )
     register_family(mine)
     try:
         assert "my_vl" in builder_families() and input_style("my_vl") == "qwen"
@@ -64,13 +72,13 @@ def test_register_family_reaches_every_consumer(qwen25_processor):
 
 
 def test_a_family_registered_after_import_reaches_the_tiny_fixture_loader(monkeypatch):
-    """`vlmrl.modeling.families.tiny_families()` reads the registry at each call: a copy of qwen2_5_vl registered
+    """`vlmrl.families.tiny.tiny_families()` reads the registry at each call: a copy of qwen2_5_vl registered
     now loads as `tiny:<name>` with Qwen2.5-VL's processor (151643 base + 22 added tokens) and is fetched by
     `python -m vlmrl.modeling fetch`."""
     import dataclasses
 
+    from vlmrl.families.tiny import chat_template, tiny_families, tiny_family
     from vlmrl.modeling import tokenizer_fetch
-    from vlmrl.modeling.families import chat_template, tiny_families, tiny_family
     from vlmrl.modeling.loading import load_processor
 
     register_family(dataclasses.replace(FAMILIES["qwen2_5_vl"], name="late_vl", model_types=("late_vl",)))
@@ -85,3 +93,38 @@ def test_a_family_registered_after_import_reaches_the_tiny_fixture_loader(monkey
         del FAMILIES["late_vl"]
     with pytest.raises(ValueError, match="model.family must be one of .*; got 'late_vl'"):
         tiny_family("late_vl")
+
+
+def test_family_and_recipe_take_keywords_only():
+    with pytest.raises(TypeError):
+        Family("my_vl", "vlmrl.tokens.qwen_vl:QwenVLBuilder")  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        TinyRecipe(22, "qwen2_5_vl.jinja", "qwen", "qwen2_5_vl")  # type: ignore[misc]
+
+
+def test_every_family_with_a_model_has_its_layout_and_only_remote_code_ones_have_none():
+    """Each layout is one object shared by its families, named, with its tensor shapes in its docstring."""
+    from vlmrl.families.layout import InputLayout
+
+    without = {name for name, f in FAMILIES.items() if f.input_layout is None}
+    assert without == {"kimi_vl", "deepseek_vl2"}
+    layouts = {id(f.input_layout): f.input_layout for f in FAMILIES.values() if f.input_layout is not None}
+    assert sorted(lay.name for lay in layouts.values()) == ["gemma3", "idefics3", "llava_next", "qwen"]
+    for layout in layouts.values():
+        assert isinstance(layout, InputLayout) and "pixel_values [" in (type(layout).__doc__ or "")
+    assert FAMILIES["smolvlm"].input_layout is FAMILIES["idefics3"].input_layout
+    assert all(FAMILIES[n].input_layout is QWEN_LAYOUT for n in ("qwen3_5_think", "glm4v_moe", "mimo_vl"))
+
+
+def test_the_old_module_path_still_imports_with_a_deprecation_warning():
+    import importlib
+    import sys
+
+    from vlmrl.families import tiny
+
+    sys.modules.pop("vlmrl.modeling.families", None)
+    with pytest.warns(DeprecationWarning, match="vlmrl.modeling.families moved to vlmrl.families.tiny"):
+        old = importlib.import_module("vlmrl.modeling.families")
+    assert old is tiny and old.FamilySpec is TinyRecipe
+    assert old.tiny_family("qwen2_5_vl") == FAMILIES["qwen2_5_vl"].tiny and "gemma3" in old.tiny_families()
+    assert old.chat_template("gemma3") == tiny.chat_template("gemma3")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from vlmrl.config import ModelConfig
-from vlmrl.modeling.families import tiny_family
+from vlmrl.families.tiny import tiny_family
 from vlmrl.modeling.inputs import mm_token_type_ids, policy_inputs
 from vlmrl.modeling.loading import load_policy, load_processor
 from vlmrl.modeling.qwen_bpe import qwen_tokenizer, qwen_tokenizer_json

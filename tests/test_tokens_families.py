@@ -16,7 +16,7 @@ import torch
 from conftest import check_held_once, resend_messages
 
 from vlmrl.config import ExportStyle
-from vlmrl.modeling.families import tiny_family
+from vlmrl.families.tiny import tiny_family
 from vlmrl.modeling.inputs import model_inputs
 from vlmrl.modeling.loading import tiny_model
 from vlmrl.tokens import get_builder
@@ -317,6 +317,36 @@ def test_family_tokenizers(processors):
     assert mistral.convert_tokens_to_ids(["<image>", "<pad>"]) == [32000, 32001]
     assert processors("llava_next").num_additional_image_tokens == 1
     assert tiny_family("smolvlm").real is False and all(tiny_family(f).real for f in FAMILY_NAMES if f != "smolvlm")
+
+
+# what the processor returns that the model inputs leave out, and why
+_NOT_SENT = {
+    "idefics3": {"pixel_attention_mask", "text_replacement_offsets"},  # all-zero crops are dropped by the model
+}
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5_think", "gemma3", "idefics3", "llava_next"])
+def test_model_inputs_are_the_processors_own(family, processors, small_images):
+    """Each input layout (`Family.input_layout`) builds, from the builder's ids and vision, the very tensors the
+    family's processor returns for the same conversation (two images of different sizes): same keys, dtypes, values."""
+    processor = processors(family)
+    builder = get_builder(family, processor)
+    images = [small_images[0], small_images[2]]
+    msgs = [user(images[0], "Left.", images[1], "Right: find x.")]
+    seq = builder.start(msgs)
+    ours = model_inputs(family, seq.ids, builder.vision(seq), builder.image_token_id)
+    theirs = processor.apply_chat_template(
+        [m.to_hf() for m in msgs],
+        tokenize=True,
+        return_dict=True,
+        return_tensors="pt",
+        add_generation_prompt=True,
+        processor_kwargs={**builder._processor_kwargs(), "images": images},
+        **builder.template_kwargs,
+    )
+    assert set(theirs) - set(ours) == _NOT_SENT.get(family, set()) and set(ours) <= set(theirs)
+    for key, value in ours.items():
+        assert value.dtype == theirs[key].dtype and torch.equal(value, theirs[key]), key
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_think", "gemma3", "idefics3", "smolvlm", "llava_next"])

@@ -31,6 +31,7 @@ MOVED = {
     "vlmrl.rollout.vllm_shm": "vlmrl.rollout.vllm.shm",
     "vlmrl.rollout.vllm_convert": "vlmrl.rollout.vllm.convert",
     "vlmrl.rollout.vllm_weights": "vlmrl.rollout.vllm.weights",
+    "vlmrl.modeling.families": "vlmrl.families.tiny",
 }
 
 

@@ -34,7 +34,7 @@ from text_fixtures import *  # noqa: F403 (its pytest fixtures, processor and bu
 from vlmrl.config import ExportStyle, RolloutConfig, VLLMConfig
 from vlmrl.envs.base import Environment, StepResult
 from vlmrl.export import to_samples
-from vlmrl.modeling.families import chat_template
+from vlmrl.families.tiny import chat_template
 from vlmrl.modeling.qwen_bpe import qwen_tokenizer
 from vlmrl.rollout import make_engine
 from vlmrl.rollout.engine import SamplingParams

@@ -93,7 +93,7 @@ def _model_type_of_dir(path: Path) -> str | None:
 
 def _load_path_processor(family: str, path: str) -> Any:
     """A local folder or hub id's processor: `load_processor` for families with a tiny fixture, else AutoProcessor."""
-    from vlmrl.modeling.families import tiny_families
+    from vlmrl.families.tiny import tiny_families
     from vlmrl.modeling.loading import load_processor
 
     if family in tiny_families():

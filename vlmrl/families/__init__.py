@@ -3,15 +3,18 @@
     get_family("qwen2_5_vl").builder_class()      # its TokenBuilder
     family_of_model_type("qwen3_5")               # -> "qwen3_5_think" (the first family listing that model_type)
 
-A new family is one module defining `FAMILIES = (Family(...),)` plus its tests; add it to `_MODULES` (built in) or
-call `register_family` from your own code before the run starts.
+A new family is one module defining `FAMILIES = (Family(name=..., builder=..., ...),)` (with its `InputLayout`
+subclass there if no existing layout fits) plus its tests; add it to `_MODULES` (built in) or call `register_family`
+from your own code before the run starts. `vlmrl.families.tiny`: the families with an offline tiny fixture and their
+chat templates.
 """
 
 from __future__ import annotations
 
 import importlib
 
-from vlmrl.families.base import Family, InputStyle, TinyRecipe
+from vlmrl.families.base import Family, TinyRecipe
+from vlmrl.families.layout import InputLayout
 
 _MODULES = ("qwen_vl", "qwen3_5", "gemma3", "idefics3", "llava_next", "glm4v", "kimi_vl", "mimo_vl", "deepseek_vl2")
 
@@ -41,4 +44,4 @@ def family_of_model_type(model_type: str) -> str | None:
     return model_type if model_type in FAMILIES else None
 
 
-__all__ = ["FAMILIES", "Family", "InputStyle", "TinyRecipe", "family_of_model_type", "get_family", "register_family"]
+__all__ = ["FAMILIES", "Family", "InputLayout", "TinyRecipe", "family_of_model_type", "get_family", "register_family"]

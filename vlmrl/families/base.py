@@ -1,29 +1,23 @@
 """`Family`: everything vlmrl knows about one model family, in one object (`vlmrl.families` holds the registry).
 
 A family is named by `model.family` (e.g. `qwen2_5_vl`). Its object says which token builder renders its
-conversations (`vlmrl.tokens`), how its images reach `forward`/`generate` (`input_style`, `vlmrl.modeling.inputs`),
-which tool-call format it writes (`tool_parser`, `vlmrl.tools.parsers`), which HF `model_type`s are its checkpoints,
-and how the offline tiny fixture of the real architecture is built (`tiny`, `vlmrl.modeling.loading`).
+conversations (`vlmrl.tokens`), how its images reach `forward`/`generate` (`input_layout`, an `InputLayout` of
+`vlmrl.families.layout`, read by `vlmrl.modeling.inputs`), which tool-call format it writes (`tool_parser`,
+`vlmrl.tools.parsers`), which HF `model_type`s are its checkpoints, and how the offline tiny fixture of the real
+architecture is built (`tiny`, `vlmrl.families.tiny`, `vlmrl.modeling.loading`). Both dataclasses take keyword
+arguments only.
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
-
-class InputStyle(str, Enum):
-    """The layout of a family's model inputs (`vlmrl.modeling.inputs.image_kwargs`)."""
-
-    qwen = "qwen"  # M-RoPE: mm_token_type_ids [B, T], pixel_values [num_patches, C*P*P], image_grid_thw [N, 3]
-    gemma3 = "gemma3"  # token_type_ids [B, T], pixel_values [N, 3, 896, 896]
-    idefics3 = "idefics3"  # pixel_values [1, crops, 3, S, S]
-    llava_next = "llava_next"  # pixel_values [N, max patches, 3, 336, 336], image_sizes [N, 2]
+from vlmrl.families.layout import InputLayout
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TinyRecipe:
     """How the offline tiny model of the real architecture and its real processor are built (`make fixtures`).
 
@@ -39,13 +33,14 @@ class TinyRecipe:
     real: bool = True
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Family:
     """One model family.
 
     name: the `model.family` value; builder: "module:Class" of its `TokenBuilder` (imported on first use);
     image_token: the expanded image placeholder token ("" if only its builder knows it); model_types: HF
-    `config.model_type`s of its real checkpoints (the first family listing a model_type claims it); input_style:
+    `config.model_type`s of its real checkpoints (the first family listing a model_type claims it); input_layout: how
+    its images reach `forward`/`generate` (`vlmrl.families.layout.InputLayout`, shapes in each layout's docstring),
     None when transformers cannot run the model with our inputs (remote-code models: Kimi-VL, DeepSeek-VL2);
     tool_parser: the `vlmrl.tools.parsers` format its chat template writes (None: set `tools.parser`); tiny: the
     offline fixture recipe (None: a format-only stand-in processor, `vlmrl.tokens.synthetic`)."""
@@ -54,7 +49,7 @@ class Family:
     builder: str
     image_token: str = ""
     model_types: tuple[str, ...] = ()
-    input_style: InputStyle | None = None
+    input_layout: InputLayout | None = None
     tool_parser: str | None = None
     tiny: TinyRecipe | None = None
 

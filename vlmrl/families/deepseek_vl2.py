@@ -2,4 +2,6 @@
 
 from vlmrl.families.base import Family
 
-FAMILIES = (Family("deepseek_vl2", "vlmrl.tokens.deepseek_vl2:DeepseekVL2Builder", "", ("deepseek_vl2",)),)
+FAMILIES = (
+    Family(name="deepseek_vl2", builder="vlmrl.tokens.deepseek_vl2:DeepseekVL2Builder", model_types=("deepseek_vl2",)),
+)

