@@ -31,6 +31,8 @@ MOVED = {
     "vlmrl.rollout.vllm_shm": "vlmrl.rollout.vllm.shm",
     "vlmrl.rollout.vllm_convert": "vlmrl.rollout.vllm.convert",
     "vlmrl.rollout.vllm_weights": "vlmrl.rollout.vllm.weights",
+    "vlmrl.data.schema": "vlmrl.data.row_schemas",
+    "vlmrl.tools.files": "vlmrl.tools.data_dir",
     "vlmrl.modeling.families": "vlmrl.families.tiny",
 }
 

@@ -2,7 +2,7 @@
 
 Sources (`data.path`, `vlmrl.data.readers`): a JSONL or parquet file, a folder (`<split>.jsonl`, `<split>*.parquet`
 or `data/<split>-*.parquet`), or a Hugging Face dataset id loaded with `datasets.load_dataset(path, split=split)`.
-Layouts (`data.layout`, `vlmrl.data.schema`): trl, verl, EasyR1, geometry3k, or `data.columns` mapping the
+Layouts (`data.layout`, `vlmrl.data.row_schemas`): trl, verl, EasyR1, geometry3k, or `data.columns` mapping the
 record's columns to the trl names; `auto` (the default) tells them apart by their columns.
 
 Every row is validated (pydantic schema, images decoded, an answer present, a unique id, then the environment's

@@ -1,5 +1,5 @@
-"""A validated record of one layout (`vlmrl.data.schema`) -> a `Row`: the prompt as messages with every image placed
-where the prompt puts it, the answer as text, and the other columns.
+"""A validated record of one layout (`vlmrl.data.row_schemas`) -> a `Row`: the prompt as messages with every image
+placed where the prompt puts it, the answer as text, and the other columns.
 
 Image placement: each `<image>` marker in a text, or each `{"type": "image"}` part of a conversation, takes the
 row's next image (a part with its own `image` value uses that one); a prompt with no marker at all gets the
@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from vlmrl.data.images import decode_image
 from vlmrl.data.readers import RawRecord, Source
 from vlmrl.data.row import BadRowError, Row
-from vlmrl.data.schema import SCHEMAS, ChatMessage, describe, detect_layout
+from vlmrl.data.row_schemas import SCHEMAS, ChatMessage, describe, detect_layout
 from vlmrl.types import ImagePart, Message, Part, Role, TextPart
 
 LAYOUTS = ("auto", "trl", "verl", "easyr1", "geometry3k", "columns")

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from vlmrl.tools.builtin import calculate
-    from vlmrl.tools.files import DataDir, FileAccessError
+    from vlmrl.tools.data_dir import DataDir, FileAccessError
     from vlmrl.tools.isolation import Sandbox
     from vlmrl.tools.parsers import HermesParser, ToolCallParser, get_parser, register_parser
     from vlmrl.tools.results import ImageBounds

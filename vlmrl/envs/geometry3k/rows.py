@@ -15,7 +15,7 @@ from PIL import Image
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from vlmrl.data.row import BadRowError, Row
-from vlmrl.data.schema import describe
+from vlmrl.data.row_schemas import describe
 
 LETTERS = "ABCDEFGHIJ"
 
