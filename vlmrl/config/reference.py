@@ -74,20 +74,23 @@ def sections(cls: type = Config, prefix: str = "") -> Iterator[tuple[str, type]]
             yield from sections(hints[f.name], f"{prefix}{f.name}.")
 
 
-def shipped_environments() -> list[tuple[type, type]]:
-    """(environment class, its config class) for every environment class in vlmrl/envs/ that declares its own
-    `config_class`, in module order."""
-    import vlmrl.envs as envs
-    from vlmrl.envs.base import Environment
-
+def shipped_environments(package: str = "vlmrl.envs") -> list[tuple[type, type]]:
+    """(environment class, its config class) for every class in `package` that declares its own `config_class` (an
+    `EnvConfig` subclass), in module order. The package is imported by name, as `env._target_` is when a config
+    loads: the config layer itself never imports the environments (tests/test_config_imports.py)."""
+    envs = importlib.import_module(package)
     found: list[tuple[type, type]] = []
-    for mod in pkgutil.walk_packages(envs.__path__, "vlmrl.envs."):
+    for mod in pkgutil.walk_packages(envs.__path__, f"{package}."):
         module = importlib.import_module(mod.name)
         for _, cls in inspect.getmembers(module, inspect.isclass):
             config_class = vars(cls).get("config_class")
-            if cls.__module__ != module.__name__ or not issubclass(cls, Environment) or config_class is None:
+            if cls.__module__ != module.__name__ or not isinstance(config_class, type):
                 continue
-            if config_class is not EnvConfig and (cls, config_class) not in found:
+            if (
+                issubclass(config_class, EnvConfig)
+                and config_class is not EnvConfig
+                and (cls, config_class) not in found
+            ):
                 found.append((cls, config_class))
     return found
 
