@@ -188,6 +188,17 @@ def test_batch_size_below_world_size_is_refused(monkeypatch):
     assert load("geometry3k_tiny", ["trainer.batch_size=4"]).trainer.batch_size == 4
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "bf16"])
+def test_zero_stage_0_with_bf16_weights_is_refused(dtype):
+    """Stage 0 in bf16 is DeepSpeed's FP16_UnfusedOptimizer, whose steps differ from AdamW's; stage 1 keeps fp32
+    master weights and steps as AdamW does (vlmrl.train.settings.effective_zero_stage)."""
+    with pytest.raises(ConfigError) as err:
+        load(None, [f"model.dtype={dtype}", "trainer.zero_stage=0"])
+    assert str(err.value).startswith("trainer.zero_stage=0 with model.dtype=bfloat16") and "\n" not in str(err.value)
+    assert load(None, [f"model.dtype={dtype}", "trainer.zero_stage=1"]).trainer.zero_stage == 1
+    assert load(None, ["model.dtype=float32", "trainer.zero_stage=0"]).trainer.zero_stage == 0
+
+
 def test_group_size_one_only_for_generate():
     with pytest.raises(ConfigError, match="group_size must be >= 2"):
         load("geometry3k_tiny", ["algorithm.group_size=1"])

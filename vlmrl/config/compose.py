@@ -86,7 +86,9 @@ def compose_config(recipe: Optional[str], overrides: list[str] | None) -> DictCo
     """
     overrides = list(overrides or [])
     user_dirs = [str(Path(o.split("=", 1)[1]).expanduser().resolve()) for o in overrides if o.startswith("config_dir=")]
-    overrides = [o for o in overrides if not o.startswith("config_dir=")]
+    # `env` is an open mapping until it is typed by its environment's config class (`env_node`), which knows every key
+    # and its default: an `env.<key>=` override may name a key the group file does not set (Hydra's `++`)
+    overrides = [("++" + o if o.startswith("env.") else o) for o in overrides if not o.startswith("config_dir=")]
     extra, name = _recipe_source(recipe) if recipe else (None, None)
     paths = ",".join(f"file://{p}" for p in ([extra] if extra else []) + [str(ROOT), *user_dirs])
     args = [f"hydra.searchpath=[{paths}]"]

@@ -1,16 +1,22 @@
 """The config schema: one dataclass per section of the config (`model`, `data`, `env`, ...), the Enums of its
 choices, and the Hydra schema node `vlmrl_schema` that conf/config.yaml names first. Each field's default is written
-here and nowhere else."""
+here and nowhere else; its help (`metadata["help"]`, `knob`) is what docs/configuration.md shows
+(`python -m vlmrl.config.reference`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Any, Dict, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
+
+from vlmrl.config.knob import knob
+from vlmrl.config.schema_rollout import RolloutConfig as RolloutConfig  # re-exported: one schema module to import
+from vlmrl.config.schema_rollout import ToolsConfig as ToolsConfig
+from vlmrl.config.schema_rollout import VLLMConfig as VLLMConfig
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 SAMPLE_DATA = ASSETS / "data" / "geometry3k"  # 64 + 10 real Geometry3K problems shipped in the package (MIT)
@@ -20,47 +26,85 @@ OmegaConf.register_new_resolver("vlmrl_asset", lambda rel: str(ASSETS / rel), re
 
 
 class ExportStyle(str, Enum):
-    concat = "concat"  # one sequence per trajectory (needs a prefix-preserving template)
-    individual = "individual"  # one sample per assistant turn, its prompt being everything before it
+    """How a trajectory becomes training samples (`export.style`)."""
+
+    concat = "concat"
+    individual = "individual"
 
 
 @dataclass
 class LoraSettings:
     """LoRA adapters via peft (`model.lora.r > 0`); the base weights are frozen, the synced/saved weights merged."""
 
-    r: int = 0  # rank (0: no LoRA, full fine-tuning)
-    alpha: int = 16  # scaling = alpha / r
-    dropout: float = 0.0
-    # module names (peft `target_modules`): the language model's attention by default; ["all-linear"] for every linear
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    r: int = knob(0, "LoRA rank; 0: no LoRA (full fine-tuning), > 0: train only the adapters.")
+    alpha: int = knob(16, "LoRA alpha: the adapters' output is scaled by alpha / r.")
+    dropout: float = knob(0.0, "Dropout on the adapters' input during the update, in [0, 1).")
+    target_modules: list[str] = knob(
+        help="Module names that get adapters (peft `target_modules`): the language model's attention projections by "
+        'default; ["all-linear"] for every linear layer.',
+        factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+    )
 
 
 @dataclass
 class ModelConfig:
-    family: str = "qwen2_5_vl"
-    name_or_path: str = "tiny:qwen2_5_vl"  # a hub id, a local folder, or tiny:<family> (random tiny model)
-    dtype: str = "float32"
-    min_pixels: Optional[int] = None
-    max_pixels: Optional[int] = None
-    attn_implementation: Optional[str] = None  # eager | sdpa | flash_attention_2 | ... (None: transformers' default)
-    freeze_vision_tower: bool = False  # no updates to the vision encoder (vlmrl.modeling.adapters.vision_params)
-    freeze_projector: bool = False  # no updates to the vision-to-language projector (merger / connector)
-    lora: LoraSettings = field(default_factory=LoraSettings)  # lora.r > 0: train LoRA adapters only
+    """The policy model (`model=<option>`, conf/model/): what is loaded, in which dtype, and what trains."""
+
+    family: str = knob(
+        "qwen2_5_vl",
+        "Model family: its chat template, processor and token layout (vlmrl.modeling.families), e.g. qwen2_5_vl, "
+        "qwen2_vl, qwen3_vl, gemma3, idefics3, smolvlm, llava_next.",
+    )
+    name_or_path: str = knob(
+        "tiny:qwen2_5_vl", "A hub id, a local folder, or tiny:<family> (a random tiny model of the family)."
+    )
+    dtype: str = knob(
+        "float32",
+        "Weight dtype: float32 (fp32) or bfloat16 (bf16: mixed precision with fp32 master weights in the optimizer).",
+    )
+    min_pixels: Optional[int] = knob(
+        None, "The image processor's lower pixel bound per image (shortest_edge); null: the processor's own."
+    )
+    max_pixels: Optional[int] = knob(
+        None, "The image processor's upper pixel bound per image (longest_edge); null: the processor's own."
+    )
+    attn_implementation: Optional[str] = knob(
+        None,
+        "Attention kernel: eager, sdpa, flash_attention_2, flash_attention_3 or flex_attention; null: "
+        "transformers' default.",
+    )
+    freeze_vision_tower: bool = knob(False, "No updates to the vision encoder (vlmrl.modeling.adapters.vision_params).")
+    freeze_projector: bool = knob(False, "No updates to the vision-to-language projector (merger / connector).")
+    lora: LoraSettings = knob(help="LoRA adapters (model.lora.r > 0: train the adapters only).", factory=LoraSettings)
 
 
 @dataclass
 class DataConfig:
-    path: str = str(SAMPLE_DATA)  # JSONL folder/file, a parquet file, or a HF dataset id
-    split: str = "test"
-    limit: Optional[int] = None
-    # a bad row, or one whose environment uses fewer of its images than it has, stops the run (false: the bad row is
-    # skipped, a row with unused images kept, each with a warning naming the row)
-    strict_rows: bool = False
-    shuffle_seed: Optional[int] = 0  # None: file order
-    eval_split: Optional[str] = None  # split for `vlmrl generate` and trainer.eval_every (None: `split`)
-    eval_limit: Optional[int] = None  # problems of the eval split (None: `limit`)
-    layout: str = "auto"  # auto | trl | verl | easyr1 | geometry3k | columns (vlmrl.data.schema)
-    columns: dict[str, str] = field(default_factory=dict)  # {prompt: question, images: pics, answer: gt}
+    """The dataset of prompts (`data=<option>`, conf/data/); environments that generate their tasks use
+    `path: generated` (`limit` tasks, seeds from `shuffle_seed`)."""
+
+    path: str = knob(
+        str(SAMPLE_DATA),
+        "A JSONL folder or file, a parquet file, a Hugging Face dataset id, or `generated` for environments that "
+        "make their own tasks; default: the Geometry3K sample shipped in the package (64 test + 10 train problems).",
+    )
+    split: str = knob("test", "The split used for training (a JSONL folder's <split>.jsonl, a dataset's split).")
+    limit: Optional[int] = knob(
+        None, "Use at most this many rows (generated environments: this many tasks); null: all."
+    )
+    strict_rows: bool = knob(
+        False,
+        "A bad row, or one whose environment uses fewer of its images than it has, stops the run; false: the bad "
+        "row is skipped and a row with unused images kept, each with a warning naming the row.",
+    )
+    shuffle_seed: Optional[int] = knob(0, "Seed of the task order (and of generated tasks); null: the file's order.")
+    eval_split: Optional[str] = knob(None, "The split for `vlmrl generate` and trainer.eval_every; null: `split`.")
+    eval_limit: Optional[int] = knob(None, "Problems of the eval split; null: `limit`.")
+    layout: str = knob("auto", "Row layout: auto, trl, verl, easyr1, geometry3k or columns (vlmrl.data.row_schemas).")
+    columns: dict[str, str] = knob(
+        help="layout=columns: which column holds what, e.g. {prompt: question, images: pics, answer: gt}.",
+        factory=dict,
+    )
 
 
 @dataclass
@@ -68,196 +112,209 @@ class EnvConfig:
     """The fields every environment has. An environment's own config subclasses this (its class's `config_class`,
     e.g. `Geometry3KConfig`); `env._target_` names the environment class, built with `hydra.utils.instantiate`."""
 
-    _target_: str = "vlmrl.envs.geometry3k.Geometry3KEnv"
-    max_turns: int = 2
-    system_prompt: Optional[str] = None
-    # the history window: the model sees only the last K images of its episode, earlier ones become a text stub
-    # (vlmrl.rollout.history; training exports `individual`); null: every image
-    keep_images: Optional[int] = None
-
-
-@dataclass
-class ToolsConfig:
-    """Tool calling (used when the environment has tools, or `functions`/`environment` add some)."""
-
-    timeout_s: float = 10.0  # a call running longer is reported as a timeout and its worker process killed
-    max_tool_calls: int = 8  # per episode; further calls get one error message and are not run
-    max_tool_response_tokens: int = 1024  # text is truncated with a marker; a longer image response ends the episode
-    parallel: bool = False  # run one turn's calls concurrently
-    max_workers: int = 4  # at most this many at once when parallel
-    max_call_chars: int = 8192  # a longer call is not parsed (too_long)
-    parser: str = "auto"  # tool-call format; auto: the model family's (hermes for Qwen-VL)
-    # list the tools in the system prompt: auto (when the chat template ignores `tools`) | always | never
-    describe: str = "auto"
-    functions: list[str] = field(default_factory=list)  # extra function tools by import path, "pkg.module:function"
-    environment: Optional[str] = None  # per-episode tool object class by import path (trl environment_factory)
-    data_dir: Optional[str] = None  # the only folder tools may read (None: the dataset's images/, never its answers)
-    memory_mb: int = 2048  # a tool worker's heap/anonymous memory cap (RLIMIT_DATA; address space + 4 GiB)
-    cpu_s: float = 60.0  # CPU seconds per call (RLIMIT_CPU): tool threads spinning past it kill the worker
-    network: bool = False  # tool workers may use the network (bwrap isolation only; rlimits cannot block it)
-    isolation: str = "auto"  # auto (bubblewrap when it works, else rlimits only) | bwrap (required) | rlimits
-
-
-@dataclass
-class VLLMConfig:
-    """`rollout.vllm`: the vLLM engine's own knobs (`rollout.engine=vllm`; conf/rollout/vllm.yaml,
-    vlmrl/rollout/vllm/engine.py). The engine also reads rollout.max_context_tokens (vLLM's max_model_len),
-    temperature and top_p."""
-
-    mode: str = "colocate"  # colocate (vLLM driven from the trainer process) | server (vLLM's own server at `url`)
-    # colocate: async (vLLM's AsyncLLM, each episode's request sent as it is ready) | sync (vllm.LLM, pending
-    # requests batched per call) | auto (async on one rank, sync with several: AsyncLLM's engine core runs in a
-    # process of its own, which cannot join the trainer ranks' launcher as several colocated engines need)
-    colocate_engine: str = "auto"
-    url: Optional[str] = None  # server mode: e.g. http://127.0.0.1:8000
-    served_model: Optional[str] = None  # server mode: model name (None: the server's first)
-    sync_dir: Optional[str] = None  # server mode: folder (readable by the server) for synced weights
-    gpu_memory_utilization: float = 0.3  # colocate: GPU memory share for vLLM (weights + KV cache), in (0, 1]
-    kv_cache_gb: Optional[float] = None  # colocate: KV cache size in GiB (None: from gpu_memory_utilization; CPU 1)
-    tensor_parallel_size: int = 1
-    # how the trainer's weights reach vLLM after each update (vlmrl/rollout/vllm/transfer.py); `auto` is resolved
-    # when the config loads and config.yaml records the route: colocated AsyncLLM -> ipc on CUDA, shm on CPU;
-    # colocated vllm.LLM (in this process) -> direct; server -> nccl on CUDA, file on CPU. file: a safetensors
-    # checkpoint vLLM reloads (any setup)
-    weight_sync: str = "auto"  # auto | file | direct | shm | ipc | nccl
-    sync_bucket_mb: int = 512  # shm/ipc/nccl: weights move in buckets of this size, or of the largest tensor if larger
-    # colocated on CUDA: vLLM sleeps (level 1: weights to host memory, KV cache freed) during the trainer's update;
-    # null: on when colocated on CUDA without off-policy rollouts (resolved when the config loads)
-    sleep: Optional[bool] = None
-    nccl_address: str = "127.0.0.1"  # server + nccl: this trainer's address the server's workers can reach
-    nccl_port: int = 0  # server + nccl: the rendezvous port (0: a free one)
-    limit_mm_per_prompt: Optional[int] = None  # colocate: images per prompt vLLM plans memory for (None: vLLM's)
-    logprobs_mode: str = "auto"  # auto | processed_logprobs | raw_logprobs
-    sync_check_seqs: int = 2  # sequences compared with the trainer after each weight sync (0: off)
-    sync_check_tokens: int = 256  # text probes are cut to this many tokens
-    sync_warn_dlogprob: float = 0.1  # warn when the metric sync/max_abs_dlogprob exceeds it
-    timeout_s: float = 600.0  # server mode: seconds per HTTP request
-    seed: int = 0  # vLLM's engine seed (colocated, several ranks: seed + rank)
-
-
-@dataclass
-class RolloutConfig:
-    engine: str = "transformers"
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 64
-    stop: list[str] = field(default_factory=list)
-    max_context_tokens: int = 4096  # also vLLM's max_model_len
-    # batch engines (transformers, vllm colocate_engine=sync): an idle engine waits this long for episodes in env
-    # steps / tool calls (concurrent engines never wait: each request is sent as soon as it is ready)
-    batch_wait_s: float = 0.05
-    vllm: VLLMConfig = field(default_factory=VLLMConfig)  # rollout.engine=vllm
+    _target_: str = knob(
+        "vlmrl.envs.geometry3k.Geometry3KEnv",
+        "The environment class by import path (`pkg.module.Class` or `pkg.module:Class`); its `config_class` types "
+        "the other env keys.",
+    )
+    max_turns: int = knob(2, "Assistant turns allowed per episode (>= 1); tool turns count toward it.")
+    system_prompt: Optional[str] = knob(
+        None, "A system message put first in each episode (unless the task has one); null: none."
+    )
+    keep_images: Optional[int] = knob(
+        None,
+        "The history window: the model sees only the last K images of its episode, earlier ones become a text "
+        "stub (vlmrl.rollout.history; training exports `individual`); null: every image.",
+    )
 
 
 @dataclass
 class AlgorithmConfig:
-    name: str = "grpo"
-    group_size: int = 4
-    turn_discount: float = 0.95
-    clip_eps_low: float = 0.2
-    clip_eps_high: float = 0.28
-    kl_coef: float = 0.0
-    scale_by_std: bool = True
-    # rollout/trainer mismatch correction (vlmrl/train/rollout_correction.py): auto (tis with rollout.engine=vllm,
-    # else off) | off | tis | mis | tis+mis; TIS cap C; MIS band of the geometric-mean sequence ratio
-    rollout_correction: str = "auto"
-    tis_cap: float = 2.0
-    mis_low: float = 0.5
-    mis_high: float = 2.0
-    # loss aggregation (vlmrl/train/loss_agg.py): token-mean | seq-mean-token-mean | seq-mean-token-sum-norm (Dr.
-    # GRPO, divides by loss_agg_norm tokens; 0: rollout.max_new_tokens * env.max_turns)
-    loss_agg: str = "token-mean"
-    loss_agg_norm: int = 0
-    # DAPO overlong handling (vlmrl/train/overlong.py): loss mask 0 on length-truncated turns; soft penalty over the
-    # last overlong_buffer tokens of rollout.max_new_tokens (0: off), at most overlong_penalty per turn
-    overlong_filter: bool = False
-    overlong_buffer: int = 0
-    overlong_penalty: float = 1.0
-    # DAPO dynamic sampling (vlmrl/train/dynamic_sampling.py): drop groups with equal rewards, sample more prompts
-    dynamic_sampling: bool = False
-    max_sampling_rounds: int = 4  # rollout rounds per step at most (each of trainer.batch_size prompts)
-    # episode: one GRPO advantage per trajectory; turn: each turn's discounted reward-to-go (vlmrl/train/
-    # turn_advantages.py; needs export.style=individual)
-    advantage: str = "episode"
-    # one-step off-policy (async) rollouts (vlmrl/train/async_rollout.py): 0 = synchronous; 1 = step k+1's batch is
-    # sampled by the pre-update weights while step k updates (staleness <= 1 optimizer step)
-    off_policy_steps: int = 0
+    """The RL objective (`algorithm=grpo` or `algorithm=dr_grpo`, conf/algorithm/)."""
+
+    name: str = knob(
+        "grpo", "The preset's name (grpo, dr_grpo), recorded in config.yaml; the other algorithm keys define it."
+    )
+    group_size: int = knob(4, "Samples per prompt: the group whose rewards normalise the advantages (>= 2).")
+    turn_discount: float = knob(
+        0.95, "gamma in (0, 1]: the episode reward is max_t r_t * gamma**t (and per-turn rewards-to-go discount by it)."
+    )
+    clip_eps_low: float = knob(0.2, "PPO clip below: the ratio is clipped at 1 - clip_eps_low, in [0, 1).")
+    clip_eps_high: float = knob(0.28, "PPO clip above: the ratio is clipped at 1 + clip_eps_high (DAPO clip-higher).")
+    kl_coef: float = knob(
+        0.0, "Weight of the k3 KL estimate to the reference (the initial) policy; 0: no reference model is kept."
+    )
+    scale_by_std: bool = knob(True, "Divide the group-centred rewards by the group's std; false: r - mean (Dr. GRPO).")
+    rollout_correction: str = knob(
+        "auto",
+        "Rollout/trainer mismatch correction (vlmrl/train/rollout_correction.py): auto (tis with rollout.engine=vllm "
+        "or off_policy_steps=1, else off), off, tis, mis or tis+mis.",
+    )
+    tis_cap: float = knob(2.0, "TIS: the truncation cap C of the token importance ratio (>= 1).")
+    mis_low: float = knob(0.5, "MIS: sequences whose geometric-mean ratio is below this are masked out.")
+    mis_high: float = knob(2.0, "MIS: sequences whose geometric-mean ratio is above this are masked out.")
+    loss_agg: str = knob(
+        "token-mean",
+        "Loss aggregation (vlmrl/train/loss_agg.py): token-mean, seq-mean-token-mean or seq-mean-token-sum-norm "
+        "(Dr. GRPO: a sequence's token sum divided by loss_agg_norm).",
+    )
+    loss_agg_norm: int = knob(
+        0, "seq-mean-token-sum-norm's constant in tokens; 0: rollout.max_new_tokens * env.max_turns."
+    )
+    overlong_filter: bool = knob(
+        False, "DAPO overlong filtering (vlmrl/train/overlong.py): loss mask 0 on length-truncated turns."
+    )
+    overlong_buffer: int = knob(
+        0,
+        "DAPO soft overlong penalty over the last this many tokens of rollout.max_new_tokens (0: off; "
+        "< rollout.max_new_tokens).",
+    )
+    overlong_penalty: float = knob(1.0, "The soft overlong penalty's maximum per turn.")
+    dynamic_sampling: bool = knob(
+        False,
+        "DAPO dynamic sampling (vlmrl/train/dynamic_sampling.py): drop groups whose rewards are all equal and "
+        "sample more prompts.",
+    )
+    max_sampling_rounds: int = knob(
+        4, "Dynamic sampling: rollout rounds per step at most (each of trainer.batch_size prompts)."
+    )
+    advantage: str = knob(
+        "episode",
+        "episode: one GRPO advantage per trajectory; turn: each turn's discounted reward-to-go "
+        "(vlmrl/train/turn_advantages.py; needs export.style=individual).",
+    )
+    off_policy_steps: int = knob(
+        0,
+        "0: synchronous; 1: step k+1's batch is sampled by the pre-update weights while step k updates (one-step "
+        "off-policy, vlmrl/train/async_rollout.py).",
+    )
 
 
 @dataclass
 class ExportConfig:
-    style: ExportStyle = ExportStyle.concat
+    """Trajectories to training samples (`export=concat` or `export=individual`, conf/export/)."""
+
+    style: ExportStyle = knob(
+        ExportStyle.concat,
+        "concat: one sequence per trajectory (needs a prefix-preserving chat template); individual: one sample per "
+        "assistant turn, its prompt being everything before it.",
+    )
 
 
 @dataclass
 class TrainerConfig:
-    steps: int = 3
-    batch_size: int = 2  # prompts per step (each sampled group_size times)
-    zero_stage: int = 2
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    micro_batch_size: int = 1
-    save_every: int = 0  # 0: only at the end
-    keep_last: int = 2  # complete checkpoints kept in <output_dir>/checkpoints (0: all)
-    max_bad_steps: int = 3  # stop after this many consecutive skipped (non-finite) updates (0: never stop)
-    eval_every: int = 0  # run the eval split every N steps and log eval/* metrics (0: never)
-    align_every: int = 10  # re-render + recompute logprobs of align_samples trajectories every N steps (0: never)
-    align_samples: int = 4
-    seed: int = 0
-    lr_scheduler: str = "constant"  # transformers.get_scheduler name: constant | linear | cosine | polynomial | ...
-    warmup_steps: int = 0  # LR warm-up steps (0: warmup_ratio * steps)
-    warmup_ratio: float = 0.0
-    gradient_checkpointing: bool = False  # recompute activations in the backward pass (less memory, ~30% slower)
-    deepspeed_config: Optional[str] = None  # a DeepSpeed JSON (e.g. offload); our settings fill in what it leaves out
+    """The optimizer and the run's schedule (`trainer=zero1`, `zero2` or `zero3`, conf/trainer/)."""
+
+    steps: int = knob(3, "Optimizer steps of the run (also the LR schedule's length).")
+    batch_size: int = knob(2, "Prompts per step over all ranks (each sampled algorithm.group_size times).")
+    zero_stage: int = knob(
+        2,
+        "DeepSpeed ZeRO stage 0-3; at one rank ZeRO-1/2/3 run as stage 0 (fp32) or 1 (bf16); stage 0 with "
+        "model.dtype=bfloat16 is refused.",
+    )
+    lr: float = knob(1e-5, "AdamW learning rate (the schedule's peak).")
+    weight_decay: float = knob(0.0, "AdamW weight decay.")
+    max_grad_norm: float = knob(1.0, "Gradient clipping by global norm; 0: no clipping.")
+    micro_batch_size: int = knob(1, "Samples per forward/backward pass (the step's samples are accumulated).")
+    save_every: int = knob(0, "Save a checkpoint every N steps; 0: only at the end.")
+    keep_last: int = knob(2, "Complete checkpoints kept in <output_dir>/checkpoints; 0: all.")
+    max_bad_steps: int = knob(3, "Stop after this many consecutive skipped (non-finite) updates; 0: never stop.")
+    eval_every: int = knob(0, "Run the eval split (data.eval_split) every N steps and log eval/* metrics; 0: never.")
+    align_every: int = knob(
+        10,
+        "Re-render and recompute the logprobs of align_samples sampled trajectories every N steps (align/* "
+        "metrics); 0: never.",
+    )
+    align_samples: int = knob(4, "Trajectories checked per align_every step.")
+    seed: int = knob(
+        0,
+        "The trainer's torch seed: torch's global RNG is seeded with seed + rank when the trainer is built (the "
+        "update's dropout masks, e.g. model.lora.dropout; restored from checkpoints on resume). Request seeds "
+        "derive from the top-level `seed`.",
+    )
+    lr_scheduler: str = knob(
+        "constant",
+        "A transformers get_scheduler name: constant, linear, cosine, cosine_with_restarts, polynomial, "
+        "constant_with_warmup or inverse_sqrt.",
+    )
+    warmup_steps: int = knob(0, "LR warm-up steps; 0: ceil(warmup_ratio * steps).")
+    warmup_ratio: float = knob(0.0, "LR warm-up as a share of steps, in [0, 1) (when warmup_steps is 0).")
+    gradient_checkpointing: bool = knob(
+        False, "Recompute activations in the backward pass (less memory, about 30% slower)."
+    )
+    deepspeed_config: Optional[str] = knob(
+        None,
+        "A DeepSpeed JSON file to use (e.g. offload); these settings fill in what it leaves out, its "
+        "zero_optimization.stage wins.",
+    )
 
 
 @dataclass
 class SftConfig:
     """`vlmrl sft` (supervised warm start; steps, batch_size, lr and the rest from `trainer`)."""
 
-    demos: str = "env"  # "env": the environment's make_demos(); else a JSONL file of conversations (vlmrl.sft)
-    num_demos: int = 256  # conversations the environment generates (demos=env)
+    demos: str = knob("env", "env: the environment's make_demos(); else a JSONL file of conversations (vlmrl.sft).")
+    num_demos: int = knob(256, "Conversations the environment generates (demos=env).")
 
 
 class ResumeMode(str, Enum):
-    auto = "auto"  # continue the output folder's run from its newest complete checkpoint (or start one)
-    never = "never"  # start fresh; a non-empty output folder is an error unless logging.overwrite=true
+    """What a run does with an output folder that holds a run (`resume.mode`)."""
+
+    auto = "auto"
+    never = "never"
 
 
 @dataclass
 class ResumeConfig:
-    """`resume=auto|never` (config group conf/resume/); see vlmrl.runs.resume."""
+    """Resuming a run folder (`resume=auto` or `resume=never`, conf/resume/; vlmrl.runs.resume)."""
 
-    mode: ResumeMode = ResumeMode.auto
-    allow_config_change: bool = False  # resume even if the config differs from the checkpoint's (logged)
+    mode: ResumeMode = knob(
+        ResumeMode.auto,
+        "auto: continue the output folder's run from its newest complete checkpoint (or start one); never: start "
+        "fresh, a non-empty output folder is an error unless logging.overwrite=true.",
+    )
+    allow_config_change: bool = knob(
+        False,
+        "Resume even if the config differs from the checkpoint's (logged); trainer.steps, save_every, keep_last, "
+        "max_bad_steps and logging.* may always change.",
+    )
 
 
 @dataclass
 class LoggingConfig:
-    output_dir: str = "runs/default"
-    progress: bool = True
-    overwrite: bool = False
-    tensorboard: bool = False  # also write the metric rows to <output_dir>/tensorboard
-    wandb: bool = False  # only if wandb is installed
-    trackio: bool = False  # only if trackio is installed
-    project: str = "vlmrl"  # wandb/trackio project
+    """Where and how a run reports (`logging=default`, conf/logging/)."""
+
+    output_dir: str = knob(
+        "runs/default", "The run folder: config.yaml, metrics, trajectories and checkpoints (conf: runs/<timestamp>)."
+    )
+    progress: bool = knob(True, "Show a progress bar on a terminal (a plain line per step otherwise).")
+    overwrite: bool = knob(False, "Delete a previous run's files in output_dir instead of refusing to start.")
+    tensorboard: bool = knob(False, "Also write the metric rows to <output_dir>/tensorboard.")
+    wandb: bool = knob(False, "Also log to Weights & Biases (only if wandb is installed).")
+    trackio: bool = knob(False, "Also log to trackio (only if trackio is installed).")
+    project: str = knob("vlmrl", "The wandb/trackio project.")
 
 
 @dataclass
 class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    env: EnvConfig = field(default_factory=EnvConfig)
-    tools: ToolsConfig = field(default_factory=ToolsConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    export: ExportConfig = field(default_factory=ExportConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    resume: ResumeConfig = field(default_factory=ResumeConfig)
-    sft: SftConfig = field(default_factory=SftConfig)
-    seed: int = 0
+    """The whole config: one field per section, and the run's `seed`."""
+
+    model: ModelConfig = knob(help="The policy model.", factory=ModelConfig)
+    data: DataConfig = knob(help="The dataset of prompts.", factory=DataConfig)
+    env: EnvConfig = knob(help="The environment (its keys: env._target_'s config_class).", factory=EnvConfig)
+    tools: ToolsConfig = knob(help="Tool calling limits and safety.", factory=ToolsConfig)
+    rollout: RolloutConfig = knob(help="Sampling and its engine.", factory=RolloutConfig)
+    algorithm: AlgorithmConfig = knob(help="The RL objective.", factory=AlgorithmConfig)
+    export: ExportConfig = knob(help="How trajectories become training samples.", factory=ExportConfig)
+    trainer: TrainerConfig = knob(help="Optimizer, ZeRO and the run's schedule.", factory=TrainerConfig)
+    logging: LoggingConfig = knob(help="The run folder and metric loggers.", factory=LoggingConfig)
+    resume: ResumeConfig = knob(help="Resuming a run folder.", factory=ResumeConfig)
+    sft: SftConfig = knob(help="`vlmrl sft`.", factory=SftConfig)
+    seed: int = knob(
+        0,
+        "The run's seed: python, numpy and torch RNGs at start, every request's sampling seed (derived from seed, "
+        "step, rank, task, sample and turn) and the SFT demos.",
+    )
 
 
 @dataclass
@@ -266,7 +323,9 @@ class _ComposeSchema(Config):
     overridden and is type-checked): `env` stays an open mapping until `_typed` merges it into the config class of
     its environment (`env._target_`), whose own keys only that class knows."""
 
-    env: Dict[str, Any] = field(default_factory=dict)  # type: ignore[assignment]
+    env: Dict[str, Any] = knob(  # type: ignore[assignment]
+        help="The env keys as composed, typed later by env._target_'s config_class.", factory=dict
+    )
 
 
 ConfigStore.instance().store(name="vlmrl_schema", node=_ComposeSchema)

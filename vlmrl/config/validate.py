@@ -167,6 +167,11 @@ def _range_checks(cfg: Config) -> list[tuple[bool, str]]:
         (tr.weight_decay >= 0 and _fin(tr.weight_decay), "trainer.weight_decay must be >= 0"),
         (tr.max_grad_norm >= 0 and _fin(tr.max_grad_norm), "trainer.max_grad_norm must be >= 0 (0: no clipping)"),
         (tr.micro_batch_size >= 1, "trainer.micro_batch_size must be >= 1"),
+        (
+            not (tr.zero_stage == 0 and m.dtype in ("bfloat16", "bf16")),
+            "trainer.zero_stage=0 with model.dtype=bfloat16 takes DeepSpeed's stage-0 bf16 optimizer, whose steps "
+            "differ from AdamW's: use trainer.zero_stage=1 (fp32 master weights; or model.dtype=float32)",
+        ),
         (tr.eval_every >= 0 and tr.align_every >= 0, "trainer.eval_every and align_every must be >= 0"),
         (tr.align_samples >= 1, "trainer.align_samples must be >= 1"),
         (tr.lr_scheduler in _SCHEDULERS, f"trainer.lr_scheduler must be one of {', '.join(_SCHEDULERS)}"),

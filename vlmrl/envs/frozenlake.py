@@ -30,6 +30,7 @@ from vlmrl.config import (
     DataConfig,
     EnvConfig,
 )
+from vlmrl.config.knob import knob
 from vlmrl.envs.base import Environment, StepResult, register_env
 from vlmrl.rewards import extract_boxed
 from vlmrl.types import CORRECT, FORMATTED, PARSE_FAIL, ImagePart, Message, Role, Task, TextPart
@@ -52,10 +53,14 @@ class FrozenLakeConfig(EnvConfig):
 
     _target_: str = "vlmrl.envs.frozenlake.FrozenLakeEnv"
     max_turns: int = 8
-    map_size: int = 4  # the map's side
-    slippery: bool = False  # gymnasium's is_slippery
-    frozen_prob: float = 0.8  # share of frozen tiles in generated maps
-    format_reward: float = 0.1  # reward of a readable move
+    map_size: int = knob(4, "The generated map's side in tiles (>= 2).")
+    slippery: bool = knob(False, "gymnasium's is_slippery: a move may slide to a perpendicular tile.")
+    frozen_prob: float = knob(0.8, "The share of frozen tiles in generated maps, in (0, 1].")
+    format_reward: float = knob(
+        0.1,
+        "The reward of a readable move, in [0, 1): r_t = (1 - format_reward) * reached_goal + format_reward * "
+        "move_readable.",
+    )
 
     def __post_init__(self) -> None:
         if (

@@ -12,9 +12,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from vlmrl.config import EnvConfig
+from vlmrl.config.knob import knob
 from vlmrl.envs.base import Environment, StepResult, register_env, with_system_prompt
 from vlmrl.envs.reward_funcs import RewardSpec, load_reward_funcs, weighted_reward
 from vlmrl.types import CORRECT, FORMATTED, Message, Role, Task
@@ -31,13 +32,18 @@ def _default_rewards() -> list[RewardSpec]:
 
 @dataclass
 class MultiTurnConfig(EnvConfig):
-    """rewards: weighted trl-style reward functions; success_threshold: r_t at or above it is correct and ends the
-    episode; feedback: the retry message (`{reward}` = r_t to 2 decimals, `{turns_left}` = turns still allowed)."""
+    """A dataset's rows graded by weighted trl-style reward functions, with feedback while below the threshold."""
 
     _target_: str = "vlmrl.envs.generic.MultiTurnEnv"
-    rewards: list[RewardSpec] = field(default_factory=_default_rewards)
-    success_threshold: float = 1.0
-    feedback: str = DEFAULT_FEEDBACK
+    rewards: list[RewardSpec] = knob(
+        help="Weighted trl-style reward functions; r_t is their weighted sum.", factory=_default_rewards
+    )
+    success_threshold: float = knob(1.0, "A turn whose r_t is at or above this is correct and ends the episode.")
+    feedback: str = knob(
+        DEFAULT_FEEDBACK,
+        "The retry message after a turn below success_threshold ({reward}: r_t to 2 decimals, {turns_left}: turns "
+        "still allowed).",
+    )
 
 
 @dataclass

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from vlmrl.config.knob import knob
 from vlmrl.rewards import extract_boxed, math_equal
 
 RewardFunc = Callable[..., Sequence[float | None]]
@@ -23,8 +24,11 @@ RewardFunc = Callable[..., Sequence[float | None]]
 class RewardSpec:
     """One weighted reward function: `fn` is an import path ("pkg.mod:func"), `weight` its factor in the sum."""
 
-    fn: str = "vlmrl.envs.reward_funcs:boxed_accuracy"
-    weight: float = 1.0
+    fn: str = knob(
+        "vlmrl.envs.reward_funcs:boxed_accuracy",
+        'A trl-style reward function by import path, "pkg.module:function".',
+    )
+    weight: float = knob(1.0, "The function's factor in the weighted sum.")
 
 
 def load_reward_funcs(specs: Sequence[RewardSpec]) -> list[tuple[RewardFunc, float, str]]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from PIL import Image, ImageDraw
 
 from vlmrl.config import DataConfig, EnvConfig
+from vlmrl.config.knob import knob
 from vlmrl.envs.base import HELD_OUT, PromptEnv, StepResult, register_env, split_seed_base
 from vlmrl.rewards import word_turn
 from vlmrl.types import ImagePart, Message, Role, Task, TextPart
@@ -30,12 +31,16 @@ QUESTION = "Is the red square on the left or the right? Answer with one word in 
 
 @dataclass
 class SidesConfig(EnvConfig):
-    """min_size, max_size: the squares' sides in px (inclusive; 1 <= min_size <= max_size <= MAX_SIZE)."""
+    """Where is the red square: left or right of the blue one (`env=sides`)."""
 
     _target_: str = "vlmrl.envs.sides.SidesEnv"
     max_turns: int = 1
-    min_size: int = 12
-    max_size: int = 20
+    min_size: int = knob(
+        12,
+        "The squares' smallest side in px (1 <= min_size <= max_size); 36-44 is a much easier task for the tiny "
+        "learner.",
+    )
+    max_size: int = knob(20, f"The squares' largest side in px (inclusive; <= {MAX_SIZE}).")
 
     @property
     def sizes(self) -> tuple[int, int]:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from vlmrl.config import EnvConfig
+from vlmrl.config.knob import knob
 from vlmrl.data.row import Row
 from vlmrl.envs.base import Environment, StepResult, register_env, with_system_prompt
 from vlmrl.envs.geometry3k.grading import AnswerScore, ParseStatus, geometry_reward, score_choice_answer
@@ -34,16 +35,15 @@ REASONS = {
 
 @dataclass
 class Geometry3KConfig(EnvConfig):
-    """Geometry3K's env config (`env=geometry3k`).
-
-    max_turns: assistant turns allowed per episode (>= 1); system_prompt: optional system message;
-    feedback: retry message template; `{reason}` is replaced by why the answer failed, `{turns_left}` by the number
-    of turns still allowed (plain replacement, so `\\boxed{}` needs no escaping).
-    """
+    """Geometry3K's env config (`env=geometry3k`)."""
 
     _target_: str = "vlmrl.envs.geometry3k.Geometry3KEnv"
     max_turns: int = 3
-    feedback: str = DEFAULT_FEEDBACK
+    feedback: str = knob(
+        DEFAULT_FEEDBACK,
+        "The retry message template: {reason} is replaced by why the answer failed, {turns_left} by the turns still "
+        "allowed (plain replacement, so \\boxed{} needs no escaping).",
+    )
 
     def __post_init__(self) -> None:
         if self.max_turns < 1:
