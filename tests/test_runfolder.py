@@ -1,6 +1,6 @@
-"""Run folders that can't be corrupted (issue 13): one run per folder (lock), corrupt lines quarantined on resume,
-disk-full checkpoints, `vlmrl generate` reruns with duplicate ids, the effective export style in config.yaml, and
-`vlmrl evaluate` on bad run folders."""
+"""Run folders that can't be corrupted (docs/resuming.md): one run per folder (lock), corrupt lines quarantined on
+resume, disk-full checkpoints, `vlmrl generate` reruns with duplicate ids, the effective export style in config.yaml,
+and `vlmrl evaluate` on bad run folders."""
 
 from __future__ import annotations
 
