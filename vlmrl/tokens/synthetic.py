@@ -187,8 +187,8 @@ def _pre_tokenizer():
 def family_tokenizer(family: str):
     """A `PreTrainedTokenizerFast` carrying `family`'s special tokens at their real ids (text ids are not real).
 
-    family: glm4v | glm4v_moe | kimi_vl | deepseek_vl2 (stand-ins) or mimo_vl (Qwen's real BPE). Built in memory in
-    about a second; memoised per process. Raises ValueError for another family.
+    family: glm4v | glm4v_moe | kimi_vl | deepseek_vl2 (stand-ins) or mimo_vl (Qwen's real BPE). Built in memory (a
+    BPE training run); memoised per process. Raises ValueError for another family.
     """
     if family == "mimo_vl":
         from vlmrl.modeling.qwen_bpe import qwen_tokenizer
