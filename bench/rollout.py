@@ -1,4 +1,4 @@
-"""Rollout throughput against the engine alone, with the transformers engine or vLLM (issue 10).
+"""Rollout throughput against the engine alone, with the transformers engine or vLLM.
 
     (r) vlmrl's rollout: `EpisodeRunner.run` (episodes as coroutines, every pending request in one engine call,
         Geometry3K environment steps, token building, everything), wall time

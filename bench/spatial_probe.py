@@ -1,4 +1,4 @@
-"""Can a tiny model see where things are? A supervised left/right probe of tiny Qwen2.5-VL variants (issue 26).
+"""Can a tiny model see where things are? A supervised left/right probe of tiny Qwen2.5-VL variants.
 
 The task is `vlmrl.envs.sides` (a red and a blue square in opposite halves of a 112x56 canvas, "Is the red square on
 the left or the right?"): both answers show the same colours, so only positions tell them apart. Each variant is

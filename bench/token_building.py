@@ -1,4 +1,4 @@
-"""CPU time per episode of four ways to build a multi-turn VLM prompt, side by side (issue 5).
+"""CPU time per episode of four ways to build a multi-turn VLM prompt, side by side.
 
     (a) vlmrl's incremental builder: render only the new messages behind a fixed prefix, process only new images
     (b) full re-render each turn: chat template + processor over the whole conversation (SkyRL / ROLL style)

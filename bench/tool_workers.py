@@ -1,4 +1,5 @@
-"""Overhead of tool worker processes (README "Tool isolation"): start-up, per call, per tools.environment episode.
+"""Overhead of tool worker processes (docs/environments.md, "Tool isolation"): start-up, per call, per tools.environment
+episode.
 
 python bench/tool_workers.py
 """

@@ -1,4 +1,4 @@
-"""The policy update against a plain-PyTorch floor on the same batches, interleaved in one process (issue 27).
+"""The policy update against a plain-PyTorch floor on the same batches, interleaved in one process.
 
 Batches: `--steps` GRPO steps of a recipe sampled by the pipeline itself (`vlmrl.run.build_job` + `sample_step`,
 advantages, `vlmrl.export.to_samples`: exactly what `vlmrl train` hands `GRPOTrainer.train_step`), in the
@@ -8,7 +8,7 @@ model instead of its SFT checkpoint (the lengths are the recipe's: 8 new tokens,
 (v) vlmrl: `GRPOTrainer.train_step(samples)`, the trainer `vlmrl train` builds (DeepSpeed, the recipe's ZeRO stage
     as the trainer resolves it at one rank, the log-prob kernel `token_logprobs` picks).
 (f) the floor, the true minimum of the same work: a deep copy of the same model, no DeepSpeed; per micro-batch of
-    the same size one forward with logits only at the loss positions (`logits_to_keep`), our fused log-softmax
+    the same size one forward with logits only at the loss positions (`logits_to_keep`), vlmrl's fused log-softmax
     kernel (`fused_log_softmax`: torch's `log_softmax`, the gradient written in one go), the reference forward
     under no_grad when the recipe has a KL term, the GRPO loss written out (PPO-clip + k3 KL over the step's loss
     tokens), backward; then `clip_grad_norm_` and torch AdamW (its fused kernel, the same hyper-parameters).
@@ -23,7 +23,7 @@ the sampled ids for an [N, 151,936] fp32 logits block: `FusedLogSoftmax` (torch'
 fp32 [N, V] block for backward, against `SelectiveLogSoftmax`, which keeps one fp32 logsumexp per row; the rule
 `token_logprobs` applies (fused up to FUSED_MAX_BYTES of fp32 block) is the last column.
 
-Run it as `make test` runs the tests on a CPU (README, "Learning on a CPU"):
+Run it as `make test` runs the tests on a CPU (docs/quickstart.md, "Learning on a CPU"):
 
     GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4294967296 python bench/update.py
     python bench/update.py --recipes colors_tiny --steps 2 --repeats 1 --json

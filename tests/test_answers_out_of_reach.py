@@ -1,6 +1,7 @@
-"""Answers stay out of reach of tool code (issue 25): environment tools run against `Environment.tool_view` (no
+"""Answers stay out of reach of tool code: environment tools run against `Environment.tool_view` (no
 answer, only the meta the environment marks public) in their own worker pool, never in a worker that ran a function
-tool; the package's own sample data is hidden in the sandbox. Both attacks of the issue are replayed."""
+tool; the package's own sample data is hidden in the sandbox. Both attacks that once reached the answers are
+replayed."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def test_the_tool_view_holds_no_answer(env):
 
 
 def test_patching_the_class_in_a_function_tool_worker_reads_no_answer(env):
-    """The issue's attack: a function tool patches Geometry3KToolsEnv.crop in its worker, then the model crops.
+    """The first attack: a function tool patches Geometry3KToolsEnv.crop in its worker, then the model crops.
     Before, env tools shared the pooled workers and carried the whole environment: the patched crop returned the
     answer. Now crop runs in the environment pool (unpatched: an image), and even patched it would see the view."""
     import tools_hostile as h
@@ -66,7 +67,7 @@ def test_patching_the_class_in_a_function_tool_worker_reads_no_answer(env):
 
 
 def test_the_package_sample_is_hidden_when_the_dataset_is_elsewhere(tmp_path):
-    """The issue's other attack: the run's data lives elsewhere, so only its folder was hidden, and the shipped
+    """The other attack: the run's data lives elsewhere, so only its folder was hidden, and the shipped
     sample's test.jsonl (answers) was readable through the mounted package folder."""
     import tools_hostile as h
 

@@ -60,7 +60,7 @@ def test_token_building_bench_small():
 @pytest.mark.slow
 def test_pixel_memory_bench_small():
     """bench/pixel_memory.py at 3 turns: each case and each engine's read once (a case with an engine runs in its own
-    process, ~5 s), every column is filled, the trajectory holds one 224x224 `pixel_values` per distinct image (256
+    process), every column is filled, the trajectory holds one 224x224 `pixel_values` per distinct image (256
     patches x 1176 floats x 4 bytes = 1,204,224 bytes, hand-derived): 3 for a new image per turn, 1 for the same image
     object re-sent, which is processed once."""
     bench = _load("pixel_memory")
@@ -108,7 +108,7 @@ def test_spatial_probe_bench_small():
 
 def test_update_gpu_bench_cpu_path(capsys):
     """bench/update_gpu.py's CPU path at the tiny Qwen2.5-VL config, 2 samples x 64 tokens (fp32: CPU bf16 matmuls
-    are ~15x slower): every number of the table is positive, the FLOPs are the hand-derived ones, and the floor's
+    are much slower): every number of the table is positive, the FLOPs are the hand-derived ones, and the floor's
     first loss equals the trainer's. Tiny text model per layer: q 64*64+64, k and v 32*64+32, o 64*64, MLP 3*64*128,
     2 norms of 64 = 37,120; N_lm = 2 layers + the final norm's 64 = 74,304; FLOPs = 6 * 74,304 * 128 tokens +
     12 * 2 layers * 64 hidden * 2 * 64^2 = 57,065,472 + 12,582,912 = 69,648,384."""

@@ -1,6 +1,6 @@
 """The engine at T != 1 and top_p < 1, through the engine: rollout logprobs == the trainer's recomputation.
 
-Issue 12: deleting `/ params.temperature` in the HF engine passed every test, because every test that went through
+Why: deleting `/ params.temperature` in the HF engine once passed every test, because every test that went through
 the engine sampled at T = 1. Here the transformers engine samples from the trainer's own policy (`trainer.policy`,
 the wiring of `vlmrl train`) at T = 0.7, top_p = 0.9; the trainer, built from a `Config` the way `vlmrl.run` builds
 it, recomputes the logprobs of the sampled tokens (`batch_logprobs` at `trainer.cfg.temperature`).

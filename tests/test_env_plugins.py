@@ -173,7 +173,7 @@ def test_cli_bad_plugin_fails_in_seconds(tmp_path):
     assert proc.returncode == 2 and key in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert len([ln for ln in proc.stderr.splitlines() if ln.strip()]) <= 2
     assert not (tmp_path / "run").exists()  # nothing written, nothing loaded
-    assert elapsed < 60, elapsed  # measured 21-25 s on a busy shared 2-core machine (imports of torch dominate)
+    assert elapsed < 60, elapsed  # torch's imports dominate; the bound leaves room for a busy machine
 
 
 @pytest.mark.parametrize("entry", ["vlmrl.run:train", "vlmrl.sft:sft", "vlmrl.evaluation.generate:generate"])

@@ -3,7 +3,7 @@ exception into a failing row and its digest comparison catches one differing par
 draws the same seeded noise on the CPU whatever the weights' device; the `vllm scale` row (vlmrl/checks/gpu_scale.py)
 skips without CUDA, is left out by `--no-vllm`, and its config has Qwen2.5-VL-3B's 3.75e9 parameters. The rows
 themselves run on CPU in `make test-vllm` (tests/real_vllm/test_gpu_check_cpu.py) and ran on an H200 without vLLM
-(README, "GPUs")."""
+(docs/vllm-gpus.md, "`make gpu-check`")."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""The history window (issue 23, `env.keep_images`): every turn's prompt equals the processor's own full render of
-the windowed conversation the model saw at that turn, for several families, with the window sliding across tool
-images and environment observations (two images per observation for some), and the `individual` samples are exactly
-those prompts plus each turn's sampled ids.
+"""The history window (`env.keep_images`; docs/long-episodes.md, "A history window for images"): every turn's prompt
+equals the processor's own full render of the windowed conversation the model saw at that turn, for several families,
+with the window sliding across tool images and environment observations (two images per observation for some), and the
+`individual` samples are exactly those prompts plus each turn's sampled ids.
 
 The reference never goes through the builder's incremental code: `vlmrl.checks.reference.full_reference` is the
 processor's `apply_chat_template` + `__call__` on the whole windowed conversation, with each assistant message's
@@ -317,11 +317,11 @@ def _frozenlake(out, *extra: str) -> dict:
 
 @pytest.mark.slow
 def test_a_24_turn_frozenlake_episode_runs_to_the_end_with_a_window(tmp_path):
-    """The README's long-episode case as `vlmrl generate` runs it (tiny Qwen2.5-VL, FrozenLake 8x8, a frame every
-    turn, 4096 context tokens): without a window the frames fill the context within 24 turns (`end_reason: context`);
-    with env.keep_images=2 all 24 turns run, the last view shows 2 frames, every frame is a file in the run folder
-    (the ones that left the window were spilled there as they left) and verify-alignment passes on every view
-    against the processor's render."""
+    """The long-episode case of docs/long-episodes.md, "A history window for images", as `vlmrl generate` runs it (tiny
+    Qwen2.5-VL, FrozenLake 8x8, a frame every turn, 4096 context tokens): without a window the frames fill the context
+    within 24 turns (`end_reason: context`); with env.keep_images=2 all 24 turns run, the last view shows 2 frames,
+    every frame is a file in the run folder (the ones that left the window were spilled there as they left) and
+    verify-alignment passes on every view against the processor's render."""
     from vlmrl.checks.alignment import verify_run
 
     full = _frozenlake(tmp_path / "full")

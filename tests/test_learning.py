@@ -1,11 +1,11 @@
-"""The tiny Qwen2.5-VL learns to read the image, through the whole pipeline (issue 12).
+"""The tiny Qwen2.5-VL learns to read the image, through the whole pipeline.
 
-The README's two commands, as they are: `vlmrl sft recipe=colors_sft_tiny` (a format-only warm start: every
-demonstrated colour is drawn independently of the image, so the model answers at chance, 1/4) and then
-`vlmrl train recipe=colors_tiny` from that checkpoint: the HF engine, the episode loop, `ColorsEnv`, its reward,
-GRPO advantages, export and the DeepSpeed ZeRO-2 update, with the real Qwen tokenizer, processor and chat template.
-Nothing here computes an advantage or a loss itself: a sign or mask error anywhere between the engine and the loss
-keeps the accuracy at chance and fails the test.
+The two commands of docs/quickstart.md, "The colour task", as they are: `vlmrl sft recipe=colors_sft_tiny` (a
+format-only warm start: every demonstrated colour is drawn independently of the image, so the model answers at chance,
+1/4) and then `vlmrl train recipe=colors_tiny` from that checkpoint: the HF engine, the episode loop, `ColorsEnv`, its
+reward, GRPO advantages, export and the DeepSpeed ZeRO-2 update, with the real Qwen tokenizer, processor and chat
+template. Nothing here computes an advantage or a loss itself: a sign or mask error anywhere between the engine and the
+loss keeps the accuracy at chance and fails the test.
 
 Seeds: `seed` 0 (conf/config.yaml), data.shuffle_seed 0. The run is cut to STEPS steps (the recipe's first STEPS).
 The assertions: the first FIRST steps are at chance (<= BLIND + 0.05), the mean accuracy over the last LAST steps
@@ -13,15 +13,14 @@ minus the first FIRST >= RISE, and the last LAST beat BLIND + 0.05: with balance
 not depend on the image scores sum_c 1/4 p(c) <= 1/4 in expectation, so only reading the image gets above it. A
 failure prints the curve. Marked `learning` (`make test` runs it; `make test-learning` runs only the learning tests).
 The two commands run in the test's process (tests/cli_inprocess.py): the same per-step accuracies as two `vlmrl`
-processes, to the digit. Measured with `make test`'s settings (one thread, the malloc setting), alone: SFT and 40
-steps in 76 s (1.4 s/step); first 8 steps 0.19, last 8 0.39 (+0.20). With the GRPO advantage's sign flipped the
-accuracy falls to 0.00 from step 3 and the test fails.
+processes, to the digit. Its curve and duration: docs/results.md, "Colour learning test". With the GRPO advantage's
+sign flipped the accuracy falls to 0.00 from step 3 and the test fails.
 
 Why 40 steps, not fewer: the rise is bound by the optimizer, not by the signal. At the
 recipe's lr 3e-3 the first 30 steps stay near chance whatever the batch (16 x 4, 4 x 8, 4 x 16 samples per step,
 KL on or off, ZeRO-0 or 2), and lr 1e-2 (with or without warm-up) leaves the answer format within 3 steps
 (accuracy 0.00). Fewer samples per step cost less but learn less per step (the same rise per second); two colours
-instead of four, a larger square, and LoRA at lr 1e-2..3e-2 (5x slower per step) were no faster.
+instead of four, a larger square, and LoRA at lr 1e-2..3e-2 (slower per step) were no faster.
 """
 
 from __future__ import annotations
@@ -49,9 +48,9 @@ def sft_then_train(
     env: tuple[str, ...] = (),
     train: tuple[str, ...] = (),
 ) -> Path:
-    """The README's two commands: `vlmrl sft recipe=<sft_recipe>`, then `vlmrl train recipe=<train_recipe>` from its
-    checkpoint for `steps` steps; `env` overrides go to both, `train` ones to the second. Returns the training run's
-    folder."""
+    """The two commands of docs/quickstart.md, "The colour task": `vlmrl sft recipe=<sft_recipe>`, then `vlmrl train
+    recipe=<train_recipe>` from its checkpoint for `steps` steps; `env` overrides go to both, `train` ones to the
+    second. Returns the training run's folder."""
     sft, run = tmp_path / "sft", tmp_path / "train"
     _cli("sft", f"recipe={sft_recipe}", f"logging.output_dir={sft}", "logging.progress=false", *env)
     _cli(

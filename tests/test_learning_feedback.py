@@ -1,4 +1,5 @@
-"""The learner model learns to use feedback, through the whole pipeline (issue 26): the README's guess commands.
+"""The learner model learns to use feedback, through the whole pipeline: the guess commands of
+docs/quickstart.md, "Feedback use: the guess task".
 
 `vlmrl sft recipe=guess_sft_tiny` (a format-only warm start: every demonstrated answer, first try or retry, is a colour
 drawn from all four, independent of the image and of the first try) and `vlmrl train recipe=guess_tiny` from that
@@ -12,12 +13,10 @@ What can only rise by learning (first FIRST steps against the last LAST, means o
   balanced tasks, so last >= 0.75 means the image is read;
 - `second_turn_accuracy` (the retries after the feedback): a policy that reads the image but ignores the feedback
   (its first answer) scores at most 1/2 on retries, so last >= 0.55 and a rise >= 0.2 mean the feedback is used.
-Measured, first 20 -> last 20 steps (one thread, beside another run, 1.95 s a step): retries 0.25 -> 0.67 and
-env_shown 0.51 -> 0.89 (this test: seed 0, lr 2e-3, 120 steps); seed 1: 0.24 -> 0.92 and 0.48 -> 0.98. Why 120 steps:
-the retries start to rise only once the image is read (~step 60), and at 100 steps seed 0 ended at 0.51 (it passed
-at 0.61 before the log-prob kernel's gradient changed in the last bits: a run this short sits near its threshold at
-100). README "Feedback use". With the advantage's sign flipped (group advantages negated) the test fails: see issue
-26's note.
+Its curves for two seeds: docs/results.md, "Guess learning test". Why 120 steps: the retries start to rise only once
+the image is read, and at 100 steps seed 0 ended below the threshold (it passed before the log-prob kernel's
+gradient changed in the last bits: a run this short sits near its threshold at 100). With the advantage's sign flipped
+(group advantages negated) the test fails.
 """
 
 from __future__ import annotations

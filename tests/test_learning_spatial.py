@@ -1,5 +1,5 @@
-"""The learner model learns where things are, through the whole pipeline (issue 26): the README's sides commands
-with large squares.
+"""The learner model learns where things are, through the whole pipeline: the sides commands of
+docs/quickstart.md, "Seeing where: the learner model", with large squares.
 
 `vlmrl sft recipe=sides_sft_tiny` (a format-only warm start: every demonstrated side is random, independent of the
 image) and `vlmrl train recipe=sides_tiny` from that checkpoint, with env.min_size=36 env.max_size=44 (squares of
@@ -11,12 +11,10 @@ the ZeRO-2 update on `tiny:qwen2_5_vl/learner`; nothing here computes an advanta
 
 Both sides show the same two colours, so any policy blind to position scores 1/2. Asserted: the first held-out score
 is at chance (<= 0.65) and the last is >= 0.85, and training accuracy rises likewise (first and last 10 steps).
-Measured at steps 10, 20, 30, 40 (one thread beside another run, 0.8 s a step): seed 0 (this test) held-out 0.48,
-0.57, 0.98, 0.97, training 0.50 -> 0.97; seed 1: 0.52, 0.67, 0.95, 0.95, training 0.53 -> 0.95. With 16 prompts a
-step (1.6 s) seed 0 reached 0.88 held-out but only 0.65 training accuracy over steps 31-40 (README "Seeing where"). The
-tiny model (`qwen2_5_vl_tiny`) stays at chance on this task even supervised (`bench/spatial_probe.py`). With the
-advantage's sign flipped (group advantages negated) the test fails: held-out 0.45, 0.28, 0.0, 0.0, training 0.0 over
-steps 31-40.
+Its held-out and training curves for two seeds, and the run with 16 prompts a step (seed 0 then reached the held-out
+bound but not the training one over steps 31-40): docs/results.md, "Spatial learning test". The tiny model
+(`qwen2_5_vl_tiny`) stays at chance on this task even supervised (`bench/spatial_probe.py`). With the advantage's sign
+flipped (group advantages negated) the test fails: held-out 0.45, 0.28, 0.0, 0.0, training 0.0 over steps 31-40.
 """
 
 from __future__ import annotations

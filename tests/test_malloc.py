@@ -1,7 +1,7 @@
 """`vlmrl.malloc.mmap_large_blocks` (called by `vlmrl generate`): freed large blocks go back to the OS, even under
-the CPU training advice `GLIBC_TUNABLES=glibc.malloc.mmap_max=0:...` that `make test` itself runs with (issue 23: a
-long windowed episode frees a frame's pixels every turn; with these blocks kept in the heap its RSS grew +391 MiB
-over 64 turns while its live objects stayed flat)."""
+the CPU training advice `GLIBC_TUNABLES=glibc.malloc.mmap_max=0:...` that `make test` itself runs with (a
+long windowed episode frees a frame's pixels every turn; with these blocks kept in the heap its RSS grew over
+the turns while its live objects stayed flat)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Nothing the model can send ends a run (issue 25): over-thin or over-long images from a built-in tool, a function
+"""Nothing the model can send ends a run: over-thin or over-long images from a built-in tool, a function
 tool and an environment are padded (the model is told why) or, when the processor still refuses them, become a
 counted failure; the episode goes on, and its ids still equal the processor's full render of what was shown.
 

@@ -1,4 +1,5 @@
-"""One-step off-policy (async) rollouts, `algorithm.off_policy_steps=1` (vlmrl.train.async_rollout, issue 12).
+"""One-step off-policy (async) rollouts, `algorithm.off_policy_steps=1` (vlmrl.train.async_rollout; docs/algorithms.md,
+"One-step off-policy rollouts").
 
 Unit tests of the staleness bound, the sampler's own weights and the background job; then real runs of the tiny
 Qwen2.5-VL on Geometry3K prompts with the test-only `scored` environment (tests/resume_envs.py) through the CLI:

@@ -1,5 +1,6 @@
-"""The built-in `python` tool (issue 25): one episode end to end with scripted model replies through the real
-episode loop, recipe geometry3k_code_tiny (sandboxed per-episode worker, the diagram as `image`), and the limits."""
+"""The built-in `python` tool (docs/environments.md, "The `python` tool"): one episode end to end with scripted model
+replies through the real episode loop, recipe geometry3k_code_tiny (sandboxed per-episode worker, the diagram as
+`image`), and the limits."""
 
 from __future__ import annotations
 

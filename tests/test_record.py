@@ -150,7 +150,7 @@ def test_a_windowed_record_writes_each_view_whole_and_in_its_own_pieces(tmp_path
     """A history window's record (`from_trajectory` + `append_jsonl`): each earlier view is read back as its full
     lists (hand-written; logprobs rounded to 6 digits) although the views share their prefix (`SharedPrefix`), and no
     piece written holds more than one view's list, so writing a 128-turn episode (455k ids in its views) does not
-    build the whole line in memory (the issue 23 measurement: +158 MiB at the write before)."""
+    build the whole line in memory (as the write once did)."""
     import json
 
     from vlmrl.rollout.history import SharedPrefix

@@ -1,4 +1,5 @@
-"""Runs that survive (issue 6): atomic checkpoints, resume, signals, run files, reproducibility, non-finite updates.
+"""Runs that survive (docs/resuming.md): atomic checkpoints, resume, signals, run files, reproducibility, non-finite
+updates.
 
 The end-to-end tests train the tiny Qwen2.5-VL on real Geometry3K prompts with the test-only `scored` environment
 (tests/resume_envs.py: reward = a deterministic function of the reply, so advantages, losses and updates are real)
@@ -197,7 +198,8 @@ def test_resume_plan_refuses_what_it_should(tmp_path, caplog):
     assert plan_resume(allowed, to_yaml(allowed)).changes == ["trainer.lr: 0.0001 -> 0.5"]
     assert "changed config" in caplog.text and "trainer.lr" in caplog.text
     assert config_changes(to_yaml(cfg), to_yaml(_cfg(out, "resume=never"))) == []
-    # the weight-sync transport is per machine (issue 22): another route, or a config.yaml from before the key
+    # the weight-sync transport is per machine (docs/vllm-gpus.md, "Weight sync"): another route, or a config.yaml from
+    # before the key
     moved = _cfg(out, "rollout.vllm.weight_sync=file", "rollout.vllm.sync_bucket_mb=64")
     before_keys = to_yaml(cfg).replace("    weight_sync: auto\n", "").replace("    sleep: null\n", "")
     assert "weight_sync" not in before_keys and config_changes(before_keys, to_yaml(moved)) == []
@@ -230,7 +232,7 @@ def test_nonfinite_episode_ids():
         NS(task_id="a", group=0, reward=1.0, advantage=0.5, turns=[NS(reward=1.0)]),
         NS(task_id="a", group=0, reward=0.0, advantage=math.nan, turns=[NS(reward=math.nan)]),
         NS(task_id="b", group=1, reward=math.inf, advantage=0.0, turns=[]),
-        NS(task_id="b", group=1, reward=1e30, advantage=0.0, turns=[NS(reward=1e30)]),  # absurd (issue 25)
+        NS(task_id="b", group=1, reward=1e30, advantage=0.0, turns=[NS(reward=1e30)]),  # absurd (> REWARD_BOUND)
         NS(task_id="b", group=1, reward=0.0, advantage=0.0, turns=[NS(reward=-2e6), NS(reward=0.0)]),
         NS(task_id="b", group=1, reward=1e6, advantage=0.0, turns=[NS(reward=-1e6)]),  # at the bound: usable
         NS(task_id="c", group=2, reward=None, advantage=0.0, turns=[]),  # not a number
@@ -269,11 +271,11 @@ def test_trainer_skips_a_non_finite_update(qwen25_model, stage):
 @pytest.mark.slow
 @pytest.mark.parametrize("bad,whole", [("nan", False), ("1e30", True)])
 def test_bad_rewards_leave_their_group_and_a_bad_streak_stops_the_run(tmp_path, monkeypatch, caplog, bad, whole):
-    """A NaN (or absurd: 1e30 > REWARD_BOUND) reward in steps 1, 3 and 4 (issue 25, item 6). In one episode of
-    each (`nan`): that episode leaves its GRPO group (counted, logged), the step still updates from the others. In
-    every episode (`1e30`): each update skipped and counted; after 2 bad steps in a row (trainer.max_bad_steps=2)
-    the run stops with its last good checkpoint (step 2) intact. (Both values go through the same
-    `usable_reward`.)"""
+    """A NaN (or absurd: 1e30 > REWARD_BOUND) reward in steps 1, 3 and 4 (docs/resuming.md, "Non-finite numbers"). In
+    one episode of each (`nan`): that episode leaves its GRPO group (counted, logged), the step still updates from the
+    others. In every episode (`1e30`): each update skipped and counted; after 2 bad steps in a row
+    (trainer.max_bad_steps=2) the run stops with its last good checkpoint (step 2) intact. (Both values go through the
+    same `usable_reward`.)"""
     import resume_envs
 
     from vlmrl.run import train
@@ -366,7 +368,7 @@ def test_sigterm_then_kill_9_mid_step_resume_matches_an_uninterrupted_run(tmp_pa
     # 2. resume (save_every may change), kill -9 in the step after its first new checkpoint
     proc = _start(out)
     _wait_for(proc, lambda: (root / "latest").read_text().strip() != f"step_{done[-1]}")
-    time.sleep(0.05)  # kill -9 while the next step runs (steps take ~1 s here)
+    time.sleep(0.05)  # kill -9 while the next step runs (a step takes far longer than this)
     proc.kill()
     proc.communicate()
     assert proc.returncode == -signal.SIGKILL

@@ -92,7 +92,7 @@ def test_garbage_never_raises_and_is_fast():
 
 
 def test_scoring_works_off_the_main_thread():
-    """math-verify's default timeouts use SIGALRM, which fails off the main thread; ours must not."""
+    """math-verify's default timeouts use SIGALRM, which fails off the main thread; vlmrl's grading must not."""
     out: list[AnswerScore] = []
     answers = ("\\boxed{60.0}", "\\boxed{9^{9^{9}}}")
     threads = [threading.Thread(target=lambda t=t: out.append(score(t))) for t in answers]

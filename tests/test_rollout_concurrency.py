@@ -124,7 +124,7 @@ def test_one_engine_call_per_turn_for_all_episodes(builder):
 
 
 def _timed_tools(runner, clock: Clock) -> None:
-    """Start the tool worker (its ~1 s start-up is not what is timed here), then record each `ToolRuntime.run`
+    """Start the tool worker (its start-up is not what is timed here), then record each `ToolRuntime.run`
     (the tool calls of one turn, run in that worker process) as a "tool" span."""
     tools = check_unique(as_tool(t) for t in runner.env_factory().tools())
     warm = '<tool_call>\n{"name": "wait", "arguments": {"seconds": 0}}\n</tool_call>'

@@ -1,6 +1,6 @@
-"""Run folders that can't be corrupted (issue 13): one run per folder (lock), corrupt lines quarantined on resume,
-disk-full checkpoints, `vlmrl generate` reruns with duplicate ids, the effective export style in config.yaml, and
-`vlmrl evaluate` on bad run folders."""
+"""Run folders that can't be corrupted (docs/resuming.md): one run per folder (lock), corrupt lines quarantined on
+resume, disk-full checkpoints, `vlmrl generate` reruns with duplicate ids, the effective export style in config.yaml,
+and `vlmrl evaluate` on bad run folders."""
 
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ def test_a_held_folder_refuses_train_and_generate_and_a_killed_holder_does_not_b
 @pytest.mark.slow
 def test_two_concurrent_train_runs_then_a_torn_middle_line_and_resume(tmp_path, caplog):
     """Run B into run A's folder while A trains: B exits 1 at once naming A; A's folder holds each step once. Then
-    the issue's case: line 2 of metrics.jsonl torn mid-write and glued to line 3 (one physical line), and a corrupt
+    the torn-line case: line 2 of metrics.jsonl torn mid-write and glued to line 3 (one physical line), and a corrupt
     line in trajectories.jsonl; resuming from the step-3 checkpoint keeps every whole row (steps 1 and 3), quarantines
     the broken bytes naming file and line, and continues with steps 4, 5 once each (the old code kept [1, 4, 5])."""
     out = tmp_path / "run"

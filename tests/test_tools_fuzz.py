@@ -219,7 +219,7 @@ def loop(qwen25_processor):
     runtime.executor.close()  # its tool workers end with the module (a later module may count this process's children)
 
 
-@pytest.mark.slow  # 420 episodes through the loop and the tool workers (~20 s)
+@pytest.mark.slow  # 420 episodes through the loop and the tool workers
 def test_episode_loop_survives_malformed_outputs_and_counts_every_failure(loop):
     runner, engine = loop
     task = Task("fuzz", [], "")

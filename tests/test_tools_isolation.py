@@ -1,5 +1,6 @@
-"""Tool code runs in confined worker processes (issue 13): every escape that worked in the trainer's process must
-fail, every crash/hang/blow-up must be a counted failure, and the trainer (this pytest process) goes on.
+"""Tool code runs in confined worker processes (docs/environments.md, "Tool isolation"): every escape that worked in the
+trainer's process must fail, every crash/hang/blow-up must be a counted failure, and the trainer (this pytest process)
+goes on.
 
 The hostile tools live in tests/tools_hostile.py; each was checked to escape when called in-process (the
 reference: `test_the_hostile_tools_do_escape_without_a_worker`)."""
@@ -168,7 +169,7 @@ def test_file_escapes_fail(rt, outside):
     assert_trainer_fine(rt)
 
 
-@pytest.mark.slow  # the tool imports torch in its worker (~10 s on 2 busy cores)
+@pytest.mark.slow  # the tool imports torch in its worker
 def test_torch_from_file_outside_fails(sandbox, outside):
     slow = ToolRuntime(P, ToolLimits(timeout_s=60.0), sandbox=sandbox)  # the tool imports torch (seconds)
     texts, errors, _ = run(slow, call("torch_read", path=str(outside / "secret.txt"), size=len(SECRET)))
@@ -268,8 +269,8 @@ def test_worker_that_cannot_start_is_a_counted_failure(monkeypatch):
 
 def test_a_worker_process_imports_neither_hydra_nor_torch():
     """A timed-out call kills its worker and the next call waits for a new one: the worker's own imports stay
-    light (`vlmrl.tools` loads its submodules on first use; importing the runtime pulled in the config and Hydra,
-    ~0.5 s per worker start)."""
+    light (`vlmrl.tools` loads its submodules on first use; importing the runtime pulled in the config and Hydra
+    at every worker start)."""
     probe = (
         "import sys, vlmrl.tools.worker; print(sorted(m for m in ('hydra', 'omegaconf', 'torch') if m in sys.modules))"
     )
@@ -278,7 +279,7 @@ def test_a_worker_process_imports_neither_hydra_nor_torch():
 
 
 def test_a_result_of_a_million_items_is_cut_to_the_cap(rt):
-    """Issue 25: 10^6 empty strings ran 35 s under timeout_s=3 and wrote a 30 MB trajectory line; now the worker and
+    """10^6 empty strings once ran far past timeout_s=3 and wrote a huge trajectory line; now the worker and
     the trainer keep MAX_RESULT_ITEMS items and say the rest were left out."""
     from vlmrl.tools.results import MAX_RESULT_ITEMS, items_from_blocks
 
@@ -295,7 +296,7 @@ def test_a_result_of_a_million_items_is_cut_to_the_cap(rt):
 
 @pytest.mark.parametrize("forged", ["fake_frame", "fake_image_frame"])
 def test_a_forged_reply_frame_fails_its_own_call_and_the_next_call_gets_its_own_answer(rt, forged):
-    """Issue 25: tool code that writes a reply frame (with the request's nonce, read from the worker's stack) into
+    """Tool code that writes a reply frame (with the request's nonce, read from the worker's stack) into
     the worker's reply pipe. Before, its worker was desynchronised: every later call got the previous call's reply,
     counted ok (a fake image frame made the next innocent call time out). Now the extra frame fails the forging call
     once, as a crash, its worker is replaced, and the next calls get their own answers."""
@@ -308,7 +309,7 @@ def test_a_forged_reply_frame_fails_its_own_call_and_the_next_call_gets_its_own_
 
 
 def test_nothing_a_call_starts_outlives_it_and_processes_are_capped(rt):
-    """Issue 25: 300 forked children outlived their call in a pooled worker. Now a sandboxed worker kills every
+    """300 forked children once outlived their call in a pooled worker. Now a sandboxed worker kills every
     other process of its pid namespace when a call ends, and a fork bomb stops below MAX_PROCESSES: RLIMIT_NPROC
     for a trainer that does not run as root, else the worker's own pids cgroup (the kernel exempts uid 0 from
     RLIMIT_NPROC). Without either (root, no writable cgroup) this test fails: the cap does not hold there."""
@@ -333,7 +334,7 @@ def test_nothing_a_call_starts_outlives_it_and_processes_are_capped(rt):
 
 
 def test_tool_code_cannot_lift_the_hard_cpu_limit(rt):
-    """Issue 25: RLIMIT_CPU's hard limit was unlimited, so tool code could lift its soft limit. Now it is the
+    """RLIMIT_CPU's hard limit was once unlimited, so tool code could lift its soft limit. Now it is the
     worker's lifetime budget (HARD_CPU_CALLS x cpu_s), and in the sandbox (no capabilities) it cannot be raised."""
     texts, errors, _ = run(rt, call("cpu_limit_raise"))
     soft, hard, lifted = texts[0].split(" ", 2)
@@ -341,7 +342,7 @@ def test_tool_code_cannot_lift_the_hard_cpu_limit(rt):
 
 
 def test_a_child_that_ignores_sigxcpu_dies_at_the_hard_cpu_limit():
-    """Issue 25: a child that ignores SIGXCPU spun on after its call returned "ok". Even without bwrap's pid
+    """A child that ignores SIGXCPU once spun on after its call returned "ok". Even without bwrap's pid
     namespace (which kills it when the call ends) it now dies at the hard limit: cpu_s=1 gives it at most the
     worker's start-up CPU + 2 s."""
     fallback = ToolRuntime(P, ToolLimits(timeout_s=5.0), sandbox=Sandbox(isolation="rlimits", cpu_s=1.0))
@@ -356,7 +357,7 @@ def test_a_child_that_ignores_sigxcpu_dies_at_the_hard_cpu_limit():
 
 
 def test_the_sandbox_root_is_read_only(rt):
-    """Issue 25: the root bwrap builds is an uncapped tmpfs (900 MiB written in 0.5 s, in host memory)."""
+    """The root bwrap builds is an uncapped tmpfs in host memory: tool code must not be able to write to it."""
     texts, errors, _ = run(rt, call("write_root", megabytes=64))
     assert errors == [""] and texts[0].startswith("blocked: OSError") and "Read-only file system" in texts[0]
 
@@ -367,7 +368,7 @@ def _never() -> str:
 
 
 def test_a_module_that_hangs_on_import_costs_one_start_up_timeout(monkeypatch, sandbox):
-    """Issue 25: a tool module that hangs on import (tests/tools_hang_import.py) blocked 120 s on every call under
+    """A tool module that hangs on import (tests/tools_hang_import.py) once blocked every call far past
     timeout_s=3. Its import now times out once (IMPORT_TIMEOUT_S, 2 s here) and later calls fail at once,
     counted as timeouts."""
     from vlmrl.tools import process

@@ -78,7 +78,7 @@ def fresh_model(qwen25_model):
 
 
 def test_logprobs_match_generate(qwen25_model):
-    """The issue's check: sequence_logprobs on prompt + sampled continuation == generate's sampling logprobs."""
+    """Trainer and sampler agree: sequence_logprobs on prompt + sampled continuation == generate's sampling logprobs."""
     model, temperature = qwen25_model, 0.7
     prompt = image_sample(0, grids=((1, 4, 4), (1, 4, 6)), n_gen=0)
     ids = prompt.input_ids[None]

@@ -1,4 +1,4 @@
-"""The update's fast paths (issue 27): ZeRO-1/2/3 run as stage 0 at one rank, torch AdamW's fused kernel, the fused
+"""The update's fast paths: ZeRO-1/2/3 run as stage 0 at one rank, torch AdamW's fused kernel, the fused
 log-softmax; one step against a hand-written reference on unpadded single samples, and the rules that pick them."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Each image encoded once per rollout on the transformers engine (issue 23, item 5; vlmrl.rollout.vision_cache):
+"""Each image encoded once per rollout on the transformers engine (vlmrl.rollout.vision_cache):
 the same episodes sampled with and without the cache give the same ids and logprobs (fp32, <= 1e-5), and the vision
 tower sees each image once instead of once per turn."""
 

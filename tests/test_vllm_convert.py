@@ -160,7 +160,7 @@ def test_logprobs_mode_matches_our_convention():
     "finish, stop_reason, expected",
     [
         ("stop", None, StopReason.EOS),  # the model's EOS
-        ("stop", EOT, StopReason.EOS),  # one of our stop_token_ids
+        ("stop", EOT, StopReason.EOS),  # one of vlmrl's stop_token_ids
         ("stop", "</answer>", StopReason.STOP_STRING),
         ("length", None, StopReason.LENGTH),
     ],

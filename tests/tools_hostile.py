@@ -1,4 +1,5 @@
-"""Hostile or careless tool code (issue 13), imported by tool workers by path: each tries to escape its worker.
+"""Hostile or careless tool code (docs/environments.md, "Threat model"), imported by tool workers by path: each tries to
+escape its worker.
 
 Kept free of heavy imports (no torch at module level) so that workers start fast. `descendants()` lists the
 live processes started by the calling process (to check that killed workers leave nothing behind).

@@ -4,13 +4,13 @@ A long visual episode with a history window (`env.keep_images`) frees a frame's 
 image processor's work arrays every turn. glibc serves blocks over `M_MMAP_THRESHOLD` with their own mmap, but its
 threshold is dynamic: the first such block freed raises it (up to 32 MiB), after which these blocks come from the
 heap, whose holes between long-lived objects are never returned. The live objects stay flat while the RSS grows a
-few MiB a turn (measured: `vlmrl generate recipe=frozenlake_tiny ... env.keep_images=4`, +117 / +310 MiB of max RSS
-at 32 / 64 turns over 1 turn with glibc's default; see README, "Long episodes").
+few MiB a turn (docs/long-episodes.md, "Memory"; the figures: docs/results.md, "`vlmrl generate` memory through
+the CLI").
 
 `mmap_large_blocks()` pins the threshold (setting it through `mallopt` turns the dynamic rule off) and allows mmap
-again if `GLIBC_TUNABLES=glibc.malloc.mmap_max=0` (the CPU training advice of the README and `make test`, which
-keeps the update's [N, vocab] logits blocks in the heap for speed) turned it off. Rule and constants: glibc's
-`mallopt(3)` (M_MMAP_THRESHOLD = -3, M_MMAP_MAX = -4; default mmap max 65536).
+again if `GLIBC_TUNABLES=glibc.malloc.mmap_max=0` (the CPU training advice of docs/quickstart.md, "Learning on a CPU",
+and `make test`, which keeps the update's [N, vocab] logits blocks in the heap for speed) turned it off. Rule and
+constants: glibc's `mallopt(3)` (M_MMAP_THRESHOLD = -3, M_MMAP_MAX = -4; default mmap max 65536).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Colocated vLLM as `AsyncLLM` (issue 10; `rollout.vllm.colocate_engine=async`, the default on one rank): requests
+"""Colocated vLLM as `AsyncLLM` (`rollout.vllm.colocate_engine=async`, the default on one rank): requests
 are served as they arrive, concurrently, and seeds make trajectories independent of the order they arrive in.
 
-One engine for the whole module (an AsyncLLM start is 7-40 s on this CPU), composed from conf/ (`rollout=vllm`), over
+One engine for the whole module (an AsyncLLM start is slow on a CPU), composed from conf/ (`rollout=vllm`), over
 a tiny text-only tied-embedding Qwen2 (tests/real_vllm/test_vllm_engine.py's), fp32, the real Qwen tokenizer:
 - the typed `rollout.vllm` node of the conf group is the engine's config as it is;
 - a long request A is in vLLM (vLLM's own count of unfinished requests) when a short request B is submitted; B

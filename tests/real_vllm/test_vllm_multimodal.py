@@ -6,7 +6,7 @@ A tiny Qwen2.5-VL of the real architecture (text head size 32, which vLLM's CPU 
 diagrams, fp32. The reference is always the trainer's own forward (`sequence_logprobs`, transformers) on the ids,
 `pixel_values` and `image_grid_thw` the token builder produced, never vLLM compared with itself:
 - colocated generation with two images in one message and an image in an environment's feedback, at temperature
-  0.7: vLLM re-expands the collapsed placeholders to our ids exactly and its logprobs equal the trainer's;
+  0.7: vLLM re-expands the collapsed placeholders to vlmrl's ids exactly and its logprobs equal the trainer's;
 - every weight (vision tower included) changed, synced, checked on an image sequence, and the parity again;
 - a tool response carrying an image, rendered by the builder and sampled from by vLLM;
 - server mode with images: vLLM's own server (`--enable-scale-out`, tests/real_vllm/served.py) samples the same
@@ -14,9 +14,9 @@ diagrams, fp32. The reference is always the trainer's own forward (`sequence_log
   its logprobs equal the trainer's; every weight changed, reloaded from a checkpoint, prefix and encoder caches
   reset, checked on the image sequences, and the parity again;
 - T = 0.7, top_p = 0.9 with an image: vLLM's logprobs vs the trainer's tempered logits renormalised over the same
-  nucleus (issue 12);
+  nucleus (a test at T = 1 alone would miss a dropped temperature);
 - a 4-turn episode with a new image every turn: vLLM's prefix and encoder caches run the vision encoder once per
-  distinct image (4, counted inside vLLM's worker; 20 without caches), issue 23;
+  distinct image (4, counted inside vLLM's worker; 20 without caches);
 - `vlmrl train rollout=vllm` with images, end to end (DeepSpeed ZeRO-2 trainer + colocated vLLM), off-policy here;
   its 2-step on-policy run is `make gpu-check`'s row on CPU (tests/real_vllm/test_gpu_check_cpu.py).
 """
@@ -68,7 +68,7 @@ from vlmrl.types import (
 ROOT = Path(__file__).resolve().parents[2]
 DIAGRAMS = ROOT / "vlmrl" / "assets" / "data" / "geometry3k" / "images"
 TEMPERATURE = 0.7
-TOL = 1e-4  # fp32: measured ~2e-6
+TOL = 1e-4  # fp32 (the differences seen: docs/results.md, "vLLM parity on a CPU")
 
 
 def diagram(name: str) -> Image.Image:
@@ -166,7 +166,7 @@ def test_weight_sync_with_images_then_parity_again(setup):
 
 def test_tool_image_response_is_sampled_through_vllm(setup):
     """An assistant tool call (ids given, mask 0) and a tool message with an image, then vLLM samples the next turn:
-    its prompt re-expands to our ids (checked inside the engine) and its logprobs equal the trainer's."""
+    its prompt re-expands to vlmrl's ids (checked inside the engine) and its logprobs equal the trainer's."""
     b = setup.builder
     seq = b.start([Message(Role.USER, [ImagePart(diagram("2401"), "2401.png"), TextPart("Crop it, then answer.")])])
     call = '<tool_call>\n{"name": "crop", "arguments": {"x0": 0, "y0": 0, "x1": 100, "y1": 100}}\n</tool_call>'
@@ -200,7 +200,7 @@ def test_server_mode_with_images_matches_the_trainer(tmp_path_factory, setup):
     model = tiny_qwen25_vl_head32(seed=2)
     directory = tmp_path_factory.mktemp("served_vl")
     model.save_pretrained(directory)
-    setup.processor.save_pretrained(directory)  # the server's processor: ours (same min/max pixels)
+    setup.processor.save_pretrained(directory)  # the server's processor: the trainer's (same min/max pixels)
     with vllm_server(directory, max_model_len=1024) as url:
         cfg = rollout_cfg(mode="server", url=url, sync_dir=str(directory / "sync"))
         engine = make_engine(cfg, lambda: contextlib.nullcontext(model), setup.processor, setup.builder)
@@ -287,14 +287,14 @@ def _on_engine(backend, call):
 
 
 def test_prefix_and_encoder_caches_encode_each_image_once(setup):
-    """Issue 23 (item 5, vLLM half): a 4-turn episode whose every turn adds a new image, 2 samples, through colocated
-    vLLM. Each turn's prompt repeats the earlier images, so a vLLM without its caches would run the vision encoder on
-    2 x (1 + 2 + 3 + 4) = 20 images (hand-derived). With the prefix cache (the earlier turns' KV blocks, image
-    placeholders included, keyed by the images' hashes) and the encoder cache (outputs by image hash, shared by the
-    group's samples), it encodes each of the 4 distinct images once: counted inside vLLM's worker, around the model's
-    `embed_multimodal`. The encoder cache alone does it (with enable_prefix_caching=False the count is still 4); with
-    both caches reset before every request it is 10 and this fails. The episodes are checked as usual: their
-    logprobs equal the trainer's."""
+    """Each image encoded once per rollout, vLLM's half (tests/test_vision_cache.py is the transformers engine's): a
+    4-turn episode whose every turn adds a new image, 2 samples, through colocated vLLM. Each turn's prompt repeats the
+    earlier images, so a vLLM without its caches would run the vision encoder on 2 x (1 + 2 + 3 + 4) = 20 images
+    (hand-derived). With the prefix cache (the earlier turns' KV blocks, image placeholders included, keyed by the
+    images' hashes) and the encoder cache (outputs by image hash, shared by the group's samples), it encodes each of the
+    4 distinct images once: counted inside vLLM's worker, around the model's `embed_multimodal`. The encoder cache alone
+    does it (with enable_prefix_caching=False the count is still 4); with both caches reset before every request it is
+    10 and this fails. The episodes are checked as usual: their logprobs equal the trainer's."""
     backend = setup.engine.backend
     _on_engine(backend, lambda llm: llm.reset_prefix_cache())
     _on_engine(backend, lambda llm: llm.reset_encoder_cache())
@@ -319,12 +319,12 @@ def test_prefix_and_encoder_caches_encode_each_image_once(setup):
 
 
 def test_vllm_logprobs_at_temperature_0_7_top_p_0_9_with_images(setup):
-    """Issue 12 through vLLM (mirrors tests/test_engine_temperature.py, the HF engine's version): at T = 0.7 and
-    top_p = 0.9 with an image, vLLM's rollout logprobs (`processed_logprobs`) equal the trainer's logits / T
+    """Sampling at T != 1 through vLLM (mirrors tests/test_engine_temperature.py, the HF engine's version): at T = 0.7
+    and top_p = 0.9 with an image, vLLM's rollout logprobs (`processed_logprobs`) equal the trainer's logits / T
     renormalised over the same nucleus: log p_T(x) - log(nucleus mass), max |d| <= 1e-4 in fp32. The plain tempered
-    recomputation (`sequence_logprobs` at T, what the trainer's loss uses) differs from them by exactly
-    -log(nucleus mass) > 0 per token; that gap is what TIS/MIS (`algorithm.rollout_correction`) correct. Temperature
-    1 would give other numbers again (the test can tell the temperatures apart)."""
+    recomputation (`sequence_logprobs` at T, what the trainer's loss uses) differs from them by exactly -log(nucleus
+    mass) > 0 per token; that gap is what TIS/MIS (`algorithm.rollout_correction`) correct. Temperature 1 would give
+    other numbers again (the test can tell the temperatures apart)."""
     temperature, top_p = 0.7, 0.9
     b = setup.builder
     seq = b.start([Message(Role.USER, [ImagePart(diagram("2401"), "2401.png"), TextPart("Find x.")])])

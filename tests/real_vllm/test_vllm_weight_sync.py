@@ -1,4 +1,4 @@
-"""The in-memory weight sync of a colocated `AsyncLLM` on CPU (issue 22; `rollout.vllm.weight_sync=shm`, the CPU
+"""The in-memory weight sync of a colocated `AsyncLLM` on CPU (`rollout.vllm.weight_sync=shm`, the CPU
 default): a /dev/shm buffer in buckets through vLLM 0.32's weight-transfer API (`vlmrl/rollout/vllm/shm.py`).
 
 The tiny Qwen2.5-VL (head size 32, tests/real_vllm/tiny_head32.py), real diagrams, fp32, 1 MiB buckets (so a sync is

@@ -41,7 +41,7 @@ class Family:
     image_token: the expanded image placeholder token ("" if only its builder knows it); model_types: HF
     `config.model_type`s of its real checkpoints (the first family listing a model_type claims it); input_layout: how
     its images reach `forward`/`generate` (`vlmrl.families.layout.InputLayout`, shapes in each layout's docstring),
-    None when transformers cannot run the model with our inputs (remote-code models: Kimi-VL, DeepSeek-VL2);
+    None when transformers cannot run the model with vlmrl's inputs (remote-code models: Kimi-VL, DeepSeek-VL2);
     tool_parser: the `vlmrl.tools.parsers` format its chat template writes (None: set `tools.parser`); tiny: the
     offline fixture recipe (None: a format-only stand-in processor, `vlmrl.tokens.synthetic`)."""
 

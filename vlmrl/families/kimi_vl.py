@@ -1,4 +1,4 @@
-"""Kimi-VL (format-only offline; a remote-code model transformers does not run with our inputs)."""
+"""Kimi-VL (format-only offline; a remote-code model transformers does not run with vlmrl's inputs)."""
 
 from vlmrl.families.base import Family
 

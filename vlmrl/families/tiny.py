@@ -47,7 +47,7 @@ def tiny_assets(family: str) -> Path:
 
 def chat_template(family: str) -> str:
     """The family's original chat template, read from the installed `trl` package's files (found without importing
-    trl, whose `__init__` costs ~0.15 s a process). Raises ValueError as `tiny_family`, or when trl is missing."""
+    trl, whose `__init__` is slow, in every process). Raises ValueError as `tiny_family`, or when trl is missing."""
     name = tiny_family(family).template
     spec = importlib.util.find_spec("trl")
     if spec is None or not spec.submodule_search_locations:

@@ -33,7 +33,7 @@ _OFFLINE_HINT = (
 def model_load_errors(path: str, what: str) -> Iterator[None]:
     """Turn a transformers / huggingface_hub / safetensors failure while loading `what` (config | processor | weights)
     from `path` into one `ModelLoadError` line: for a hub id, what to do offline; for a local folder, what is wrong
-    with it. Our own ValueErrors pass through unchanged."""
+    with it. vlmrl's own ValueErrors pass through unchanged."""
     try:
         yield
     except ModelLoadError:

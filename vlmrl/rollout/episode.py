@@ -165,7 +165,7 @@ class EpisodeRunner:
         out: list[Trajectory] = []
 
         async def main() -> None:  # returns None: on exit Python 3.11's asyncio.run formats a repr of the main task,
-            out.extend(await self.run_async(tasks, group_size, seed))  # result included (10-20 ms for a rollout)
+            out.extend(await self.run_async(tasks, group_size, seed))  # result included (costly for a rollout)
 
         with self.engine.session():
             asyncio.run(main())

@@ -166,7 +166,7 @@ def atomic_path(path: str | Path, directory: bool = False, durable: bool = True)
     (e.g. ENOSPC) the temporary file or folder is removed and the exception re-raised; `path` is untouched.
 
     A file replaces an existing `path`. A folder cannot replace an existing non-empty one: if `path` is already a
-    folder at the rename (another writer won the race), it is kept and ours removed; other rename errors (OSError)
+    folder at the rename (another writer won the race), it is kept and this one removed; other rename errors (OSError)
     are raised. durable=False skips the fsyncs (a crash may then lose the new content, but never shows a part):
     for files only a live process reads, e.g. the weights a vLLM server reloads.
     """

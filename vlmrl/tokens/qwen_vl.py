@@ -105,8 +105,8 @@ class QwenVLBuilder(TemplateBuilder):
     def _compiled_template(self):
         """The processor's chat template compiled by transformers (cached per template source), or None.
 
-        `apply_chat_template` spends about as long on copying and checking its arguments as on rendering; our
-        messages are already plain JSON-like dicts, so we render the compiled template ourselves. On first use of a
+        `apply_chat_template` spends about as long on copying and checking its arguments as on rendering; the
+        messages are already plain JSON-like dicts, so the compiled template is rendered directly. On first use of a
         template source the direct render is compared with `apply_chat_template` on probe conversations (with and
         without the generation prompt, tools as configured); any difference, or a transformers without the helper,
         falls back to `apply_chat_template` for good.

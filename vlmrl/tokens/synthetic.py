@@ -1,7 +1,7 @@
 """Stand-in tokenizers and offline processors for the families with no real tokenizer offline (FORMAT-ONLY checks).
 
-GLM-4.1V / GLM-4.5V, Kimi-VL and DeepSeek-VL2 ship tokenizers we cannot get offline. The tokenizers built here carry
-each family's special tokens at their REAL ids; the ordinary text vocabulary is a small byte-level BPE trained in
+GLM-4.1V / GLM-4.5V, Kimi-VL and DeepSeek-VL2 ship tokenizers that cannot be had offline. The tokenizers built here
+carry each family's special tokens at their REAL ids; the ordinary text vocabulary is a small byte-level BPE trained in
 memory on a fixed corpus (about 1,000 tokens, Qwen's pre-tokenizer regex), padded with unreachable filler entries so
 that the special tokens land where the real tokenizer puts them. So: special-token ids are real, text ids are not.
 MiMo-VL uses Qwen's real BPE (`vlmrl.modeling.qwen_bpe.qwen_tokenizer`, Qwen3's 26 added tokens) — its tokenizer is
@@ -187,8 +187,8 @@ def _pre_tokenizer():
 def family_tokenizer(family: str):
     """A `PreTrainedTokenizerFast` carrying `family`'s special tokens at their real ids (text ids are not real).
 
-    family: glm4v | glm4v_moe | kimi_vl | deepseek_vl2 (stand-ins) or mimo_vl (Qwen's real BPE). Built in memory in
-    about a second; memoised per process. Raises ValueError for another family.
+    family: glm4v | glm4v_moe | kimi_vl | deepseek_vl2 (stand-ins) or mimo_vl (Qwen's real BPE). Built in memory (a
+    BPE training run); memoised per process. Raises ValueError for another family.
     """
     if family == "mimo_vl":
         from vlmrl.modeling.qwen_bpe import qwen_tokenizer

@@ -25,8 +25,8 @@ if TYPE_CHECKING:
     from vlmrl.tools.spec import Tool, ToolArgumentError, ToolSpecError, as_tool, tools_from_object
 
 # Loaded on first use (PEP 562): a tool worker process imports this package only for results/spec, and a worker
-# that starts in ~0.1 s instead of ~0.5 s (the runtime pulls in the config and Hydra) matters after every tool
-# timeout, which kills its worker.
+# that starts without the runtime (which pulls in the config and Hydra) starts several times faster, which matters
+# after every tool timeout, which kills its worker.
 _HOME = {
     "calculate": "builtin",
     "DataDir": "files",

@@ -25,7 +25,7 @@ import time
 
 PREFIX = "vlmrl-tools-"
 _COUNTER = itertools.count()
-_LEFT: set[str] = set()  # our cgroups that were still busy when removed: retried later
+_LEFT: set[str] = set()  # this process's cgroups that were still busy when removed: retried later
 
 
 def _mounts() -> list[tuple[str, str, str]]:
@@ -122,7 +122,7 @@ def remove(path: str, wait_s: float = 1.0) -> bool:
 
 
 def _sweep(root: str) -> None:
-    """Remove our earlier busy cgroups and those of trainers that are no longer running."""
+    """Remove this process's earlier busy cgroups and those of trainers that are no longer running."""
     for path in list(_LEFT):
         remove(path, wait_s=0)
     try:

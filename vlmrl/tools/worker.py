@@ -75,7 +75,7 @@ def reap_namespace() -> int:
     deadline = time.monotonic() + REAP_WAIT_S  # SIGKILL is asynchronous: wait until they are gone (or zombies)
     while True:
         try:
-            while os.waitpid(-1, os.WNOHANG)[0] != 0:  # our own children
+            while os.waitpid(-1, os.WNOHANG)[0] != 0:  # the worker's own children
                 pass
         except ChildProcessError:
             pass

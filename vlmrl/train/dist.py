@@ -1,10 +1,10 @@
 """torch.distributed set-up for the trainer and rank helpers usable everywhere (no-ops without a process group).
 
 Launchers: `torchrun --standalone --nproc_per_node N -m vlmrl.cli train ...`, `deepspeed --num_gpus N ...` (it passes
-`--local_rank`; we read LOCAL_RANK from the environment, which both launchers set) or a plain `python` process, for
+`--local_rank`; LOCAL_RANK is read from the environment, which both launchers set) or a plain `python` process, for
 which `init_distributed` sets RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, MASTER_ADDR=127.0.0.1 and a free MASTER_PORT.
 Backend: nccl with CUDA, gloo otherwise (DeepSpeed then needs DS_ACCELERATOR=cpu, set here before DeepSpeed is
-imported; on CPU we also skip DeepSpeed's ~37 s JIT build of its shared-memory comm op).
+imported; on CPU it also skips DeepSpeed's slow JIT build of its shared-memory comm op).
 """
 
 from __future__ import annotations

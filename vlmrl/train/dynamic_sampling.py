@@ -4,7 +4,7 @@ all equal (accuracy 0 or 1: a GRPO advantage of exactly 0, no gradient), until t
 `algorithm.dynamic_sampling=true`: a step runs rollout rounds of `trainer.batch_size` prompts each (the next prompts
 of the data stream, split over ranks as usual), keeps the groups with unequal rewards, and stops once the ranks
 together hold `batch_size` kept groups or after `algorithm.max_sampling_rounds` rounds (verl's
-`max_num_gen_batches`; verl then raises, we train on what was kept). Kept groups beyond `batch_size` are cut in a
+`max_num_gen_batches`; verl then raises, vlmrl trains on what was kept). Kept groups beyond `batch_size` are cut in a
 fixed global order (round, rank, group), as verl truncates to the train batch size.
 
 Exactness and determinism: every rank runs the same number of rounds (the stop decision uses counts gathered from

@@ -5,12 +5,13 @@
 This is the quantity engines report for sampled tokens (`Generation.logprobs`: log p under logits / temperature), so
 the ratio pi / pi_old of the GRPO loss is 1 at the first update when trainer and sampler agree.
 
-Memory: the LM head is the largest activation of a VLM with a 150k vocabulary. We (1) ask the model for logits only at
-the positions we need (`logits_to_keep` as a boolean [B, T] mask, transformers >= 5; models without it give all
-logits and we index them), and (2) pick the log-softmax kernel by the size of that [N, V] block (`token_logprobs`):
+Memory: the LM head is the largest activation of a VLM with a 150k vocabulary. The trainer (1) asks the model for logits
+only at the positions it needs (`logits_to_keep` as a boolean [B, T] mask, transformers >= 5; models without it give all
+logits, which are then indexed), and (2) picks the log-softmax kernel by the size of that [N, V] block
+(`token_logprobs`):
 - up to FUSED_MAX_BYTES of fp32 (N * V * 4 bytes): `FusedLogSoftmax`, torch's fused `log_softmax` forward whose
-  fp32 [N, V] output it keeps for a one-pass backward; fewest passes over the block (on 2 CPU cores, 192 rows x
-  151,936: forward + backward 0.054 s against 0.111 s for the selective kernel, `bench/update.py --kernels`);
+  fp32 [N, V] output it keeps for a one-pass backward; fewest passes over the block, so the faster kernel up to
+  this size (`bench/update.py --kernels`; docs/results.md, "Log-prob kernels");
 - above it: `SelectiveLogSoftmax`, which never materialises an fp32 [N, V] log_softmax for autograd: it keeps the
   logits in their own dtype plus one fp32 logsumexp per row and recomputes softmax chunk-wise in backward (the trick
   of trl's `selective_log_softmax`, done as a custom autograd function). A GPU micro-batch of 8k loss tokens over a

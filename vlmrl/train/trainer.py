@@ -16,22 +16,24 @@ loss_agg_norm (`vlmrl.train.loss_agg`; the Dr. GRPO constant must be > 0 with se
 ("fp32" | "bf16" | "auto" = bf16 mixed precision with fp32 master weights iff the model's parameters are bf16),
 steps + lr_scheduler + warmup_steps / warmup_ratio (transformers' `get_scheduler`, stepped by DeepSpeed after each
 applied update and kept in its checkpoints; `StepStats.lr` is the LR the update used), gradient_checkpointing
-(non-reentrant), deepspeed_config (a user JSON merged over ours, `vlmrl.train.settings.merge_deepspeed_config`; its
-zero_optimization.stage wins).
+(non-reentrant), deepspeed_config (a user JSON merged over vlmrl's own, `vlmrl.train.settings.merge_deepspeed_config`;
+its zero_optimization.stage wins).
 
-Exact token-level normalisation over micro-batches and ranks: DeepSpeed runs with gradient_accumulation_steps=1 and we
-mark the accumulation boundary ourselves (`engine.set_gradient_accumulation_boundary(False)` before every micro-batch
-but the last), so `engine.backward` does not rescale the loss and `engine.step()` applies once. Each micro-batch's loss
-is its masked-token sum divided by N / W (N = loss tokens of the whole step over all ranks, W = world size); DeepSpeed
-averages gradients over ranks, so the step's gradient is that of sum(all tokens) / N.
-ZeRO-3 needs every rank to run the same number of forwards: ranks with fewer micro-batches run zero-weight ones.
+Exact token-level normalisation over micro-batches and ranks: DeepSpeed runs with gradient_accumulation_steps=1 and the
+trainer marks the accumulation boundary itself (`engine.set_gradient_accumulation_boundary(False)` before every
+micro-batch but the last), so `engine.backward` does not rescale the loss and `engine.step()` applies once. Each
+micro-batch's loss is its masked-token sum divided by N / W (N = loss tokens of the whole step over all ranks, W = world
+size); DeepSpeed averages gradients over ranks, so the step's gradient is that of sum(all tokens) / N. ZeRO-3 needs
+every rank to run the same number of forwards: ranks with fewer micro-batches run zero-weight ones.
 
 ZeRO at one rank: ZeRO-1/2/3 run as stage 0, or stage 1 in bf16 (`vlmrl.train.settings.effective_zero_stage`:
-nothing to partition, and stage 2's gradient hooks cost 0.1-0.15 s of a 0.6 s step on 2 CPU cores), unless the user's
+nothing to partition, and stage 2's per-parameter gradient hooks and bucket copies are a sizeable part of a small
+model's step on a CPU), unless the user's
 DeepSpeed JSON sets the stage, offloads, or the run resumes a checkpoint written partitioned; `self.cfg.zero_stage`
 is the stage the engine runs.
 
-Optimizer: torch AdamW through the DeepSpeed config (`torch_adam: true`; DeepSpeedCPUAdam would JIT-compile ~74 s),
+Optimizer: torch AdamW through the DeepSpeed config (`torch_adam: true`; DeepSpeedCPUAdam would JIT-compile a C++ op
+at start-up),
 its fused kernel where torch has one for the device (`vlmrl.train.settings.with_fused_adam`).
 ZeRO-3 partitions an ordinary (fully built) model at `deepspeed.initialize`; building under an `HfDeepSpeedConfig`
 (zero.Init) is only needed for models too big for one rank (see `hf_deepspeed_config`).

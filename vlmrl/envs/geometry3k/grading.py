@@ -89,6 +89,6 @@ def geometry_reward(score: AnswerScore, format_weight: float = 0.1) -> float:
     """The canonical Geometry3K reward: (1 - w) * accuracy + w * format, w = 0.1 (so 0.9 * correct + 0.1 * boxed).
 
     Same weighting as verl `verl/utils/reward_score/geo3k.py::compute_score(format_score=0.1)` and EasyR1's
-    r1v/geo reward; format here is "a boxed answer exists" (we do not require `<think>` tags).
+    r1v/geo reward; format here is "a boxed answer exists" (`<think>` tags are not required).
     """
     return (1.0 - format_weight) * float(score.correct) + format_weight * float(score.formatted)

@@ -21,7 +21,7 @@ def choose_logprobs_mode(temperature: float, top_p: float) -> str:
 
 
 def logprobs_exact(mode: str, temperature: float, top_p: float) -> bool:
-    """True when vLLM's `mode` returns exactly our logprob convention for a call with these settings."""
+    """True when vLLM's `mode` returns exactly vlmrl's logprob convention for a call with these settings."""
     if mode == "processed_logprobs":
         return top_p >= 1.0
     if mode == "raw_logprobs":
@@ -92,7 +92,7 @@ def to_vllm_prompt(prompt: EnginePrompt, image_token_id: int | None, merge_size:
 
 def sampling_kwargs(params: SamplingParams, n: int, stop_token_ids: Sequence[int], seed: int | None) -> dict:
     """Keyword arguments of `vllm.SamplingParams` for one prompt: n samples, the sampled token's logprob
-    (`logprobs=0`), no top-k/min-p/penalties (our logprobs are of logits / temperature only), our stop ids."""
+    (`logprobs=0`), no top-k/min-p/penalties (vlmrl's logprobs are of logits / temperature only), vlmrl's stop ids."""
     return {
         "n": n,
         "temperature": params.temperature,
@@ -231,7 +231,8 @@ def max_abs_delta(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]]) ->
 
 
 def check_expanded(prompt: EnginePrompt, vllm_ids: Sequence[int] | None, who: str = "vLLM") -> None:
-    """Raise RuntimeError when vLLM's expanded prompt ids (None: not returned, nothing to check) differ from ours."""
+    """Raise RuntimeError when vLLM's expanded prompt ids (None: not returned, nothing to check) differ from the
+    prompt's."""
     if vllm_ids is not None and list(vllm_ids) != list(prompt.token_ids):
         raise RuntimeError(
             f"{who} expanded the prompt to {len(vllm_ids)} tokens, ours has {len(prompt.token_ids)}: its image "
@@ -241,7 +242,7 @@ def check_expanded(prompt: EnginePrompt, vllm_ids: Sequence[int] | None, who: st
 
 @dataclass(frozen=True)
 class TokenIO:
-    """What converting between our prompts/generations and vLLM's needs (both colocated engines and the server
+    """What converting between vlmrl's prompts/generations and vLLM's needs (both colocated engines and the server
     client): the stop ids (`eos_ids`), the image placeholder id, the image processor's merge size, and the
     tokenizer's decode for `Generation.text`."""
 
@@ -255,7 +256,7 @@ class TokenIO:
         return to_vllm_prompt(prompt, self.image_token_id, self.merge_size)
 
     def sampling(self, params: SamplingParams, n: int) -> dict:
-        """`sampling_kwargs` for n samples with our stop ids and the request's seed."""
+        """`sampling_kwargs` for n samples with vlmrl's stop ids and the request's seed."""
         return sampling_kwargs(params, n, self.eos_ids, params.seed)
 
     def generations(self, prompt: EnginePrompt, output: Any) -> list[Generation]:

@@ -38,11 +38,11 @@ returned as `sync/max_abs_dlogprob` (fp32: ~1e-6; bf16: ~1e-2; a stale head: O(1
 `rollout.vllm.sync_warn_dlogprob`. Prompt logprobs are log_softmax(logits) at temperature 1 in every logprobs mode.
 
 Images (both modes): vLLM 0.32 expands every image placeholder it finds in a token prompt (`PromptReplacement` of the
-single `<|image_pad|>` by grid.prod() // merge**2 copies) and has no "already expanded" check, so our ids, which hold
-the expanded runs, would be expanded again (the prime-rl #1739 bug) without an error. `to_vllm_prompt` collapses each
-image's run back to one placeholder and passes the PIL images as `multi_modal_data`; vLLM re-expands them with its
-own copy of the processor (saved from ours, so the same min/max pixels), and every request checks that vLLM's
-expanded prompt equals our ids token for token (`convert.TokenIO`).
+single `<|image_pad|>` by grid.prod() // merge**2 copies) and has no "already expanded" check, so vlmrl's ids, which
+hold the expanded runs, would be expanded again (the prime-rl #1739 bug) without an error. `to_vllm_prompt` collapses
+each image's run back to one placeholder and passes the PIL images as `multi_modal_data`; vLLM re-expands them with its
+own copy of the processor (saved from vlmrl's, so the same min/max pixels), and every request checks that vLLM's
+expanded prompt equals vlmrl's ids token for token (`convert.TokenIO`).
 
 Logprobs (`Generation.logprobs` = log_softmax(logits / temperature) of the full distribution, see `SamplingParams`):
 vLLM's `logprobs_mode` is fixed per engine. `processed_logprobs` = log_softmax after temperature and top-k/top-p
@@ -53,7 +53,7 @@ mode matches and a warning says so (the logprobs are then of the renormalised nu
 Output: token ids verbatim (vLLM keeps the EOS / stop-token id in `token_ids` when it stops on it; on a stop string
 the ids run to the token that completed it), the sampled token's logprob per token, and the stop reason:
 finish_reason "length" -> LENGTH; "stop" with a str stop_reason -> STOP_STRING; "stop" with stop_reason None (the
-model's EOS) or an int (one of our stop token ids) -> EOS. The text is decoded from the ids with our tokenizer.
+model's EOS) or an int (one of vlmrl's stop token ids) -> EOS. The text is decoded from the ids with vlmrl's tokenizer.
 
 Layout: the pure conversions in `convert`, weight-sync helpers in `weights`, the server client in
 `server`, the colocated backends in `colocated` (`vllm.LLM`) and `async_engine` (`AsyncLLM`), which import

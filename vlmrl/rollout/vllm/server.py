@@ -5,7 +5,7 @@ The server: `python -m vllm.entrypoints.openai.api_server --model DIR --enable-s
 then). Routes used (vLLM 0.32):
 - POST `/inference/v1/generate` (token-in/token-out, `--enable-scale-out`): `token_ids` with each image's
   placeholder run collapsed to one token, the images as PNG data URLs in `content_parts` (vLLM's processor expands
-  the placeholders again; `return_token_ids` gives the expanded ids back and they must equal ours), and
+  the placeholders again; `return_token_ids` gives the expanded ids back and they must equal vlmrl's), and
   `sampling_params`; the response holds each sample's `token_ids`, the sampled token's logprob per token and the
   finish/stop reasons. Prompt logprobs (the weight check) come from the same route with `prompt_logprobs=0`.
   Each engine request is one HTTP request, sent as soon as its episode submits it (`agenerate`, one client thread
@@ -105,7 +105,7 @@ class VLLMServer:
         return models[0]["id"]
 
     def _generate(self, prompt: EnginePrompt, sampling: dict) -> dict:
-        """The server's response to one prompt; RuntimeError when its expanded prompt ids differ from ours."""
+        """The server's response to one prompt; RuntimeError when its expanded prompt ids differ from vlmrl's."""
         io = self.io
         out = self.post(GENERATE, generate_body(prompt, sampling, self.served_model, io.image_token_id, io.merge_size))
         check_expanded(prompt, out.get("prompt_token_ids"), who="vLLM server")

@@ -15,8 +15,8 @@ vLLM 0.32 pieces relied on (read in its source):
   reload keeps the tensors it is given (`LAYERWISE_INFO[layer].loaded_weights`) until a layer has all its weights,
   then processes the layer and drops them. Each bucket's tensors are views of the shared buffer, which the trainer
   overwrites with the next bucket: after each bucket, the views vLLM still holds (a layer whose weights span two
-  buckets) are cloned, and only those (vLLM's `packed_ipc_consumer` clones every tensor of its IPC buffer instead;
-  on CPU that second copy of the whole model cost a third of the sync).
+  buckets) are cloned, and only those (vLLM's `packed_ipc_consumer` clones every tensor of its IPC buffer instead,
+  a second copy of the whole model per sync).
 
 Registration: importing this module registers `vlmrl_shm` in both factories. vLLM imports it in its worker process
 because the engine names `ShmWorkerExtension` (below) as its `worker_extension_cls`.
