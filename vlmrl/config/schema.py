@@ -240,7 +240,7 @@ class TrainerConfig:
     warmup_steps: int = knob(0, "LR warm-up steps; 0: ceil(warmup_ratio * steps).")
     warmup_ratio: float = knob(0.0, "LR warm-up as a share of steps, in [0, 1) (when warmup_steps is 0).")
     gradient_checkpointing: bool = knob(
-        False, "Recompute activations in the backward pass (less memory, about 30% slower)."
+        False, "Recompute activations in the backward pass (less memory, one more forward per step)."
     )
     deepspeed_config: Optional[str] = knob(
         None,

@@ -1,6 +1,6 @@
-"""The trainer's resolved settings (`TrainerSettings`) and its DeepSpeed config: ours (`deepspeed_config`), merged
-under a user's JSON (`trainer.deepspeed_config`, `merge_deepspeed_config`), and the `HfDeepSpeedConfig` for
-zero.Init."""
+"""The trainer's resolved settings (`TrainerSettings`) and its DeepSpeed config: the computed one
+(`deepspeed_config`), merged under a user's JSON (`trainer.deepspeed_config`, `merge_deepspeed_config`), and the
+`HfDeepSpeedConfig` for zero.Init."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ class TrainerSettings:
     warmup_steps: int = TrainerConfig.warmup_steps  # 0: ceil(warmup_ratio * steps)
     warmup_ratio: float = TrainerConfig.warmup_ratio
     gradient_checkpointing: bool = TrainerConfig.gradient_checkpointing
-    deepspeed_config: str | None = TrainerConfig.deepspeed_config  # a user JSON merged under ours
+    deepspeed_config: str | None = TrainerConfig.deepspeed_config  # a user JSON merged under the computed config
     # ZeRO-1/2/3 at one rank: False runs them as stage 0 (`effective_zero_stage`); True keeps the stage (resuming a
     # checkpoint written partitioned, `vlmrl.runs.checkpoint.zero_partitioned`; tests of the stages in one process)
     partition_one_rank: bool = False
@@ -99,8 +99,8 @@ def effective_zero_stage(cfg: TrainerSettings, ds: dict[str, Any], world: int, u
     ZeRO partitions optimizer states (1), gradients (2) and parameters (3) over the data-parallel ranks (DeepSpeed,
     "ZeRO", deepspeed.readthedocs.io/en/stable/zero3.html): per-rank memory (2 + 2 + K) * params / N_d in the ZeRO
     paper's mixed-precision accounting (Rajbhandari et al. 2020, fig. 1), so at N_d = 1 it saves nothing, while
-    stage 2's per-parameter gradient hooks and flat buffers cost 0.1-0.15 s of a 0.6 s step on 2 CPU cores
-    (bench/update.py). fp32 weights: stage 0, torch AdamW steps the weights themselves. bf16: stage 1, the lowest
+    stage 2's per-parameter gradient hooks and flat buffers cost a measurable share of a step (bench/update.py;
+    docs/results.md). fp32 weights: stage 0, torch AdamW steps the weights themselves. bf16: stage 1, the lowest
     stage whose optimizer keeps fp32 master weights that match AdamW over them (DeepSpeed's stage-0 bf16 optimizer,
     FP16_UnfusedOptimizer, stepped 99.8% of a matrix's entries elsewhere; tests/test_trainer_fast_paths.py).
     Kept as configured when it does something or was asked for explicitly: several ranks, an `offload_optimizer` /
@@ -119,8 +119,8 @@ def effective_zero_stage(cfg: TrainerSettings, ds: dict[str, Any], world: int, u
 
 def with_fused_adam(ds: dict[str, Any], device_type: str) -> dict[str, Any]:
     """`ds` with torch AdamW's fused kernel where torch has one for `device_type` (cpu and cuda in torch 2.x):
-    one kernel over all parameters instead of a loop of per-tensor ops (9.9M fp32 parameters on 2 CPU cores:
-    5.4 ms a step against 29 ms foreach and 40 ms for-loop). A user's own `fused` / `foreach` setting wins."""
+    one kernel over all parameters instead of a loop of per-tensor ops (docs/results.md has the figures). A user's
+    own `fused` / `foreach` setting wins."""
     try:  # torch's own list (a private helper, in torch 2.x)
         from torch.utils._foreach_utils import _get_fused_kernels_supported_devices as fused_devices
     except ImportError:
@@ -141,11 +141,12 @@ _OWNED = {"gradient_accumulation_steps": 1}
 def merge_deepspeed_config(
     ours: dict[str, Any], user: dict[str, Any], where: str = "trainer.deepspeed_config"
 ) -> dict[str, Any]:
-    """The user's DeepSpeed config with our computed keys filling in what it leaves out (recursively; a user value
-    of "auto", as in HF Trainer JSONs, takes ours). Returns a new dict.
+    """The user's DeepSpeed config with the computed keys filling in what it leaves out (recursively; a user value
+    of "auto", as in HF Trainer JSONs, takes the computed one). Returns a new dict.
 
     Raises ValueError naming `where` if the user sets a key the trainer owns (gradient_accumulation_steps != 1) or
-    a batch size other than ours (train_micro_batch_size_per_gpu / train_batch_size: our micro-batches).
+    a batch size other than the computed one (train_micro_batch_size_per_gpu / train_batch_size: the trainer's
+    micro-batches).
     """
     for key, value in _OWNED.items():
         if user.get(key, value) not in (value, "auto"):
@@ -171,7 +172,7 @@ def merge_deepspeed_config(
 
 
 def load_deepspeed_config(cfg: TrainerSettings, world: int = 1, device_type: str = "cpu") -> dict[str, Any]:
-    """The engine's DeepSpeed config: our `deepspeed_config(cfg)`, merged under the user's JSON file
+    """The engine's DeepSpeed config: `deepspeed_config(cfg)`, merged under the user's JSON file
     `cfg.deepspeed_config` if one is given, with the stage `effective_zero_stage` picks for `world` ranks and
     torch AdamW's fused kernel where `device_type` has one (`with_fused_adam`).
 

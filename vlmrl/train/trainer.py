@@ -183,7 +183,7 @@ class GRPOTrainer:
         if stage < self.cfg.zero_stage and world_size() == 1:
             log.info("ZeRO-%d runs as stage %d: one rank has nothing to partition", self.cfg.zero_stage, stage)
         self.cfg = dataclasses.replace(self.cfg, zero_stage=stage)
-        torch.manual_seed(self.cfg.seed + dist.rank())  # ranks sample different rollouts
+        torch.manual_seed(self.cfg.seed + dist.rank())  # trainer.seed: the update's own random draws (dropout)
         self.ref_model = self._make_reference(model, ref_model) if self.cfg.kl_coef > 0 else None
         if self.cfg.gradient_checkpointing:  # non-reentrant: works with frozen inputs (LoRA, frozen vision)
             cast("PreTrainedModel", model).gradient_checkpointing_enable(
