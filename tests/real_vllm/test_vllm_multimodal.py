@@ -287,14 +287,15 @@ def _on_engine(backend, call):
 
 
 def test_prefix_and_encoder_caches_encode_each_image_once(setup):
-    """Each image encoded once per rollout, vLLM's half (tests/test_vision_cache.py is the transformers engine's): a
-    4-turn episode whose every turn adds a new image, 2 samples, through colocated vLLM. Each turn's prompt repeats the
-    earlier images, so a vLLM without its caches would run the vision encoder on 2 x (1 + 2 + 3 + 4) = 20 images
-    (hand-derived). With the prefix cache (the earlier turns' KV blocks, image placeholders included, keyed by the
-    images' hashes) and the encoder cache (outputs by image hash, shared by the group's samples), it encodes each of the
-    4 distinct images once: counted inside vLLM's worker, around the model's `embed_multimodal`. The encoder cache alone
-    does it (with enable_prefix_caching=False the count is still 4); with both caches reset before every request it is
-    10 and this fails. The episodes are checked as usual: their logprobs equal the trainer's."""
+    """Each image encoded once per rollout, vLLM's half (tests/rollout/test_vision_cache.py is the transformers
+    engine's): a 4-turn episode whose every turn adds a new image, 2 samples, through colocated vLLM. Each turn's
+    prompt repeats the earlier images, so a vLLM without its caches would run the vision encoder on 2 x (1 + 2 + 3 +
+    4) = 20 images (hand-derived). With the prefix cache (the earlier turns' KV blocks, image placeholders included,
+    keyed by the images' hashes) and the encoder cache (outputs by image hash, shared by the group's samples), it
+    encodes each of the 4 distinct images once: counted inside vLLM's worker, around the model's `embed_multimodal`.
+    The encoder cache alone does it (with enable_prefix_caching=False the count is still 4); with both caches reset
+    before every request it is 10 and this fails. The episodes are checked as usual: their logprobs equal the
+    trainer's."""
     backend = setup.engine.backend
     _on_engine(backend, lambda llm: llm.reset_prefix_cache())
     _on_engine(backend, lambda llm: llm.reset_encoder_cache())
@@ -319,8 +320,8 @@ def test_prefix_and_encoder_caches_encode_each_image_once(setup):
 
 
 def test_vllm_logprobs_at_temperature_0_7_top_p_0_9_with_images(setup):
-    """Sampling at T != 1 through vLLM (mirrors tests/test_engine_temperature.py, the HF engine's version): at T = 0.7
-    and top_p = 0.9 with an image, vLLM's rollout logprobs (`processed_logprobs`) equal the trainer's logits / T
+    """Sampling at T != 1 through vLLM (mirrors tests/rollout/test_engine_temperature.py, the HF engine's version): at
+    T = 0.7 and top_p = 0.9 with an image, vLLM's rollout logprobs (`processed_logprobs`) equal the trainer's logits / T
     renormalised over the same nucleus: log p_T(x) - log(nucleus mass), max |d| <= 1e-4 in fp32. The plain tempered
     recomputation (`sequence_logprobs` at T, what the trainer's loss uses) differs from them by exactly -log(nucleus
     mass) > 0 per token; that gap is what TIS/MIS (`algorithm.rollout_correction`) correct. Temperature 1 would give

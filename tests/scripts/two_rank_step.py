@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for the sample helpers
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))  # tests/train: the sample helpers
 from test_trainer import image_sample, with_old_logprobs
 
 from vlmrl.config import ModelConfig

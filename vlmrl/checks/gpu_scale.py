@@ -15,7 +15,7 @@ file route and each engine's start write the weights (7.5 GB safetensors, throug
 
 Time: estimated at 2 to 4 minutes on one 80 GB GPU (two engine starts, the second from vLLM's compile cache, four
 syncs), within the 5 minutes it is meant for. This row has not run on a GPU yet: on CPU only its Skip, its config and
-its absence under `--no-vllm` are tested (tests/test_gpu_check.py).
+its absence under `--no-vllm` are tested (tests/checks/test_gpu_check.py).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ differ from the reference and are reported, not failures.
 Control strings in user and environment text (e.g. `<|im_start|>`): the builder tokenises them as plain text
 (`TokenBuilder.guard_messages`, a documented text rule), while the processor's render of the raw text would turn them
 into special ids. The reference therefore renders the guarded messages: the processor still does all the rendering,
-and the rule itself is tested on its own (tests/test_tokens_guard.py).
+and the rule itself is tested on its own (tests/tokens/test_tokens_guard.py).
 """
 
 from __future__ import annotations

@@ -77,7 +77,7 @@ def sections(cls: type = Config, prefix: str = "") -> Iterator[tuple[str, type]]
 def shipped_environments(package: str = "vlmrl.envs") -> list[tuple[type, type]]:
     """(environment class, its config class) for every class in `package` that declares its own `config_class` (an
     `EnvConfig` subclass), in module order. The package is imported by name, as `env._target_` is when a config
-    loads: the config layer itself never imports the environments (tests/test_config_imports.py)."""
+    loads: the config layer itself never imports the environments (tests/config/test_config_imports.py)."""
     envs = importlib.import_module(package)
     found: list[tuple[type, type]] = []
     for mod in pkgutil.walk_packages(envs.__path__, f"{package}."):

@@ -7,7 +7,8 @@ Transformers 5 lets `generate`/`forward` take pre-computed encoder outputs (`mm_
 `GenerationMixin._prepare_multimodal_encoder_kwargs_for_generation`): the model scatters them into the placeholder
 positions and computes the M-RoPE positions from the ids and `image_grid_thw` as it does for pixels. So
 `VisionCache.encoder_outputs` encodes only the images it has not seen in this rollout, in one `get_image_features` call,
-and assembles the batch's output from the cache; the logprobs equal the uncached path's (tests/test_vision_cache.py).
+and assembles the batch's output from the cache; the logprobs equal the uncached path's
+(tests/rollout/test_vision_cache.py).
 
 Keyed by the image object (`EnginePrompt.images`: a trajectory's turns, the samples of a GRPO group and a history
 window's views share them; an image sent again is encoded once). An entry lives as long as its image: the cache holds

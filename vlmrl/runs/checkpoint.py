@@ -297,7 +297,7 @@ def estimate_bytes(module: torch.nn.Module, master_weights: bool = True, overhea
     Adam moments (8 bytes per parameter) and, with `master_weights` (ZeRO-1/2/3, or bf16 training: the optimizer
     steps an fp32 copy; `GRPOTrainer.master_weights`), that copy's 4 more; + `overhead` for the processor files (a
     tokenizer.json is up to ~35 MB), RNG states and config, + 5%.
-    Checked against the bytes a tiny Qwen2.5-VL checkpoint writes (tests/test_runfolder.py; docs/results.md,
+    Checked against the bytes a tiny Qwen2.5-VL checkpoint writes (tests/runs/test_runfolder.py; docs/results.md,
     "Checkpoint size")."""
     numel = sum(int(getattr(p, "ds_numel", p.numel())) for p in module.parameters())
     weight_bytes = sum(int(getattr(p, "ds_numel", p.numel())) * p.element_size() for p in module.parameters())

@@ -102,7 +102,7 @@ def effective_zero_stage(cfg: TrainerSettings, ds: dict[str, Any], world: int, u
     stage 2's per-parameter gradient hooks and flat buffers cost a measurable share of a step (bench/update.py;
     docs/results.md). fp32 weights: stage 0, torch AdamW steps the weights themselves. bf16: stage 1, the lowest
     stage whose optimizer keeps fp32 master weights that match AdamW over them (DeepSpeed's stage-0 bf16 optimizer,
-    FP16_UnfusedOptimizer, stepped 99.8% of a matrix's entries elsewhere; tests/test_trainer_fast_paths.py).
+    FP16_UnfusedOptimizer, stepped 99.8% of a matrix's entries elsewhere; tests/train/test_trainer_fast_paths.py).
     Kept as configured when it does something or was asked for explicitly: several ranks, an `offload_optimizer` /
     `offload_param` section (offload needs ZeRO), a stage written in the user's DeepSpeed JSON (`user_stage`), or
     `cfg.partition_one_rank`.

@@ -35,7 +35,7 @@ from vlmrl.runs.resume import (
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is deprecated.*:FutureWarning")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "scripts" / "train_test_env.py"
 STEPS = 6
 # timings and the step's wall-clock rates differ between runs; everything else must be equal

@@ -20,7 +20,7 @@ from vlmrl.envs.geometry3k import Geometry3KConfig
 from vlmrl.envs.reward_funcs import RewardSpec
 from vlmrl.types import Message, Role, Task
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ["config_dir=examples/shapes/conf", "env=shapes", "data.path=examples/shapes/data", "data.split=train"]
 CALLS: list[dict] = []
 

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG_MODULES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "vlmrl" / "config").glob("*.py"))
 FORBIDDEN = ("vlmrl.envs", "vlmrl.data")
 

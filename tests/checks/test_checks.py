@@ -303,7 +303,7 @@ def test_logprob_deltas_are_trainer_minus_rollout(tiny_run):
 def test_verify_run_scores_each_step_with_the_weights_that_sampled_it(tiny_run, tmp_path):
     """A record of step s from a run without `policy_version` (the synchronous loop) was sampled by
     checkpoints/step_{s-1}/hf: missing -> logprobs skipped; other weights -> KL fails. (Records with `policy_version`
-    v use step_v: tests/test_off_policy.py.)"""
+    v use step_v: tests/train/test_off_policy.py.)"""
     import copy
 
     run_dir, _, _, model = tiny_run

@@ -16,7 +16,7 @@ from vlmrl.config import EnvConfig
 from vlmrl.config.compose import import_path
 from vlmrl.config.reference import default_of, field_help, main, render, sections, shipped_environments
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "configuration.md"
 # keys a group file may set to the default value: the key that names the option (trainer=zero2: zero_stage 2, ...)
 IDENTITY_KEYS = {

@@ -13,7 +13,7 @@ import pytest
 
 from vlmrl.config import ConfigError, ModelConfig, load
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(

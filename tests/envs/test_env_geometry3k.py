@@ -16,7 +16,7 @@ from vlmrl.envs import load_env_tasks, make_env_factory
 from vlmrl.envs.geometry3k import Geometry3KConfig, Geometry3KEnv, GeometryRow, build_task
 from vlmrl.types import ImagePart, Message, Role, Task, TextPart
 
-GEOMETRY3K = Path(__file__).resolve().parents[1] / "vlmrl" / "assets" / "data" / "geometry3k"  # in-repo sample
+GEOMETRY3K = Path(__file__).resolve().parents[2] / "vlmrl" / "assets" / "data" / "geometry3k"  # in-repo sample
 ENV_CFG = {
     "_target_": "vlmrl.envs.geometry3k.Geometry3KEnv",
     "max_turns": 3,

@@ -13,7 +13,7 @@ from vlmrl.families.qwen_vl import QWEN_LAYOUT
 from vlmrl.tokens.base import TokenBuilder
 from vlmrl.tools.parsers import get_parser, parser_names
 
-TINY = Path(__file__).resolve().parents[1] / "vlmrl" / "assets" / "tiny"
+TINY = Path(__file__).resolve().parents[2] / "vlmrl" / "assets" / "tiny"
 
 
 @pytest.mark.parametrize("name", [n for n, f in FAMILIES.items() if f.tiny is not None])

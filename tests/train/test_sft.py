@@ -18,7 +18,7 @@ from vlmrl.tokens import get_builder
 from vlmrl.train.sft_loss import sft_loss
 from vlmrl.types import ImagePart, Message, Role, TextPart
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _conversation() -> list[Message]:

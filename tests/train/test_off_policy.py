@@ -29,7 +29,7 @@ from vlmrl.train.async_rollout import BehaviourWeights, Prefetcher, StaleSampleE
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is deprecated.*:FutureWarning")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ASYNC = ("algorithm.off_policy_steps=1", "trainer.lr=1e-3", "trainer.keep_last=20")
 
 
