@@ -29,8 +29,8 @@ if TYPE_CHECKING:
 # after every tool timeout, which kills its worker.
 _HOME = {
     "calculate": "builtin",
-    "DataDir": "files",
-    "FileAccessError": "files",
+    "DataDir": "data_dir",
+    "FileAccessError": "data_dir",
     "Sandbox": "isolation",
     "HermesParser": "parsers",
     "ToolCallParser": "parsers",
