@@ -91,7 +91,7 @@ def test_what_the_processor_still_refuses_is_a_counted_failure(qwen25_processor,
     import vlmrl.tools.results as results
 
     for module in (images, results):
-        monkeypatch.setattr(module, "pad_to_aspect", lambda image, max_aspect=100: (image, ""))
+        monkeypatch.setattr(module, "pad_to_aspect", lambda image, *args, **kwargs: (image, ""))
     builder, task, runtime, factory = _colour(qwen25_processor, ["tools_hostile:thin_image"])
     replies = [P.format_call("thin_image", {}), "\\boxed{red}", "\\boxed{blue}"]
     (traj,), _ = run(builder, factory, [task], replies, 3, runtime)

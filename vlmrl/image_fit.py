@@ -4,6 +4,8 @@ tool worker processes import it."""
 
 from __future__ import annotations
 
+import math
+
 from PIL import Image
 
 from vlmrl.types import ImagePart, Message
@@ -12,24 +14,39 @@ from vlmrl.types import ImagePart, Message
 # `smart_resize`: "absolute aspect ratio must be smaller than 200"); 100 leaves room for their rounding to 28-pixel
 # multiples and for other families' tiling
 MAX_ASPECT = 100
+# pixels of an image after padding at most: above every processor's own bound (Qwen-VL's default max_pixels is
+# 12845056), so a padded image is never built larger than the processor would take
+MAX_PIXELS = 1 << 24
 
 
-def pad_to_aspect(image: Image.Image, max_aspect: int = MAX_ASPECT) -> tuple[Image.Image, str]:
+def pad_to_aspect(
+    image: Image.Image, max_aspect: int = MAX_ASPECT, max_pixels: int = MAX_PIXELS
+) -> tuple[Image.Image, str]:
     """(image, "") when its long side is at most `max_aspect` times its short side; else (a copy padded with black,
     centred, on its short side to ceil(long / max_aspect) pixels, a note saying so). A 606x1 crop becomes 606x7.
 
-    The processors of some families refuse such images outright (`MAX_ASPECT`), which would end the run."""
+    An image whose padded copy would exceed `max_pixels` is first scaled down (aspect kept, the short side at least 1
+    pixel) so that it does not: the canvas of a 1 x 1,000,000 image would otherwise be 10,000 x 1,000,000 pixels
+    (30 GB) before any processor scaled it down. The processors of some families refuse such thin images outright
+    (`MAX_ASPECT`), which would end the run."""
     w, h = image.size
-    short, long = min(w, h), max(w, h)
-    if short * max_aspect >= long:
+    if min(w, h) * max_aspect >= max(w, h):
         return image, ""
-    need = -(-long // max_aspect)  # ceil
+    original, scaled = f"{w}x{h}", ""
+    # a long side L pads to L x ceil(L / a) <= L^2 / a + L, at most max_pixels for L <= isqrt(max_pixels * a) - a
+    limit = math.isqrt(max_pixels * max_aspect) - max_aspect
+    if max(w, h) > limit:
+        f = limit / max(w, h)
+        image = image.resize((max(1, round(w * f)), max(1, round(h * f))), Image.Resampling.BOX)
+        w, h = image.size
+        scaled = f"scaled to {w}x{h} and "
+    need = -(-max(w, h) // max_aspect)  # ceil
     size = (w, need) if h < w else (need, h)
     out = Image.new(image.mode, size)
     out.paste(image, ((size[0] - w) // 2, (size[1] - h) // 2))
     note = (
-        f"the image was {w}x{h} pixels, padded with black to {size[0]}x{size[1]}: an image's long side may be at "
-        f"most {max_aspect} times its short side"
+        f"the image was {original} pixels, {scaled}padded with black to {size[0]}x{size[1]}: an image's long side "
+        f"may be at most {max_aspect} times its short side"
     )
     return out, note
 

@@ -43,6 +43,7 @@ from vlmrl.runs.resume import (
     TrainingInterrupted,
     plan_resume,
     record_resume,
+    usable_episode,
 )
 from vlmrl.runs.trackers import make_loggers
 from vlmrl.seeding import set_seed
@@ -255,8 +256,11 @@ def run_step(job: Job, step: int) -> dict:
     store = ImageStore(cfg.logging.output_dir)  # tool/env images without a file are saved under <run>/images/
     mine = [TrajectoryRecord.from_trajectory(t, step, store) for t in sampled.generated]
     gen_tokens = sum(r.generated_tokens for r in mine)
+    # the episode metrics average the episodes that can train: one whose reward left its group (NaN, inf, beyond
+    # REWARD_BOUND) is counted in `excluded_episodes` and written to trajectories.jsonl, not averaged
+    usable = [r for r, t in zip(mine, sampled.generated) if usable_episode(t)]
     rollout = {
-        **episode_metrics(mine),
+        **episode_metrics(usable),
         **option_metrics(cfg, sampled),
         "samples": float(len(samples)),
         "rollout_tokens_per_s": gen_tokens / max(sampled.rollout_s, 1e-9),

@@ -279,6 +279,7 @@ def test_bad_rewards_leave_their_group_and_a_bad_streak_stops_the_run(tmp_path, 
     import resume_envs
 
     from vlmrl.run import train
+    from vlmrl.runs.progress import train_line
     from vlmrl.runs.resume import TooManyBadSteps
 
     monkeypatch.setenv("VLMRL_TEST_NAN_GROUPS", "0,2,3")
@@ -304,6 +305,10 @@ def test_bad_rewards_leave_their_group_and_a_bad_streak_stops_the_run(tmp_path, 
         assert [r["excluded_episodes"] for r in rows] == [1, 0, 1, 1] and [r["skipped"] for r in rows] == [0] * 4
         assert all(math.isfinite(r["loss"]) for r in rows)
         first = [t for t in _lines(out / "trajectories.jsonl") if t["step"] == 1]
+        assert first[0]["reward"] is None  # NaN, written as null
+        # the averages leave the excluded episode out: the mean of the other two, as written to trajectories.jsonl
+        assert rows[0]["reward_mean"] == pytest.approx((first[1]["reward"] + first[2]["reward"]) / 2)
+        assert rows[0]["episodes"] == 2.0
         r1, r2 = first[1]["reward"], first[2]["reward"]  # the group without its bad episode: GRPO over two rewards
         want = 0.0 if r1 == r2 else 2**-0.5  # (r - mean) / sample std = +-(|d|/2) / (|d|/sqrt 2)
         assert first[0]["advantage"] == 0.0
@@ -317,7 +322,9 @@ def test_bad_rewards_leave_their_group_and_a_bad_streak_stops_the_run(tmp_path, 
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert [r["skipped"] for r in rows] == [1, 0, 1, 1] and [r["skipped_steps"] for r in rows] == [1, 1, 2, 3]
     assert [r["excluded_episodes"] for r in rows] == [3, 0, 3, 3]
-    assert rows[0]["reward_mean"] is not None and "loss" not in rows[0]  # 1e30 is a number: shown; no update
+    # no episode of step 1 can train: no update, and no average of 1e30 rewards for a dashboard to plot
+    assert "reward_mean" not in rows[0] and "loss" not in rows[0]
+    assert train_line(rows[0]).endswith("excluded 3") and "e+30" not in train_line(rows[0])
     assert math.isfinite(rows[1]["loss"]) and rows[1]["grad_norm"] > 0
     task = next(t for t in _lines(out / "trajectories.jsonl") if t["step"] == 3)["task_id"]
     assert f"step 3: update skipped: non-finite reward or advantage (or |reward| > 1e+06) in episode(s) {task}/0, " in (

@@ -288,6 +288,43 @@ def test_disk_full_during_a_checkpoint_is_one_line_and_leaves_no_partial_folder(
     assert checkpoint.latest_checkpoint(root)[0] == first
 
 
+def test_a_file_size_limit_hit_during_a_checkpoint_is_one_line(trainer, qwen25_processor, tmp_path):
+    """A real failing write, not a stand-in: the process's file-size limit (RLIMIT_FSIZE, `ulimit -f`) set below the
+    checkpoint's largest file for the second save, SIGXFSZ ignored so the write fails (EFBIG) instead of killing the
+    process; whatever message the library raises for it, the error is one line and nothing partial is left."""
+    import resource
+    import signal
+
+    root = tmp_path / "checkpoints"
+    checkpoint.save(trainer, root, 1, {"step": 1}, processor=qwen25_processor)
+    biggest = max(p.stat().st_size for p in (root / "step_1").rglob("*") if p.is_file())
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (biggest // 2, hard))
+    try:
+        with pytest.raises(checkpoint.CheckpointWriteError) as exc:
+            checkpoint.save(trainer, root, 2, {"step": 2}, processor=qwen25_processor)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+    message = str(exc.value)
+    assert message.startswith("could not write checkpoint step_2: ") and "\n" not in message
+    assert f"GiB free in {root}); removed the partial .tmp-step_2; last complete checkpoint: step_1" in message
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_1"]
+
+
+def test_any_other_failure_to_write_a_checkpoint_is_one_line(trainer, qwen25_processor, tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("unexpected failure\nwith a second line")
+
+    root = tmp_path / "checkpoints"
+    monkeypatch.setattr("transformers.modeling_utils.safe_save_file", broken)
+    with pytest.raises(checkpoint.CheckpointWriteError) as exc:
+        checkpoint.save(trainer, root, 1, {"step": 1}, processor=qwen25_processor)
+    assert str(exc.value).startswith("could not write checkpoint step_1: RuntimeError: unexpected failure (")
+    assert "\n" not in str(exc.value) and "last complete checkpoint: none" in str(exc.value)
+
+
 # ------------------------------------------------------------------------------------------------------- generate
 
 

@@ -42,6 +42,7 @@ from vlmrl.config.validate import (
     moved_key_message,
     validate_config,
 )
+from vlmrl.config.yaml_guard import check_yaml_file
 from vlmrl.registry import ROLLOUT_ENGINES
 
 __all__ = [
@@ -136,5 +137,7 @@ def to_yaml(cfg: Config) -> str:
 
 
 def from_yaml(path: Path) -> Config:
-    """Read a run folder's `config.yaml` back into a validated `Config`."""
+    """Read a run folder's `config.yaml` back into a validated `Config`. Raises ConfigError (one line) for a file
+    that is not UTF-8 YAML or expands past a bound (`vlmrl.config.yaml_guard`)."""
+    check_yaml_file(Path(path), "config.yaml")
     return _typed(OmegaConf.load(path))

@@ -25,6 +25,7 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
 from vlmrl.config.validate import ConfigError, moved_key_message
+from vlmrl.config.yaml_guard import check_yaml_file
 from vlmrl.registry import ENVIRONMENTS
 
 ROOT = Path(os.environ.get("VLMRL_ROOT", Path(__file__).resolve().parents[2]))  # holds conf/ and recipes/
@@ -66,6 +67,7 @@ def _recipe_source(recipe: str) -> tuple[Optional[Path], str]:
         path = Path(recipe if recipe.endswith(".yaml") else recipe + ".yaml")
         if not path.is_file():
             raise ConfigError(f"recipe={recipe}: no such file")
+        check_yaml_file(path, f"recipe={recipe}")
         tmp = Path(tempfile.mkdtemp(prefix="vlmrl-recipe-"))
         (tmp / "recipes").mkdir()
         (tmp / "recipes" / path.name).write_text(path.read_text())
@@ -75,6 +77,17 @@ def _recipe_source(recipe: str) -> tuple[Optional[Path], str]:
     if ".." in Path(name).parts or not (root / f"{name}.yaml").resolve().is_relative_to(root):
         raise ConfigError(f"recipe={recipe}: a recipe is a name inside {root} (or an absolute path to a YAML file)")
     return None, name
+
+
+def _check_files(name: Optional[str], user_dirs: list[str]) -> None:
+    """The YAML a composition may read beyond conf/ (`check_yaml_file`): the recipe `name` wherever it is found, and
+    every YAML file of the user's `config_dir=` folders."""
+    for folder in [str(ROOT), *user_dirs]:
+        if name and (Path(folder) / "recipes" / f"{name}.yaml").is_file():
+            check_yaml_file(Path(folder) / "recipes" / f"{name}.yaml", f"recipe={name}")
+    for folder in user_dirs:
+        for path in sorted(Path(folder).rglob("*.yaml")):
+            check_yaml_file(path, f"config_dir={folder}")
 
 
 def compose_config(recipe: Optional[str], overrides: list[str] | None) -> DictConfig:
@@ -90,6 +103,7 @@ def compose_config(recipe: Optional[str], overrides: list[str] | None) -> DictCo
     # and its default: an `env.<key>=` override may name a key the group file does not set (Hydra's `++`)
     overrides = [("++" + o if o.startswith("env.") else o) for o in overrides if not o.startswith("config_dir=")]
     extra, name = _recipe_source(recipe) if recipe else (None, None)
+    _check_files(None if extra else name, user_dirs)
     paths = ",".join(f"file://{p}" for p in ([extra] if extra else []) + [str(ROOT), *user_dirs])
     args = [f"hydra.searchpath=[{paths}]"]
     if name:

@@ -13,7 +13,7 @@ from vlmrl.config import Config
 from vlmrl.envs import make_env_factory
 from vlmrl.rollout.engine import SamplingParams
 from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner
-from vlmrl.rollout.tool_setup import tool_setup
+from vlmrl.rollout.tool_setup import check_tool_rendering, tool_setup
 from vlmrl.runs.files import ImageStore
 from vlmrl.tokens import get_builder
 from vlmrl.tokens.base import TokenBuilder
@@ -32,6 +32,8 @@ def build_runner(
     (`ImageStore.spill`)."""
     tooling = tool_setup(cfg, processor, make_env_factory(cfg.env))  # env tools + tools.functions/environment
     builder = get_builder(cfg.model.family, processor, **tooling.builder_kwargs())
+    if tooling.runtime is not None:  # a template that cannot show a tool result is refused before any rollout
+        check_tool_rendering(builder, tooling.runtime, cfg.model.family, cfg.tools.parser)
     engine = rollout.make_engine(cfg.rollout, policy, processor, builder)  # looked up at call time
     sampling = SamplingParams(
         cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p, list(cfg.rollout.stop)

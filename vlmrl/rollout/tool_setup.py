@@ -13,12 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vlmrl.config import Config, DataConfig
+from vlmrl.config import Config, ConfigError, DataConfig
 from vlmrl.envs.base import Environment
 from vlmrl.envs.tool_env import with_configured_tools
 from vlmrl.tools.isolation import Sandbox, isolation_mode
 from vlmrl.tools.runtime import ToolRuntime
 from vlmrl.tools.spec import as_tool, check_unique
+from vlmrl.types import Message, Role, TextPart
 
 
 @dataclass
@@ -84,3 +85,26 @@ def tool_setup(cfg: Config, processor: Any, env_factory: Callable[[], Environmen
     isolation_mode(sandbox)  # probed and logged once at start (ValueError if bwrap is required but fails)
     runtime = ToolRuntime.from_config(cfg.tools, cfg.model.family, processor, sandbox)
     return ToolSetup(factory, [t.schema for t in tools.values()], runtime)
+
+
+def check_tool_rendering(builder: Any, runtime: ToolRuntime, family: str, parser_setting: str) -> None:
+    """Refuse, before any rollout, a run whose policy has tools but whose chat template cannot render a tool result
+    (Gemma3's and LLaVA-NeXT's templates only know the user and assistant roles): a user turn, a call in the
+    parser's format and a tool result are rendered by the family's token builder. Raises ConfigError (one line
+    naming the setting) when the render fails."""
+    call = runtime.parser.format_call("probe", {"x": 1})
+    messages = [
+        Message(Role.USER, [TextPart("Use the tool.")]),
+        Message(Role.ASSISTANT, [TextPart(call)]),
+        Message(Role.TOOL, [TextPart("1")]),
+    ]
+    try:
+        builder.render_full(messages)
+    except Exception as err:  # noqa: BLE001 - jinja's TemplateError or the builder's own, as one line
+        lines = str(err).strip().splitlines()
+        raise ConfigError(
+            f"tools.parser={parser_setting}: the {family} chat template cannot render a tool result "
+            f"({type(err).__name__}: {lines[0] if lines else 'no message'}); this run gives the policy tools "
+            "(the environment's, tools.functions or tools.environment): use a model family whose template has a tool "
+            "role (e.g. model.family=qwen2_5_vl), or an environment without tools"
+        ) from None

@@ -150,19 +150,28 @@ _WRITE_FAILURES = (
     ("os error 28", "no space left on the device"),
     ("Disk quota exceeded", "disk quota exceeded"),
     ("file write failed", "a file write failed (disk full?)"),
+    ("iostream error", "a file write failed (disk full?)"),
 )
+
+
+_ERRNO_REASONS = {
+    errno.ENOSPC: "no space left on the device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EFBIG: "a file grew past the file-size limit (ulimit -f)",
+}
 
 
 def write_failure(exc: BaseException) -> str | None:
     """Why writing failed, if `exc` (or an exception it was raised from) is a full disk or quota: an OSError with
     errno ENOSPC/EDQUOT, or a library error saying so (safetensors' `SafetensorError ... StorageFull`, torch's
-    `PytorchStreamWriter ... file write failed`). None for any other error."""
+    `PytorchStreamWriter ... file write failed`, its stream's `basic_ios::clear: iostream error`), or the file-size
+    limit (EFBIG). None for any other error."""
     seen: set[int] = set()
     cause: BaseException | None = exc
     while cause is not None and id(cause) not in seen:
         seen.add(id(cause))
-        if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
-            return "no space left on the device" if cause.errno == errno.ENOSPC else "disk quota exceeded"
+        if isinstance(cause, OSError) and cause.errno in _ERRNO_REASONS:
+            return _ERRNO_REASONS[cause.errno]
         for needle, reason in _WRITE_FAILURES:
             if needle in str(cause):
                 return reason
@@ -201,7 +210,8 @@ def save(
     state: JSON-able run state (step counter, data position, ...), stored in `state.json` and as DeepSpeed client
     state; keep_last: complete checkpoints to keep (0 = all).
 
-    Raises CheckpointWriteError (one line) when the disk or quota is full; the partial `.tmp-step_<n>` folder is
+    Raises CheckpointWriteError (one line naming the reason, the free space and the folder) for any failure to
+    write, whatever the library's message (disk or quota full, file-size limit, ...); the partial `.tmp-step_<n>` folder is
     removed on any error, and the previous complete checkpoint stays usable.
     """
     from vlmrl.train import dist
@@ -218,9 +228,8 @@ def save(
     except Exception as exc:
         if trainer.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
-        reason = write_failure(exc)
-        if reason is None:
-            raise
+        lines = str(exc).strip().splitlines()
+        reason = write_failure(exc) or f"{type(exc).__name__}: {lines[0] if lines else 'no message'}"
         newest = latest_checkpoint(root)
         raise CheckpointWriteError(
             f"could not write checkpoint step_{step}: {reason} ({shutil.disk_usage(root).free / 2**30:.2f} GiB free "

@@ -12,11 +12,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 
 def train_line(row: dict) -> str:
-    """The step summary of a training metrics row: reward, accuracy, turns per episode, loss, step time."""
+    """The step summary of a training metrics row: reward, accuracy, turns per episode, loss, step time, and the
+    episodes excluded for an unusable reward (when there are any; the averages leave them out)."""
+    excluded = int(row.get("excluded_episodes", 0))
     return (
         f"reward {row.get('reward_mean', 0.0):.3f} acc {row.get('accuracy', 0.0):.2f} "
         f"turns {row.get('turns_per_episode', 0.0):.2f} loss {row.get('loss', 0.0):+.4f} "
-        f"{row.get('step_s', 0.0):.1f}s/step"
+        f"{row.get('step_s', 0.0):.1f}s/step" + (f" excluded {excluded}" if excluded else "")
     )
 
 

@@ -18,7 +18,7 @@ from typing import Any, cast
 
 from PIL import Image
 
-from vlmrl.image_fit import pad_to_aspect
+from vlmrl.image_fit import MAX_PIXELS, pad_to_aspect
 from vlmrl.types import ImagePart, Message, Part, Role, TextPart, ToolFailure
 
 NO_OUTPUT = "(no output)"
@@ -163,7 +163,7 @@ def convert_result(result: Any, ref: str, bounds: ImageBounds, budget: TextBudge
     for item in items:
         part = to_part(item, f"{ref}#{n_img}")
         if isinstance(part, ImagePart):
-            image, note = pad_to_aspect(part.image)
+            image, note = pad_to_aspect(part.image, max_pixels=min(bounds.max_pixels or MAX_PIXELS, MAX_PIXELS))
             parts.append(ImagePart(bounds.apply(image), part.ref))
             if note:
                 parts.append(TextPart(f"({note})"))
