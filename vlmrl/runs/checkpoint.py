@@ -1,4 +1,5 @@
-"""Checkpoint folders of a run: atomic, self-checking, pruned. Used by `vlmrl.run` (save) and `vlmrl.runs.resume` (load).
+"""Checkpoint folders of a run: atomic, self-checking, pruned. Used by `vlmrl.run` (save) and `vlmrl.runs.resume`
+(load).
 
     <run>/checkpoints/
       step_4/                 a complete checkpoint (renamed into place only once fully written)
@@ -38,8 +39,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from vlmrl.runs.jsonl import fsync_path, write_atomic
 from vlmrl.runs.files import RunFolderError
+from vlmrl.runs.jsonl import fsync_path, write_atomic
 
 log = logging.getLogger("vlmrl.runs.checkpoint")
 
@@ -211,8 +212,8 @@ def save(
     state; keep_last: complete checkpoints to keep (0 = all).
 
     Raises CheckpointWriteError (one line naming the reason, the free space and the folder) for any failure to
-    write, whatever the library's message (disk or quota full, file-size limit, ...); the partial `.tmp-step_<n>` folder is
-    removed on any error, and the previous complete checkpoint stays usable.
+    write, whatever the library's message (disk or quota full, file-size limit, ...); the partial `.tmp-step_<n>`
+    folder is removed on any error, and the previous complete checkpoint stays usable.
     """
     from vlmrl.train import dist
 

@@ -19,8 +19,8 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-from vlmrl.runs.jsonl import write_atomic
 from vlmrl.runs.files import RunFolderError
+from vlmrl.runs.jsonl import write_atomic
 
 LOCK_NAME = ".vlmrl.lock"
 INFO_NAME = ".vlmrl.lock.json"

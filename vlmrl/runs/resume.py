@@ -24,11 +24,11 @@ from typing import Any, Iterator, cast
 
 from omegaconf import OmegaConf
 
-from vlmrl.runs import checkpoint
 from vlmrl.config import ResumeMode
-from vlmrl.runs.jsonl import read_jsonl
 from vlmrl.rewards import REWARD_BOUND, usable_reward
+from vlmrl.runs import checkpoint
 from vlmrl.runs.files import RunFolderError
+from vlmrl.runs.jsonl import read_jsonl
 from vlmrl.runs.lock import LOCK_FILES
 
 log = logging.getLogger("vlmrl.runs.resume")
