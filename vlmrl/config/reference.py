@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import inspect
-import pkgutil
 import re
 import sys
 import typing
@@ -27,6 +25,7 @@ from omegaconf import OmegaConf
 
 from vlmrl.config.compose import ROOT
 from vlmrl.config.schema import ASSETS, Config, EnvConfig
+from vlmrl.registry import ENVIRONMENTS
 
 HEADER = """# Configuration reference
 
@@ -74,25 +73,19 @@ def sections(cls: type = Config, prefix: str = "") -> Iterator[tuple[str, type]]
             yield from sections(hints[f.name], f"{prefix}{f.name}.")
 
 
-def shipped_environments(package: str = "vlmrl.envs") -> list[tuple[type, type]]:
-    """(environment class, its config class) for every class in `package` that declares its own `config_class` (an
-    `EnvConfig` subclass), in module order. The package is imported by name, as `env._target_` is when a config
-    loads: the config layer itself never imports the environments (tests/config/test_config_imports.py)."""
-    envs = importlib.import_module(package)
+def shipped_environments() -> list[tuple[type, type]]:
+    """(environment class, its config class) for every registered environment (`vlmrl.registry.ENVIRONMENTS`, whose
+    built-ins it imports by module name: the config layer itself never imports the environments,
+    tests/config/test_config_imports.py) that declares its own `config_class` (an `EnvConfig` subclass), in module
+    order."""
     found: list[tuple[type, type]] = []
-    for mod in pkgutil.walk_packages(envs.__path__, f"{package}."):
-        module = importlib.import_module(mod.name)
-        for _, cls in inspect.getmembers(module, inspect.isclass):
-            config_class = vars(cls).get("config_class")
-            if cls.__module__ != module.__name__ or not isinstance(config_class, type):
-                continue
-            if (
-                issubclass(config_class, EnvConfig)
-                and config_class is not EnvConfig
-                and (cls, config_class) not in found
-            ):
+    for name in ENVIRONMENTS.names():
+        cls = ENVIRONMENTS.get(name)
+        config_class = vars(cls).get("config_class")
+        if isinstance(config_class, type) and issubclass(config_class, EnvConfig) and config_class is not EnvConfig:
+            if (cls, config_class) not in found:
                 found.append((cls, config_class))
-    return found
+    return sorted(found, key=lambda pair: pair[0].__module__)
 
 
 def group_options(root: Path = ROOT) -> dict[str, dict[str, dict[str, Any]]]:
