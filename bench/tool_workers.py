@@ -9,14 +9,15 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test_tools:Counter
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tools_hostile, imported by test_tools
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "tools"))  # test_tools:Counter
 
 from vlmrl.config import DataConfig, load
 from vlmrl.envs import load_env_tasks
 from vlmrl.envs.color_square import ColorSquareConfig, ColorSquareEnv, make_tasks
 from vlmrl.envs.geometry3k_tools import Geometry3KToolsEnv
 from vlmrl.envs.tool_env import ToolEnvFactory
-from vlmrl.tools import HermesParser, Tool, ToolLimits, ToolRuntime, calculate
+from vlmrl.tools import HermesParser, Tool, ToolLimits, ToolRuntime, calculate, cgroups
 from vlmrl.tools.isolation import Sandbox
 from vlmrl.tools.process import WorkerProcess
 from vlmrl.types import ToolStats
@@ -46,6 +47,7 @@ t0 = time.perf_counter()
 for _ in range(200):
     env.crop(0, 0, 60, 60)
 print(f"crop called in-process: {(time.perf_counter() - t0) / 200 * 1e3:.3f} ms")
+print(f"worker cgroup controllers here: {sorted(cgroups.controllers()) or 'none'}")
 for iso in ("bwrap", "rlimits"):
     starts = []
     for _ in range(5):

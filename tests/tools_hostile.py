@@ -393,3 +393,79 @@ def spin_child() -> str:
         while True:
             pass
     return str(pid)
+
+
+def fill_folder(folder: str, megabytes: int) -> str:
+    """Write files of 8 MiB into a folder (/dev/shm, /dev, a hidden folder).
+
+    Args:
+        folder: Where.
+        megabytes: How much in total.
+    """
+    written = 0
+    try:
+        for i in range(megabytes // 8):
+            with open(os.path.join(folder, f"fill{i}"), "wb") as fh:
+                fh.write(b"x" * (8 << 20))
+            written += 8
+    except OSError as err:
+        return f"stopped after {written} MiB: {type(err).__name__} {err.errno}"
+    return f"wrote {written} MiB"
+
+
+HELD: list = []  # what the memory tools below keep alive across calls in their worker
+
+
+def shared_mmap(megabytes: int) -> str:
+    """Map shared anonymous memory, touch every page and keep it for later calls.
+
+    Args:
+        megabytes: How much.
+    """
+    import mmap
+
+    m = mmap.mmap(-1, megabytes << 20, flags=mmap.MAP_SHARED)
+    for i in range(0, megabytes << 20, 4096):
+        m[i] = 1
+    HELD.append(m)
+    return f"holding {sum(len(x) for x in HELD) >> 20} MiB"
+
+
+def sysv_shm(megabytes: int) -> str:
+    """Make a SysV shared memory segment, touch every page, detach and leave it (no IPC_RMID).
+
+    Args:
+        megabytes: How much.
+    """
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.shmat.restype = ctypes.c_void_p
+    libc.shmat.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    size = megabytes << 20
+    shmid = libc.shmget(0, ctypes.c_size_t(size), 0o1600)  # IPC_PRIVATE, IPC_CREAT | 0600
+    if shmid < 0:
+        return f"shmget failed: errno {ctypes.get_errno()}"
+    addr = libc.shmat(shmid, None, 0)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        return f"shmat failed: errno {ctypes.get_errno()}"
+    ctypes.memset(addr, 1, size)
+    libc.shmdt(ctypes.c_void_p(addr))
+    return f"left a {megabytes} MiB segment"
+
+
+def nested_tmpfs(megabytes: int) -> str:
+    """Make a user and mount namespace of its own, mount an uncapped tmpfs there and fill it.
+
+    Args:
+        megabytes: How much.
+    """
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(0x10000000 | 0x00020000) != 0:  # CLONE_NEWUSER | CLONE_NEWNS
+        return f"unshare failed: errno {ctypes.get_errno()}"
+    os.makedirs("/tmp/mnt", exist_ok=True)
+    if libc.mount(b"none", b"/tmp/mnt", b"tmpfs", 0, None) != 0:
+        return f"mount failed: errno {ctypes.get_errno()}"
+    return fill_folder("/tmp/mnt", megabytes)

@@ -36,7 +36,9 @@ class ToolsConfig:
         None, "The only folder tools may read; null: the dataset's images/ folder (never its answers)."
     )
     memory_mb: int = knob(
-        2048, "A tool worker's heap/anonymous memory cap in MiB (RLIMIT_DATA; address space: this + 4 GiB)."
+        2048,
+        "A tool worker's heap cap in MiB (RLIMIT_DATA; address space: this + 4 GiB); where cgroups can be made, "
+        "its memory cgroup holds everything it touches (shared memory, tmpfs files) at this + 256 MiB, no swap.",
     )
     cpu_s: float = knob(60.0, "CPU seconds per call (RLIMIT_CPU): tool threads spinning past it kill the worker.")
     network: bool = knob(False, "Tool workers may use the network (bwrap isolation only; rlimits cannot block it).")

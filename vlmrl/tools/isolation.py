@@ -8,18 +8,20 @@ line that starts one (`vlmrl.tools.worker`), chosen once per process and logged 
   capabilities dropped, uid/gid 65534, `--die-with-parent`, `--new-session`. The filesystem is empty but for
   read-only binds of the shared libraries (/usr/lib, /usr/lib64), the Python installation and venv, the folders of
   `sys.path` (so tool modules import) and `read_dir`; `hide` (the dataset's folder, which holds the answers) is
-  covered by an empty tmpfs even where it lies inside a bound folder, and so is the package's own sample data
-  (`PACKAGE_DATA`, whatever the run's dataset), then `read_dir` is bound again on top.
-  /tmp is a private tmpfs of TMP_MB (where bwrap supports `--size`) and the root is remounted read-only (bwrap's
-  root tmpfs has no size cap); there is no /etc, no /usr/bin (no programs to run) and no /home. In its own pid
-  namespace the worker (`--sandboxed`) also caps its user's processes (RLIMIT_NPROC) and kills every other
-  process of the namespace when a call ends.
+  covered by an empty read-only tmpfs even where it lies inside a bound folder, and so is the package's own sample
+  data (`PACKAGE_DATA`, whatever the run's dataset), then `read_dir` is bound again on top. /tmp and /dev/shm are
+  private tmpfs mounts of TMP_MB each (where bwrap supports `--size`), the rest of /dev and the root are read-only
+  (bwrap's root tmpfs has no size cap), and `--disable-userns` (bwrap 0.8+) keeps tool code from making a user
+  namespace of its own, in which it could mount an uncapped tmpfs; there is no /etc, no /usr/bin (no programs to
+  run) and no /home. In its own pid namespace the worker (`--sandboxed`) also caps its user's processes
+  (RLIMIT_NPROC) and kills every other process of the namespace when a call ends.
 - **rlimits** (fallback, or `tools.isolation: rlimits`): a separate process with the worker's rlimits only. It
   does NOT restrict the filesystem (tool code can read anything the trainer's user can, including the dataset's
   answers, and write where that user can), the network, or starting programs; it only keeps crashes, hangs,
   signals and memory/CPU blow-ups out of the trainer.
 
-Either way the worker caps itself with rlimits (`vlmrl.tools.worker.set_limits`).
+Either way the worker caps itself with rlimits (`vlmrl.tools.worker.set_limits`), and where cgroups can be made its
+processes and all the memory it touches are capped by a cgroup of its own (`vlmrl.tools.cgroups`).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from pathlib import Path
 
 log = logging.getLogger("vlmrl.tools")
 VLMRL_ROOT = str(Path(__file__).resolve().parents[1])  # the vlmrl package folder
-TMP_MB = 64  # size of a bwrap worker's private /tmp
+TMP_MB = 64  # size of a bwrap worker's private /tmp, and of its /dev/shm
 PACKAGE_DATA = os.path.join(VLMRL_ROOT, "assets", "data")  # the shipped sample datasets (answers): always hidden
 _LIB_DIRS = ("/usr/lib", "/usr/lib64", "/lib", "/lib64", "/lib32", "/usr/lib32")
 
@@ -128,33 +130,45 @@ def bwrap_argv(sandbox: Sandbox, bwrap: str = "bwrap") -> list[str]:
     ]
     if sandbox.network:
         argv.append("--share-net")
+    if "--disable-userns" in _bwrap_help(bwrap):  # no nested namespace: tool code cannot mount a tmpfs of its own
+        argv.append("--disable-userns")
     for lib in _LIB_DIRS:
         if os.path.islink(lib):
             argv += ["--symlink", os.readlink(lib), lib]
         elif os.path.isdir(lib):
             argv += ["--ro-bind", lib, lib]
     # the private /tmp first, the code folders on top: a venv or checkout under /tmp stays visible
-    argv += ["--proc", "/proc", "--dev", "/dev", *_tmp_size(bwrap), "--tmpfs", "/tmp"]
+    # /dev read-only but for a capped /dev/shm
+    argv += ["--proc", "/proc", "--dev", "/dev", *_size(bwrap), "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
+    argv += [*_size(bwrap), "--tmpfs", "/tmp"]
     for d in _code_dirs():
         argv += ["--ro-bind", d, d]
     read = os.path.realpath(sandbox.read_dir) if sandbox.read_dir else None
-    for h in (os.path.realpath(p) for p in (*sandbox.hide, PACKAGE_DATA)):
-        if os.path.isdir(h) and any(_inside(h, d) for d in _code_dirs()):
-            argv += ["--tmpfs", h]
+    hidden = [h for h in (os.path.realpath(p) for p in (*sandbox.hide, PACKAGE_DATA)) if os.path.isdir(h)]
+    hidden = [h for h in hidden if any(_inside(h, d) for d in _code_dirs())]
+    hidden = [h for h in dict.fromkeys(hidden) if not any(o != h and _inside(h, o) for o in hidden)]  # outermost
+    for h in hidden:
+        argv += ["--tmpfs", h]
     if read and os.path.isdir(read):
         argv += ["--ro-bind", read, read]
+    for h in hidden:  # after `read` is bound (its mount point may lie inside): empty and unwritable
+        argv += ["--remount-ro", h]
     argv += ["--remount-ro", "/"]  # the root tmpfs bwrap builds is uncapped: nothing may be written there
     return argv + ["--chdir", read if read and os.path.isdir(read) else "/tmp", "--"]
 
 
 @functools.cache
-def _tmp_size(bwrap: str) -> tuple[str, ...]:
-    """`--size` for the private /tmp (TMP_MB) when this bwrap supports it (0.9+), so files there cannot fill RAM."""
+def _bwrap_help(bwrap: str) -> str:
+    """`bwrap --help`, which lists the options this version has ('' when it cannot run)."""
     try:
-        text = subprocess.run([bwrap, "--help"], capture_output=True, text=True, timeout=30, check=False).stdout
+        return subprocess.run([bwrap, "--help"], capture_output=True, text=True, timeout=30, check=False).stdout
     except (OSError, subprocess.TimeoutExpired):
-        return ()
-    return ("--size", str(TMP_MB << 20)) if "--size" in text else ()
+        return ""
+
+
+def _size(bwrap: str) -> tuple[str, ...]:
+    """`--size` (TMP_MB) for the next tmpfs when this bwrap supports it (0.8+), so files there cannot fill RAM."""
+    return ("--size", str(TMP_MB << 20)) if "--size" in _bwrap_help(bwrap) else ()
 
 
 @functools.cache

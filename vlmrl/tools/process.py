@@ -27,7 +27,7 @@ import cloudpickle
 
 from vlmrl.tools import cgroups
 from vlmrl.tools.isolation import Sandbox, pythonpath, worker_command
-from vlmrl.tools.worker import HEADER, MAX_PROCESSES
+from vlmrl.tools.worker import CGROUP_EXTRA_MB, HEADER, MAX_PROCESSES
 from vlmrl.types import ToolFailure
 
 MAX_REPLY_BYTES = 256 << 20
@@ -46,7 +46,7 @@ class WorkerError(Exception):
         self.kind = kind
 
 
-def _kill(proc: subprocess.Popen, cgroup: str | None = None) -> None:
+def _kill(proc: subprocess.Popen, cgroup: cgroups.WorkerCgroup | None = None) -> None:
     if proc.poll() is None:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -59,7 +59,7 @@ def _kill(proc: subprocess.Popen, cgroup: str | None = None) -> None:
             pass
     proc.wait()
     if cgroup:
-        cgroups.remove(cgroup)
+        cgroup.remove()
 
 
 def _exit_detail(code: int | None) -> tuple[ToolFailure, str]:
@@ -75,24 +75,40 @@ def _exit_detail(code: int | None) -> tuple[ToolFailure, str]:
     return ToolFailure.CRASH, f"the tool's worker process exited with code {code}"
 
 
-def worker_cgroup() -> str | None:
-    """A new pids cgroup capping a worker at MAX_PROCESSES tasks (`vlmrl.tools.cgroups`), or None where this process
-    cannot make one (said once: for a trainer running as root, the worker's RLIMIT_NPROC then caps nothing)."""
-    if not cgroups.usable():
-        _announce_cap(False)
+def worker_cgroup(sandbox: Sandbox) -> cgroups.WorkerCgroup | None:
+    """A new cgroup for one worker (`vlmrl.tools.cgroups`): at most MAX_PROCESSES tasks and `tools.memory_mb` +
+    CGROUP_EXTRA_MB MiB of memory, shared memory and tmpfs files included, no swap; None where this process cannot
+    make one. What is not capped here is said once."""
+    usable = cgroups.controllers()
+    _announce_caps(usable, sandbox.memory_mb + CGROUP_EXTRA_MB)
+    if not usable:
         return None
-    _announce_cap(True)
-    return cgroups.new_cgroup(MAX_PROCESSES)
+    return cgroups.new_cgroup(cgroups.Caps(MAX_PROCESSES, (sandbox.memory_mb + CGROUP_EXTRA_MB) << 20), tuple(usable))
 
 
 @functools.cache
-def _announce_cap(cgroup: bool) -> None:
-    if cgroup:
-        log.info("tools: each worker runs in its own pids cgroup: at most %d processes and threads", MAX_PROCESSES)
-    elif os.geteuid() == 0:
+def _announce_caps(usable: frozenset[str], memory_mb: int) -> None:
+    if usable:
+        log.info(
+            "tools: each worker runs in its own cgroup: %s",
+            ", ".join(
+                ([f"at most {MAX_PROCESSES} processes and threads"] if "pids" in usable else [])
+                + (
+                    [f"{memory_mb} MiB of memory incl. shared memory and tmpfs files, no swap"]
+                    if "memory" in usable
+                    else []
+                )
+            ),
+        )
+    if "pids" not in usable and os.geteuid() == 0:
         log.warning(
             "tools: the trainer runs as root and cannot create pids cgroups here, so a tool's processes are not "
             "capped (the kernel exempts root from RLIMIT_NPROC); run as another user or give it a cgroup"
+        )
+    if "memory" not in usable:
+        log.warning(
+            "tools: no memory cgroup can be made here, so a tool's shared memory (tmpfs files, shared mmaps, SysV "
+            "segments) is not capped beyond its address space (tools.memory_mb + 4 GiB per process)"
         )
 
 
@@ -102,9 +118,9 @@ class WorkerProcess:
 
     def __init__(self, sandbox: Sandbox):
         argv, cwd = worker_command(sandbox)
-        self.cgroup = worker_cgroup()
+        self.cgroup = worker_cgroup(sandbox)
         if self.cgroup:
-            argv = cgroups.wrap(argv, self.cgroup)
+            argv = self.cgroup.wrap(argv)
         env = {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL", "HOME", "TMPDIR")}
         env.update(PYTHONPATH=pythonpath(), OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
         try:
@@ -119,7 +135,7 @@ class WorkerProcess:
             )
         except OSError as err:  # e.g. no more processes or memory: this call fails, the trainer goes on
             if self.cgroup:
-                cgroups.remove(self.cgroup)
+                self.cgroup.remove()
             raise WorkerError(ToolFailure.CRASH, f"could not start a tool worker process: {err}") from None
         self.calls = 0
         self.nonce: str | None = None  # of the last request sent
@@ -171,8 +187,7 @@ class WorkerProcess:
             stdin.write(HEADER.pack(len(data)) + data)
             stdin.flush()
         except (BrokenPipeError, OSError, ValueError):
-            self.kill()
-            raise WorkerError(*_exit_detail(self.proc.returncode)) from None
+            raise self._died(self.proc.poll()) from None
         self.calls += 1
 
     def _read(self, n: int, deadline: float, timeout_s: float) -> bytes:
@@ -184,9 +199,7 @@ class WorkerProcess:
                 raise WorkerError(ToolFailure.TIMEOUT, f"did not finish within {timeout_s:g} s and was stopped")
             chunk = os.read(fd, min(n - got, 1 << 20))
             if not chunk:
-                code = self.proc.wait()
-                self.kill()
-                raise WorkerError(*_exit_detail(code))
+                raise self._died(self.proc.wait())
             chunks.append(chunk)
             got += len(chunk)
         return b"".join(chunks)
@@ -233,6 +246,19 @@ class WorkerProcess:
 
     def kill(self) -> None:
         _kill(self.proc, self.cgroup)
+
+    def _died(self, code: int | None) -> WorkerError:
+        """The error for a worker that is gone (exit `code`, None: unknown), killed and its cgroup removed: MEMORY
+        when the kernel's OOM killer ended it inside its memory cgroup."""
+        oom = self.cgroup is not None and self.cgroup.oom_kills() > 0
+        self.kill()
+        if oom:
+            return WorkerError(
+                ToolFailure.MEMORY,
+                "the tool's worker went past its memory cap (tools.memory_mb, shared memory and tmpfs files "
+                "included) and was killed",
+            )
+        return WorkerError(*_exit_detail(code if code is not None else self.proc.returncode))
 
 
 class WorkerPool:

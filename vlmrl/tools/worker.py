@@ -53,6 +53,7 @@ from vlmrl.types import ImagePart, Message, TextPart
 
 HEADER = struct.Struct(">Q")
 ADDRESS_SPACE_EXTRA_MB = 4096  # shared libraries (torch maps ~3 GiB) on top of memory_mb
+CGROUP_EXTRA_MB = 256  # a worker's memory cgroup (`vlmrl.tools.cgroups`): the interpreter and its libraries' pages
 OPEN_FILES = 64
 FILE_SIZE = 16 << 20
 MAX_PROCESSES = 64  # processes (and threads) of the worker's user in its sandbox (`--sandboxed`)
