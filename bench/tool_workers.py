@@ -1,7 +1,7 @@
 """Overhead of tool worker processes (docs/environments.md, "Tool isolation"): start-up, per call, per tools.environment
 episode.
 
-python bench/tool_workers.py
+python bench/tool_workers.py [CALLS]   (CALLS: timed calls per tool, default 200; starts and episodes: CALLS // 40)
 """
 
 import statistics
@@ -23,9 +23,11 @@ from vlmrl.tools.process import WorkerProcess
 from vlmrl.types import ToolStats
 
 P = HermesParser()
+CALLS = int(sys.argv[1]) if len(sys.argv) > 1 else 200
+STARTS = max(1, CALLS // 40)
 
 
-def per_call(rt, tools, text, n=200):
+def per_call(rt, tools, text, n=CALLS):
     rt.run(rt.parse(text), tools, ToolStats())
     t0 = time.perf_counter()
     for _ in range(n):
@@ -44,19 +46,19 @@ env = Geometry3KToolsEnv()
 env.reset(task)
 geo_tools = {t.name: t for t in env.tools()}
 t0 = time.perf_counter()
-for _ in range(200):
+for _ in range(CALLS):
     env.crop(0, 0, 60, 60)
-print(f"crop called in-process: {(time.perf_counter() - t0) / 200 * 1e3:.3f} ms")
+print(f"crop called in-process: {(time.perf_counter() - t0) / CALLS * 1e3:.3f} ms")
 print(f"worker cgroup controllers here: {sorted(cgroups.controllers()) or 'none'}")
 for iso in ("bwrap", "rlimits"):
     starts = []
-    for _ in range(5):
+    for _ in range(STARTS):
         t = time.perf_counter()
         w = WorkerProcess(Sandbox(isolation=iso))
         w.wait_started()
         starts.append(time.perf_counter() - t)
         w.kill()
-    print(f"[{iso}] worker start-up (Popen -> ready), median of 5: {statistics.median(starts) * 1e3:.0f} ms")
+    print(f"[{iso}] worker start-up (Popen -> ready), median of {STARTS}: {statistics.median(starts) * 1e3:.0f} ms")
     rt = ToolRuntime(P, ToolLimits(timeout_s=10), sandbox=Sandbox(isolation=iso))
     ms = per_call(
         rt, {"calculate": Tool.from_function(calculate)}, P.format_call("calculate", {"expression": "sqrt(3**2+4**2)"})
@@ -67,7 +69,7 @@ for iso in ("bwrap", "rlimits"):
     factory = ToolEnvFactory(ColorSquareEnv, [], "test_tools:Counter", Sandbox(isolation=iso), 10.0)
     (ctask,) = make_tasks(ColorSquareConfig(), DataConfig(limit=1))
     t0 = time.perf_counter()
-    for _ in range(5):
+    for _ in range(STARTS):
         e = factory()
         e.reset(ctask)
         tools = {t.name: t for t in e.tools()}
@@ -75,6 +77,6 @@ for iso in ("bwrap", "rlimits"):
         e.close()
     print(
         f"[{iso}] tools.environment episode (worker start + new + reset + 1 call + close): "
-        f"{(time.perf_counter() - t0) / 5 * 1e3:.0f} ms"
+        f"{(time.perf_counter() - t0) / STARTS * 1e3:.0f} ms"
     )
     rt.executor.close()

@@ -1,5 +1,6 @@
 """The benches run (tiny sizes), so they cannot rot: bench/rollout.py, bench/token_building.py, bench/pixel_memory.py,
-bench/update.py and bench/spatial_probe.py produce their tables with every column and sane numbers."""
+bench/update.py, bench/spatial_probe.py and bench/tool_workers.py produce their tables with every column and sane
+numbers."""
 
 from __future__ import annotations
 
@@ -136,3 +137,19 @@ def test_update_gpu_bench_cpu_path(capsys):
     assert [c.strip() for c in header.strip("┃│ ").split("┃" if "┃" in header else "│")] == list(bench.COLUMNS)
     row.update(bench.rates(row, None))
     assert "n/a" in _render(bench.table(row))
+
+
+@pytest.mark.slow
+def test_tool_workers_bench_small():
+    """bench/tool_workers.py runs (its tool modules live in the test tree) and prints every line for both
+    isolation modes."""
+    import subprocess
+
+    res = subprocess.run(
+        [sys.executable, str(BENCH / "tool_workers.py"), "10"], capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    for iso in ("bwrap", "rlimits"):
+        for what in ("worker start-up", "calculate through the runtime", "geometry3k crop", "tools.environment"):
+            line = next(x for x in res.stdout.splitlines() if x.startswith(f"[{iso}] {what}"))
+            assert float(line.split(": ")[-1].split()[0]) > 0, line
