@@ -215,7 +215,14 @@ class TrainerConfig:
     lr: float = knob(1e-5, "AdamW learning rate (the schedule's peak).")
     weight_decay: float = knob(0.0, "AdamW weight decay.")
     max_grad_norm: float = knob(1.0, "Gradient clipping by global norm; 0: no clipping.")
-    micro_batch_size: int = knob(1, "Samples per forward/backward pass (the step's samples are accumulated).")
+    micro_batch_size: int = knob(
+        1, "Samples per forward/backward pass, padded to the longest (unused when max_tokens_per_micro_batch is set)."
+    )
+    max_tokens_per_micro_batch: Optional[int] = knob(
+        None,
+        "Token budget of a micro-batch (sequence tokens, images' placeholders included): as many samples as fit, "
+        "balanced, packed into one row without padding; a longer sample runs alone. null: micro_batch_size.",
+    )
     save_every: int = knob(0, "Save a checkpoint every N steps; 0: only at the end.")
     keep_last: int = knob(2, "Complete checkpoints kept in <output_dir>/checkpoints; 0: all.")
     max_bad_steps: int = knob(3, "Stop after this many consecutive skipped (non-finite) updates; 0: never stop.")

@@ -7,6 +7,7 @@ import them (and `ConfigError`) without an import circle.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
@@ -21,6 +22,7 @@ from vlmrl.errors import ConfigError
 from vlmrl.registry import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, ROLLOUT_ENGINES, WEIGHT_SYNC_ROUTES
 
 __all__ = ["ConfigError"]  # defined in vlmrl.errors; imported from here by earlier code
+log = logging.getLogger("vlmrl.config")
 
 
 # the flat `rollout.vllm_*` keys of earlier versions -> their place in `rollout.vllm` (a config error names it)
@@ -108,6 +110,14 @@ def validate_config(cfg: Config, training: bool = True) -> None:
     for ok, msg in checks + _range_checks(cfg):
         if not ok:
             raise ConfigError(msg)
+    budget = cfg.trainer.max_tokens_per_micro_batch
+    if training and budget is not None and budget < cfg.rollout.max_context_tokens:
+        log.warning(
+            "trainer.max_tokens_per_micro_batch=%d is below rollout.max_context_tokens=%d: a sample longer than the "
+            "budget is trained alone, in more activation memory than the budget allows for",
+            budget,
+            cfg.rollout.max_context_tokens,
+        )
 
 
 _ATTN = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
@@ -167,6 +177,10 @@ def _range_checks(cfg: Config) -> list[tuple[bool, str]]:
         (tr.weight_decay >= 0 and _fin(tr.weight_decay), "trainer.weight_decay must be >= 0"),
         (tr.max_grad_norm >= 0 and _fin(tr.max_grad_norm), "trainer.max_grad_norm must be >= 0 (0: no clipping)"),
         (tr.micro_batch_size >= 1, "trainer.micro_batch_size must be >= 1"),
+        (
+            tr.max_tokens_per_micro_batch is None or tr.max_tokens_per_micro_batch >= 1,
+            "trainer.max_tokens_per_micro_batch must be >= 1 (or null: micro_batch_size samples per micro-batch)",
+        ),
         (
             not (tr.zero_stage == 0 and m.dtype in ("bfloat16", "bf16")),
             "trainer.zero_stage=0 with model.dtype=bfloat16 takes DeepSpeed's stage-0 bf16 optimizer, whose steps "

@@ -19,6 +19,10 @@ class Gemma3Layout(InputLayout):
     """
 
     name = "gemma3"
+    # transformers' sliding-window mask applies the image-block overlay after remapping the packed row's indices to
+    # positions within each sample (`masking_utils.create_sliding_window_causal_mask`), so in a packed row image
+    # tokens would attend by the wrong tokens' types: a token budget trains Gemma 3 padded
+    packs = False
 
     def token_type_kwargs(self, image_mask: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"token_type_ids": image_mask}

@@ -19,13 +19,15 @@ class InputLayout:
 
     name: the layout's name ("qwen", "gemma3", ...; `vlmrl.modeling.inputs.input_style`); pixel_range: True when the
     family's image processor takes `model.min_pixels`/`model.max_pixels` (images expand to a variable number of
-    placeholder tokens). A subclass overrides `token_type_kwargs` (per-token ids passed with or without images) and
-    `vision_kwargs` (the image tensors) and documents their shapes. One instance per layout is shared by the families
-    that take it (compare with `is`).
+    placeholder tokens); packs: True when several samples may run as one packed row (`vlmrl.train.packing`: no
+    attention mask, positions restarting at each sample). A subclass overrides `token_type_kwargs` (per-token ids
+    passed with or without images) and `vision_kwargs` (the image tensors) and documents their shapes. One instance
+    per layout is shared by the families that take it (compare with `is`).
     """
 
     name: ClassVar[str] = ""
     pixel_range: ClassVar[bool] = False
+    packs: ClassVar[bool] = True
 
     def token_type_kwargs(self, image_mask: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-token keyword arguments the model takes on every batch, images or not; image_mask [B, T] long (1 on

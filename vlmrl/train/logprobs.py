@@ -25,15 +25,17 @@ concatenates them per sample in batch order, so patches are never split by sampl
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import torch
 
 from vlmrl.modeling.inputs import family_of_model, image_kwargs, input_style
+from vlmrl.train.packing import PACKED_LENGTHS, mrope_position_ids
 from vlmrl.types import EnginePrompt, Sample, VisionInputs
 
 CHUNK_ROWS = 256
 FUSED_MAX_BYTES = 512 << 20  # fp32 [N, V] blocks up to 512 MiB take the fused kernel (token_logprobs)
-_NOT_INPUTS = ("loss_mask", "old_logprobs")  # collate keys that are not model inputs
+_NOT_INPUTS = ("loss_mask", "old_logprobs", PACKED_LENGTHS)  # collate/pack keys that are not model inputs
 
 
 class SelectiveLogSoftmax(torch.autograd.Function):
@@ -167,22 +169,36 @@ def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
 def batch_logprobs(
     model: torch.nn.Module, batch: dict[str, torch.Tensor], temperature: float = 1.0, only_masked: bool = False
 ) -> torch.Tensor:
-    """Logprobs [B, T] of `collate` output; 0 at t = 0, at padding and (if only_masked) where loss_mask is 0.
+    """Logprobs [B, T] of `collate` output, or of a packed row (`vlmrl.train.packing.pack`: [1, N] inputs, the
+    logprobs scattered back to [B, T_max]); 0 at each sample's t = 0, at padding and (if only_masked) where
+    loss_mask is 0.
 
-    The model sees every key of `batch` but loss_mask and old_logprobs (input_ids, attention_mask and the family's
-    image inputs from `collate`); pixel_values in the model's dtype.
+    The model sees every key of `batch` but loss_mask, old_logprobs and the packed lengths (input_ids,
+    attention_mask or position_ids, and the family's image inputs); pixel_values in the model's dtype. A packed
+    Qwen-VL row gets its samples' own M-RoPE positions (`packing.mrope_position_ids`).
     """
     device = next(model.parameters()).device
-    ids, attn = batch["input_ids"].to(device), batch["attention_mask"].to(device)
-    need = batch["loss_mask"].to(device) > 0 if only_masked else attn > 0
-    need = need.clone()
+    lengths = batch.get(PACKED_LENGTHS)
+    size = batch["loss_mask"].shape
+    if lengths is None:
+        valid = batch["attention_mask"] > 0
+    else:
+        valid = torch.arange(size[1])[None] < lengths[:, None]
+    need = (batch["loss_mask"] > 0) & valid if only_masked else valid.clone()
     need[:, 0] = False
+    inputs: dict[str, Any] = {"input_ids": batch["input_ids"].to(device), "use_cache": False}
+    if lengths is None:
+        inputs["attention_mask"] = batch["attention_mask"].to(device)
+    else:
+        need = need[valid][None]  # [1, N]: a sample's first token is never needed, so keep never crosses samples
+        mrope = mrope_position_ids(model, batch)
+        inputs["position_ids"] = (mrope if mrope is not None else batch["position_ids"]).to(device)
+    need = need.to(device)
     keep = torch.zeros_like(need)
     keep[:, :-1] = need[:, 1:]  # the logits at t - 1 predict token t
-    inputs = {"input_ids": ids, "attention_mask": attn, "use_cache": False}
     dtype = next(model.parameters()).dtype
     for k, v in batch.items():
-        if k not in inputs and k not in _NOT_INPUTS:
+        if k not in inputs and k not in _NOT_INPUTS and k not in ("attention_mask", "position_ids"):
             inputs[k] = v.to(device, dtype=dtype) if k == "pixel_values" and v.is_floating_point() else v.to(device)
     if _accepts_logits_to_keep(model):
         inputs["logits_to_keep"] = keep
@@ -190,8 +206,12 @@ def batch_logprobs(
     if logits.dim() == 3:  # the model ignored the mask (or does not take it): [B, T, V]
         logits = logits[keep]
     out = torch.zeros(need.shape, dtype=torch.float32, device=device)
-    out[need] = token_logprobs(logits, ids[need], temperature).float()
-    return out
+    out[need] = token_logprobs(logits, inputs["input_ids"][need], temperature).float()
+    if lengths is None:
+        return out
+    padded = torch.zeros(size, dtype=torch.float32, device=device)
+    padded[valid.to(device)] = out[0]
+    return padded
 
 
 def sequence_logprobs(

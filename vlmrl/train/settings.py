@@ -27,6 +27,7 @@ class TrainerSettings:
     betas: tuple[float, float] = (0.9, 0.999)
     max_grad_norm: float = TrainerConfig.max_grad_norm
     micro_batch_size: int = TrainerConfig.micro_batch_size
+    max_tokens_per_micro_batch: int | None = TrainerConfig.max_tokens_per_micro_batch
     clip_eps_low: float = AlgorithmConfig.clip_eps_low
     clip_eps_high: float = AlgorithmConfig.clip_eps_high
     kl_coef: float = AlgorithmConfig.kl_coef

@@ -61,6 +61,7 @@ from vlmrl.train.dist import all_gather_object, is_main, world_size
 from vlmrl.train.grpo import LossStats, grpo_loss
 from vlmrl.train.logprobs import batch_logprobs, collate
 from vlmrl.train.loss_agg import token_weights
+from vlmrl.train.packing import can_pack, micro_batch_groups, pack
 from vlmrl.train.rollout_correction import Correction, correction_weights
 from vlmrl.train.settings import (  # noqa: F401 - re-exported
     TrainerSettings,
@@ -194,6 +195,10 @@ class GRPOTrainer:
             model=model, model_parameters=params, config=ds_config, lr_scheduler=self._make_scheduler
         )
         self.device = next(self.engine.module.parameters()).device
+        # a token budget packs each micro-batch into one row, unless the model's layers cannot tell samples apart
+        self.packs = self.cfg.max_tokens_per_micro_batch is not None and can_pack(model, self.family)
+        if self.cfg.max_tokens_per_micro_batch is not None and not self.packs:
+            log.info("%s cannot run packed rows: token-budget micro-batches are padded", self.family or "the model")
         if self.ref_model is not None and self.cfg.zero_stage != 3:
             self.ref_model.to(self.device)  # DeepSpeed moved the policy to this rank's device
 
@@ -253,12 +258,18 @@ class GRPOTrainer:
         return self.engine.module
 
     def _micro_batches(self, samples: list[Sample]) -> list[tuple[list[Sample], float]]:
-        """Split into micro-batches of `micro_batch_size`, padded with zero-weight ones to the max count over ranks."""
-        mbs = max(1, self.cfg.micro_batch_size)
-        chunks = [(samples[i : i + mbs], 1.0) for i in range(0, len(samples), mbs)]
-        count = int(dist.all_reduce(torch.tensor([float(len(chunks))], device=self.device), "max").item())
-        chunks += [(samples[:1], 0.0)] * (count - len(chunks))
-        return chunks
+        """Split into micro-batches of `micro_batch_size` samples, or of at most `max_tokens_per_micro_batch` tokens
+        (`vlmrl.train.packing.partition`), as many on every rank (the max over ranks): a rank with fewer runs
+        zero-weight ones (its first sample again) so the collectives match."""
+        groups = micro_batch_groups(
+            [int(s.input_ids.numel()) for s in samples],
+            self.cfg.micro_batch_size,
+            self.cfg.max_tokens_per_micro_batch,
+            lambda n: int(dist.all_reduce(torch.tensor([float(n)], device=self.device), "max").item()),
+        )
+        count = len(groups)
+        chunks = [([samples[i] for i in g], 1.0) for g in groups if g]
+        return chunks + [(samples[:1], 0.0)] * (count - len(chunks))
 
     def train_step(self, samples: list[Sample]) -> StepStats:
         """One optimizer step of the GRPO loss over this rank's `samples` (all ranks call it together).
@@ -330,7 +341,7 @@ class GRPOTrainer:
 
     def _micro_step(self, chunk: list[Sample], norm: tuple[float, float]) -> tuple[torch.Tensor, LossStats]:
         """Forward one micro-batch; norm = (loss tokens, sequences) of the step / world size (module docstring)."""
-        batch = collate(chunk, family=self.family)
+        batch = pack(chunk, family=self.family) if self.packs else collate(chunk, family=self.family)
         logprobs = batch_logprobs(self.engine, batch, self.cfg.temperature, only_masked=True)
         if self.objective == "sft":
             return sft_loss(logprobs, batch["loss_mask"].to(logprobs.device), num_tokens=norm[0]), LossStats()
