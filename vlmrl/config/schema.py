@@ -218,7 +218,11 @@ class TrainerConfig:
     micro_batch_size: int = knob(1, "Samples per forward/backward pass (the step's samples are accumulated).")
     save_every: int = knob(0, "Save a checkpoint every N steps; 0: only at the end.")
     keep_last: int = knob(2, "Complete checkpoints kept in <output_dir>/checkpoints; 0: all.")
-    max_bad_steps: int = knob(3, "Stop after this many consecutive skipped (non-finite) updates; 0: never stop.")
+    max_bad_steps: int = knob(
+        3,
+        "Stop after this many consecutive skipped updates (non-finite numbers, or no sample to train on: every row "
+        "of the step skipped); 0: never stop.",
+    )
     eval_every: int = knob(0, "Run the eval split (data.eval_split) every N steps and log eval/* metrics; 0: never.")
     align_every: int = knob(
         10,
