@@ -143,6 +143,24 @@ def test_a_streak_of_steps_without_samples_stops_the_run_after_max_bad_steps(tmp
     assert (tmp_path / "run" / "trajectories.jsonl").read_text() == ""
 
 
+def test_a_4000x3000_photo_trains_within_model_max_pixels(tmp_path, caplog):
+    """model.max_pixels=200704: the photo is resized to 364x504 before the prompt is built (234 tokens), and the
+    step trains on it (its episodes recorded with that grid, their samples in the update)."""
+    from vlmrl.run import train
+
+    cfg = _cfg(tmp_path, ["P1", "G1"], "trainer.steps=1", f"model.max_pixels={SMALL_MAX_PIXELS}")
+    ids, image_tokens = _prompt_ids(cfg, "P1")
+    assert image_tokens == SMALL_TOKENS
+    train(cfg)
+    (row,) = _lines(tmp_path / "run" / "metrics.jsonl")
+    assert row["skipped_rows"] == 0 and row["skipped"] == 0 and math.isfinite(row["loss"])
+    assert row["samples"] == 4 and row["episodes"] == 4
+    photo = [t for t in _lines(tmp_path / "run" / "trajectories.jsonl") if t["task_id"] == "P1"]
+    assert len(photo) == 2 and all(t["image_grid_thw"] == [SMALL_GRID] for t in photo)
+    assert all(t["input_ids"][: len(ids)] == ids and len(t["input_ids"]) > len(ids) for t in photo)
+    assert not _skip_lines(caplog)
+
+
 def test_two_ranks_agree_to_skip_a_step_one_of_them_has_no_sample_for(tmp_path):
     """torchrun, 2 ranks (gloo, ZeRO-2): at step 1 rank 0 runs P1 alone (skipped), rank 1 runs G1; both skip the
     update (no rank waits in a collective the other never joins) and step 2 (G2 | G3) trains. P1 is logged once."""
