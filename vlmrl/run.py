@@ -27,6 +27,7 @@ from vlmrl.registry import ROLLOUT_ENGINES
 from vlmrl.rollout.engine import derive_seed
 from vlmrl.rollout.episode import EpisodeRunner
 from vlmrl.rollout.runner import build_runner
+from vlmrl.rollout.skipped_rows import prompt_too_long, skipped_rows
 from vlmrl.runs import checkpoint
 from vlmrl.runs import lock as runlock
 from vlmrl.runs.episode_metrics import episode_metrics
@@ -51,9 +52,9 @@ from vlmrl.tokens.base import TokenBuilder
 from vlmrl.train import dist, loss_agg, overlong, rollout_correction
 from vlmrl.train.async_rollout import BehaviourWeights, Prefetcher, staleness, staleness_metrics
 from vlmrl.train.dynamic_sampling import SampledBatch, sample_until_full
-from vlmrl.train.step_batch import export_style, gather_bad_episodes, step_samples
+from vlmrl.train.step_batch import check_step, export_style, step_samples
 from vlmrl.train.trainer import GRPOTrainer, TrainerSettings
-from vlmrl.types import Task, Trajectory
+from vlmrl.types import Sample, Task, Trajectory
 
 log = logging.getLogger("vlmrl.run")
 
@@ -160,7 +161,7 @@ class Job:
     files: RunFiles | None
     processor: object
     stop: StopSignals = field(default_factory=StopSignals)  # Ctrl-C / SIGTERM (vlmrl.runs.resume)
-    guard: BadStepGuard = field(default_factory=BadStepGuard)  # updates skipped for non-finite numbers
+    guard: BadStepGuard = field(default_factory=BadStepGuard)  # skipped updates (non-finite numbers, no sample)
     saved_step: int = -1  # step of the newest checkpoint of this run
     evaluation: EvalSetup | None = None  # trainer.eval_every: made at the first eval, keeps the eval split's tasks
     position: int = 0  # data position: prompts consumed by all ranks so far (the next step starts there)
@@ -242,31 +243,24 @@ def run_step(job: Job, step: int) -> dict:
     align = {}
     if cfg.trainer.align_every and step % cfg.trainer.align_every == 0:  # before the update: the sampling policy
         align = sampled_alignment(trainer, job.builder, trajs, cfg.trainer.align_samples, seed=step).as_dict()
-    excluded, bad = gather_bad_episodes(trainer, step, excluded, [] if filler else trajs)
+    check = check_step(trainer, step, excluded, [] if filler else trajs, samples, skipped_rows(sampled.generated))
+    if trainer.is_main:  # one line per row for the whole run, whichever rank ran it
+        job.runner.skipped_log.report(check.skipped)
     if job.prefetch is not None and step < cfg.trainer.steps:  # step + 1 is sampled during this update
         job.prefetch.start(lambda: sample_step(job, step + 1, job.position + sampled.prompts))
     if job.prefetch is None:
         job.runner.engine.sleep_for_update()  # vLLM on CUDA (rollout.vllm.sleep): its memory is the update's
-    stats = None if bad else trainer.train_step(samples)
+    stats = trainer.train_step(samples) if check.update else None  # every rank alike (`check_step`)
     job.position += sampled.prompts  # the next step's prompts follow the ones this step consumed
     if job.prefetch is not None:
         job.prefetch.wait()  # the sampler's weights change only between its batches
     sync = publish_weights(job, step, changed=stats is not None)  # vLLM: push weights + stale-head check
-    skipped = job.guard.check(step, bad, stats, [t.id for t in sampled.tasks])
-    store = ImageStore(cfg.logging.output_dir)  # tool/env images without a file are saved under <run>/images/
-    mine = [TrajectoryRecord.from_trajectory(t, step, store) for t in sampled.generated]
-    gen_tokens = sum(r.generated_tokens for r in mine)
-    # the episode metrics average the episodes that can train: one whose reward left its group (NaN, inf, beyond
-    # REWARD_BOUND) is counted in `excluded_episodes` and written to trajectories.jsonl, not averaged
-    usable = [r for r, t in zip(mine, sampled.generated) if usable_episode(t)]
-    rollout = {
-        **episode_metrics(usable),
-        **option_metrics(cfg, sampled),
-        "samples": float(len(samples)),
-        "rollout_tokens_per_s": gen_tokens / max(sampled.rollout_s, 1e-9),
-        "rollout_s": sampled.rollout_s,
-        **({"rollout_wait_s": t_wait, **staleness_metrics(stale)} if job.prefetch is not None else {}),
-    }
+    skipped = job.guard.check(
+        step, check.bad, stats, [t.id for t in sampled.tasks], check.empty_ranks, trainer.world_size
+    )
+    mine, rollout = rollout_metrics(job, step, sampled, samples)
+    if job.prefetch is not None:
+        rollout.update(rollout_wait_s=t_wait, **staleness_metrics(stale))
     rollout = merge_rollout_rows(trainer.gather(rollout))  # StepStats are already global; rollouts are per rank
     dynamic = sampled.metrics() if cfg.algorithm.dynamic_sampling else {}
     row = {
@@ -278,7 +272,9 @@ def run_step(job: Job, step: int) -> dict:
         **align,
         "skipped": int(skipped),
         "skipped_steps": job.guard.skipped,
-        "excluded_episodes": len(excluded),
+        "excluded_episodes": len(check.excluded),
+        "skipped_rows": len(check.skipped),
+        "ranks_without_samples": len(check.empty_ranks),
         "step_s": time.perf_counter() - t0,
     }
     row["step"] = step
@@ -292,6 +288,28 @@ def run_step(job: Job, step: int) -> dict:
         job.files.append(job.files.metrics, [row])
     job.records = records
     return row
+
+
+def rollout_metrics(
+    job: Job, step: int, sampled: SampledBatch, samples: list[Sample]
+) -> tuple[list[TrajectoryRecord], dict[str, float]]:
+    """(this rank's records of step `step`, its rollout metrics): the episodes of skipped rows (no turn sampled) are
+    neither recorded nor averaged (the step's `skipped_rows` counts their rows); the episode metrics average the
+    episodes that can train: one whose reward left its group (NaN, inf, beyond REWARD_BOUND) is counted in
+    `excluded_episodes` and written to trajectories.jsonl, not averaged. Images of tools and environments without a
+    file are saved under <run>/images/."""
+    store = ImageStore(job.cfg.logging.output_dir)
+    played = [t for t in sampled.generated if not prompt_too_long(t)]
+    mine = [TrajectoryRecord.from_trajectory(t, step, store) for t in played]
+    gen_tokens = sum(r.generated_tokens for r in mine)
+    usable = [r for r, t in zip(mine, played) if usable_episode(t)]
+    return mine, {
+        **episode_metrics(usable),
+        **option_metrics(job.cfg, sampled),
+        "samples": float(len(samples)),
+        "rollout_tokens_per_s": gen_tokens / max(sampled.rollout_s, 1e-9),
+        "rollout_s": sampled.rollout_s,
+    }
 
 
 def merge_rollout_rows(rows: list[dict]) -> dict:
@@ -437,8 +455,8 @@ def _train(cfg: Config, console: Console) -> Path:
             loggers.log_samples(job.records, step)  # wandb: a Table of sample trajectories
             if job.guard.exceeded():
                 raise TooManyBadSteps(
-                    f"{job.guard.in_row} consecutive steps skipped their update for non-finite "
-                    f"numbers (trainer.max_bad_steps); stopped after step {step}; last good "
+                    f"{job.guard.in_row} consecutive steps skipped their update for {job.guard.streak()} "
+                    f"(trainer.max_bad_steps); stopped after step {step}; last good "
                     f"checkpoint: {_newest(job) or 'none'} (see the warnings above)"
                 )
             signum = _stop_signal(job) if step < steps else None

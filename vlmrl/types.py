@@ -121,6 +121,9 @@ class EndReason(str, Enum):
     MAX_TURNS = "max_turns"
     CONTEXT = "context"  # the next turn would not fit in rollout.max_context_tokens: ended at a turn boundary
     TOOL_RESPONSE_TOO_LONG = "tool_response_too_long"  # an image tool response over max_tool_response_tokens
+    # the row's prompt alone fills rollout.max_context_tokens: no turn sampled, the row is skipped
+    # (`vlmrl.rollout.skipped_rows`)
+    PROMPT_TOO_LONG = "prompt_too_long"
 
 
 # Conventional per-turn metric keys, the one place they are defined: what an environment reports for a graded turn

@@ -99,6 +99,55 @@ def test_context_budget_ends_at_turn_boundary(setup):
     assert count_images(traj.tokens.ids, builder.image_token_id) == len(traj.tokens.images) == 1
 
 
+def test_a_prompt_that_fills_the_budget_skips_its_row_without_sampling(setup, qwen25_processor, caplog):
+    """A 1000x1000 diagram: round(1000 / 28) = 36 blocks a side, 36 * 36 = 1296 image tokens (Qwen-VL's resize
+    rule), inside a prompt of N ids as the processor itself renders it. With max_context_tokens = N the row's three
+    episodes end at once (no engine call, no sample), one `SkippedRow` names it with N; at N + 1 it is sampled.
+    The runner's log names a row once, however often it comes back."""
+    import dataclasses
+
+    from conftest import make_image
+
+    from vlmrl.rollout.skipped_rows import SkippedRow, skipped_rows
+    from vlmrl.types import EndReason, ImagePart
+
+    env_cfg, tasks, builder = setup
+    big = make_image(1000, 1000)
+    task = dataclasses.replace(tasks[0], id="big")
+    task.messages = [
+        dataclasses.replace(m, content=[ImagePart(big) if isinstance(p, ImagePart) else p for p in m.content])
+        for m in task.messages
+    ]
+    messages = make_env_factory(env_cfg)().reset(task)
+    theirs = qwen25_processor.apply_chat_template(
+        [m.to_hf() for m in messages],
+        tokenize=True,
+        return_dict=True,
+        add_generation_prompt=True,
+        processor_kwargs={"images": [big]},
+    )
+    ids = list(theirs["input_ids"][0])
+    assert ids.count(builder.image_token_id) == 36 * 36
+    runner, engine = _runner(setup, ["\\boxed{A}"] * 3, max_turns=1, budget=len(ids))
+    trajs = runner.run([task, tasks[1]], group_size=3)
+    assert [t.end_reason for t in trajs[:3]] == [EndReason.PROMPT_TOO_LONG] * 3 and not any(t.turns for t in trajs[:3])
+    assert all(len(t.turns) == 1 for t in trajs[3:])
+    assert [c[1] for c in engine.calls] == [3]  # only the other row's group was sampled
+    assert skipped_rows(trajs) == [SkippedRow("big", len(ids), 1)]
+    assert to_samples(trajs[:3], ExportStyle.individual, builder.image_token_id) == []
+    runner.skipped_log.report(skipped_rows(trajs))
+    runner.skipped_log.report(skipped_rows(runner.run([task], group_size=2)))  # the row again: not logged again
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("row big")]
+    assert lines == [
+        f"row big skipped: its prompt is {len(ids)} tokens (1 image(s)), rollout.max_context_tokens={len(ids)} leaves "
+        "no room for a reply; it is not trained on (logged once). Smaller images (model.max_pixels, Qwen-VL "
+        "families) or a larger rollout.max_context_tokens make it fit"
+    ]
+    runner, engine = _runner(setup, ["\\boxed{A}"], max_turns=1, budget=len(ids) + 1)
+    (traj,) = runner.run([task], group_size=1)
+    assert traj.end_reason is not EndReason.PROMPT_TOO_LONG and len(traj.turns) == 1 and skipped_rows([traj]) == []
+
+
 def _answers(task):
     """(a wrong choice letter, the right one) for a Geometry3K task."""
     right = task.meta["answer_letter"]

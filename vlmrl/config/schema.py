@@ -66,7 +66,10 @@ class ModelConfig:
         None, "The image processor's lower pixel bound per image (shortest_edge); null: the processor's own."
     )
     max_pixels: Optional[int] = knob(
-        None, "The image processor's upper pixel bound per image (longest_edge); null: the processor's own."
+        None,
+        "The image processor's upper pixel bound per image (longest_edge; Qwen-VL families): every image, a "
+        "dataset's too, is resized within it before the prompt is built (a 4000x3000 photo: 15,301 tokens at "
+        "Qwen2.5-VL's own 12,845,056, 5,292 at 4,194,304, 1,230 at 1,003,520); null: the processor's own.",
     )
     attn_implementation: Optional[str] = knob(
         None,
@@ -225,7 +228,11 @@ class TrainerConfig:
     )
     save_every: int = knob(0, "Save a checkpoint every N steps; 0: only at the end.")
     keep_last: int = knob(2, "Complete checkpoints kept in <output_dir>/checkpoints; 0: all.")
-    max_bad_steps: int = knob(3, "Stop after this many consecutive skipped (non-finite) updates; 0: never stop.")
+    max_bad_steps: int = knob(
+        3,
+        "Stop after this many consecutive skipped updates (non-finite numbers, or no sample to train on: every row "
+        "of the step skipped); 0: never stop.",
+    )
     eval_every: int = knob(0, "Run the eval split (data.eval_split) every N steps and log eval/* metrics; 0: never.")
     align_every: int = knob(
         10,

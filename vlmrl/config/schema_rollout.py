@@ -130,7 +130,11 @@ class RolloutConfig:
     )
     max_new_tokens: int = knob(64, "Tokens generated per assistant turn at most.")
     stop: list[str] = knob(help="Strings that end a turn (the EOS id is then not in the output).", factory=list)
-    max_context_tokens: int = knob(4096, "An episode's context length limit in tokens (also vLLM's max_model_len).")
+    max_context_tokens: int = knob(
+        4096,
+        "An episode's context length limit in tokens (also vLLM's max_model_len); a row whose prompt alone reaches "
+        "it is skipped (logged once, counted in skipped_rows).",
+    )
     batch_wait_s: float = knob(
         0.05,
         "Batch engines (transformers, vllm with colocate_engine=sync): an idle engine waits this many seconds for "

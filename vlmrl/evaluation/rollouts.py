@@ -10,6 +10,7 @@ import time
 from typing import Any, Callable, Iterable
 
 from vlmrl.config import Config, DataConfig
+from vlmrl.rollout.skipped_rows import skipped_rows
 from vlmrl.runs.record import TrajectoryRecord
 from vlmrl.types import ImagePart, Task
 
@@ -45,10 +46,12 @@ def rollout_records(
     """Run `samples` episodes of every task; returns (records in task order, each with its `sample` index within
     its problem, wall seconds). rows: each task's position in the eval task list, recorded as `row` (`vlmrl
     generate` keys problems by it: ids may repeat); image_ref: how records name images (`ImageStore`: a file under
-    the run folder for each image that has none; default its `ref`)."""
+    the run folder for each image that has none; default its `ref`). A task whose prompt does not fit is logged once
+    (`runner.skipped_log`) and recorded with its episodes' end reason `prompt_too_long` (no turn: unsolved)."""
     t0 = time.perf_counter()
     trajs = runner.run(tasks, samples)
     seconds = time.perf_counter() - t0
+    runner.skipped_log.report(skipped_rows(trajs))
     recs = [TrajectoryRecord.from_trajectory(traj, step, image_ref) for traj in trajs]
     for i, rec in enumerate(recs):
         rec.sample = i % samples

@@ -7,7 +7,9 @@ REPLY appends the sampled ids and parses tool calls (only when the environment h
 allowed turn, whose reply is always graded). TOOL runs them through the `ToolRuntime` (limits, timeouts, failures
 as error messages) and renders the tool messages (loss mask 0); a tool response with images over
 `max_tool_response_tokens` is dropped whole and ends the episode (trl #5521). Tool turns get reward 0 and do not
-count in the turn discount (max over graded turns t of r_t * gamma**t, t counting graded turns).
+count in the turn discount (max over graded turns t of r_t * gamma**t, t counting graded turns). A prompt that alone
+fills `max_context_tokens` samples nothing: its episodes end at once (`EndReason.PROMPT_TOO_LONG`) and its row is
+skipped (`vlmrl.rollout.skipped_rows`; the runner's `skipped_log` logs it once).
 
 Nothing the model can send ends a run: images of the environment's messages (and tool results,
 `vlmrl.tools.results`) are padded to an aspect ratio every processor takes (`vlmrl.image_fit.fit_messages`); what
@@ -40,6 +42,7 @@ from vlmrl.rewards import episode_reward
 from vlmrl.rollout.batcher import Dispatcher, make_dispatcher
 from vlmrl.rollout.engine import Engine, GenerateRequest, SamplingParams, derive_seed
 from vlmrl.rollout.history import HistoryWindow, spill_images
+from vlmrl.rollout.skipped_rows import SkippedRowLog
 from vlmrl.tokens.base import Piece, TokenBuilder
 from vlmrl.tools.parsers import get_parser
 from vlmrl.tools.runtime import ToolRuntime
@@ -145,6 +148,9 @@ class EpisodeRunner:
         }
         self.batcher: Dispatcher | None = None  # the current run's (its statistics stay readable afterwards)
         self._seed = 0
+        # rows whose prompt does not fit end at once (`EndReason.PROMPT_TOO_LONG`); whoever runs the runner reports
+        # them here, one line per row for the runner's life (the training loop: once over all ranks)
+        self.skipped_log = SkippedRowLog(limits.max_context_tokens)
 
     @property
     def tools(self) -> ToolRuntime:
@@ -199,7 +205,8 @@ class EpisodeRunner:
             self.batcher.finish()  # type: ignore[union-attr]
 
     def _start(self, task: Task, group: int, group_size: int) -> list[Episode]:
-        """Build the task's prompt once and give each of the group's episodes its own copy."""
+        """Build the task's prompt once and give each of the group's episodes its own copy; a prompt that fills
+        rollout.max_context_tokens ends them all at once (`EndReason.PROMPT_TOO_LONG`, no turn sampled)."""
         envs = [self.env_factory() for _ in range(group_size)]
         messages = self._fit(envs[0].reset(task), task)
         for env in envs[1:]:
@@ -214,15 +221,9 @@ class EpisodeRunner:
             Episode(task, group, k, env, seq.fork(), list(messages), tools=t, window=window and window.copy())
             for k, (env, t) in enumerate(zip(envs, tools))
         ]
-        for ep in episodes:
-            if len(seq.ids) >= self.limits.max_context_tokens:
-                log.warning(
-                    "task %s: prompt of %d tokens exceeds rollout.max_context_tokens=%d; no turn sampled",
-                    task.id,
-                    len(seq.ids),
-                    self.limits.max_context_tokens,
-                )
-                self._end(ep, EndReason.CONTEXT)
+        if len(seq.ids) >= self.limits.max_context_tokens:  # the row is skipped (vlmrl.rollout.skipped_rows)
+            for ep in episodes:
+                self._end(ep, EndReason.PROMPT_TOO_LONG)
         return episodes
 
     async def _request(self, ep: Episode, n: int) -> list[Generation]:

@@ -12,13 +12,18 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 
 def train_line(row: dict) -> str:
-    """The step summary of a training metrics row: reward, accuracy, turns per episode, loss, step time, and the
-    episodes excluded for an unusable reward (when there are any; the averages leave them out)."""
-    excluded = int(row.get("excluded_episodes", 0))
+    """The step summary of a training metrics row: reward, accuracy, turns per episode, loss, step time, then, when
+    there are any, the rows skipped for a prompt too long (`skipped rows N`), the update skipped for want of samples
+    (`no update: no sample`), and the episodes excluded for an unusable reward (the averages leave both out)."""
+    excluded, rows = int(row.get("excluded_episodes", 0)), int(row.get("skipped_rows", 0))
+    empty = row.get("skipped") and row.get("ranks_without_samples")
     return (
         f"reward {row.get('reward_mean', 0.0):.3f} acc {row.get('accuracy', 0.0):.2f} "
         f"turns {row.get('turns_per_episode', 0.0):.2f} loss {row.get('loss', 0.0):+.4f} "
-        f"{row.get('step_s', 0.0):.1f}s/step" + (f" excluded {excluded}" if excluded else "")
+        f"{row.get('step_s', 0.0):.1f}s/step"
+        + (f" skipped rows {rows}" if rows else "")
+        + (" no update: no sample" if empty else "")
+        + (f" excluded {excluded}" if excluded else "")
     )
 
 

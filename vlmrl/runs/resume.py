@@ -1,4 +1,4 @@
-"""What lets a run survive: the resume plan, graceful Ctrl-C / SIGTERM, and the non-finite-update guard.
+"""What lets a run survive: the resume plan, graceful Ctrl-C / SIGTERM, and the bad-step guard.
 
 - `plan_resume(cfg)`: before anything heavy is loaded, decide from the run folder whether to continue and from which
   checkpoint (`resume.mode=auto`), or start fresh (`resume=never`, `logging.overwrite=true`); refuse a changed config
@@ -7,7 +7,8 @@
   the step at once while it is still rolling out, since nothing has changed yet); a second one stops immediately.
 - `split_unusable`: the episodes whose reward is NaN/inf or beyond `vlmrl.rewards.REWARD_BOUND` are excluded from
   their GRPO group (counted, logged); `nonfinite_episodes`: those with a non-finite advantage (the step's update is
-  skipped, as it is when every episode of the step was excluded).
+  skipped, as it is when every episode of the step was excluded); `BadStepGuard`: counts the skipped updates (those,
+  and steps with no sample to train on) and says when `trainer.max_bad_steps` of them came in a row.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, cast
+from typing import Any, Iterator, Sequence, cast
 
 from omegaconf import OmegaConf
 
@@ -67,7 +68,8 @@ class TrainingInterrupted(RuntimeError):
 
 
 class TooManyBadSteps(RuntimeError):
-    """`trainer.max_bad_steps` consecutive steps had a non-finite reward, advantage, loss or gradient norm."""
+    """`trainer.max_bad_steps` consecutive steps skipped their update: a non-finite reward, advantage, loss or
+    gradient norm, or no sample to train on (every row's prompt too long)."""
 
 
 class StepAbandoned(BaseException):
@@ -269,21 +271,44 @@ def nonfinite_episodes(trajs: list[Any]) -> list[str]:
     return [i for t, i in zip(trajs, episode_ids(trajs)) if not (finite(t.advantage) and usable_episode(t))]
 
 
+NONFINITE, NO_SAMPLE = "non-finite numbers", "no sample to train on"
+"""The two causes of a skipped update (`BadStepGuard.causes`)."""
+
+
 class BadStepGuard:
-    """Counts updates skipped for non-finite numbers: in total (`skipped`) and consecutively (`in_row`)."""
+    """Counts skipped updates (non-finite numbers, or a step without a sample to train on): in total (`skipped`) and
+    consecutively (`in_row`, with the `causes` of that streak)."""
 
     def __init__(self, max_in_row: int = 0):
         self.max_in_row, self.skipped, self.in_row = max_in_row, 0, 0
+        self.causes: set[str] = set()  # NONFINITE / NO_SAMPLE, over the current streak
 
-    def check(self, step: int, bad_episodes: list[str], stats: Any, task_ids: list[str]) -> bool:
+    def check(
+        self,
+        step: int,
+        bad_episodes: list[str],
+        stats: Any,
+        task_ids: list[str],
+        empty_ranks: Sequence[int] = (),
+        world: int = 1,
+    ) -> bool:
         """True (and counted, and logged) if step `step`'s update was skipped: `bad_episodes` had a non-finite reward
-        or advantage (no update was attempted, `stats` is None), or the trainer reported a non-finite loss or
-        gradient norm (`task_ids`: the step's prompts, all implicated)."""
+        or advantage, or the ranks `empty_ranks` (of `world`) had no sample to train on (in both cases no update
+        was attempted, `stats` is None), or the trainer reported a non-finite loss or gradient norm (`task_ids`: the
+        step's prompts, all implicated)."""
+        cause = NONFINITE
         if bad_episodes:
             reason = (
                 f"non-finite reward or advantage (or |reward| > {REWARD_BOUND:g}) in episode(s) "
                 f"{', '.join(bad_episodes)}"
             )
+        elif empty_ranks:
+            cause, why = NO_SAMPLE, "prompt(s) over rollout.max_context_tokens"
+            if len(empty_ranks) < world:
+                ranks = ", ".join(map(str, empty_ranks))
+                reason = f"rank(s) {ranks} had {NO_SAMPLE}, their rows all skipped ({why}): no rank updates"
+            else:
+                reason = f"{NO_SAMPLE}: every row of the step was skipped ({why})"
         elif stats is not None and (stats.skipped or not finite(stats.loss) or not finite(stats.grad_norm)):
             reason = (
                 f"non-finite loss ({stats.loss}) or gradient norm ({stats.grad_norm}) over the episodes of "
@@ -292,15 +317,21 @@ class BadStepGuard:
             if not stats.skipped:
                 log.error("step %d: the optimizer applied an update with a non-finite loss or norm", step)
         else:
-            self.in_row = 0
+            self.in_row, self.causes = 0, set()
             return False
         self.skipped += 1
         self.in_row += 1
+        self.causes.add(cause)
         log.warning("step %d: update skipped: %s (%d skipped, %d in a row)", step, reason, self.skipped, self.in_row)
         return True
 
     def exceeded(self) -> bool:
         return self.max_in_row > 0 and self.in_row >= self.max_in_row
+
+    def streak(self) -> str:
+        """What skipped the updates of the current streak: "non-finite numbers", "no sample to train on", or both
+        joined by "or" (both when unknown: a streak that began before a resume)."""
+        return " or ".join(sorted(self.causes or {NONFINITE, NO_SAMPLE}))
 
     def state(self) -> dict:
         return {"skipped_steps": self.skipped, "bad_steps_in_row": self.in_row}

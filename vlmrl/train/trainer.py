@@ -272,7 +272,8 @@ class GRPOTrainer:
         return chunks + [(samples[:1], 0.0)] * (count - len(chunks))
 
     def train_step(self, samples: list[Sample]) -> StepStats:
-        """One optimizer step of the GRPO loss over this rank's `samples` (all ranks call it together).
+        """One optimizer step of the GRPO loss over this rank's `samples` (all ranks call it together; each with at
+        least one sample: the run loop skips a step on every rank when some rank has none, `vlmrl.train.step_batch`).
 
         A non-finite loss or gradient norm skips the update (`StepStats.skipped`; gradients discarded, weights and
         optimizer state untouched). ZeRO-1/2/3 (fp32, or bf16 with check_grad_overflow) detect the non-finite norm
