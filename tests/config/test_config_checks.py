@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
         ("rollout.top_p=0", "rollout.top_p"),
         ("rollout.temperature=inf", "rollout.temperature"),
         ("trainer.micro_batch_size=0", "trainer.micro_batch_size"),
+        ("trainer.max_tokens_per_micro_batch=0", "trainer.max_tokens_per_micro_batch"),
         ("trainer.warmup_ratio=1.5", "trainer.warmup_ratio"),
         ("trainer.lr_scheduler=zigzag", "trainer.lr_scheduler"),
         ("model.attn_implementation=magic", "model.attn_implementation"),
@@ -49,6 +50,20 @@ def test_bad_value_is_a_one_line_config_error(override, needle):
         load("geometry3k_tiny", [override])
     msg = str(info.value)
     assert needle in msg and "\n" not in msg
+
+
+def test_a_token_budget_below_the_context_limit_warns(caplog):
+    """A sample longer than trainer.max_tokens_per_micro_batch is trained alone: the config check says when the
+    budget is below rollout.max_context_tokens, and is quiet when it is not."""
+    from vlmrl.config import load
+
+    with caplog.at_level("WARNING", logger="vlmrl.config"):
+        load("geometry3k_tiny", ["trainer.max_tokens_per_micro_batch=100", "rollout.max_context_tokens=512"])
+    assert "max_tokens_per_micro_batch=100 is below rollout.max_context_tokens=512" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="vlmrl.config"):
+        cfg = load("geometry3k_tiny", ["trainer.max_tokens_per_micro_batch=512", "rollout.max_context_tokens=512"])
+    assert cfg.trainer.max_tokens_per_micro_batch == 512 and "max_tokens_per_micro_batch" not in caplog.text
 
 
 def test_new_knobs_are_overridable_with_their_defaults():

@@ -92,6 +92,9 @@ def run_stage(stage: int, options: dict) -> None:
     )
     assert trainer.engine.zero_optimization_stage() == stage  # several ranks: the configured stage, partitioned
     mine = everything[:3] if trainer.rank == 0 else everything[3:]
+    if options.get("max_tokens_per_micro_batch"):  # packed; rank 1 matches rank 0's two micro-batches
+        chunks = trainer._micro_batches(mine)
+        assert trainer.packs and [w for _, w in chunks] == ([1.0, 1.0] if trainer.rank == 0 else [1.0, 0.0]), chunks
     trainer.engine.train()
     _, num_tokens, num_samples = trainer.accumulate_gradients(mine)
     assert num_tokens == int(sum(s.loss_mask.sum() for s in everything)) and num_samples == 4

@@ -20,16 +20,22 @@ SCRIPT = ROOT / "tests" / "scripts" / "two_rank_step.py"
 
 @pytest.mark.slow  # torchrun, two ranks
 def test_two_ranks_take_identical_exact_steps_with_and_without_loss_aggregation_and_rollout_correction():
-    """ZeRO stages 1, 2, 3 with the default loss, then stage 2 with seq-mean-token-mean and TIS + MIS (noisy rollout
-    logprobs: tokens capped, a sequence masked): each two-rank step's gradient equals the plain-torch full-batch one
-    (vlmrl.train.loss_agg / rollout_correction), and both ranks end identical. One torchrun launch for all four."""
+    """ZeRO stages 1, 2, 3 with the default loss, then stage 2 with seq-mean-token-mean, TIS + MIS (noisy rollout
+    logprobs: tokens capped, a sequence masked) and packed token-budget micro-batches: each two-rank step's gradient
+    equals the plain-torch full-batch one (vlmrl.train.loss_agg / rollout_correction / packing), and both ranks end
+    identical. One torchrun launch for all four."""
     env = {
         **os.environ,
         "DS_ACCELERATOR": "cpu",
         "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
         "OMP_NUM_THREADS": "1",
     }
-    options = '{"loss_agg": "seq-mean-token-mean", "rollout_correction": "tis+mis", "tis_cap": 1.2, "mis_high": 1.1}'
+    # and a 45-token budget: rank 0's samples (19, 22, 25 tokens) pack into 25 | 22 + 19, rank 1's one sample (28)
+    # runs beside a zero-weight filler, so both ranks run two micro-batches
+    options = (
+        '{"loss_agg": "seq-mean-token-mean", "rollout_correction": "tis+mis", "tis_cap": 1.2, "mis_high": 1.1, '
+        '"max_tokens_per_micro_batch": 45}'
+    )
     cmd = [
         sys.executable,
         "-m",
