@@ -6,7 +6,7 @@ how a step is split into micro-batches and how each micro-batch is laid out diff
 (a) `mbs=1`: one sample per micro-batch (`trainer.micro_batch_size: 1`), no padding.
 (b) `mbs=K padded`: K samples per micro-batch in order, padded to the longest (`vlmrl.train.logprobs.collate`), for
     the recipe's own `micro_batch_size` and the counts asked for; `budget=B padded`: the very micro-batches the token
-    budget B makes (`vlmrl.train.packing.partition`), padded (the trainer built with the budget, `trainer.packs`
+    budget B makes (`vlmrl.train.packing.partition`), padded (the trainer set to the budget with `trainer.packs`
     False, as for a family that cannot pack).
 (c) `budget=B packed`: the same micro-batches, each one packed row without padding (`vlmrl.train.packing.pack`).
 
