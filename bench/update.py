@@ -23,11 +23,17 @@ the sampled ids for an [N, 151,936] fp32 logits block: `FusedLogSoftmax` (torch'
 fp32 [N, V] block for backward, against `SelectiveLogSoftmax`, which keeps one fp32 logsumexp per row; the rule
 `token_logprobs` applies (fused up to FUSED_MAX_BYTES of fp32 block) is the last column.
 
+`--packing`: instead of the floor, the same trainer on the same batches with its micro-batches made and laid out in
+several ways: one sample at a time, padded sample counts, and per token budget (`--budgets`) the budget's
+micro-batches padded and packed; seconds per step and the padding fraction of each (bench/update_packing.py).
+
 Run it as `make test` runs the tests on a CPU (docs/quickstart.md, "Learning on a CPU"):
 
     GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4294967296 python bench/update.py
     python bench/update.py --recipes colors_tiny --steps 2 --repeats 1 --json
     python bench/update.py --kernels
+    python bench/update.py --packing --recipes geometry3k_tiny --override env.max_turns=4 \
+        --override export.style=individual --budgets 1024,4096,16384 --sizes 8
 """
 
 from __future__ import annotations
@@ -36,9 +42,11 @@ import contextlib
 import copy
 import json
 import statistics
+import sys
 import tempfile
 import time
 from collections import defaultdict
+from pathlib import Path
 from typing import Iterator
 
 import torch
@@ -253,8 +261,15 @@ def main(
     repeats: int = typer.Option(3, help="interleaved repetitions (median)"),
     override: list[str] = typer.Option([], help="a config override for every recipe, e.g. trainer.zero_stage=0"),
     kernels: bool = typer.Option(False, "--kernels", help="time the log-prob kernels alone instead"),
+    packing: bool = typer.Option(False, "--packing", help="padded against packed micro-batches instead of the floor"),
+    budgets: str = typer.Option("256,1024,4096", help="--packing: comma-separated token budgets"),
+    sizes: str = typer.Option("", help="--packing: padded sample counts besides 1 and the recipe's, comma-separated"),
     as_json: bool = typer.Option(False, "--json", help="print JSON rows instead of the table"),
 ) -> None:
+    if packing:
+        ints = lambda text: [int(x) for x in text.split(",") if x]
+        packing_main(recipes.split(","), steps, repeats, override, ints(budgets), ints(sizes), as_json)
+        return
     if kernels:
         krows = measure_kernels(repeats=repeats)
         if as_json:
@@ -267,6 +282,34 @@ def main(
         print(json.dumps(rows))
         return
     Console(width=200).print(table(rows, repeats))
+
+
+def packing_bench():
+    """bench/update_packing.py as a module (its folder on sys.path)."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import update_packing
+
+    return update_packing
+
+
+def measure_packing(recipe: str, steps: int, repeats: int, overrides: list[str], budgets, sizes) -> dict:
+    """bench/update_packing.py's `measure` on `steps` sampled batches of `recipe` with its trainer."""
+    with tempfile.TemporaryDirectory() as out:
+        job, batches = recipe_batches(recipe, steps, out, overrides)
+        return packing_bench().measure(recipe, job.trainer, batches, repeats, budgets, sizes)
+
+
+def packing_main(recipes: list[str], steps: int, repeats: int, overrides, budgets, sizes, as_json: bool) -> None:
+    """`--packing`: the table of bench/update_packing.py, after each recipe's sample lengths."""
+    results = [measure_packing(r, steps, repeats, overrides, budgets, sizes) for r in recipes]
+    if as_json:
+        print(json.dumps(results))
+        return
+    for res in results:
+        print(packing_bench().lengths_line(res))
+    Console(width=200).print(packing_bench().table(results, repeats))
 
 
 def table(rows: list[dict], repeats: int) -> Table:

@@ -1,6 +1,6 @@
 """The benches run (tiny sizes), so they cannot rot: bench/rollout.py, bench/token_building.py, bench/pixel_memory.py,
-bench/update.py, bench/spatial_probe.py and bench/tool_workers.py produce their tables with every column and sane
-numbers."""
+bench/update.py (and its --packing mode), bench/spatial_probe.py and bench/tool_workers.py produce their tables with
+every column and sane numbers."""
 
 from __future__ import annotations
 
@@ -92,6 +92,29 @@ def test_update_bench_small(tmp_path):
     kernels = bench.measure_kernels(rows=(4, 8), repeats=1, vocab=1000)
     assert [k["rows"] for k in kernels] == [4, 8] and all(k["fused_s"] > 0 and k["selective_s"] > 0 for k in kernels)
     assert "selective/fused" in _render(bench.kernel_table(kernels))
+
+
+@pytest.mark.slow
+def test_update_packing_bench_small():
+    """bench/update.py --packing on 1 small geometry3k_tiny step of 2-turn `individual` samples (two lengths): every
+    mode gives the same first loss (bench/update_packing.py asserts it), the table has every column, one sample at a
+    time and packed rows compute no padding, the padded modes of several samples do."""
+    bench = _load("update")
+    small = ["data.limit=2", "trainer.batch_size=1", "rollout.max_new_tokens=4", "trainer.align_every=0"]
+    small += ["export.style=individual"]
+    res = bench.measure_packing("geometry3k_tiny", steps=1, repeats=1, overrides=small, budgets=[4096], sizes=[4])
+    assert res["packs"] and len(res["lengths"]["counts"]) > 1
+    rows = {r["name"]: r for r in res["rows"]}
+    assert list(rows) == ["mbs=1", "mbs=4 padded", "budget=4096 padded", "budget=4096 packed"]
+    assert rows["mbs=1"]["padding"] == 0 and rows["budget=4096 packed"]["padding"] == 0
+    assert rows["mbs=4 padded"]["padding"] > 0 and rows["budget=4096 padded"]["padding"] > 0
+    assert rows["budget=4096 packed"]["micro_batches"] == rows["budget=4096 padded"]["micro_batches"] == 1
+    assert all(r["s_step"] > 0 and r["forward"] > 0 and r["backward"] > 0 for r in rows.values())
+    packing = bench.packing_bench()
+    text = _render(packing.table([res], 1))
+    header = next(line for line in text.splitlines() if "mode" in line)
+    assert [c.strip() for c in header.strip("┃│ ").split("┃" if "┃" in header else "│")] == list(packing.COLUMNS)
+    assert "geometry3k_tiny: samples per step" in packing.lengths_line(res)
 
 
 def test_spatial_probe_bench_small():
