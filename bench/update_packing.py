@@ -8,7 +8,7 @@ how a step is split into micro-batches and how each micro-batch is laid out diff
     the recipe's own `micro_batch_size` and the counts asked for; `budget=B padded`: the very micro-batches the token
     budget B makes (`vlmrl.train.packing.partition`), padded (the trainer set to the budget with `trainer.packs`
     False, as for a family that cannot pack).
-(c) `budget=B packed`: the same micro-batches, each one packed row without padding (`vlmrl.train.packing.pack`).
+(c) `budget=B packed`: the same micro-batches, each one packed row without padding (`vlmrl.train.logprobs.pack`).
 
 The mode is switched on the one trainer (`trainer.cfg` and `trainer.packs`), so every mode runs the same weights,
 engine and optimizer. Before timing, one step warms the optimizer up, and each mode accumulates the first batch's

@@ -22,8 +22,8 @@ from vlmrl.modeling.loading import load_processor, tiny_model
 from vlmrl.tokens import get_builder
 from vlmrl.train import packing
 from vlmrl.train.grpo import grpo_loss
-from vlmrl.train.logprobs import batch_logprobs, sequence_logprobs
-from vlmrl.train.packing import can_pack, micro_batch_groups, pack, partition
+from vlmrl.train.logprobs import batch_logprobs, pack, sequence_logprobs
+from vlmrl.train.packing import can_pack, micro_batch_groups, partition
 from vlmrl.types import ImagePart, Message, Role, Sample, TextPart
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is deprecated.*:FutureWarning")

@@ -115,6 +115,30 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float =
     return (fused_log_softmax if small else selective_log_softmax)(logits, ids, temperature)
 
 
+def _loss_fields(samples: list[Sample], lengths: list[int]) -> dict[str, torch.Tensor]:
+    """loss_mask and old_logprobs [B, T_max], right-padded with 0."""
+    size = (len(samples), max(lengths))
+    out = {"loss_mask": torch.zeros(size, dtype=torch.float32), "old_logprobs": torch.zeros(size, dtype=torch.float32)}
+    for b, (s, n) in enumerate(zip(samples, lengths)):
+        out["loss_mask"][b, :n] = s.loss_mask.float()
+        out["old_logprobs"][b, :n] = s.old_logprobs.float()
+    return out
+
+
+def _image_inputs(samples: list[Sample], family: str | None, image_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The image inputs of the samples' own images in batch order, for the token layout of `image_mask` ([B, T] or
+    a packed [1, N]; 1 on image placeholders): the family's `image_kwargs`, or for family None / a Qwen-VL-like
+    family mm_token_type_ids and, with images, pixel_values [sum patches, D] and image_grid_thw [sum images, 3]."""
+    vision = [s.vision for s in samples if s.vision is not None]
+    if family is not None and input_style(family) != "qwen":
+        return image_kwargs(family, VisionInputs.cat(vision), image_mask)
+    out = {"mm_token_type_ids": image_mask}
+    if vision:
+        out["pixel_values"] = torch.cat([v.pixel_values for v in vision])
+        out["image_grid_thw"] = torch.cat([v.image_grid_thw for v in vision]).long()
+    return out
+
+
 def collate(samples: list[Sample], pad_id: int = 0, family: str | None = None) -> dict[str, torch.Tensor]:
     """Right-padded model inputs of a list of samples.
 
@@ -131,27 +155,35 @@ def collate(samples: list[Sample], pad_id: int = 0, family: str | None = None) -
     out = {
         "input_ids": torch.full(size, pad_id, dtype=torch.long),
         "attention_mask": torch.zeros(size, dtype=torch.long),
-        "loss_mask": torch.zeros(size, dtype=torch.float32),
-        "old_logprobs": torch.zeros(size, dtype=torch.float32),
-        "mm_token_type_ids": torch.zeros(size, dtype=torch.long),
+        **_loss_fields(samples, lengths),
     }
+    image_mask = torch.zeros(size, dtype=torch.long)
     for b, (s, n) in enumerate(zip(samples, lengths)):
         out["input_ids"][b, :n] = s.input_ids
         out["attention_mask"][b, :n] = 1
-        out["loss_mask"][b, :n] = s.loss_mask.float()
-        out["old_logprobs"][b, :n] = s.old_logprobs.float()
-        out["mm_token_type_ids"][b, :n] = s.mm_token_type_ids.long()
-    vision = [s.vision for s in samples if s.vision is not None]
-    if family is not None and input_style(family) != "qwen":
-        image_mask = out.pop("mm_token_type_ids")
-        out.update(image_kwargs(family, VisionInputs.cat(vision), image_mask))
-        return out
-    if vision:
-        out["pixel_values"] = torch.cat([v.pixel_values for v in vision])
-        out["image_grid_thw"] = torch.cat([v.image_grid_thw for v in vision]).long()
-    else:
-        del out["mm_token_type_ids"]  # text-only: plain LMs do not accept it
+        image_mask[b, :n] = s.mm_token_type_ids.long()
+    out.update(_image_inputs(samples, family, image_mask))
+    if "image_grid_thw" not in out:
+        out.pop("mm_token_type_ids", None)  # text-only: plain LMs do not accept it
     return out
+
+
+def pack(samples: list[Sample], family: str | None = None) -> dict[str, torch.Tensor]:
+    """One packed row of `samples` (`vlmrl.train.packing`, module docstring).
+
+    Returns input_ids and position_ids [1, N] (positions restarting at 0 at each sample), PACKED_LENGTHS [B], the
+    image inputs for the row as `collate` builds them over [1, N] (Qwen-VL: mm_token_type_ids [1, N] always, images
+    or not, for the row's M-RoPE positions) and loss_mask / old_logprobs [B, T_max] as `collate` pads them.
+    """
+    lengths = [int(s.input_ids.numel()) for s in samples]
+    image_mask = torch.cat([s.mm_token_type_ids.long() for s in samples])[None]
+    return {
+        "input_ids": torch.cat([s.input_ids.long() for s in samples])[None],
+        "position_ids": torch.cat([torch.arange(n) for n in lengths])[None],
+        PACKED_LENGTHS: torch.tensor(lengths),
+        **_loss_fields(samples, lengths),
+        **_image_inputs(samples, family, image_mask),
+    }
 
 
 def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
@@ -169,7 +201,7 @@ def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
 def batch_logprobs(
     model: torch.nn.Module, batch: dict[str, torch.Tensor], temperature: float = 1.0, only_masked: bool = False
 ) -> torch.Tensor:
-    """Logprobs [B, T] of `collate` output, or of a packed row (`vlmrl.train.packing.pack`: [1, N] inputs, the
+    """Logprobs [B, T] of `collate` output, or of a packed row (`pack`: [1, N] inputs, the
     logprobs scattered back to [B, T_max]); 0 at each sample's t = 0, at padding and (if only_masked) where
     loss_mask is 0.
 

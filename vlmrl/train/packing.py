@@ -8,9 +8,9 @@ over ranks, as verl's `rearrange_micro_batches` does with `ppo_max_token_len_per
 are about total / count tokens and no rank runs a micro-batch much longer than the others'. Samples stay on the
 rank that sampled them. A sample longer than the budget is a micro-batch of its own.
 
-`pack(samples, family)`: one micro-batch as a single row: input_ids [1, N] (N = the samples' total length),
-position_ids [1, N] restarting at 0 at each sample, no attention mask, and each sample's images in order. Without an
-attention mask transformers reads the restarts of position_ids as sample boundaries (`masking_utils.
+`vlmrl.train.logprobs.pack(samples, family)`: one micro-batch as a single row: input_ids [1, N] (N = the samples'
+total length), position_ids [1, N] restarting at 0 at each sample, no attention mask, and each sample's images in
+order. Without an attention mask transformers reads the restarts of position_ids as sample boundaries (`masking_utils.
 find_packed_sequence_indices`): `sdpa` and `eager` get a block-diagonal causal mask ([1, 1, N, N] booleans),
 `flash_attention_2` runs varlen attention from the same positions, `flex_attention` a block mask. Qwen-VL families
 need each sample's own M-RoPE positions: `mrope_position_ids` computes them with the model's own `get_rope_index`
@@ -32,8 +32,7 @@ from typing import Any, Callable
 
 import torch
 
-from vlmrl.modeling.inputs import image_kwargs, input_layout, input_style
-from vlmrl.types import Sample, VisionInputs
+from vlmrl.modeling.inputs import input_layout
 
 log = logging.getLogger(__name__)
 PACKED_LENGTHS = "packed_lengths"  # the batch key that marks a packed batch: each sample's length [B]
@@ -99,40 +98,6 @@ def can_pack(model: torch.nn.Module, family: str | None = None) -> bool:
     config = getattr(getattr(model, "module", model), "config", None)
     text = getattr(config, "text_config", None) or config
     return "linear_attention" not in (getattr(text, "layer_types", None) or ())
-
-
-def pack(samples: list[Sample], family: str | None = None) -> dict[str, torch.Tensor]:
-    """One packed row of `samples` (module docstring).
-
-    Returns input_ids and position_ids [1, N], PACKED_LENGTHS [B], the family's image inputs for the row (Qwen-VL:
-    mm_token_type_ids [1, N], and with images pixel_values [sum patches, D] and image_grid_thw [sum images, 3];
-    other families as `vlmrl.train.logprobs.collate` builds them, over [1, N]) and loss_mask / old_logprobs
-    [B, T_max] as `collate` pads them (0 past each sample's end). family None: a plain LM or a Qwen-VL-like one.
-    """
-    lengths = [int(s.input_ids.numel()) for s in samples]
-    ids = torch.cat([s.input_ids.long() for s in samples])[None]
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    mm = torch.cat([s.mm_token_type_ids.long() for s in samples])[None]
-    size = (len(samples), max(lengths))
-    out = {
-        "input_ids": ids,
-        "position_ids": positions,
-        PACKED_LENGTHS: torch.tensor(lengths),
-        "loss_mask": torch.zeros(size, dtype=torch.float32),
-        "old_logprobs": torch.zeros(size, dtype=torch.float32),
-    }
-    for b, (s, n) in enumerate(zip(samples, lengths)):
-        out["loss_mask"][b, :n] = s.loss_mask.float()
-        out["old_logprobs"][b, :n] = s.old_logprobs.float()
-    vision = [s.vision for s in samples if s.vision is not None]
-    if family is not None and input_style(family) != "qwen":
-        out.update(image_kwargs(family, VisionInputs.cat(vision), mm))
-        return out
-    out["mm_token_type_ids"] = mm
-    if vision:
-        out["pixel_values"] = torch.cat([v.pixel_values for v in vision])
-        out["image_grid_thw"] = torch.cat([v.image_grid_thw for v in vision]).long()
-    return out
 
 
 def _rope_owner(model: torch.nn.Module) -> Any:

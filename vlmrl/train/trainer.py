@@ -59,9 +59,9 @@ from vlmrl.registry import LOSS_AGGREGATIONS
 from vlmrl.train import dist
 from vlmrl.train.dist import all_gather_object, is_main, world_size
 from vlmrl.train.grpo import LossStats, grpo_loss
-from vlmrl.train.logprobs import batch_logprobs, collate
+from vlmrl.train.logprobs import batch_logprobs, collate, pack
 from vlmrl.train.loss_agg import token_weights
-from vlmrl.train.packing import can_pack, micro_batch_groups, pack
+from vlmrl.train.packing import can_pack, micro_batch_groups
 from vlmrl.train.rollout_correction import Correction, correction_weights
 from vlmrl.train.settings import (  # noqa: F401 - re-exported
     TrainerSettings,
