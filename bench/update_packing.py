@@ -10,7 +10,8 @@ how a step is split into micro-batches and how each micro-batch is laid out diff
     False, as for a family that cannot pack).
 (c) `budget=B packed`: the same micro-batches, each one packed row without padding (`vlmrl.train.logprobs.pack`).
 
-The mode is switched on the one trainer (`trainer.cfg` and `trainer.packs`), so every mode runs the same weights,
+The mode is switched on the one trainer (`trainer.cfg`, `trainer.packs`, and the attention kernel: `sdpa`, or for
+the packed modes the trainer's own `vlmrl.modeling.packed_attention.PACKED_SDPA`), so every mode runs the same weights,
 engine and optimizer. Before timing, one step warms the optimizer up, and each mode accumulates the first batch's
 gradients without stepping (then discards them): from the same weights every mode must give the same loss
 (`first_loss`; packing changes the forward's layout, not its result).
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 import torch
 from rich.table import Table
 
+from vlmrl.modeling.packed_attention import PACKED_SDPA
 from vlmrl.train.packing import can_pack
 from vlmrl.train.trainer import GRPOTrainer
 from vlmrl.types import Sample
@@ -85,6 +87,9 @@ def configure(trainer: GRPOTrainer, mode: Mode) -> None:
         trainer.cfg, micro_batch_size=mode.micro_batch_size, max_tokens_per_micro_batch=mode.budget
     )
     trainer.packs = mode.packs
+    for model in (trainer.engine, trainer.ref_model):  # the trainer's kernel: packed sdpa with packing, else sdpa
+        if model is not None:
+            getattr(model, "module", model).set_attn_implementation(PACKED_SDPA if mode.packs else "sdpa")
 
 
 class Recorder:

@@ -150,6 +150,24 @@ def test_easyr1_and_column_map(tmp_path):
         load_rows({**cfg, "path": str(tmp_path / "e.jsonl"), "layout": "columns", "strict_rows": True})
 
 
+def test_a_row_with_video_is_a_bad_row_not_a_silent_loss(tmp_path, caplog):
+    """An EasyR1/verl `videos` column or a `<video>` marker: skipped with a line naming the row (an error with
+    strict_rows), never trained as text without its video."""
+    names = _images(tmp_path)
+    rows = [
+        {"id": "v1", "problem": "<video>What happens?", "videos": ["clip.mp4"], "answer": "a"},
+        {"id": "v2", "problem": "<image>And <video>?", "images": names[:1], "answer": "b"},
+        {"id": "ok", "problem": "<image>Colour?", "images": names[:1], "answer": "red", "videos": []},
+    ]
+    path = _jsonl(tmp_path / "v.jsonl", rows)
+    with caplog.at_level(logging.WARNING, logger="vlmrl.data"):
+        assert [r.id for r in load_rows({"path": str(path)})] == ["ok"]
+    assert f"row v1 of {path} (line 1): 1 video(s): video input is not supported yet" in caplog.text
+    assert f"row v2 of {path} (line 2): a <video> marker: video input is not supported yet" in caplog.text
+    with pytest.raises(BadRowError, match=r"row v1 .*\(line 1\): 1 video"):
+        load_rows({"path": str(path), "strict_rows": True})
+
+
 def test_bad_rows_name_file_and_line(tmp_path, caplog):
     names = _images(tmp_path)
     good = {"prompt": "<image> ok", "images": names[:1], "solution": "1"}

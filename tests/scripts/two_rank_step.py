@@ -3,6 +3,8 @@
     DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node 2 tests/scripts/two_rank_step.py --stages 1 2 3
 
 Rank 0 trains on 3 samples, rank 1 on 1 (uneven: ZeRO-3 needs the trainer's zero-weight padding micro-batches).
+Under a token budget the ranks first even out their tokens: rank 0's samples are 19, 22 and 25 tokens long, rank 1's
+28, and rank 0 gives its 19 to rank 1 (47 tokens each; `vlmrl.train.packing.balance_ranks`).
 Per stage: (1) the DeepSpeed gradient of the step equals plain torch's full-batch gradient over all 4 samples
 (token-level normalisation over ranks); (2) after a step, a generate of rank-dependent length inside `trainer.policy()`
 and another step, both ranks hold identical parameters. Prints one `OK` line per rank and stage; exits 1 on failure.
@@ -92,9 +94,11 @@ def run_stage(stage: int, options: dict) -> None:
     )
     assert trainer.engine.zero_optimization_stage() == stage  # several ranks: the configured stage, partitioned
     mine = everything[:3] if trainer.rank == 0 else everything[3:]
-    if options.get("max_tokens_per_micro_batch"):  # packed; rank 1 matches rank 0's two micro-batches
+    if options.get("max_tokens_per_micro_batch"):  # packed, after the ranks trade samples (module docstring)
         chunks = trainer._micro_batches(mine)
-        assert trainer.packs and [w for _, w in chunks] == ([1.0, 1.0] if trainer.rank == 0 else [1.0, 0.0]), chunks
+        lengths = sorted(len(s.input_ids) for chunk, _ in chunks for s in chunk)
+        assert trainer.packs and [w for _, w in chunks] == [1.0, 1.0], chunks
+        assert lengths == ([22, 25] if trainer.rank == 0 else [19, 28]), lengths
     trainer.engine.train()
     _, num_tokens, num_samples = trainer.accumulate_gradients(mine)
     assert num_tokens == int(sum(s.loss_mask.sum() for s in everything)) and num_samples == 4

@@ -19,11 +19,19 @@ import torch
 from conftest import make_image
 
 from vlmrl.modeling.loading import load_processor, tiny_model
+from vlmrl.modeling.packed_attention import PACKED_SDPA, use_packed_sdpa
 from vlmrl.tokens import get_builder
 from vlmrl.train import packing
 from vlmrl.train.grpo import grpo_loss
-from vlmrl.train.logprobs import batch_logprobs, pack, sequence_logprobs
-from vlmrl.train.packing import can_pack, micro_batch_groups, partition
+from vlmrl.train.logprobs import batch_logprobs, collate, pack, sequence_logprobs
+from vlmrl.train.packing import (
+    balance_ranks,
+    can_pack,
+    exchange,
+    micro_batch_groups,
+    partition,
+    partition_padded,
+)
 from vlmrl.types import ImagePart, Message, Role, Sample, TextPart
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is deprecated.*:FutureWarning")
@@ -69,6 +77,50 @@ def test_micro_batch_groups_match_the_other_ranks_count(caplog):
     assert "50 tokens is longer than trainer.max_tokens_per_micro_batch=20" in caplog.text
 
 
+def test_padded_partition_keeps_similar_lengths_together_within_the_padded_budget():
+    """Longest first in consecutive runs of at most `budget` padded tokens; halved to reach another rank's count."""
+    lengths = [10, 50, 12, 48, 11]
+    # 50 + 48 pad to 2 x 50 = 100; 12, 11, 10 to 3 x 12 = 36 (LPT would pair 50 with 11: 100 and 3 x 48 = 144)
+    assert partition_padded(lengths, 100) == [[1, 3], [0, 2, 4]]
+    assert partition(lengths, 100) == [[1, 4], [0, 2, 3]]
+    assert partition_padded(lengths, 100, min_bins=3) == [[1], [3], [0, 2, 4]]  # the 100-token run is halved
+    assert partition_padded(lengths, 100, min_bins=6) == [[1], [3], [2], [4], [0], []]
+    assert partition_padded([200, 5], 100) == [[0], [1]]
+    assert micro_batch_groups(lengths, 1, 100, lambda n: n, packed=False) == [[1, 3], [0, 2, 4]]
+    assert micro_batch_groups(lengths, 1, 100, lambda n: 3, packed=False) == [[1], [3], [0, 2, 4]]
+    with pytest.raises(ValueError, match="budget must be >= 1"):
+        partition_padded(lengths, 0)
+
+
+def test_balance_ranks_hand_derived():
+    """A rank keeps its longest samples up to the mean over ranks; the rest go, longest first, to the least-loaded."""
+    # 19 + 22 + 25 and 28: mean 47; rank 0 keeps 25 + 22, its 19 goes to rank 1 (47 each)
+    assert balance_ranks([[19, 22, 25], [28]]) == [[(0, 2), (0, 1)], [(1, 0), (0, 0)]]
+    # mean 65: rank 0 keeps 30 + 30; its other two go to rank 1 (10, then 40 < 60): 60 and 70
+    assert balance_ranks([[30, 30, 30, 30], [10]]) == [[(0, 0), (0, 1)], [(1, 0), (0, 2), (0, 3)]]
+    # nothing to even out: no sample moves (a sample longer than the mean stays with its rank)
+    assert balance_ranks([[10, 10], [10, 10]]) == [[(0, 0), (0, 1)], [(1, 0), (1, 1)]]
+    assert balance_ranks([[100], [5, 5, 5]]) == [[(0, 0)], [(1, 0), (1, 1), (1, 2)]]
+    # three ranks: 12 + 9 + 8 + 3 + 1, 2 and nothing: mean 35 / 3; rank 0 keeps its 12, then 9 -> rank 2 (0),
+    # 8 -> rank 1 (2), 3 -> rank 2 (9 < 10), 1 -> rank 1 (10 < 12): loads 12, 11, 12
+    assert balance_ranks([[12, 9, 8, 3, 1], [2], []]) == [[(0, 0)], [(1, 0), (0, 2), (0, 4)], [(0, 1), (0, 3)]]
+
+
+def test_exchange_gives_each_rank_its_planned_samples():
+    """Rank 0 of two (the other's all-gathers answered as a rank 1 would): it keeps its 25 and 22 and receives
+    nothing; rank 1 gets rank 0's 19 through the second all-gather."""
+    mine = ["a19", "b22", "c25"]
+    answers = iter([[[19, 22, 25], [28]], [{0: "a19"}, {}]])
+    sent = []
+    assert exchange(mine, [19, 22, 25], 0, lambda obj: sent.append(obj) or next(answers)) == ["c25", "b22"]
+    assert sent == [[19, 22, 25], {0: "a19"}]
+    answers = iter([[[19, 22, 25], [28]], [{0: "a19"}, {}]])
+    assert exchange(["d28"], [28], 1, lambda obj: next(answers)) == ["d28", "a19"]
+    calls = []
+    assert exchange(["x", "y"], [5, 5], 0, lambda obj: calls.append(obj) or [[5, 5], [5, 5]]) == ["x", "y"]
+    assert len(calls) == 1  # nothing moves: no second all-gather
+
+
 def _samples(family: str, builder) -> list[Sample]:
     """One sample per entry of IMAGES: a user turn (the images, then text) and 5 'sampled' text tokens (mask 1)."""
     g = torch.Generator().manual_seed(0)
@@ -105,13 +157,22 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.parametrize("kernel", ["sdpa", PACKED_SDPA])
 @pytest.mark.parametrize("family", PACKED)
-def test_a_packed_row_gives_each_samples_own_logprobs_loss_and_gradients(family, monkeypatch):
+def test_a_packed_row_gives_each_samples_own_logprobs_loss_and_gradients(family, kernel, monkeypatch):
+    """Under transformers' `sdpa` (a block-diagonal [N, N] mask) and under PACKED_SDPA (sdpa once per sample)."""
     builder = get_builder(family, load_processor(family, f"tiny:{family}"))
     model = tiny_model(family, seed=0).float().train()
     samples = _samples(family, builder)
     assert [s.vision.num_images if s.vision else 0 for s in samples] == [0, 1, 2]
+    # a twin of the one-image sample, other sampled tokens: two samples of one length (one batched call per length)
+    twin_ids = samples[1].input_ids.clone()
+    twin_ids[-3:] = torch.tensor([311, 1207, 2718])
+    samples.append(dataclasses.replace(samples[1], input_ids=twin_ids, advantage=-0.3))
     assert can_pack(model, family)
+    assert model.config._attn_implementation == "sdpa"
+    assert use_packed_sdpa(model) if kernel == PACKED_SDPA else True
+    assert model.config._attn_implementation == kernel
 
     alone = [sequence_logprobs(model, s, TEMPERATURE, only_masked=True, family=family) for s in samples]
     ref_loss = _loss(alone, samples, rows=True)
@@ -161,6 +222,34 @@ def test_mrope_positions_restarting_as_text_positions_are_caught(family, monkeyp
     assert (wrong[1:] - right[1:]).abs().max() > 10 * LOGPROB_TOL  # the main test fails past LOGPROB_TOL
 
 
+def test_packed_sdpa_is_sdpa_on_padded_batches_and_in_generation():
+    """Off a packed row PACKED_SDPA is transformers' sdpa: a padded batch's logprobs and a cached greedy generation
+    (a padded prompt batch, then one token at a time) are the same as under `sdpa`; a sliding-window model keeps
+    `sdpa`."""
+    family = "qwen2_5_vl"
+    builder = get_builder(family, load_processor(family, f"tiny:{family}"))
+    plain = tiny_model(family, seed=0).float().eval()
+    packed = copy.deepcopy(plain)
+    assert use_packed_sdpa(packed) and packed.config._attn_implementation == PACKED_SDPA
+    samples = _samples(family, builder)
+    batch = collate(samples, family=family)
+    prompt = {k: v for k, v in batch.items() if k not in ("loss_mask", "old_logprobs")}
+    out = []
+    with torch.no_grad():
+        for model in (plain, packed):
+            lp = batch_logprobs(model, batch, TEMPERATURE)
+            gen = model.generate(
+                **prompt, max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True
+            )
+            out.append((lp, gen.sequences, torch.stack(gen.scores)))
+    assert (out[0][0] != 0).any()
+    torch.testing.assert_close(out[1][0], out[0][0], rtol=0, atol=1e-6)
+    assert torch.equal(out[1][1], out[0][1])
+    torch.testing.assert_close(out[1][2], out[0][2], rtol=0, atol=1e-5)
+    gemma = tiny_model("gemma3", seed=0)
+    assert not use_packed_sdpa(gemma) and gemma.config._attn_implementation == "sdpa"
+
+
 def test_a_model_with_linear_attention_and_gemma3_are_not_packed():
     """Qwen3.5's Gated DeltaNet layers carry a state along the row, and transformers misplaces Gemma 3's image
     blocks in a packed row's sliding-window mask: a token budget trains them padded."""
@@ -191,6 +280,8 @@ def test_the_trainer_with_a_token_budget_equals_one_sample_per_micro_batch(qwen2
             TrainerSettings(zero_stage=0, lr=1e-3, clip_eps_high=0.2, rollout_correction="tis", **options),
         )
         assert trainer.packs == ("max_tokens_per_micro_batch" in options)
+        kernel = trainer.module.config._attn_implementation
+        assert kernel == (PACKED_SDPA if trainer.packs else "sdpa")
         local, tokens, count = trainer.accumulate_gradients(samples)
         params = dict(trainer.module.named_parameters())
         names = ("model.language_model.layers.0.self_attn.q_proj.weight", "model.visual.patch_embed.proj.weight")

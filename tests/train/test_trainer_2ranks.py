@@ -30,8 +30,8 @@ def test_two_ranks_take_identical_exact_steps_with_and_without_loss_aggregation_
         "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
         "OMP_NUM_THREADS": "1",
     }
-    # and a 45-token budget: rank 0's samples (19, 22, 25 tokens) pack into 25 | 22 + 19, rank 1's one sample (28)
-    # runs beside a zero-weight filler, so both ranks run two micro-batches
+    # and a 45-token budget: rank 0 (19, 22, 25 tokens) gives its 19 to rank 1 (28), 47 tokens each, and each rank
+    # runs two packed micro-batches of one sample
     options = (
         '{"loss_agg": "seq-mean-token-mean", "rollout_correction": "tis+mis", "tis_cap": 1.2, "mis_high": 1.1, '
         '"max_tokens_per_micro_batch": 45}'

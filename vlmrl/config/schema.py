@@ -224,7 +224,8 @@ class TrainerConfig:
     max_tokens_per_micro_batch: Optional[int] = knob(
         None,
         "Token budget of a micro-batch (sequence tokens, images' placeholders included): as many samples as fit, "
-        "balanced, packed into one row without padding; a longer sample runs alone. null: micro_batch_size.",
+        "balanced across micro-batches and ranks, packed into one row without padding (padded for Gemma 3 and "
+        "Qwen3.5); a longer sample runs alone. null: micro_batch_size.",
     )
     save_every: int = knob(0, "Save a checkpoint every N steps; 0: only at the end.")
     keep_last: int = knob(2, "Complete checkpoints kept in <output_dir>/checkpoints; 0: all.")

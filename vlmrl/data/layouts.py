@@ -22,7 +22,9 @@ from vlmrl.types import ImagePart, Message, Part, Role, TextPart
 
 LAYOUTS = ("auto", "trl", "verl", "easyr1", "geometry3k", "columns")
 MARKER = "<image>"
+VIDEO_MARKER = "<video>"
 _IMAGE_KEYS = ("image", "images")
+_VIDEO_KEYS = ("video", "videos")
 
 
 def apply_columns(record: dict, columns: Mapping[str, str], where: str) -> dict:
@@ -61,8 +63,21 @@ def normalise(raw: RawRecord, src: Source, layout: str, columns: Mapping[str, st
         raise BadRowError(f"{where}: no answer")
     images = _images(valid, src, rid, where)
     messages = _messages(valid, layout, images, where)
+    _refuse_video(rec, messages, where)
     cols = {k: v for k, v in rec.items() if k not in _IMAGE_KEYS}
     return Row(rid, messages, images, answer, cols, where, src.name)
+
+
+def _refuse_video(rec: dict, messages: list[Message], where: str) -> None:
+    """Raises BadRowError for a row with videos (a `video`/`videos` column, EasyR1's and verl's name) or a
+    `<video>` marker in its prompt: no family or engine here takes video input, and the row would reach the model
+    without its video (the marker as plain text)."""
+    videos = [rec[k] for k in _VIDEO_KEYS if rec.get(k)]
+    count = sum(len(v) if isinstance(v, (list, tuple)) else 1 for v in videos)
+    marked = any(VIDEO_MARKER in p.text for m in messages for p in m.content if isinstance(p, TextPart))
+    if count or marked:
+        what = f"{count} video(s)" if count else f"a {VIDEO_MARKER} marker"
+        raise BadRowError(f"{where}: {what}: video input is not supported yet (the model would not see it)")
 
 
 def _row_id(rec: dict, index: int) -> str:

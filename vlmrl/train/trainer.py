@@ -61,7 +61,7 @@ from vlmrl.train.dist import all_gather_object, is_main, world_size
 from vlmrl.train.grpo import LossStats, grpo_loss
 from vlmrl.train.logprobs import batch_logprobs, collate, pack
 from vlmrl.train.loss_agg import token_weights
-from vlmrl.train.packing import can_pack, micro_batch_groups
+from vlmrl.train.packing import exchange, micro_batch_groups, start_packing
 from vlmrl.train.rollout_correction import Correction, correction_weights
 from vlmrl.train.settings import (  # noqa: F401 - re-exported
     TrainerSettings,
@@ -195,10 +195,9 @@ class GRPOTrainer:
             model=model, model_parameters=params, config=ds_config, lr_scheduler=self._make_scheduler
         )
         self.device = next(self.engine.module.parameters()).device
-        # a token budget packs each micro-batch into one row, unless the model's layers cannot tell samples apart
-        self.packs = self.cfg.max_tokens_per_micro_batch is not None and can_pack(model, self.family)
-        if self.cfg.max_tokens_per_micro_batch is not None and not self.packs:
-            log.info("%s cannot run packed rows: token-budget micro-batches are padded", self.family or "the model")
+        self.packs = self.cfg.max_tokens_per_micro_batch is not None and start_packing(
+            self.engine, self.ref_model, self.family
+        )
         if self.ref_model is not None and self.cfg.zero_stage != 3:
             self.ref_model.to(self.device)  # DeepSpeed moved the policy to this rank's device
 
@@ -260,12 +259,16 @@ class GRPOTrainer:
     def _micro_batches(self, samples: list[Sample]) -> list[tuple[list[Sample], float]]:
         """Split into micro-batches of `micro_batch_size` samples, or of at most `max_tokens_per_micro_batch` tokens
         (`vlmrl.train.packing.partition`), as many on every rank (the max over ranks): a rank with fewer runs
-        zero-weight ones (its first sample again) so the collectives match."""
+        zero-weight ones (its first sample again) so the collectives match. Under a token budget the ranks first
+        even out their tokens by trading samples (`vlmrl.train.packing.exchange`)."""
+        if self.cfg.max_tokens_per_micro_batch is not None and world_size() > 1:
+            samples = exchange(samples, [int(s.input_ids.numel()) for s in samples], self.rank, all_gather_object)
         groups = micro_batch_groups(
             [int(s.input_ids.numel()) for s in samples],
             self.cfg.micro_batch_size,
             self.cfg.max_tokens_per_micro_batch,
             lambda n: int(dist.all_reduce(torch.tensor([float(n)], device=self.device), "max").item()),
+            packed=self.packs,
         )
         count = len(groups)
         chunks = [([samples[i] for i in g], 1.0) for g in groups if g]
