@@ -57,7 +57,7 @@ from rich.table import Table
 from vlmrl.config import load
 from vlmrl.export import to_samples
 from vlmrl.run import Job, build_job, sample_step
-from vlmrl.train.logprobs import FUSED_MAX_BYTES, collate, fused_log_softmax, selective_log_softmax
+from vlmrl.train.logprobs import FUSED_MAX_BYTES, IMAGE_POSITIONS, collate, fused_log_softmax, selective_log_softmax
 from vlmrl.train.step_batch import assign_step_advantages
 from vlmrl.train.trainer import GRPOTrainer
 from vlmrl.types import Sample
@@ -127,7 +127,7 @@ class Floor:
         need[:, 0] = False
         keep = torch.zeros_like(need)
         keep[:, :-1] = need[:, 1:]
-        inputs = {k: v for k, v in batch.items() if k not in ("loss_mask", "old_logprobs")}
+        inputs = {k: v for k, v in batch.items() if k not in ("loss_mask", "old_logprobs", IMAGE_POSITIONS)}
         logits = model(**inputs, use_cache=False, logits_to_keep=keep).logits
         return fused_log_softmax(logits, batch["input_ids"][need], self.cfg.temperature), need
 

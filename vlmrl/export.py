@@ -49,23 +49,33 @@ def images_before(seq: TokenSeq, end: int, image_token_id: int) -> VisionInputs 
     stops = [s for s, _ in seq.turn_spans] + [len(seq.ids)]
     held = [a for a, b in zip(starts, stops) if image_token_id in seq.ids[a:b]]
     if len(held) != len(seq.vision_parts):
-        return first_images(seq.vision, count_images(seq.ids[:end], image_token_id))
+        rendered = [
+            t if on else -1 for t, on in zip(seq.ids[:end], placeholder_mask(seq, end, image_token_id).tolist())
+        ]
+        return first_images(seq.vision, count_images(rendered, image_token_id))
     return VisionInputs.cat(seq.vision_parts[: sum(a < end for a in held)])
+
+
+def placeholder_mask(seq: TokenSeq, end: int, image_token_id: int) -> torch.Tensor:
+    """[end] long: 1 on the image placeholders the builder rendered in `seq.ids[:end]`, 0 elsewhere. A placeholder
+    id inside an assistant turn's sampled ids (`seq.turn_spans`) is a token the policy sampled: text, 0 (the
+    trainer keeps the model's placeholder lookup off it, `vlmrl.modeling.placeholders`)."""
+    mask = torch.tensor(seq.ids[:end], dtype=torch.long) == image_token_id
+    for start, stop in seq.turn_spans:
+        mask[start : min(stop, end)] = False
+    return mask.long()
 
 
 def _sample(
     traj: Trajectory, seq: TokenSeq, end: int, mask: list[int], image_token_id: int, advantage: float
 ) -> Sample:
-    ids = seq.ids[:end]
-    input_ids = torch.tensor(ids, dtype=torch.long)
-    vision = images_before(seq, end, image_token_id)
     return Sample(
-        input_ids=input_ids,
+        input_ids=torch.tensor(seq.ids[:end], dtype=torch.long),
         loss_mask=torch.tensor(mask[:end], dtype=torch.float32),
         old_logprobs=torch.tensor(seq.logprobs[:end], dtype=torch.float32),
         advantage=advantage,
-        vision=vision,
-        mm_token_type_ids=(input_ids == image_token_id).long(),
+        vision=images_before(seq, end, image_token_id),
+        mm_token_type_ids=placeholder_mask(seq, end, image_token_id),
         task_id=traj.task_id,
     )
 

@@ -307,9 +307,18 @@ def rollout_metrics(
         **episode_metrics(usable),
         **option_metrics(job.cfg, sampled),
         "samples": float(len(samples)),
+        "sampled_vision_tokens": sampled_vision_tokens(played, job.builder.vision_token_ids),
         "rollout_tokens_per_s": gen_tokens / max(sampled.rollout_s, 1e-9),
         "rollout_s": sampled.rollout_s,
     }
+
+
+def sampled_vision_tokens(trajs: list[Trajectory], vision_ids: tuple[int, ...]) -> float:
+    """Image/video placeholder and vision-marker ids (`TokenBuilder.vision_token_ids`) the policy sampled, per
+    episode (0.0 for none). Each is kept verbatim and trained as text (`vlmrl.modeling.placeholders`)."""
+    ids = set(vision_ids)
+    count = sum(tok in ids for t in trajs for turn in t.turns for tok in turn.generation.token_ids)
+    return count / len(trajs) if trajs else 0.0
 
 
 def merge_rollout_rows(rows: list[dict]) -> dict:

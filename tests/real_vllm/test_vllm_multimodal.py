@@ -164,6 +164,40 @@ def test_weight_sync_with_images_then_parity_again(setup):
     assert worst_delta(setup.model, to_samples(trajs, ExportStyle.concat, setup.builder.image_token_id)) < TOL
 
 
+def test_placeholder_ids_are_never_sampled_by_vllm(setup):
+    """A head made to put most of the mass on `<|image_pad|>` at many positions (the final norm's first weight 10,
+    the pad's head row 3 on that dimension only): vLLM, synced to it, never samples a placeholder (the engine's logit
+    bias), while the trainer's p(`<|image_pad|>`) at the positions vLLM sampled reaches > 0.9. A sampled pad would
+    take the feedback image's features in the next turn's prompt (vLLM matches placeholders first come, first
+    served)."""
+    b, model = setup.builder, setup.model
+    norm, head = model.model.language_model.norm.weight, model.lm_head.weight
+    saved = norm.detach().clone(), head[b.image_token_id].detach().clone()
+    with torch.no_grad():
+        norm[0] = 10.0
+        head[b.image_token_id] = 0.0
+        head[b.image_token_id, 0] = 3.0
+    try:
+        setup.engine.sync_weights()
+        trajs = run_episodes(setup)
+        sampled = [tok for t in trajs for turn in t.turns for tok in turn.generation.token_ids]
+        assert not set(sampled) & set(b.placeholder_token_ids)
+        worst = 0.0
+        for sample in to_samples(trajs, ExportStyle.concat, b.image_token_id):
+            batch = collate([sample], family="qwen2_5_vl")
+            inputs = {k: v for k, v in batch.items() if k not in ("loss_mask", "old_logprobs", "image_positions")}
+            with torch.no_grad():
+                logits = model(**inputs, use_cache=False).logits[0]
+            p_pad = torch.softmax(logits[:-1] / TEMPERATURE, -1)[:, b.image_token_id]
+            worst = max(worst, float(p_pad[sample.loss_mask[1:] > 0].max()))
+        assert worst > 0.9, f"the head does not favour <|image_pad|> (max p {worst:.3g}): the test shows nothing"
+    finally:
+        with torch.no_grad():
+            norm.copy_(saved[0])
+            head[b.image_token_id] = saved[1]
+        setup.engine.sync_weights()
+
+
 def test_tool_image_response_is_sampled_through_vllm(setup):
     """An assistant tool call (ids given, mask 0) and a tool message with an image, then vLLM samples the next turn:
     its prompt re-expands to vlmrl's ids (checked inside the engine) and its logprobs equal the trainer's."""
@@ -342,7 +376,7 @@ def test_vllm_logprobs_at_temperature_0_7_top_p_0_9_with_images(setup):
             mm_token_type_ids=(ids == b.image_token_id).long(),
         )
         batch = collate([sample], family="qwen2_5_vl")
-        inputs = {k: v for k, v in batch.items() if k not in ("loss_mask", "old_logprobs")}
+        inputs = {k: v for k, v in batch.items() if k not in ("loss_mask", "old_logprobs", "image_positions")}
         n = len(gen.token_ids)
         with torch.no_grad():
             logits = setup.model(**inputs, use_cache=False).logits[0, -n - 1 : -1]  # [n, V]: predict the samples

@@ -120,6 +120,22 @@ def test_sampling_kwargs_and_generate_body():
     assert "seed" not in sp and "stop" not in sp and sp["logprobs"] == 0 and sp["n"] == 4
     assert sp["top_k"] == 0 and sp["repetition_penalty"] == 1.0  # never the model's generation_config
     assert body["return_token_ids"] and body["output_mode"] == "tokens"
+    assert "logit_bias" not in kw
+
+
+def test_placeholder_ids_are_never_sampled_by_vllm(qwen25_processor):
+    """The family's image and video placeholders get vLLM's lowest logit bias, in-process and in the server body;
+    the engine factory passes the builder's `placeholder_token_ids`."""
+    import json
+
+    from vlmrl.tokens import get_builder
+
+    ids = get_builder("qwen2_5_vl", qwen25_processor).placeholder_token_ids
+    assert ids == (IMG, 151656)  # <|image_pad|>, <|video_pad|>
+    kw = sampling_kwargs(SamplingParams(), 2, [EOS], None, ids)
+    assert kw["logit_bias"] == {IMG: -100.0, 151656: -100.0}
+    body = json.loads(json.dumps(generate_body(EnginePrompt([1, 2], []), kw, "policy", IMG, 2)))
+    assert body["sampling_params"]["logit_bias"] == {str(IMG): -100.0, "151656": -100.0}  # vLLM reads str keys
 
 
 def test_generate_body_collapses_placeholders_and_sends_lossless_pngs():
@@ -276,12 +292,13 @@ def test_nested_vllm_config_reaches_the_engine_as_it_is(monkeypatch):
         ],
     )
     processor = SimpleNamespace(tokenizer=object(), image_processor=SimpleNamespace(merge_size=2))
-    builder = SimpleNamespace(stop_token_ids={EOS, 151643}, image_token_id=IMG)
+    builder = SimpleNamespace(stop_token_ids={EOS, 151643}, image_token_id=IMG, placeholder_token_ids=(IMG, 151656))
     make_engine(cfg.rollout, None, processor, builder)
     assert seen["config"] is cfg.rollout.vllm
     assert (seen["config"].kv_cache_gb, seen["config"].sync_check_seqs, seen["config"].seed) == (0.5, 3, 7)
     assert (seen["max_model_len"], seen["temperature"], seen["top_p"], seen["merge_size"]) == (999, 0.7, 0.9, 2)
     assert seen["eos_ids"] == [151643, EOS] and seen["image_token_id"] == IMG
+    assert seen["suppress_ids"] == (IMG, 151656)
 
 
 def test_make_engine_without_vllm_is_a_clear_error(monkeypatch):

@@ -23,7 +23,7 @@ from vlmrl.modeling.packed_attention import PACKED_SDPA, use_packed_sdpa
 from vlmrl.tokens import get_builder
 from vlmrl.train import packing
 from vlmrl.train.grpo import grpo_loss
-from vlmrl.train.logprobs import batch_logprobs, collate, pack, sequence_logprobs
+from vlmrl.train.logprobs import IMAGE_POSITIONS, batch_logprobs, collate, pack, sequence_logprobs
 from vlmrl.train.packing import (
     balance_ranks,
     can_pack,
@@ -233,7 +233,7 @@ def test_packed_sdpa_is_sdpa_on_padded_batches_and_in_generation():
     assert use_packed_sdpa(packed) and packed.config._attn_implementation == PACKED_SDPA
     samples = _samples(family, builder)
     batch = collate(samples, family=family)
-    prompt = {k: v for k, v in batch.items() if k not in ("loss_mask", "old_logprobs")}
+    prompt = {k: v for k, v in batch.items() if k not in ("loss_mask", "old_logprobs", IMAGE_POSITIONS)}
     out = []
     with torch.no_grad():
         for model in (plain, packed):

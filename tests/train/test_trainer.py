@@ -107,7 +107,9 @@ def test_logprobs_match_generate(qwen25_model):
     with torch.no_grad():
         lp = sequence_logprobs(model, sample, temperature)
         lp_masked = sequence_logprobs(model, sample, temperature, only_masked=True)
-        no_types = sequence_logprobs(model, Sample(seq, mask, mask, 1.0, prompt.vision, mm * 0), temperature)
+        batch = collate([sample])
+        batch["mm_token_type_ids"] = torch.zeros_like(batch["mm_token_type_ids"])  # (the image positions kept)
+        no_types = batch_logprobs(model, batch, temperature)[0]
     assert lp.shape == (len(seq),) and lp[0] == 0 and (lp[1:n] < 0).all()
     assert (lp[n:] - expected).abs().max() < 1e-4
     assert (lp_masked[n:] - expected).abs().max() < 1e-4 and (lp_masked[:n] == 0).all()

@@ -15,14 +15,16 @@ from vlmrl.types import Sample, Trajectory
 
 
 def _sample(ids: list[int], mask: list[int], logprobs: list[float], vision, image_token_id: int) -> Sample:
+    """A sample of recorded ids; a placeholder id the policy sampled (loss mask 1) is text, not an image token."""
     input_ids = torch.tensor(ids, dtype=torch.long)
+    loss_mask = torch.tensor(mask, dtype=torch.float32)
     return Sample(
         input_ids=input_ids,
-        loss_mask=torch.tensor(mask, dtype=torch.float32),
+        loss_mask=loss_mask,
         old_logprobs=torch.tensor(logprobs, dtype=torch.float32),
         advantage=0.0,
         vision=vision,
-        mm_token_type_ids=(input_ids == image_token_id).long(),
+        mm_token_type_ids=((input_ids == image_token_id) & (loss_mask == 0)).long(),
     )
 
 

@@ -135,9 +135,12 @@ def compare_tokens(
     return out
 
 
-def compare_vision(builder, got: VisionInputs | None, ref: VisionInputs | None, ids: list[int]) -> list[Mismatch]:
+def compare_vision(
+    builder, got: VisionInputs | None, ref: VisionInputs | None, ids: list[int], sampled: list[int] | None = None
+) -> list[Mismatch]:
     """`pixel_values` and `image_grid_thw` of the recorded (or re-read) images vs the processor's, exactly; and the
-    recorded ids' image placeholders vs the image features of the processor's images."""
+    recorded ids' image placeholders vs the image features of the processor's images. sampled: [len(ids)], 1 on the
+    ids the policy sampled (a placeholder id among them is text, not counted)."""
     if (got is None) != (ref is None):
         return [
             Mismatch("pixel_values", -1, FAIL, "none" if ref is None else "images", "none" if got is None else "images")
@@ -155,7 +158,7 @@ def compare_vision(builder, got: VisionInputs | None, ref: VisionInputs | None, 
         features = int(builder.image_features(ref)) if ref is not None else 0
     except NotImplementedError:
         return out
-    placeholders = sum(1 for t in ids if t == builder.image_token_id)
+    placeholders = sum(1 for t, m in zip(ids, sampled or [0] * len(ids)) if t == builder.image_token_id and not m)
     if placeholders != features:
         out.append(Mismatch("placeholders", -1, FAIL, f"{features} image features", f"{placeholders} placeholders"))
     return out

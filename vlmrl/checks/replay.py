@@ -339,4 +339,4 @@ def _against_full_render(builder, rec: Recorded, seq: TokenSeq, rec_b: set[int],
         return out + _against_rerender(rec, seq, rec_b, decode)
     out += compare_tokens(builder, rec.ids, rec.turn_spans, rec_b, ref, decode)
     got = rec.vision if rec.vision is not None else _vision_of(builder, seq)
-    return out + compare_vision(builder, got, ref.vision, rec.ids)
+    return out + compare_vision(builder, got, ref.vision, rec.ids, rec.loss_mask)

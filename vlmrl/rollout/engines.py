@@ -92,4 +92,5 @@ def vllm_engine(rollout_cfg: RolloutConfig, policy: Any, processor: Any, builder
         temperature=rollout_cfg.temperature,
         top_p=rollout_cfg.top_p,
         merge_size=merge if isinstance(merge, int) else None,
+        suppress_ids=builder.placeholder_token_ids,
     )

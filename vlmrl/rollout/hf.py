@@ -57,8 +57,8 @@ class TransformersEngine(Engine):
         cache_vision: bool = True,
     ):
         self.policy = policy
-        # placeholder ids the policy must never sample (an unmatched image placeholder breaks every later forward);
-        # suppressed in sampling only: the returned logprobs are of the unsuppressed distribution, like the trainer's
+        # placeholder ids never sampled (as vLLM, `vlmrl.rollout.vllm.convert.sampling_kwargs`); suppressed in
+        # sampling only: the returned logprobs are of the unsuppressed distribution, like the trainer's
         self.suppress_ids = list(suppress_ids) if suppress_ids is not None else [image_token_id]
         self.tokenizer = tokenizer
         self.eos_ids = list(eos_ids)

@@ -110,6 +110,7 @@ class TokenBuilder(ABC):
     close_turn_token: str = ""  # ends an assistant turn: `close_turn_id`; generation stops on it and keeps it
     stop_tokens: tuple[str, ...] = ()  # more tokens generation stops on (`stop_token_ids`)
     image_token: str = ""  # the image placeholder (`image_token_id`)
+    vision_tokens: tuple[str, ...] = ()  # tokens around a placeholder (e.g. `<|vision_start|>`): `vision_token_ids`
     after_assistant_ids: tuple[int, ...] = ()  # what the template writes after `close_turn_token`
     after_assistant_inserted: bool = True  # False: that text travels with the next rendered piece (LLaVA)
     # shown in place of an image that left the history window (`env.keep_images`, vlmrl.rollout.history)
@@ -209,8 +210,19 @@ class TokenBuilder(ABC):
 
     @property
     def placeholder_token_ids(self) -> tuple[int, ...]:
-        """Ids the policy must never sample (image/video placeholders): an unmatched placeholder breaks the forward."""
+        """Ids the engines never sample (image/video placeholders): vLLM would match a sampled one to an image in the
+        next turn's prompt. One that a reply holds anyway is text to export and trainer
+        (`vlmrl.modeling.placeholders`)."""
         return (self.image_token_id,)
+
+    @property
+    def vision_token_ids(self) -> tuple[int, ...]:
+        """`placeholder_token_ids` and the ids of the family's `vision_tokens` the tokenizer has: what a reply should
+        never hold (counted per step as `sampled_vision_tokens`; a sampled one is text to the trainer)."""
+        extra = [self.tokenizer.convert_tokens_to_ids(t) for t in self.vision_tokens]
+        unk = self.tokenizer.unk_token_id
+        found = [int(t) for t in extra if isinstance(t, int) and t >= 0 and t != unk]
+        return tuple(dict.fromkeys([*self.placeholder_token_ids, *found]))
 
     def image_features(self, vision: VisionInputs | None) -> int:
         """Image features (= placeholder tokens) the vision tower yields for `vision`. Default: the grid rule

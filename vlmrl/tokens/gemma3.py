@@ -30,6 +30,7 @@ class Gemma3Builder(ImageStepsBuilder):
     after_assistant_text = "\n"
     after_assistant_inserted = True
     image_token = "<image_soft_token>"
+    vision_tokens = ("<start_of_image>", "<end_of_image>")
 
     def _vision(self, out: Any, n_images: int) -> VisionInputs | None:
         if not n_images:

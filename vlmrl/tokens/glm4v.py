@@ -65,6 +65,7 @@ class Glm4vBuilder(ImageStepsBuilder):
     stop_tokens: tuple[str, ...] = ("<|observation|>", "<|endoftext|>")
     after_assistant_text = ""  # nothing after an assistant message: the next opener closes the turn
     image_token = "<|image|>"
+    vision_tokens = ("<|begin_of_image|>", "<|end_of_image|>")
     # per family: role tool messages are sent as; roles whose content the template needs as a plain string
     tool_role = {"glm4v": "user", "glm4v_moe": "tool"}
     string_roles = {"glm4v": ("system", "assistant"), "glm4v_moe": ()}

@@ -65,6 +65,7 @@ class Idefics3Builder(ImageStepsBuilder):
     after_assistant_text = "\n"
     after_assistant_inserted = True
     image_token = "<image>"
+    vision_tokens = ("<fake_token_around_image>",)
 
     def _processor_kwargs(self) -> dict:
         return {"return_text_replacement_offsets": True}

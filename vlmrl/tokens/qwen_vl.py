@@ -52,6 +52,7 @@ class QwenVLBuilder(TemplateBuilder):
     after_assistant_text = "\n"
     stop_tokens = ("<|endoftext|>",)
     image_token = "<|image_pad|>"
+    vision_tokens = ("<|vision_start|>", "<|vision_end|>")
     synthetic_prefix = _SYNTHETIC
 
     def __init__(

@@ -30,12 +30,16 @@ from typing import Any
 import torch
 
 from vlmrl.modeling.inputs import family_of_model, image_kwargs, input_style
+from vlmrl.modeling.placeholders import image_positions
 from vlmrl.train.packing import PACKED_LENGTHS, mrope_position_ids
 from vlmrl.types import EnginePrompt, Sample, VisionInputs
 
 CHUNK_ROWS = 256
 FUSED_MAX_BYTES = 512 << 20  # fp32 [N, V] blocks up to 512 MiB take the fused kernel (token_logprobs)
-_NOT_INPUTS = ("loss_mask", "old_logprobs", PACKED_LENGTHS)  # collate/pack keys that are not model inputs
+# [B, T] bool of collate/pack: True on the samples' image/video placeholders (their mm_token_type_ids), so a
+# placeholder id the policy sampled stays a text token (`vlmrl.modeling.placeholders`)
+IMAGE_POSITIONS = "image_positions"
+_NOT_INPUTS = ("loss_mask", "old_logprobs", PACKED_LENGTHS, IMAGE_POSITIONS)  # collate/pack keys, not model inputs
 
 
 class SelectiveLogSoftmax(torch.autograd.Function):
@@ -128,11 +132,13 @@ def _loss_fields(samples: list[Sample], lengths: list[int]) -> dict[str, torch.T
 def _image_inputs(samples: list[Sample], family: str | None, image_mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """The image inputs of the samples' own images in batch order, for the token layout of `image_mask` ([B, T] or
     a packed [1, N]; 1 on image placeholders): the family's `image_kwargs`, or for family None / a Qwen-VL-like
-    family mm_token_type_ids and, with images, pixel_values [sum patches, D] and image_grid_thw [sum images, 3]."""
+    family mm_token_type_ids and, with images, pixel_values [sum patches, D] and image_grid_thw [sum images, 3];
+    with images also IMAGE_POSITIONS (image_mask != 0, not a model input)."""
     vision = [s.vision for s in samples if s.vision is not None]
+    positions = {IMAGE_POSITIONS: image_mask != 0} if vision else {}
     if family is not None and input_style(family) != "qwen":
-        return image_kwargs(family, VisionInputs.cat(vision), image_mask)
-    out = {"mm_token_type_ids": image_mask}
+        return {**image_kwargs(family, VisionInputs.cat(vision), image_mask), **positions}
+    out = {"mm_token_type_ids": image_mask, **positions}
     if vision:
         out["pixel_values"] = torch.cat([v.pixel_values for v in vision])
         out["image_grid_thw"] = torch.cat([v.image_grid_thw for v in vision]).long()
@@ -234,7 +240,8 @@ def batch_logprobs(
             inputs[k] = v.to(device, dtype=dtype) if k == "pixel_values" and v.is_floating_point() else v.to(device)
     if _accepts_logits_to_keep(model):
         inputs["logits_to_keep"] = keep
-    logits = model(**inputs).logits
+    with image_positions(model, batch.get(IMAGE_POSITIONS)):  # a sampled placeholder id is text
+        logits = model(**inputs).logits
     if logits.dim() == 3:  # the model ignored the mask (or does not take it): [B, T, V]
         logits = logits[keep]
     out = torch.zeros(need.shape, dtype=torch.float32, device=device)

@@ -90,10 +90,27 @@ def to_vllm_prompt(prompt: EnginePrompt, image_token_id: int | None, merge_size:
     return {"prompt_token_ids": ids, "multi_modal_data": {"image": list(prompt.images)}}
 
 
-def sampling_kwargs(params: SamplingParams, n: int, stop_token_ids: Sequence[int], seed: int | None) -> dict:
+SUPPRESS_BIAS = -100.0  # vLLM clamps logit_bias to [-100, 100]; e^-100 ~ 4e-44: never sampled
+
+
+def sampling_kwargs(
+    params: SamplingParams,
+    n: int,
+    stop_token_ids: Sequence[int],
+    seed: int | None,
+    suppress_ids: Sequence[int] = (),
+) -> dict:
     """Keyword arguments of `vllm.SamplingParams` for one prompt: n samples, the sampled token's logprob
-    (`logprobs=0`), no top-k/min-p/penalties (vlmrl's logprobs are of logits / temperature only), vlmrl's stop ids."""
+    (`logprobs=0`), no top-k/min-p/penalties (vlmrl's logprobs are of logits / temperature only), vlmrl's stop ids.
+
+    suppress_ids: ids never sampled, the image/video placeholders (`logit_bias` SUPPRESS_BIAS each). vLLM matches
+    every placeholder id in a token prompt to the request's images, first come first served, so a sampled one would
+    take a later image's features in the next turn's prompt; the transformers engine suppresses the same ids. The
+    logprobs are unchanged in `raw_logprobs` mode; in `processed_logprobs` mode they are renormalised over the other
+    ids, off by log(1 - p(suppressed)) ~ p(suppressed) per token."""
+    extra = {"logit_bias": {int(t): SUPPRESS_BIAS for t in suppress_ids}} if suppress_ids else {}
     return {
+        **extra,
         "n": n,
         "temperature": params.temperature,
         "top_p": params.top_p,
@@ -243,13 +260,14 @@ def check_expanded(prompt: EnginePrompt, vllm_ids: Sequence[int] | None, who: st
 @dataclass(frozen=True)
 class TokenIO:
     """What converting between vlmrl's prompts/generations and vLLM's needs (both colocated engines and the server
-    client): the stop ids (`eos_ids`), the image placeholder id, the image processor's merge size, and the
-    tokenizer's decode for `Generation.text`."""
+    client): the stop ids (`eos_ids`), the image placeholder id, the image processor's merge size, the
+    tokenizer's decode for `Generation.text`, and the ids never sampled (`suppress_ids`)."""
 
     eos_ids: list[int]
     image_token_id: int | None
     merge_size: int | None
     decode: Callable[[list[int]], str]
+    suppress_ids: tuple[int, ...] = ()  # never sampled: the family's placeholder ids (`sampling_kwargs`)
 
     def prompt(self, prompt: EnginePrompt) -> dict:
         """`to_vllm_prompt(prompt)` (placeholders collapsed, images as `multi_modal_data`)."""
@@ -257,7 +275,7 @@ class TokenIO:
 
     def sampling(self, params: SamplingParams, n: int) -> dict:
         """`sampling_kwargs` for n samples with vlmrl's stop ids and the request's seed."""
-        return sampling_kwargs(params, n, self.eos_ids, params.seed)
+        return sampling_kwargs(params, n, self.eos_ids, params.seed, self.suppress_ids)
 
     def generations(self, prompt: EnginePrompt, output: Any) -> list[Generation]:
         """A `vllm.RequestOutput` for `prompt` -> its samples in index order (RuntimeError: see `check_expanded`)."""

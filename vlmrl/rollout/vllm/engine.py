@@ -140,7 +140,8 @@ class VLLMEngine(Engine):
     `.tokenizer` and `save_pretrained`); eos_ids: ids that end a turn (passed to vLLM as stop token ids);
     image_token_id: the image placeholder id; config: `rollout.vllm` as it is; max_model_len: vLLM's context length
     in tokens (rollout.max_context_tokens); temperature, top_p: the rollout's (they pick `logprobs_mode=auto`);
-    merge_size: the image processor's merge size (placeholder counts). Raises ConfigError for a bad `config`.
+    merge_size: the image processor's merge size (placeholder counts); suppress_ids: ids never sampled (the
+    family's image/video placeholders, `convert.sampling_kwargs`). Raises ConfigError for a bad `config`.
     """
 
     def __init__(
@@ -155,6 +156,7 @@ class VLLMEngine(Engine):
         temperature: float,
         top_p: float,
         merge_size: int | None = None,
+        suppress_ids: Sequence[int] = (),
     ):
         check_vllm_config(config)
         self.policy, self.processor, self.config = policy, processor, config
@@ -163,7 +165,7 @@ class VLLMEngine(Engine):
         self.eos_ids = [int(t) for t in eos_ids]
         self.image_token_id = image_token_id
         self.merge_size = merge_size
-        self.io = TokenIO(self.eos_ids, image_token_id, merge_size, self._decode)
+        self.io = TokenIO(self.eos_ids, image_token_id, merge_size, self._decode, tuple(int(t) for t in suppress_ids))
         self.logprobs_mode = (
             choose_logprobs_mode(temperature, top_p) if config.logprobs_mode == "auto" else config.logprobs_mode
         )
