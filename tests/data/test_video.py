@@ -1,0 +1,73 @@
+"""Reading videos (`vlmrl.data.video`): a video file through PyAV, a folder and a list of frame files, the family's
+own frame sampling, and every kind of bad video as a `BadVideo` naming its source. The frames are checked against
+the fixture's known content (the bar of frame i sits at columns 8i .. 8i + 7, tests/video_fixture.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from PIL import Image
+from video_fixture import FPS, FRAMES, HEIGHT, WIDTH, bar_column, bar_frame, make_frames, make_video
+
+from vlmrl.data.video import BadVideo, processor_sampling, read_video
+from vlmrl.modeling.loading import load_processor
+
+
+@pytest.fixture(scope="module")
+def bar(tmp_path_factory):
+    root = tmp_path_factory.mktemp("video")
+    return make_video(root / "bar.mp4"), make_frames(root / "bar_frames")
+
+
+def test_a_video_file_decodes_every_frame_in_order(bar):
+    video = read_video(bar[0])
+    assert video.frames.shape == (FRAMES, HEIGHT, WIDTH, 3) and video.frames.dtype == np.uint8
+    assert [bar_column(f) for f in video.frames] == list(range(FRAMES))
+    meta = video.metadata
+    assert (meta.total_num_frames, meta.fps, meta.duration) == (FRAMES, FPS, FRAMES / FPS)
+    assert list(meta.frames_indices) == list(range(FRAMES)) and video.ref == str(bar[0])
+
+
+def test_the_familys_own_sampling_picks_the_frames(bar):
+    """Qwen2-VL at fps=2: 8 frames at 4 fps last 2 s, so 2 s × 2 = 4 frames (a multiple of the temporal patch 2, at
+    least min_frames 4), at arange(0, 8, 8 / 4) = 0, 2, 4, 6. Qwen3-VL (its default fps 2): 4 frames at
+    round(linspace(0, 7, 4)) = 0, 2, 5, 7. Only those frames are decoded."""
+    qwen2 = processor_sampling(load_processor("qwen2_vl", "tiny:qwen2_vl").video_processor, fps=2)
+    video = read_video(bar[0], qwen2)
+    assert list(video.metadata.frames_indices) == [0, 2, 4, 6] == [bar_column(f) for f in video.frames]
+    qwen3 = processor_sampling(load_processor("qwen3_vl", "tiny:qwen3_vl").video_processor)
+    video = read_video(bar[0], qwen3)
+    assert list(video.metadata.frames_indices) == [0, 2, 5, 7] == [bar_column(f) for f in video.frames]
+
+
+def test_a_folder_or_a_list_of_frames_is_a_video(bar):
+    """Frame files are lossless: the frames are the fixture's exactly; a folder's fps is `frames_fps`."""
+    folder = bar[1][0].parent
+    video = read_video(folder, frames_fps=4.0)
+    assert np.array_equal(video.frames, np.stack([bar_frame(i) for i in range(FRAMES)]))
+    assert (video.metadata.fps, video.metadata.total_num_frames) == (4.0, FRAMES)
+    listed = read_video([str(p) for p in reversed(bar[1])])  # a list keeps its own order
+    assert [bar_column(f) for f in listed.frames] == list(reversed(range(FRAMES)))
+    assert listed.metadata.fps == 2.0  # qwen-vl-utils' default for frame lists
+    half = read_video(folder, lambda meta: [1, 3])
+    assert [bar_column(f) for f in half.frames] == [1, 3] and list(half.metadata.frames_indices) == [1, 3]
+
+
+def test_bad_videos_are_errors_that_name_the_source(bar, tmp_path):
+    with pytest.raises(BadVideo, match=r"video .*nope\.mp4: no such file or folder"):
+        read_video(tmp_path / "nope.mp4")
+    junk = tmp_path / "junk.mp4"
+    junk.write_text("not a video")
+    with pytest.raises(BadVideo, match=r"junk\.mp4: unreadable"):
+        read_video(junk)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(BadVideo, match=r"empty: no frames"):
+        read_video(tmp_path / "empty")
+    odd = make_frames(tmp_path / "odd", frames=2)
+    Image.new("RGB", (10, 10)).save(odd[1])
+    with pytest.raises(BadVideo, match=r"frame_1\.png is 10x10, not 64x48"):
+        read_video(odd)
+    # the bound is checked on the metadata, before decoding: 4 sampled frames of 64x48 = 12,288 pixels
+    with pytest.raises(BadVideo, match=r"bar\.mp4: 4 frames of 64x48 are 12,288 pixels, more than the bound of 12,287"):
+        read_video(bar[0], lambda meta: [0, 2, 4, 6], max_pixels=4 * 64 * 48 - 1)
+    assert read_video(bar[0], lambda meta: [0, 2, 4, 6], max_pixels=4 * 64 * 48).num_frames == 4
