@@ -56,18 +56,33 @@ def images_before(seq: TokenSeq, end: int, image_token_id: int) -> VisionInputs 
     return VisionInputs.cat(seq.vision_parts[: sum(a < end for a in held)])
 
 
-def placeholder_mask(seq: TokenSeq, end: int, image_token_id: int) -> torch.Tensor:
-    """[end] long: 1 on the image placeholders the builder rendered in `seq.ids[:end]`, 0 elsewhere. A placeholder
-    id inside an assistant turn's sampled ids (`seq.turn_spans`) is a token the policy sampled: text, 0 (the
-    trainer keeps the model's placeholder lookup off it, `vlmrl.modeling.placeholders`)."""
-    mask = torch.tensor(seq.ids[:end], dtype=torch.long) == image_token_id
+def placeholder_mask(seq: TokenSeq, end: int, image_token_id: int, video_token_id: int | None = None) -> torch.Tensor:
+    """[end] long: 1 on the image placeholders and 2 on the video placeholders the builder rendered in
+    `seq.ids[:end]`, 0 elsewhere. A placeholder id inside an assistant turn's sampled ids (`seq.turn_spans`) is a
+    token the policy sampled: text, 0 (the trainer keeps the model's placeholder lookup off it,
+    `vlmrl.modeling.placeholders`).
+
+    Raises ValueError for a sequence with videos and no `video_token_id`.
+    """
+    ids = torch.tensor(seq.ids[:end], dtype=torch.long)
+    mask = (ids == image_token_id).long()
+    if seq.video_parts:
+        if video_token_id is None:
+            raise ValueError("a trajectory with videos needs the family's video placeholder id (video_token_id)")
+        mask[ids == video_token_id] = 2
     for start, stop in seq.turn_spans:
-        mask[start : min(stop, end)] = False
-    return mask.long()
+        mask[start : min(stop, end)] = 0
+    return mask
 
 
 def _sample(
-    traj: Trajectory, seq: TokenSeq, end: int, mask: list[int], image_token_id: int, advantage: float
+    traj: Trajectory,
+    seq: TokenSeq,
+    end: int,
+    mask: list[int],
+    image_token_id: int,
+    advantage: float,
+    video_token_id: int | None,
 ) -> Sample:
     return Sample(
         input_ids=torch.tensor(seq.ids[:end], dtype=torch.long),
@@ -75,16 +90,23 @@ def _sample(
         old_logprobs=torch.tensor(seq.logprobs[:end], dtype=torch.float32),
         advantage=advantage,
         vision=images_before(seq, end, image_token_id),
-        mm_token_type_ids=placeholder_mask(seq, end, image_token_id),
+        mm_token_type_ids=placeholder_mask(seq, end, image_token_id, video_token_id),
         task_id=traj.task_id,
+        video=seq.videos_before(end),
     )
 
 
 def to_samples(
-    trajs: list[Trajectory], style: ExportStyle, image_token_id: int, mask_truncated: bool = False
+    trajs: list[Trajectory],
+    style: ExportStyle,
+    image_token_id: int,
+    mask_truncated: bool = False,
+    video_token_id: int | None = None,
 ) -> list[Sample]:
     """Export trajectories to samples. concat: [len(trajs)] samples; individual: one per assistant turn, from the
-    view it was sampled in (`Trajectory.turn_tokens`: a history window's trajectory has several).
+    view it was sampled in (`Trajectory.turn_tokens`: a history window's trajectory has several). Videos: each sample
+    carries the videos of the pieces before its end (`TokenSeq.videos_before`); video_token_id: the family's video
+    placeholder (needed when a trajectory has videos).
 
     Trajectories without a sampled turn give no sample. mask_truncated: loss mask 0 on the spans of turns whose
     stop reason is `length` (turn_spans[i] is turns[i]'s sampled ids). Raises ValueError for `concat` of a
@@ -103,12 +125,14 @@ def to_samples(
             for (start, end), c in zip(spans, cut):
                 if c:
                     full[start:end] = [0] * (end - start)
-            samples.append(_sample(traj, traj.tokens, len(traj.tokens.ids), full, image_token_id, traj.advantage))
+            samples.append(
+                _sample(traj, traj.tokens, len(traj.tokens.ids), full, image_token_id, traj.advantage, video_token_id)
+            )
             continue
         for i in range(len(spans)):
             seq = traj.turn_tokens(i)
             start, end = seq.turn_spans[i]
             mask = [0] * end if i < len(cut) and cut[i] else [0] * start + seq.loss_mask[start:end]
             adv = traj.turn_advantages[i] if traj.turn_advantages else traj.advantage
-            samples.append(_sample(traj, seq, end, mask, image_token_id, adv))
+            samples.append(_sample(traj, seq, end, mask, image_token_id, adv, video_token_id))
     return samples

@@ -239,7 +239,9 @@ def run_step(job: Job, step: int) -> dict:
     sampled = next_batch(job, step)
     t_wait = time.perf_counter() - t0
     stale = staleness([sampled.policy_version], step - 1, cfg.algorithm.off_policy_steps)  # StaleSampleError
-    trajs, samples, filler, excluded = step_samples(cfg, job.style, job.builder.image_token_id, sampled)
+    trajs, samples, filler, excluded = step_samples(
+        cfg, job.style, job.builder.image_token_id, sampled, job.builder.video_token_id
+    )
     align = {}
     if cfg.trainer.align_every and step % cfg.trainer.align_every == 0:  # before the update: the sampling policy
         align = sampled_alignment(trainer, job.builder, trajs, cfg.trainer.align_samples, seed=step).as_dict()

@@ -41,7 +41,7 @@ from vlmrl.tokens.base import TokenBuilder
 from vlmrl.train import dist
 from vlmrl.train.step_batch import export_style
 from vlmrl.train.trainer import GRPOTrainer, TrainerSettings
-from vlmrl.types import Generation, ImagePart, Message, Role, StopReason, TextPart, Trajectory
+from vlmrl.types import Generation, ImagePart, Message, Part, Role, StopReason, TextPart, Trajectory
 
 log = logging.getLogger("vlmrl.sft")
 
@@ -95,7 +95,7 @@ def _conversation(rec: dict, root: Path, where: str) -> list[Message]:
         out = []
         for m in rec["messages"]:
             content = m["content"] if isinstance(m["content"], list) else [{"type": "text", "text": m["content"]}]
-            parts = [
+            parts: list[Part] = [
                 TextPart(p["text"])
                 if p["type"] == "text"
                 else ImagePart(to_rgb(Image.open(root / (p.get("ref") or p["image"]))), str(p.get("ref") or p["image"]))
@@ -136,7 +136,9 @@ def _sft(cfg: Config) -> Path:
     for step in range(1, cfg.trainer.steps + 1):
         t0 = time.perf_counter()
         batch = [demos[((step - 1) * size + i) % len(demos)] for i in range(size)][trainer.rank :: trainer.world_size]
-        stats = trainer.train_step(to_samples(batch, style, builder.image_token_id))
+        stats = trainer.train_step(
+            to_samples(batch, style, builder.image_token_id, video_token_id=builder.video_token_id)
+        )
         row = {
             "step": step,
             "loss": stats.loss,

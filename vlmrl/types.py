@@ -10,11 +10,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Callable, Union
+from typing import TYPE_CHECKING, Any, Callable, Union
 
 from PIL import Image
 
 if TYPE_CHECKING:  # torch is imported where tensors are made, so that tool workers start without it
+    import numpy as np
     import torch
 
 
@@ -57,7 +58,36 @@ class StoredImagePart(ImagePart):
             return im
 
 
-Part = Union[TextPart, ImagePart]
+@dataclass(frozen=True, eq=False)
+class Video:
+    """The frames of a video a model sees (`vlmrl.data.video.read_video` reads them).
+
+    frames: [T, H, W, 3] uint8 RGB, the sampled frames in order; metadata: transformers' `VideoMetadata` of the
+    source (fps, total_num_frames, height, width) with `frames_indices` [T], each frame's index in the source (the
+    frames' times: Qwen2.5-VL's `second_per_grid_ts`, Qwen3-VL's timestamps); ref: where it came from, for run files.
+    """
+
+    frames: "np.ndarray"
+    metadata: Any
+    ref: str = ""
+
+    @property
+    def num_frames(self) -> int:
+        return int(self.frames.shape[0])
+
+
+@dataclass(frozen=True)
+class VideoPart:
+    """A video in a message (rendered as the family's video placeholder; families without video refuse it)."""
+
+    video: Video
+
+    @property
+    def ref(self) -> str:
+        return self.video.ref
+
+
+Part = Union[TextPart, ImagePart, VideoPart]
 
 
 @dataclass
@@ -76,13 +106,19 @@ class Message:
         return [p.image for p in self.content if isinstance(p, ImagePart)]
 
     @property
+    def videos(self) -> list[Video]:
+        return [p.video for p in self.content if isinstance(p, VideoPart)]
+
+    @property
     def text_content(self) -> str:
         return "".join(p.text for p in self.content if isinstance(p, TextPart))
 
     def to_hf(self) -> dict:
         """The message in the HF chat-template format: `{"role", "content": [{"type": "text"|"image", ...}]}`."""
+        kinds = {TextPart: "text", VideoPart: "video"}
         parts = [
-            {"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"} for p in self.content
+            {"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": kinds.get(type(p), "image")}
+            for p in self.content
         ]
         return {"role": self.role.value, "content": parts}
 
@@ -91,7 +127,11 @@ class Message:
         that has no file, e.g. one returned by a tool, and give its path)."""
         ref = image_ref or (lambda part: part.ref)
         parts = [
-            {"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image", "ref": ref(p)}
+            {"type": "text", "text": p.text}
+            if isinstance(p, TextPart)
+            else {"type": "video", "ref": p.ref}
+            if isinstance(p, VideoPart)
+            else {"type": "image", "ref": ref(p)}
             for p in self.content
         ]
         return {"role": self.role.value, "content": parts}
@@ -314,6 +354,41 @@ class VisionInputs:
 
 
 @dataclass
+class VideoInputs:
+    """Processed videos, in conversation order (the Qwen-VL layout).
+
+    pixel_values_videos: [num_patches, C*T*P*P]; video_grid_thw: [num_videos, 3] (t, h, w patches);
+    second_per_grid_ts: [num_videos] seconds per temporal grid step (Qwen2.5-VL's M-RoPE), None for families
+    without it.
+    """
+
+    pixel_values_videos: torch.Tensor
+    video_grid_thw: torch.Tensor
+    second_per_grid_ts: torch.Tensor | None = None
+
+    @staticmethod
+    def cat(parts: list["VideoInputs"]) -> "VideoInputs | None":
+        """The parts' videos in order (None for no parts)."""
+        if not parts:
+            return None
+        import torch
+
+        seconds = [p.second_per_grid_ts for p in parts if p.second_per_grid_ts is not None]
+        return VideoInputs(
+            torch.cat([p.pixel_values_videos for p in parts]),
+            torch.cat([p.video_grid_thw for p in parts]),
+            torch.cat(seconds) if len(seconds) == len(parts) else None,
+        )
+
+    def as_kwargs(self) -> dict[str, torch.Tensor]:
+        """The model's keyword arguments: pixel_values_videos, video_grid_thw (and second_per_grid_ts)."""
+        out = {"pixel_values_videos": self.pixel_values_videos, "video_grid_thw": self.video_grid_thw}
+        if self.second_per_grid_ts is not None:
+            out["second_per_grid_ts"] = self.second_per_grid_ts
+        return out
+
+
+@dataclass
 class EnginePrompt:
     """A prompt for an engine: token ids plus the images whose placeholders those ids already hold.
 
@@ -327,6 +402,8 @@ class EnginePrompt:
     token_ids: list[int]
     images: list[Image.Image]
     vision_parts: list[VisionInputs] = field(default_factory=list)
+    videos: list[Video] = field(default_factory=list)  # in placeholder order, processed once in `video_parts`
+    video_parts: list[VideoInputs] = field(default_factory=list)
 
     @property
     def vision(self) -> VisionInputs | None:
@@ -366,6 +443,10 @@ class TokenSeq:
     vision_parts: list[VisionInputs] = field(default_factory=list)
     turn_spans: list[tuple[int, int]] = field(default_factory=list)
     boundary: list[BoundaryEdit] = field(default_factory=list)
+    # the videos (in placeholder order) and, per rendered piece that holds videos, (its start in `ids`, its videos
+    # processed once)
+    videos: list[Video] = field(default_factory=list)
+    video_parts: list[tuple[int, VideoInputs]] = field(default_factory=list)
     # id(image) -> (image, its processed VisionInputs) of images processed for another view of the same trajectory
     # (`vlmrl.rollout.history`): `held_vision` finds them too, so they are not processed again
     carried: dict[int, tuple[Image.Image, VisionInputs]] = field(default_factory=dict, repr=False, compare=False)
@@ -401,6 +482,8 @@ class TokenSeq:
             list(self.vision_parts),
             list(self.turn_spans),
             list(self.boundary),
+            list(self.videos),
+            list(self.video_parts),
         )
 
     def held_vision(self, image: Image.Image) -> VisionInputs | None:
@@ -427,8 +510,18 @@ class TokenSeq:
         self._split_parts = len(self.vision_parts)
         return self._per_image[at]
 
+    def videos_before(self, end: int) -> VideoInputs | None:
+        """The processed videos of the pieces that start before `end` (a turn end or len(ids)), or None."""
+        return VideoInputs.cat([v for at, v in self.video_parts if at < end])
+
     def prompt(self) -> EnginePrompt:
-        return EnginePrompt(list(self.ids), list(self.images), list(self.vision_parts))
+        return EnginePrompt(
+            list(self.ids),
+            list(self.images),
+            list(self.vision_parts),
+            list(self.videos),
+            [v for _, v in self.video_parts],
+        )
 
     def release_pixels(self) -> None:
         """Drop this sequence's `pixel_values` (each part keeps its grids, `image_grid_thw`, with 0 pixel rows): an
@@ -438,7 +531,10 @@ class TokenSeq:
             dataclasses.replace(p, pixel_values=p.pixel_values.new_empty((0, *p.pixel_values.shape[1:])))
             for p in self.vision_parts
         ]
-        self.images = []  # (the trajectory's messages keep them for its record)
+        self.video_parts = [
+            (at, dataclasses.replace(v, pixel_values_videos=v.pixel_values_videos[:0])) for at, v in self.video_parts
+        ]
+        self.images, self.videos = [], []  # (the trajectory's messages keep them for its record)
         self.carried, self._image_index, self._indexed, self._per_image, self._split_parts = {}, {}, 0, [], 0
 
 
@@ -514,7 +610,8 @@ class Trajectory:
 class Sample:
     """One training sequence (a whole trajectory for `concat`, one assistant turn for `individual`).
 
-    input_ids/loss_mask/old_logprobs/mm_token_type_ids: [T]; vision: the images of this sequence only;
+    input_ids/loss_mask/old_logprobs/mm_token_type_ids: [T] (mm_token_type_ids: 0 text, 1 image, 2 video
+    placeholder); vision: the images of this sequence only;
     advantage: the GRPO advantage broadcast over the masked tokens.
     """
 
@@ -525,3 +622,4 @@ class Sample:
     vision: VisionInputs | None
     mm_token_type_ids: torch.Tensor
     task_id: str = ""
+    video: VideoInputs | None = None  # the videos of this sequence only

@@ -123,6 +123,16 @@ def test_sampling_kwargs_and_generate_body():
     assert "logit_bias" not in kw
 
 
+def test_a_prompt_with_a_video_is_a_clear_error_for_vllm():
+    import numpy as np
+
+    from vlmrl.types import Video
+
+    video = Video(np.zeros((2, 4, 4, 3), np.uint8), None, "clip.mp4")
+    with pytest.raises(ValueError, match="vLLM rollouts take no video here yet"):
+        to_vllm_prompt(EnginePrompt([1, 2], [], videos=[video]), IMG, 2)
+
+
 def test_placeholder_ids_are_never_sampled_by_vllm(qwen25_processor):
     """The family's image and video placeholders get vLLM's lowest logit bias, in-process and in the server body;
     the engine factory passes the builder's `placeholder_token_ids`."""

@@ -135,6 +135,8 @@ class Recorded:
                             )
                     parts.append(ImagePart(image, p.get("ref", "")))
                     n_img += 1
+                elif p.get("type") == "video":
+                    raise ValueError(f"video {p.get('ref')!r}: a recorded video is not re-read for a replay yet")
                 else:
                     parts.append(TextPart(p.get("text", "")))
             messages.append(Message(Role(m["role"]), parts))

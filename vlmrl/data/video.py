@@ -18,15 +18,18 @@ frames, frames of different sizes, and an enormous video: more than `max_pixels`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 from PIL import Image
 
+from vlmrl.types import Video
+
 if TYPE_CHECKING:
     from transformers.video_utils import VideoMetadata
+
+__all__ = ["BadVideo", "Video", "processor_sampling", "read_video"]
 
 MAX_VIDEO_PIXELS = 64 * 1280 * 720  # the sampled frames' pixels a video may hold (64 frames of 720p)
 FRAME_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")  # the frame files a folder is read for
@@ -37,24 +40,6 @@ Sampler = Callable[["VideoMetadata"], Sequence[int]]
 
 class BadVideo(ValueError):
     """A video that cannot be read or is past the bound; the message names the source."""
-
-
-@dataclass(frozen=True)
-class Video:
-    """The frames of a video a model sees.
-
-    frames: [T, H, W, 3] uint8 RGB, the sampled frames in order; metadata: transformers' `VideoMetadata` of the
-    source (fps, total_num_frames, duration, height, width) with `frames_indices` [T], each frame's index in the
-    source; ref: where it came from (a path), for run files.
-    """
-
-    frames: np.ndarray
-    metadata: VideoMetadata
-    ref: str = ""
-
-    @property
-    def num_frames(self) -> int:
-        return int(self.frames.shape[0])
 
 
 def processor_sampling(video_processor: Any, **knobs: Any) -> Sampler:

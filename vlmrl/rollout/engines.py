@@ -67,7 +67,13 @@ def transformers_engine(rollout_cfg: RolloutConfig, policy: Any, processor: Any,
     tok = processor.tokenizer
     eos = sorted(builder.stop_token_ids)
     return TransformersEngine(
-        policy, tok, eos, tok.pad_token_id, builder.image_token_id, suppress_ids=list(builder.placeholder_token_ids)
+        policy,
+        tok,
+        eos,
+        tok.pad_token_id,
+        builder.image_token_id,
+        suppress_ids=list(builder.placeholder_token_ids),
+        video_token_id=builder.video_token_id,
     )
 
 

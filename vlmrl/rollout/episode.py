@@ -63,6 +63,7 @@ from vlmrl.types import (
     ToolStats,
     Trajectory,
     Turn,
+    VideoPart,
 )
 
 log = logging.getLogger("vlmrl.rollout")
@@ -327,7 +328,7 @@ class EpisodeRunner:
         except Exception as err:  # noqa: BLE001 - an observation the model's actions shaped must never end the run
             reason = f"{type(err).__name__}: {err}"
             log.warning("task %s: observation not rendered (%s); its images are shown as text", ep.task.id, reason)
-            n = sum(len(m.images) for m in ep.observation)
+            n = sum(len(m.images) + len(m.videos) for m in ep.observation)
             ep.observation = [images_as_text(m, reason) for m in ep.observation]
             if ep.turns:
                 ep.turns[-1].metrics[OBSERVATION_REJECTED] = float(n)
@@ -357,9 +358,12 @@ class EpisodeRunner:
 
 
 def images_as_text(message: Message, reason: str) -> Message:
-    """`message` with each image replaced by a text part saying it could not be shown, and why."""
+    """`message` with each image (and video) replaced by a text part saying it could not be shown, and why."""
     parts: list[Part] = [
-        TextPart(f"[image not shown: {reason}]") if isinstance(p, ImagePart) else p for p in message.content
+        TextPart(f"[{'image' if isinstance(p, ImagePart) else 'video'} not shown: {reason}]")
+        if isinstance(p, (ImagePart, VideoPart))
+        else p
+        for p in message.content
     ]
     return Message(message.role, parts)
 

@@ -20,7 +20,7 @@ from vlmrl.modeling.inputs import family_of_model, model_inputs
 from vlmrl.rollout.engine import Engine, GenerateRequest, SamplingParams, derive_seed
 from vlmrl.rollout.sampling import RowSampler
 from vlmrl.rollout.vision_cache import VisionCache, supports
-from vlmrl.types import EnginePrompt, Generation, StopReason, VisionInputs
+from vlmrl.types import EnginePrompt, Generation, StopReason, VideoInputs, VisionInputs
 
 
 @dataclass
@@ -42,7 +42,8 @@ class TransformersEngine(Engine):
     `vlmrl.modeling.inputs.model_inputs` builds (None: read from the model's `config.model_type`; a model of no
     known family, e.g. a text-only LM, gets the Qwen-VL inputs). suppress_ids: ids never sampled (default: the image
     placeholder). cache_vision: within a `session()`, encode each image once and hand the model the cached vision
-    outputs on later turns (`vlmrl.rollout.vision_cache`; families with Qwen-VL inputs).
+    outputs on later turns (`vlmrl.rollout.vision_cache`; families with Qwen-VL inputs). video_token_id: the video
+    placeholder id (Qwen-VL's `<|video_pad|>`; prompts with videos encode them in each call, no cache).
     """
 
     def __init__(
@@ -55,6 +56,7 @@ class TransformersEngine(Engine):
         family: str | None = None,
         suppress_ids: list[int] | None = None,
         cache_vision: bool = True,
+        video_token_id: int | None = None,
     ):
         self.policy = policy
         # placeholder ids never sampled (as vLLM, `vlmrl.rollout.vllm.convert.sampling_kwargs`); suppressed in
@@ -64,6 +66,7 @@ class TransformersEngine(Engine):
         self.eos_ids = list(eos_ids)
         self.pad_id = pad_id if pad_id is not None else self.eos_ids[0]
         self.image_token_id = image_token_id
+        self.video_token_id = video_token_id
         self.family = family
         self._module: torch.nn.Module | None = None
         self.cache_vision = cache_vision
@@ -131,12 +134,15 @@ class TransformersEngine(Engine):
             ids[b, width - n :] = torch.tensor(row.prompt.token_ids, dtype=torch.long)
             mask[b, width - n :] = 1
         visions = [part for r in rows for part in r.prompt.vision_parts]  # concatenated once, below
+        videos = VideoInputs.cat([part for r in rows for part in r.prompt.video_parts])
         device = next(model.parameters()).device
         family = self.family or family_of_model(model)
         if family is None:  # not a known VLM family: a text-only LM, or a Qwen-VL-like model
             family = "qwen2_5_vl"
-            if not visions:
+            if not visions and videos is None:
                 return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
+        if videos is not None:  # Qwen-VL: video placeholders are type 2; each video encoded in this call
+            return self._video_inputs(model, family, ids, mask, VisionInputs.cat(visions), videos)
         if visions and self._vision is not None and supports(model, family):  # each image encoded once a rollout
             inputs = model_inputs(family, ids, None, self.image_token_id, mask)
             inputs = {k: v.to(device) for k, v in inputs.items()}
@@ -146,6 +152,28 @@ class TransformersEngine(Engine):
             return inputs
         inputs = model_inputs(family, ids, VisionInputs.cat(visions), self.image_token_id, mask)
         return {k: v.to(device, dtype=model.dtype) if k == "pixel_values" else v.to(device) for k, v in inputs.items()}
+
+    def _video_inputs(
+        self,
+        model,
+        family: str,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        vision: VisionInputs | None,
+        videos: VideoInputs,
+    ) -> dict:
+        """`model_inputs` plus the videos (`VideoInputs.as_kwargs`), mm_token_type_ids 2 on the video placeholders.
+
+        Raises ValueError for an engine without the family's video placeholder id."""
+        if self.video_token_id is None:
+            raise ValueError("a prompt with videos needs the family's video placeholder id (video_token_id)")
+        inputs = model_inputs(family, ids, vision, self.image_token_id, mask)
+        inputs["mm_token_type_ids"] = inputs["mm_token_type_ids"].masked_fill(ids == self.video_token_id, 2)
+        inputs.update(videos.as_kwargs())
+        device, dtype = next(model.parameters()).device, model.dtype
+        return {
+            k: v.to(device, dtype=dtype) if k.startswith("pixel_values") else v.to(device) for k, v in inputs.items()
+        }
 
     def _sample(self, model, rows: list[_Row], stop: list[str]) -> list[Generation]:
         inputs = self._batch_inputs(model, rows)

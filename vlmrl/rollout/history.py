@@ -249,5 +249,12 @@ class HistoryWindow:
         frozen.ids.extend(seq.ids[n:])
         frozen.loss_mask.extend(seq.loss_mask[n:])
         frozen.logprobs.extend(seq.logprobs[n:])
-        copies = (list(seq.images), list(seq.vision_parts), list(seq.turn_spans), list(seq.boundary))
+        copies = (
+            list(seq.images),
+            list(seq.vision_parts),
+            list(seq.turn_spans),
+            list(seq.boundary),
+            list(seq.videos),
+            list(seq.video_parts),
+        )
         self.frozen = (segments, TokenSeq(frozen.ids, frozen.loss_mask, frozen.logprobs, *copies))

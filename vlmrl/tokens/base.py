@@ -33,7 +33,7 @@ from enum import Enum
 from typing import Any
 
 from vlmrl.tokens.grid import grid_features
-from vlmrl.types import BoundaryEdit, Generation, Message, Role, TextPart, TokenSeq, VisionInputs
+from vlmrl.types import BoundaryEdit, Generation, Message, Role, TextPart, TokenSeq, VideoInputs, VisionInputs
 
 JOINER = "\u2060"  # WORD JOINER: invisible, its own bytes in every tokenizer here, splits a control string apart
 _GUARDED_ROLES = (Role.USER, Role.TOOL)
@@ -54,14 +54,17 @@ class Piece:
     images: list = field(default_factory=list)
     vision: VisionInputs | None = None
     boundary: list[BoundaryEdit] = field(default_factory=list)
+    videos: list = field(default_factory=list)  # `Video`s, in placeholder order
+    video: VideoInputs | None = None  # those videos processed once
 
 
 @dataclass
 class Rendered:
-    """A full render of a conversation by the processor: ids [T] and its vision inputs."""
+    """A full render of a conversation by the processor: ids [T], its images' and its videos' inputs."""
 
     ids: list[int]
     vision: VisionInputs | None
+    video: VideoInputs | None = None
 
 
 def control_strings_of(processor, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
@@ -110,6 +113,7 @@ class TokenBuilder(ABC):
     close_turn_token: str = ""  # ends an assistant turn: `close_turn_id`; generation stops on it and keeps it
     stop_tokens: tuple[str, ...] = ()  # more tokens generation stops on (`stop_token_ids`)
     image_token: str = ""  # the image placeholder (`image_token_id`)
+    video_token: str = ""  # the video placeholder (`video_token_id`); "" for a family that takes no video here
     vision_tokens: tuple[str, ...] = ()  # tokens around a placeholder (e.g. `<|vision_start|>`): `vision_token_ids`
     after_assistant_ids: tuple[int, ...] = ()  # what the template writes after `close_turn_token`
     after_assistant_inserted: bool = True  # False: that text travels with the next rendered piece (LLaVA)
@@ -196,6 +200,11 @@ class TokenBuilder(ABC):
     def image_token_id(self) -> int:
         """The id of `image_token`, the image placeholder."""
         return self._image_id
+
+    @property
+    def video_token_id(self) -> int | None:
+        """The id of `video_token`, the video placeholder; None for a family that takes no video here."""
+        return self._token_id(self.video_token) if self.video_token else None
 
     @property
     def close_turn_id(self) -> int:
@@ -323,4 +332,7 @@ class TokenBuilder(ABC):
         seq.images.extend(piece.images)
         if piece.vision is not None:
             seq.vision_parts.append(piece.vision)
+        seq.videos.extend(piece.videos)
+        if piece.video is not None:
+            seq.video_parts.append((offset, piece.video))
         seq.boundary.extend(BoundaryEdit(offset + b.position, b.token_id, b.reason) for b in piece.boundary)

@@ -225,7 +225,9 @@ class DeepseekVL2Builder(TokenBuilder):
 
     # --- format --------------------------------------------------------------------------------------------------
     def _text(self, m: Message) -> str:
-        return "".join(self.image_text if isinstance(p, ImagePart) else p.text for p in m.content)
+        if m.videos:
+            raise ValueError(f"{self.family} takes no video input")
+        return "".join(self.image_text if isinstance(p, ImagePart) else p.text for p in m.content)  # type: ignore[union-attr]
 
     def _turns(self, messages: list[Message]) -> list[tuple[str, str, list]]:
         """(role, text, images) per turn: system (first only), user (consecutive non-assistant messages merged,

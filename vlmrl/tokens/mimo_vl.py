@@ -31,4 +31,5 @@ def load_processor(path: str, **kwargs: Any):
 
 class MiMoVLBuilder(QwenVLBuilder):
     family = "mimo_vl"
+    video_token = ""  # no MiMo-VL processor offline to test video against
     prefix_mode = PrefixMode.EXTENDS  # Qwen's boundary data and fast paths; stops on `<|im_end|>`, `<|endoftext|>`

@@ -53,6 +53,7 @@ class QwenVLBuilder(TemplateBuilder):
     stop_tokens = ("<|endoftext|>",)
     image_token = "<|image_pad|>"
     vision_tokens = ("<|vision_start|>", "<|vision_end|>")
+    video_token = "<|video_pad|>"
     synthetic_prefix = _SYNTHETIC
 
     def __init__(
@@ -84,6 +85,11 @@ class QwenVLBuilder(TemplateBuilder):
         """`<|image_pad|>` and `<|video_pad|>`."""
         video = self.tokenizer.convert_tokens_to_ids("<|video_pad|>")
         return (self.image_token_id,) + ((int(video),) if isinstance(video, int) and video >= 0 else ())
+
+    @property
+    def video_token_id(self) -> int | None:
+        """`<|video_pad|>`'s id (None for a tokenizer without it)."""
+        return self.placeholder_token_ids[1] if len(self.placeholder_token_ids) > 1 else None
 
     # --- rendering hooks -----------------------------------------------------------------------------------------
     def _template(self, hf_messages: list[dict], add_generation_prompt: bool) -> str:

@@ -35,7 +35,7 @@ from collections import OrderedDict
 from typing import Any
 
 from vlmrl.tokens.base import Piece, PrefixMode, Rendered, TokenBuilder
-from vlmrl.types import Message, Role, TokenSeq, VisionInputs
+from vlmrl.types import Message, Role, TokenSeq, Video, VideoInputs, VisionInputs
 
 MARKER = "VLMRL-SYNTHETIC-ASSISTANT-END"
 RENDER_MEMO = 256  # renders of new messages kept per builder (least recently used dropped)
@@ -137,6 +137,49 @@ class TemplateBuilder(TokenBuilder):
     def _images(messages: list[Message]) -> list:
         return [img for m in messages for img in m.images]
 
+    def _videos(self, messages: list[Message]) -> list[Video]:
+        """The messages' videos in order. Raises ValueError when there are some and the family takes none here."""
+        videos = [v for m in messages for v in m.videos]
+        if videos and not self.video_token:
+            raise ValueError(f"{self.family}: this family takes no video input here (Qwen2/2.5/3-VL do)")
+        return videos
+
+    def _video_kwargs(self, videos: list[Video]) -> dict:
+        """The processor's keyword arguments for `videos`: their frames as sampled (`do_sample_frames=False`) and
+        their metadata (the source fps and frame indices: Qwen2.5-VL's seconds per grid step, Qwen3-VL's
+        timestamps)."""
+        return {
+            "videos": [v.frames for v in videos],
+            "video_metadata": [v.metadata for v in videos],
+            "do_sample_frames": False,
+        }
+
+    def _process_videos(
+        self, text: str, images: list, videos: list[Video], add_special_tokens: bool | None
+    ) -> tuple[list[int], VisionInputs | None, VideoInputs | None]:
+        """`_process` for text that holds videos: the processor's own call with the images and the videos (each
+        processed once, in this call), its placeholders expanded by the processor (Qwen3-VL: with each frame
+        group's timestamp in the text).
+
+        Raises what the processor raises when the text's placeholders do not match the images or videos.
+        """
+        kwargs = {**self._processor_kwargs(), **self._video_kwargs(videos)}
+        if add_special_tokens is not None:
+            kwargs["add_special_tokens"] = add_special_tokens
+        out = self.processor(text=[text], images=self._batch_images(images), return_tensors="pt", **kwargs)
+        return out["input_ids"][0].tolist(), self._vision(out, len(images)), _video_inputs(out, len(videos))
+
+    def _process_piece(
+        self, text: str, messages: list[Message], add_special_tokens: bool | None, seq: TokenSeq
+    ) -> Piece:
+        """The ids of `text` (the render of `messages`) with the messages' images and videos processed once."""
+        images, videos = self._images(messages), self._videos(messages)
+        if videos:
+            ids, vision, video = self._process_videos(text, images, videos, add_special_tokens)
+            return Piece(ids=ids, images=images, vision=vision, videos=videos, video=video)
+        ids, vision = self._process(text, images, add_special_tokens, seq)
+        return Piece(ids=ids, images=images, vision=vision)
+
     # --- boundary hooks --------------------------------------------------------------------------------------------
     def _tail_start(self, text: str, marker_end: int) -> int:
         """Where the new messages' text starts in the synthetic render `text` (the marker ends at `marker_end`): at
@@ -177,9 +220,26 @@ class TemplateBuilder(TokenBuilder):
         ) != tok.encode(text, add_special_tokens=False):
             raise ValueError(f"{self.family}: the new messages do not tokenize independently of the conversation")
 
-    def _render_hf(self, hf_messages: list[dict], images: list, add_generation_prompt: bool) -> Rendered:
-        """`processor.apply_chat_template(hf_messages, tokenize=True)` with `images` (the processor's own render)."""
+    def _render_hf(
+        self, hf_messages: list[dict], images: list, add_generation_prompt: bool, videos: list[Video] | None = None
+    ) -> Rendered:
+        """`processor.apply_chat_template(hf_messages, tokenize=True)` with `images` and `videos` (the processor's own
+        render)."""
         kwargs = dict(self._processor_kwargs())
+        if videos:  # apply_chat_template passes the videos it loads from the messages itself: the template's text
+            # (TemplateBuilder._template: apply_chat_template, no fast path) through the processor's own call
+            text = TemplateBuilder._template(self, hf_messages, add_generation_prompt)
+            out = self.processor(
+                text=[text],
+                images=self._batch_images(images),
+                return_tensors="pt",
+                add_special_tokens=False,
+                **kwargs,
+                **self._video_kwargs(videos),
+            )
+            return Rendered(
+                out["input_ids"][0].tolist(), self._vision(out, len(images)), _video_inputs(out, len(videos))
+            )
         if images:
             kwargs["images"] = images
         out = self.processor.apply_chat_template(
@@ -205,12 +265,11 @@ class TemplateBuilder(TokenBuilder):
         """
         if not messages:
             raise ValueError("start() needs at least one message")
-        images = self._images(messages)
         text = self._template(self._hf_messages(messages), True)
         seq = TokenSeq(carried=dict(carried or {}))
-        ids, vision = self._process(text, images, False if self._starts_with_bos(text) else None, seq)
+        piece = self._process_piece(text, messages, False if self._starts_with_bos(text) else None, seq)
         seq.carried = {}
-        self.extend(seq, Piece(ids=ids, images=images, vision=vision))
+        self.extend(seq, piece)
         return seq
 
     def render_messages(self, seq: TokenSeq, messages: list[Message]) -> Piece:
@@ -230,9 +289,9 @@ class TemplateBuilder(TokenBuilder):
             raise ValueError(f"{self.family}: cannot find the synthetic assistant turn in the template's render")
         start = self._tail_start(text, at + len(MARKER))
         self._check_split(text, start)
-        images = self._images(messages)
-        ids, vision = self._process(text[start:], images, False, seq)
-        return Piece(ids=self._join(seq, ids), images=images, vision=vision)
+        piece = self._process_piece(text[start:], messages, False, seq)
+        piece.ids = self._join(seq, piece.ids)
+        return piece
 
     def _render_behind_prefix(self, messages: list[Message]) -> str:
         """The template's text for `synthetic_prefix` + `messages` with the generation prompt (`_template`).
@@ -262,4 +321,13 @@ class TemplateBuilder(TokenBuilder):
         Raises the processor's or the chat template's own errors (e.g. `jinja2.TemplateError`) for a conversation it
         refuses.
         """
-        return self._render_hf(self._hf_messages(messages), self._images(messages), add_generation_prompt)
+        return self._render_hf(
+            self._hf_messages(messages), self._images(messages), add_generation_prompt, self._videos(messages)
+        )
+
+
+def _video_inputs(out: Any, n_videos: int) -> VideoInputs | None:
+    """The processor output's videos as `VideoInputs` (None without videos)."""
+    if not n_videos:
+        return None
+    return VideoInputs(out["pixel_values_videos"], out["video_grid_thw"], out.get("second_per_grid_ts"))

@@ -131,7 +131,7 @@ def flatten(result: Any, limit: int = MAX_RESULT_ITEMS) -> list[Any]:
     return items
 
 
-def to_part(item: Any, ref: str) -> Part:
+def to_part(item: Any, ref: str) -> TextPart | ImagePart:
     """One result item as a part (json/str for values that are neither text nor an image)."""
     if isinstance(item, (TextPart, ImagePart)):
         return item if isinstance(item, TextPart) or item.ref else ImagePart(item.image, ref)

@@ -32,7 +32,7 @@ import torch
 from vlmrl.modeling.inputs import family_of_model, image_kwargs, input_style
 from vlmrl.modeling.placeholders import image_positions
 from vlmrl.train.packing import PACKED_LENGTHS, mrope_position_ids
-from vlmrl.types import EnginePrompt, Sample, VisionInputs
+from vlmrl.types import EnginePrompt, Sample, VideoInputs, VisionInputs
 
 CHUNK_ROWS = 256
 FUSED_MAX_BYTES = 512 << 20  # fp32 [N, V] blocks up to 512 MiB take the fused kernel (token_logprobs)
@@ -135,13 +135,16 @@ def _image_inputs(samples: list[Sample], family: str | None, image_mask: torch.T
     family mm_token_type_ids and, with images, pixel_values [sum patches, D] and image_grid_thw [sum images, 3];
     with images also IMAGE_POSITIONS (image_mask != 0, not a model input)."""
     vision = [s.vision for s in samples if s.vision is not None]
-    positions = {IMAGE_POSITIONS: image_mask != 0} if vision else {}
+    videos = VideoInputs.cat([s.video for s in samples if s.video is not None])
+    positions = {IMAGE_POSITIONS: image_mask != 0} if vision or videos is not None else {}
     if family is not None and input_style(family) != "qwen":
         return {**image_kwargs(family, VisionInputs.cat(vision), image_mask), **positions}
     out = {"mm_token_type_ids": image_mask, **positions}
     if vision:
         out["pixel_values"] = torch.cat([v.pixel_values for v in vision])
         out["image_grid_thw"] = torch.cat([v.image_grid_thw for v in vision]).long()
+    if videos is not None:
+        out.update(videos.as_kwargs())
     return out
 
 
@@ -154,7 +157,8 @@ def collate(samples: list[Sample], pad_id: int = 0, family: str | None = None) -
     [sum patches, D], image_grid_thw [sum images, 3] and mm_token_type_ids [B, T_max] (0 text, 1 image; required by
     transformers 5 Qwen-VL for mRoPE positions); text-only batches get no mm_token_type_ids (plain LMs refuse it).
     Other families: Gemma3 token_type_ids + pixel_values [N, 3, H, W]; Idefics3/SmolVLM pixel_values
-    [1, crops, 3, S, S]; LLaVA-NeXT padded pixel_values + image_sizes.
+    [1, crops, 3, S, S]; LLaVA-NeXT padded pixel_values + image_sizes. Videos (Qwen-VL): pixel_values_videos,
+    video_grid_thw (and second_per_grid_ts) of the samples' own videos in batch order, mm_token_type_ids 2 on them.
     """
     lengths = [int(s.input_ids.numel()) for s in samples]
     size = (len(samples), max(lengths))
@@ -169,7 +173,7 @@ def collate(samples: list[Sample], pad_id: int = 0, family: str | None = None) -
         out["attention_mask"][b, :n] = 1
         image_mask[b, :n] = s.mm_token_type_ids.long()
     out.update(_image_inputs(samples, family, image_mask))
-    if "image_grid_thw" not in out:
+    if "image_grid_thw" not in out and "video_grid_thw" not in out:
         out.pop("mm_token_type_ids", None)  # text-only: plain LMs do not accept it
     return out
 
@@ -180,7 +184,11 @@ def pack(samples: list[Sample], family: str | None = None) -> dict[str, torch.Te
     Returns input_ids and position_ids [1, N] (positions restarting at 0 at each sample), PACKED_LENGTHS [B], the
     image inputs for the row as `collate` builds them over [1, N] (Qwen-VL: mm_token_type_ids [1, N] always, images
     or not, for the row's M-RoPE positions) and loss_mask / old_logprobs [B, T_max] as `collate` pads them.
+
+    Raises ValueError for samples with videos (the trainer collates those).
     """
+    if any(s.video is not None for s in samples):
+        raise ValueError("a packed row does not take videos yet: collate them (the trainer does)")
     lengths = [int(s.input_ids.numel()) for s in samples]
     image_mask = torch.cat([s.mm_token_type_ids.long() for s in samples])[None]
     return {

@@ -63,7 +63,7 @@ def assign_step_advantages(cfg: Config, trajs: list[Trajectory]) -> None:
 
 
 def step_samples(
-    cfg: Config, style: ExportStyle, image_token_id: int, sampled: SampledBatch
+    cfg: Config, style: ExportStyle, image_token_id: int, sampled: SampledBatch, video_token_id: int | None = None
 ) -> tuple[list[Trajectory], list[Sample], bool, list[str]]:
     """(trajectories trained on, their samples, filler, excluded ids): the episodes of skipped rows (no turn sampled)
     are left out; episodes with an unusable reward (NaN, inf, beyond +-REWARD_BOUND) leave their GRPO group before
@@ -78,7 +78,7 @@ def step_samples(
         trajs = live
         for t in trajs:
             t.advantage, t.turn_advantages = 0.0, []
-    samples = to_samples(trajs, style, image_token_id, mask_truncated=cfg.algorithm.overlong_filter)
+    samples = to_samples(trajs, style, image_token_id, cfg.algorithm.overlong_filter, video_token_id)
     if sampled.fill_only or filler:
         samples = [dataclasses.replace(s, loss_mask=torch.zeros_like(s.loss_mask)) for s in samples]
     return trajs, samples, filler or sampled.fill_only, excluded

@@ -345,7 +345,8 @@ class GRPOTrainer:
 
     def _micro_step(self, chunk: list[Sample], norm: tuple[float, float]) -> tuple[torch.Tensor, LossStats]:
         """Forward one micro-batch; norm = (loss tokens, sequences) of the step / world size (module docstring)."""
-        batch = pack(chunk, family=self.family) if self.packs else collate(chunk, family=self.family)
+        packs = self.packs and all(s.video is None for s in chunk)  # videos: a padded micro-batch
+        batch = pack(chunk, family=self.family) if packs else collate(chunk, family=self.family)
         logprobs = batch_logprobs(self.engine, batch, self.cfg.temperature, only_masked=True)
         if self.objective == "sft":
             return sft_loss(logprobs, batch["loss_mask"].to(logprobs.device), num_tokens=norm[0]), LossStats()

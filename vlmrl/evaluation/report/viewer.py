@@ -178,6 +178,8 @@ def messages_html(rec: TrajectoryRecord, inline: Callable[[str], str | None]) ->
         for part in msg.get("content", []):
             if part.get("type") == "image":
                 body.append(_image_html(str(part.get("ref", "")), inline))
+            elif part.get("type") == "video":
+                body.append(f'<div class="info">[video: {_esc(str(part.get("ref", "")))}]</div>')
             else:
                 body.append(_text_html(str(part.get("text", "")), role))
         info = ""

@@ -79,7 +79,12 @@ def collapse_image_placeholders(
 def to_vllm_prompt(prompt: EnginePrompt, image_token_id: int | None, merge_size: int | None) -> dict:
     """A vLLM token prompt: `{"prompt_token_ids": ids}` (+ `"multi_modal_data": {"image": [PIL, ...]}` with images,
     each image's placeholder run collapsed to one token, see `vlmrl.rollout.vllm.engine`'s docstring).
-    Raises ValueError for a prompt with images but no `image_token_id`."""
+    Raises ValueError for a prompt with images but no `image_token_id`, and for a prompt with videos (vLLM rollouts
+    take images only here: the transformers engine takes videos)."""
+    if prompt.videos:
+        raise ValueError(
+            "a prompt with videos: vLLM rollouts take no video here yet (rollout.engine=transformers does)"
+        )
     if not prompt.images:
         return {"prompt_token_ids": list(prompt.token_ids)}
     if image_token_id is None:
