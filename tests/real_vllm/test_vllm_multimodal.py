@@ -152,24 +152,13 @@ def test_colocated_images_match_the_trainer(setup):
     assert worst_delta(setup.model, samples) < TOL
 
 
-def test_weight_sync_with_images_then_parity_again(setup):
-    assert setup.engine.route == "shm"  # `auto` on CPU: the /dev/shm buffer (tests/real_vllm/test_vllm_weight_sync.py)
-    perturb(setup.model, seed=1)
-    run_episodes(setup)  # the last sequences (with images) become the sync check's probes
-    stale = setup.engine.check_weights()
-    assert stale > 1e-3, "vLLM still has the old weights: the check must see the difference"
-    metrics = setup.engine.sync_weights()
-    assert metrics[METRIC] < TOL
-    trajs = run_episodes(setup)
-    assert worst_delta(setup.model, to_samples(trajs, ExportStyle.concat, setup.builder.image_token_id)) < TOL
-
-
 def test_placeholder_ids_are_never_sampled_by_vllm(setup):
     """A head made to put most of the mass on `<|image_pad|>` at many positions (the final norm's first weight 10,
-    the pad's head row 3 on that dimension only): vLLM, synced to it, never samples a placeholder (the engine's logit
-    bias), while the trainer's p(`<|image_pad|>`) at the positions vLLM sampled reaches > 0.9. A sampled pad would
-    take the feedback image's features in the next turn's prompt (vLLM matches placeholders first come, first
-    served)."""
+    the pad's head row 3 on that dimension only; on the module's unperturbed weights, so before the weight-sync
+    test): vLLM, synced to it, never samples a placeholder (the engine's logit bias), while the trainer's
+    p(`<|image_pad|>`) at the positions vLLM sampled reaches > 0.9. A sampled pad would take the feedback image's
+    features in the next turn's prompt (vLLM matches placeholders first come, first served). The weights are
+    restored and synced afterwards."""
     b, model = setup.builder, setup.model
     norm, head = model.model.language_model.norm.weight, model.lm_head.weight
     saved = norm.detach().clone(), head[b.image_token_id].detach().clone()
@@ -196,6 +185,18 @@ def test_placeholder_ids_are_never_sampled_by_vllm(setup):
             norm.copy_(saved[0])
             head[b.image_token_id] = saved[1]
         setup.engine.sync_weights()
+
+
+def test_weight_sync_with_images_then_parity_again(setup):
+    assert setup.engine.route == "shm"  # `auto` on CPU: the /dev/shm buffer (tests/real_vllm/test_vllm_weight_sync.py)
+    perturb(setup.model, seed=1)
+    run_episodes(setup)  # the last sequences (with images) become the sync check's probes
+    stale = setup.engine.check_weights()
+    assert stale > 1e-3, "vLLM still has the old weights: the check must see the difference"
+    metrics = setup.engine.sync_weights()
+    assert metrics[METRIC] < TOL
+    trajs = run_episodes(setup)
+    assert worst_delta(setup.model, to_samples(trajs, ExportStyle.concat, setup.builder.image_token_id)) < TOL
 
 
 def test_tool_image_response_is_sampled_through_vllm(setup):
