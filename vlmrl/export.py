@@ -49,9 +49,8 @@ def images_before(seq: TokenSeq, end: int, image_token_id: int) -> VisionInputs 
     stops = [s for s, _ in seq.turn_spans] + [len(seq.ids)]
     held = [a for a, b in zip(starts, stops) if image_token_id in seq.ids[a:b]]
     if len(held) != len(seq.vision_parts):
-        rendered = [
-            t if on else -1 for t, on in zip(seq.ids[:end], placeholder_mask(seq, end, image_token_id).tolist())
-        ]
+        ids = torch.tensor(seq.ids[:end], dtype=torch.long)
+        rendered = ids.masked_fill(~_rendered(seq, end, image_token_id), -1).tolist()
         return first_images(seq.vision, count_images(rendered, image_token_id))
     return VisionInputs.cat(seq.vision_parts[: sum(a < end for a in held)])
 
@@ -64,15 +63,20 @@ def placeholder_mask(seq: TokenSeq, end: int, image_token_id: int, video_token_i
 
     Raises ValueError for a sequence with videos and no `video_token_id`.
     """
-    ids = torch.tensor(seq.ids[:end], dtype=torch.long)
-    mask = (ids == image_token_id).long()
+    mask = _rendered(seq, end, image_token_id).long()
     if seq.video_parts:
         if video_token_id is None:
             raise ValueError("a trajectory with videos needs the family's video placeholder id (video_token_id)")
-        mask[ids == video_token_id] = 2
-    for start, stop in seq.turn_spans:
-        mask[start : min(stop, end)] = 0
+        mask[_rendered(seq, end, video_token_id)] = 2
     return mask
+
+
+def _rendered(seq: TokenSeq, end: int, token_id: int) -> torch.Tensor:
+    """[end] bool: True where `seq.ids[:end]` holds `token_id` outside the assistant turns' sampled ids."""
+    hit = torch.tensor(seq.ids[:end], dtype=torch.long) == token_id
+    for start, stop in seq.turn_spans:
+        hit[start : min(stop, end)] = False
+    return hit
 
 
 def _sample(
