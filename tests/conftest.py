@@ -44,13 +44,14 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.path not in first)  # stable: the order within each group is kept
 
 
-def load_tasks(fields: dict, build_task):
+def load_tasks(fields: dict, build_task, videos=None):
     """`vlmrl.data.load_tasks` of the typed data config `fields`; unset: no path, split train, file order (no
-    shuffle)."""
+    shuffle); videos: the rows' `RowVideos` (None: the default, no video)."""
     from vlmrl import data
     from vlmrl.config import DataConfig
 
-    return data.load_tasks(DataConfig(**{"path": "", "split": "train", "shuffle_seed": None, **fields}), build_task)
+    cfg = DataConfig(**{"path": "", "split": "train", "shuffle_seed": None, **fields})
+    return data.load_tasks(cfg, build_task, **({} if videos is None else {"videos": videos}))
 
 
 def resend_messages(diagram: Image.Image, crop: Image.Image, again: str = "tool"):

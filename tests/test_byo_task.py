@@ -99,3 +99,34 @@ def test_verl_style_parquet_trains(tmp_path):
     out = tmp_path / "run"
     proc = _train(out, "env=single_turn", f"data.path={path}", *FAST)
     _check_run(out, proc, images_per_prompt=2)
+
+
+@pytest.mark.slow
+def test_easyr1_video_rows_train_with_a_reward_by_import_path(tmp_path):
+    """EasyR1 rows whose `videos` column names a video file (with a `<video>` marker) and a folder of frames (without
+    one), a reward function of the user's own module by import path, Qwen2.5-VL (its `second_per_grid_ts`) through
+    `vlmrl train` with no edit to vlmrl: the model sees each video (`videos_per_episode` 1, the trajectory's message
+    holds it), and the in-training alignment check, which re-renders the episodes and recomputes their logprobs with
+    the videos, agrees with the engine's (a forward without the videos differs by ~0.1)."""
+    from video_fixture import make_frames, make_video
+
+    make_video(tmp_path / "bar.mp4")
+    make_frames(tmp_path / "bar_frames")
+    rows = [
+        {"id": "file", "problem": "<video>Which way does the bar move?", "videos": ["bar.mp4"], "answer": "right"},
+        {"id": "frames", "problem": "Which way does the bar move?", "videos": ["bar_frames"], "answer": "right"},
+    ]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "video_reward.py").write_text(
+        "def says_right(completions, answer, **kw):\n    return [float(a in c) for a, c in zip(answer, completions)]\n"
+    )
+    out = tmp_path / "run"
+    args = ["env=single_turn", f"data.path={tmp_path / 'train.jsonl'}", "env.rewards=[{fn: 'video_reward:says_right'}]"]
+    proc = vlmrl("train", *args, *FAST, "trainer.align_every=1", f"logging.output_dir={out}", path=(tmp_path,))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["videos_per_episode"] for m in metrics] == [1.0, 1.0]
+    assert all(m["align/token_mismatches"] == 0 and m["align/max_abs_dlogprob"] < 1e-4 for m in metrics)
+    trajs = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
+    refs = {p["ref"] for t in trajs for m in t["messages"] for p in m["content"] if p["type"] == "video"}
+    assert refs == {str(tmp_path / "bar.mp4"), str(tmp_path / "bar_frames")}

@@ -19,6 +19,7 @@ from rich.console import Console
 
 from vlmrl.checks.alignment import sampled_alignment
 from vlmrl.config import AlgorithmConfig, Config, ExportStyle, to_yaml
+from vlmrl.data.row_videos import row_videos
 from vlmrl.envs import check_plugins, load_env_tasks
 from vlmrl.evaluation.during_training import EvalSetup, eval_during_training
 from vlmrl.modeling.adapters import prepare_policy
@@ -207,7 +208,8 @@ def build_job(cfg: Config, plan: ResumePlan | None = None) -> Job:
             "over with logging.overwrite=true"
         )
     cfg = dataclasses.replace(cfg, export=dataclasses.replace(cfg.export, style=style))  # config.yaml: the effective
-    tasks = load_env_tasks(cfg.env, cfg.data)
+    videos = row_videos(cfg.model.family, cfg.rollout.engine, processor, cfg.data.video)
+    tasks = load_env_tasks(cfg.env, cfg.data, videos)
     if not tasks:
         raise ValueError(f"no usable rows in {cfg.data.path} (split {cfg.data.split})")
     if cfg.data.shuffle_seed is not None:  # null: the data's own order

@@ -75,12 +75,35 @@ class Video:
     def num_frames(self) -> int:
         return int(self.frames.shape[0])
 
+    def read(self) -> "Video":
+        """The video itself (a `VideoFile` reads its frames here)."""
+        return self
+
+
+@dataclass(frozen=True)
+class VideoFile:
+    """A dataset row's video, checked but not yet decoded (`vlmrl.data.video.VideoReader.file`): its frames are
+    read when a prompt is built from it, so a data set's videos are not all held in memory.
+
+    ref: the source (a path, or the folder/first frame of a frame list); num_frames: the frames the family's sampling
+    keeps; reader: () -> the decoded `Video` (raises `BadVideo` when the file changed since it was checked).
+    """
+
+    ref: str
+    num_frames: int
+    reader: Callable[[], "Video"] = field(compare=False, repr=False)
+
+    def read(self) -> Video:
+        """The decoded video (the reader's cache keeps the last few, so a GRPO group decodes it once)."""
+        return self.reader()
+
 
 @dataclass(frozen=True)
 class VideoPart:
-    """A video in a message (rendered as the family's video placeholder; families without video refuse it)."""
+    """A video in a message (rendered as the family's video placeholder; families without video refuse it):
+    decoded frames (`Video`), or a row's `VideoFile` read when the prompt is built."""
 
-    video: Video
+    video: Union[Video, VideoFile]
 
     @property
     def ref(self) -> str:
@@ -106,7 +129,7 @@ class Message:
         return [p.image for p in self.content if isinstance(p, ImagePart)]
 
     @property
-    def videos(self) -> list[Video]:
+    def videos(self) -> list[Video | VideoFile]:
         return [p.video for p in self.content if isinstance(p, VideoPart)]
 
     @property

@@ -150,22 +150,38 @@ def test_easyr1_and_column_map(tmp_path):
         load_rows({**cfg, "path": str(tmp_path / "e.jsonl"), "layout": "columns", "strict_rows": True})
 
 
-def test_a_row_with_video_is_a_bad_row_not_a_silent_loss(tmp_path, caplog):
-    """An EasyR1/verl `videos` column or a `<video>` marker: skipped with a line naming the row (an error with
-    strict_rows), never trained as text without its video."""
+def test_a_row_with_video_in_a_run_without_video_is_a_bad_row_not_a_silent_loss(tmp_path, caplog):
+    """An EasyR1/verl `videos` column, a `<video>` marker or a video part, in a run whose family (or engine) takes no
+    video: skipped with a line naming the row and the reason (an error with strict_rows), never trained as text
+    without its video."""
+    from vlmrl.config import VideoConfig
+    from vlmrl.data.row_videos import row_videos
+
     names = _images(tmp_path)
     rows = [
         {"id": "v1", "problem": "<video>What happens?", "videos": ["clip.mp4"], "answer": "a"},
         {"id": "v2", "problem": "<image>And <video>?", "images": names[:1], "answer": "b"},
+        {
+            "id": "v3",
+            "prompt": [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "?"}]}],
+            "solution": "c",
+        },
         {"id": "ok", "problem": "<image>Colour?", "images": names[:1], "answer": "red", "videos": []},
     ]
     path = _jsonl(tmp_path / "v.jsonl", rows)
-    with caplog.at_level(logging.WARNING, logger="vlmrl.data"):
-        assert [r.id for r in load_rows({"path": str(path)})] == ["ok"]
-    assert f"row v1 of {path} (line 1): 1 video(s): video input is not supported yet" in caplog.text
-    assert f"row v2 of {path} (line 2): a <video> marker: video input is not supported yet" in caplog.text
-    with pytest.raises(BadRowError, match=r"row v1 .*\(line 1\): 1 video"):
-        load_rows({"path": str(path), "strict_rows": True})
+    for family, engine, reason in [
+        ("gemma3", "transformers", "model.family=gemma3 takes no video here"),
+        ("qwen2_5_vl", "vllm", "rollout.engine=vllm takes no video yet (rollout.engine=transformers does)"),
+    ]:
+        caplog.clear()
+        videos = row_videos(family, engine, None, VideoConfig())
+        with caplog.at_level(logging.WARNING, logger="vlmrl.data"):
+            assert [r.id for r in load_tasks({"path": str(path)}, lambda row: row, videos)] == ["ok"]
+        assert f"row v1 of {path} (line 1): 1 video(s): {reason}" in caplog.text
+        assert f"row v2 of {path} (line 2): a video marker or part: {reason}" in caplog.text
+        assert f"row v3 of {path} (line 3): a video marker or part: {reason}" in caplog.text
+        with pytest.raises(BadRowError, match=r"row v1 .*\(line 1\): 1 video"):
+            load_tasks({"path": str(path), "strict_rows": True}, lambda row: row, videos)
 
 
 def test_bad_rows_name_file_and_line(tmp_path, caplog):

@@ -355,8 +355,8 @@ def duplicate_ids(monkeypatch):
     real = vlmrl.envs.load_env_tasks
     fail_at = [None]
 
-    def tasks(env_cfg, data_cfg):
-        got = real(env_cfg, data_cfg)
+    def tasks(env_cfg, data_cfg, videos):
+        got = real(env_cfg, data_cfg, videos)
         return got[:3] + [dataclasses.replace(got[3], id=got[1].id)]
 
     monkeypatch.setattr(vlmrl.envs, "load_env_tasks", tasks)

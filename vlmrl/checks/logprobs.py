@@ -14,26 +14,37 @@ from vlmrl.checks.views import split_views
 from vlmrl.types import Sample, Trajectory
 
 
-def _sample(ids: list[int], mask: list[int], logprobs: list[float], vision, image_token_id: int) -> Sample:
-    """A sample of recorded ids; a placeholder id the policy sampled (loss mask 1) is text, not an image token."""
+def _sample(
+    ids: list[int], mask: list[int], logprobs: list[float], vision, image_token_id: int, video=None, video_token_id=None
+) -> Sample:
+    """A sample of recorded ids; a placeholder id the policy sampled (loss mask 1) is text, not an image token.
+    video: the processed videos (`VideoInputs`), their placeholders (`video_token_id`) marked 2."""
     input_ids = torch.tensor(ids, dtype=torch.long)
     loss_mask = torch.tensor(mask, dtype=torch.float32)
+    rendered = loss_mask == 0
+    types = ((input_ids == image_token_id) & rendered).long()
+    if video is not None:
+        types = types.masked_fill((input_ids == video_token_id) & rendered, 2)
     return Sample(
         input_ids=input_ids,
         loss_mask=loss_mask,
         old_logprobs=torch.tensor(logprobs, dtype=torch.float32),
         advantage=0.0,
         vision=vision,
-        mm_token_type_ids=((input_ids == image_token_id) & (loss_mask == 0)).long(),
+        mm_token_type_ids=types,
+        video=video,
     )
 
 
 @torch.no_grad()
-def logprob_deltas(model, rec: Recorded, vision, image_token_id: int, temperature: float) -> torch.Tensor:
-    """d = trainer logprob - recorded rollout logprob at every sampled token of `rec` (fp32, [n_sampled])."""
+def logprob_deltas(
+    model, rec: Recorded, vision, image_token_id: int, temperature: float, video_token_id: int | None = None
+) -> torch.Tensor:
+    """d = trainer logprob - recorded rollout logprob at every sampled token of `rec` (fp32, [n_sampled]); its videos
+    (`rec.video`, in memory) go in with `video_token_id`'s placeholders marked."""
     from vlmrl.train.logprobs import sequence_logprobs
 
-    sample = _sample(rec.ids, rec.loss_mask, rec.logprobs, vision, image_token_id)
+    sample = _sample(rec.ids, rec.loss_mask, rec.logprobs, vision, image_token_id, rec.video, video_token_id)
     lp = sequence_logprobs(model, sample, temperature, only_masked=True).float().cpu()
     mask = sample.loss_mask > 0
     return lp[mask] - sample.old_logprobs[mask]
@@ -101,17 +112,18 @@ def sampled_alignment(
     if temperature is None:
         temperature = float(getattr(getattr(trainer_or_model, "cfg", None), "temperature", 1.0) or 1.0)
     stats = LogprobStats()
+    video_id = builder.video_token_id
     policy = getattr(trainer_or_model, "policy", None)
     if callable(policy) and not isinstance(trainer_or_model, torch.nn.Module):
         with policy() as model:
             for r in recs:
-                stats.add(logprob_deltas(model, r, r.vision, builder.image_token_id, temperature))
+                stats.add(logprob_deltas(model, r, r.vision, builder.image_token_id, temperature, video_id))
     else:
         was_training = trainer_or_model.training
         trainer_or_model.eval()
         try:
             for r in recs:
-                stats.add(logprob_deltas(trainer_or_model, r, r.vision, builder.image_token_id, temperature))
+                stats.add(logprob_deltas(trainer_or_model, r, r.vision, builder.image_token_id, temperature, video_id))
         finally:
             trainer_or_model.train(was_training)
     return AlignmentSample(stats.max_abs, stats.kl, stats.n_tokens, stats.mean_d, len(recs), bad)

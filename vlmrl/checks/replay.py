@@ -26,6 +26,7 @@ from vlmrl.types import (
     TextPart,
     TokenSeq,
     Trajectory,
+    VideoInputs,
     VisionInputs,
 )
 
@@ -89,6 +90,7 @@ class Recorded:
     views: list[ViewTokens] = field(default_factory=list)  # the earlier views; the fields above are the last one
     turn_views: list[int] = field(default_factory=list)  # per turn: its view
     own_turns: tuple[int, int] | None = None  # a view's Recorded: the turns sampled in it (mask 1 only there)
+    video: VideoInputs | None = None  # the processed videos the trainer got (in-memory trajectories only)
 
     @staticmethod
     def from_trajectory(traj: Trajectory, index: int = 0, step: int = 0) -> "Recorded":
@@ -112,6 +114,7 @@ class Recorded:
             keep_images=traj.keep_images,
             views=[ViewTokens.of(v) for v in traj.views],
             turn_views=list(traj.turn_views),
+            video=seq.videos_before(len(seq.ids)),
         )
 
     @staticmethod

@@ -121,11 +121,11 @@ class _Policies:
 
 
 @functools.lru_cache(maxsize=4)
-def _run_processor(family: str, path: str, min_pixels: int | None, max_pixels: int | None):
+def _run_processor(family: str, path: str, min_pixels: int | None, max_pixels: int | None, video_pixels: tuple):
     """The run's processor (memoised: processors are read-only here; repeated checks of runs reuse it)."""
     from vlmrl.modeling.loading import load_processor
 
-    return load_processor(family, path, min_pixels, max_pixels)
+    return load_processor(family, path, min_pixels, max_pixels, video_pixels)
 
 
 def _run_builder(cfg, processor):
@@ -211,7 +211,10 @@ def _open_run(run: Path):
     except Exception as exc:  # noqa: BLE001 - yaml, omegaconf and validation errors: one line naming the file
         raise CheckError(f"{run / 'config.yaml'}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
     try:
-        processor = _run_processor(cfg.model.family, cfg.model.name_or_path, cfg.model.min_pixels, cfg.model.max_pixels)
+        m = cfg.model
+        processor = _run_processor(
+            m.family, m.name_or_path, m.min_pixels, m.max_pixels, (m.video_min_pixels, m.video_max_pixels)
+        )
         builder, notes = _run_builder(cfg, processor)
     except Exception as exc:  # noqa: BLE001 - a missing or garbage model folder: one line naming it
         raise CheckError(

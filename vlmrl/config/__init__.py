@@ -34,6 +34,7 @@ from vlmrl.config.schema import (
     SftConfig,
     ToolsConfig,
     TrainerConfig,
+    VideoConfig,
     VLLMConfig,
 )
 from vlmrl.config.validate import (
@@ -64,6 +65,7 @@ __all__ = [
     "SftConfig",
     "ToolsConfig",
     "TrainerConfig",
+    "VideoConfig",
     "VLLMConfig",
     "env_target",
     "flatten",

@@ -71,6 +71,17 @@ class ModelConfig:
         "dataset's too, is resized within it before the prompt is built (a 4000x3000 photo: 15,301 tokens at "
         "Qwen2.5-VL's own 12,845,056, 5,292 at 4,194,304, 1,230 at 1,003,520); null: the processor's own.",
     )
+    video_min_pixels: Optional[int] = knob(
+        None,
+        "The video processor's lower pixel bound (size.shortest_edge; Qwen-VL): per frame for Qwen2/2.5-VL, over "
+        "all of a video's frames for Qwen3-VL (qwen-vl-utils' total_pixels); null: the processor's own.",
+    )
+    video_max_pixels: Optional[int] = knob(
+        None,
+        "The video processor's upper pixel bound (size.longest_edge; Qwen-VL): every video, from a row, an "
+        "environment or a tool, is resized within it (per frame for Qwen2/2.5-VL, over all frames for Qwen3-VL); "
+        "null: the processor's own.",
+    )
     attn_implementation: Optional[str] = knob(
         None,
         "Attention kernel: eager, sdpa, flash_attention_2, flash_attention_3 or flex_attention; null: "
@@ -79,6 +90,30 @@ class ModelConfig:
     freeze_vision_tower: bool = knob(False, "No updates to the vision encoder (vlmrl.modeling.adapters.vision_params).")
     freeze_projector: bool = knob(False, "No updates to the vision-to-language projector (merger / connector).")
     lora: LoraSettings = knob(help="LoRA adapters (model.lora.r > 0: train the adapters only).", factory=LoraSettings)
+
+
+@dataclass
+class VideoConfig:
+    """`data.video`: how a dataset row's videos are sampled and bounded (Qwen2/2.5/3-VL with
+    rollout.engine=transformers; vlmrl.data.video). Sampling is the family's own `sample_frames`; null keeps the
+    processor's value. Frame sizes: model.video_min_pixels / model.video_max_pixels."""
+
+    fps: Optional[float] = knob(
+        None,
+        "Frames sampled a second (qwen-vl-utils' and EasyR1's `fps`); null: the processor's (Qwen3-VL: 2), or 2 "
+        "(qwen-vl-utils' default) for a processor that sets none (Qwen2/2.5-VL).",
+    )
+    num_frames: Optional[int] = knob(
+        None, "Sample exactly this many frames, evenly (qwen-vl-utils' `nframes`; excludes fps); null: by fps."
+    )
+    min_frames: Optional[int] = knob(None, "At least this many frames by fps; null: the processor's (4).")
+    max_frames: Optional[int] = knob(None, "At most this many frames by fps; null: the processor's (768).")
+    max_source_pixels: int = knob(
+        64 * 1280 * 720,
+        "A row's video whose sampled frames hold more pixels than this at their source size (frames x height x "
+        "width) is a bad row, checked on its metadata before decoding.",
+    )
+    frames_fps: float = knob(2.0, "The frame rate of a video given as a folder or list of frame files.")
 
 
 @dataclass
@@ -108,6 +143,7 @@ class DataConfig:
         help="layout=columns: which column holds what, e.g. {prompt: question, images: pics, answer: gt}.",
         factory=dict,
     )
+    video: VideoConfig = knob(help="Row videos: frame sampling, sizing and bound (data.video.*).", factory=VideoConfig)
 
 
 @dataclass

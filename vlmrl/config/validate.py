@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from vlmrl.config.schema import Config, VLLMConfig
+    from vlmrl.config.schema import Config, VideoConfig, VLLMConfig
 
 
 from vlmrl.errors import ConfigError
@@ -137,6 +137,18 @@ def _fin(x: float) -> bool:
     return math.isfinite(x)
 
 
+def _video_checks(v: VideoConfig) -> list[tuple[bool, str]]:
+    """Range checks of `data.video`."""
+    positive = {k: getattr(v, k) for k in ("num_frames", "min_frames", "max_frames")}
+    return [
+        *((x is None or x >= 1, f"data.video.{k} must be >= 1 (or null)") for k, x in positive.items()),
+        (v.fps is None or (_fin(v.fps) and v.fps > 0), "data.video.fps must be > 0 (or null)"),
+        (v.fps is None or v.num_frames is None, "data.video.fps and data.video.num_frames exclude each other"),
+        (v.max_source_pixels >= 1, "data.video.max_source_pixels must be >= 1"),
+        (_fin(v.frames_fps) and v.frames_fps > 0, "data.video.frames_fps must be > 0"),
+    ]
+
+
 def _range_checks(cfg: Config) -> list[tuple[bool, str]]:
     """Range checks of every numeric knob (and the names of the trainer knobs), before anything loads."""
     m, d, t, r, a, tr = cfg.model, cfg.data, cfg.tools, cfg.rollout, cfg.algorithm, cfg.trainer
@@ -144,6 +156,8 @@ def _range_checks(cfg: Config) -> list[tuple[bool, str]]:
     return [
         (m.min_pixels is None or m.min_pixels >= 1, "model.min_pixels must be >= 1"),
         (m.max_pixels is None or m.max_pixels >= 1, "model.max_pixels must be >= 1"),
+        (m.video_min_pixels is None or m.video_min_pixels >= 1, "model.video_min_pixels must be >= 1"),
+        (m.video_max_pixels is None or m.video_max_pixels >= 1, "model.video_max_pixels must be >= 1"),
         (m.attn_implementation in (None, *_ATTN), f"model.attn_implementation must be one of {', '.join(_ATTN)}"),
         (m.lora.r >= 0, "model.lora.r must be >= 0 (0: no LoRA)"),
         (m.lora.alpha > 0, "model.lora.alpha must be > 0"),
@@ -151,6 +165,7 @@ def _range_checks(cfg: Config) -> list[tuple[bool, str]]:
         (bool(m.lora.target_modules), "model.lora.target_modules must name at least one module"),
         (d.limit is None or d.limit >= 1, "data.limit must be >= 1 (or null: all rows)"),
         (d.eval_limit is None or d.eval_limit >= 1, "data.eval_limit must be >= 1 (or null)"),
+        *_video_checks(d.video),
         (_fin(t.timeout_s), "tools.timeout_s must be finite"),
         (t.max_call_chars >= 1, "tools.max_call_chars must be >= 1"),
         (_fin(r.temperature), "rollout.temperature must be finite"),

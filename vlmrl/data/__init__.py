@@ -7,9 +7,11 @@ record's columns to the trl names; `auto` (the default) tells them apart by thei
 
 Every row is validated (pydantic schema, images decoded, an answer present, a unique id, then the environment's
 own `build_task`). A bad row is reported as "row <id> of <file> (line <n>): <why>" on logger "vlmrl.data" and
-skipped, or raises BadRowError when `data.strict_rows` is set. A task that holds fewer images than its row (an
-environment that uses only some of them) is kept with a warning naming the row and the counts, or raises
-BadRowError when `data.strict_rows` is set (`check_images`).
+skipped, or raises BadRowError when `data.strict_rows` is set. A task that holds fewer images or videos than its
+row (an environment that uses only some of them) is kept with a warning naming the row and the counts, or raises
+BadRowError when `data.strict_rows` is set (`check_images`). Videos (`videos` columns, `<video>` markers) are read
+by the run's `RowVideos` (`vlmrl.data.row_videos.row_videos`: the family's sampling and `data.video`); a run that
+takes no video refuses such a row as a bad row that says why.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ from typing import Any
 
 from vlmrl.config import DataConfig
 from vlmrl.data.images import to_rgb
-from vlmrl.data.layouts import LAYOUTS, normalise
+from vlmrl.data.layouts import LAYOUTS, NO_VIDEO, normalise
 from vlmrl.data.readers import open_sources
 from vlmrl.data.row import BadRowError, Row
+from vlmrl.data.video import RowVideos
 from vlmrl.types import Task
 
 log = logging.getLogger("vlmrl.data")
@@ -49,24 +52,30 @@ def _identity(row: Row) -> Row:
 
 
 def check_images(row: Row, task: Any, who: str, strict: bool) -> None:
-    """Warn (or raise BadRowError when `strict`) if `task`, a `Task` built from `row` by `who`, holds fewer images in
-    its messages than the row has: those images would be dropped without a word. Other results are not checked."""
+    """Warn (or raise BadRowError when `strict`) if `task`, a `Task` built from `row` by `who`, holds fewer images
+    (videos) in its messages than the row has: those would be dropped without a word. Other results are not checked."""
     if not isinstance(task, Task):
         return
-    used = sum(len(m.images) for m in task.messages)
-    if used >= len(row.images):
-        return
-    task_id = f" (task id {task.id})" if task.id != row.id else ""
-    msg = f"{row.where}{task_id}: {who} uses {used} of its {len(row.images)} images"
-    if strict:
-        raise BadRowError(f"{msg} (data.strict_rows=true)")
-    log.warning("%s", msg)
+    for kind, used, has in (
+        ("images", sum(len(m.images) for m in task.messages), len(row.images)),
+        ("videos", sum(len(m.videos) for m in task.messages), len(row.videos)),
+    ):
+        if used >= has:
+            continue
+        task_id = f" (task id {task.id})" if task.id != row.id else ""
+        msg = f"{row.where}{task_id}: {who} uses {used} of its {has} {kind}"
+        if strict:
+            raise BadRowError(f"{msg} (data.strict_rows=true)")
+        log.warning("%s", msg)
 
 
-def load_tasks(data: DataConfig, build_task: Callable[[Row], Any], who: str = "build_task") -> list:
+def load_tasks(
+    data: DataConfig, build_task: Callable[[Row], Any], who: str = "build_task", videos: RowVideos = NO_VIDEO
+) -> list:
     """The rows of `data` (`path`, `split`), each turned into a task by `build_task` (the environment's prompt), in
     order: shuffled by `shuffle_seed` (None: file order), then the first `limit` good ones (rows past it are never
-    decoded). who: what builds the tasks, for the warning about a task with fewer images than its row.
+    decoded). who: what builds the tasks, for the warning about a task with fewer images than its row; videos: how
+    the rows' videos are read (`NoVideo`: a row with a video is a bad row).
 
     Raises BadRowError for a bad row when `strict_rows` (else it is logged and skipped) or a task that drops some of
     its row's images (else a warning, `check_images`), ValueError when no row is usable or a field is wrong
@@ -82,7 +91,7 @@ def load_tasks(data: DataConfig, build_task: Callable[[Row], Any], who: str = "b
         if data.limit is not None and len(out) >= data.limit:
             break
         try:
-            row = normalise(raw, src, data.layout, data.columns)
+            row = normalise(raw, src, data.layout, data.columns, videos)
             if row.id in first_seen:
                 raise BadRowError(f"{row.where}: duplicate id {row.id!r} (first at {first_seen[row.id]})")
             task = build_task(row)
@@ -98,9 +107,9 @@ def load_tasks(data: DataConfig, build_task: Callable[[Row], Any], who: str = "b
     return out
 
 
-def load_rows(data: DataConfig) -> list[Row]:
+def load_rows(data: DataConfig, videos: RowVideos = NO_VIDEO) -> list[Row]:
     """`load_tasks` without an environment: the validated `Row`s themselves."""
-    return load_tasks(data, _identity)
+    return load_tasks(data, _identity, videos=videos)
 
 
 def task_of(row: Row) -> Task:

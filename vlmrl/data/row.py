@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from vlmrl.types import ImagePart, Message
+from vlmrl.types import ImagePart, Message, VideoPart
 
 
 class BadRowError(ValueError):
@@ -16,10 +16,11 @@ class BadRowError(ValueError):
 class Row:
     """One normalised row.
 
-    id: the row's `id` column (or its position); messages: the prompt, images placed where the prompt puts them
-    (`<image>` markers or image parts; none: the images go first); images: the same images in order;
+    id: the row's `id` column (or its position); messages: the prompt, images and videos placed where the prompt puts
+    them (`<image>`/`<video>` markers or parts; none: they go first); images: the same images in order;
     answer: the ground truth as text; columns: the record's other columns (images removed), handed to reward
-    functions as keyword arguments; where: "row <id> of <file> (line <n>)" for error messages.
+    functions as keyword arguments; where: "row <id> of <file> (line <n>)" for error messages; videos: the row's
+    videos in order (checked, decoded when a prompt is built).
     """
 
     id: str
@@ -29,3 +30,4 @@ class Row:
     columns: dict[str, Any] = field(default_factory=dict)
     where: str = ""
     source: str = ""
+    videos: list[VideoPart] = field(default_factory=list)

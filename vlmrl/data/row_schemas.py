@@ -1,9 +1,11 @@
 """Row schemas of the supported dataset layouts (pydantic), checked before a row is used.
 
 - trl: `prompt` (text, or a conversation: a list of `{role, content}` messages whose content is text or a list of
-  `{type: text|image}` parts), `image` or `images`, `solution` or `answer` (trl's `reward_funcs` datasets);
-- verl: `prompt` (a conversation, `<image>` markers in its text), `images`, `reward_model.ground_truth`;
-- EasyR1: `problem` (with `<image>` markers), `images`, `answer`;
+  `{type: text|image|video}` parts), `image` or `images`, `video` or `videos`, `solution` or `answer` (trl's
+  `reward_funcs` datasets);
+- verl: `prompt` (a conversation, `<image>`/`<video>` markers in its text), `images`, `videos`,
+  `reward_model.ground_truth`;
+- EasyR1: `problem` (with `<image>`/`<video>` markers), `images`, `videos`, `answer`;
 - geometry3k: `problem`, `choices`, `answer` (a choice letter or a value), `answer_value`, `ground_truth`,
   `image` or `images` (the JSONL sample and `hiyouga/geometry3k`).
 Extra columns are kept (they reach reward functions as keyword arguments). Numbers given as answers become text;
@@ -19,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 Scalar = Union[str, int, float]
 ImageValue = Union[str, bytes, dict[str, Any], Image.Image]  # a path, bytes, HF's {bytes, path}, a PIL image
+VideoValue = Union[str, list[str]]  # a video file or a folder of frames, or a list of frame files
 
 
 class _Model(BaseModel):
@@ -26,11 +29,13 @@ class _Model(BaseModel):
 
 
 class ContentPart(_Model):
-    """One part of a conversation message: text, or an image (its own `image` value, else the row's next image)."""
+    """One part of a conversation message: text, an image or a video (its own `image`/`video` value, else the row's
+    next one)."""
 
-    type: Literal["text", "image"]
+    type: Literal["text", "image", "video"]
     text: Optional[str] = None
     image: Optional[ImageValue] = None
+    video: Optional[VideoValue] = None
 
 
 class ChatMessage(_Model):
@@ -43,6 +48,8 @@ class TrlRow(_Model):
     prompt: Union[str, list[ChatMessage]]
     image: Optional[ImageValue] = None
     images: Optional[list[ImageValue]] = None
+    video: Optional[VideoValue] = None
+    videos: Optional[list[VideoValue]] = None
     solution: Optional[Scalar] = None
     answer: Optional[Scalar] = None
 
@@ -55,6 +62,7 @@ class VerlRow(_Model):
     id: Optional[Scalar] = None
     prompt: list[ChatMessage]
     images: Optional[list[ImageValue]] = None
+    videos: Optional[list[VideoValue]] = None
     reward_model: RewardModel
 
 
@@ -62,6 +70,7 @@ class EasyR1Row(_Model):
     id: Optional[Scalar] = None
     problem: str
     images: Optional[list[ImageValue]] = None
+    videos: Optional[list[VideoValue]] = None
     answer: Optional[Scalar] = None
 
 

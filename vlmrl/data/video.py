@@ -18,23 +18,37 @@ frames, frames of different sizes, and an enormous video: more than `max_pixels`
 
 from __future__ import annotations
 
+import copy
+import functools
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
 
 import numpy as np
 from PIL import Image
 
-from vlmrl.types import Video
+from vlmrl.config import VideoConfig
+from vlmrl.types import Video, VideoFile
 
 if TYPE_CHECKING:
     from transformers.video_utils import VideoMetadata
 
-__all__ = ["BadVideo", "Video", "processor_sampling", "read_video"]
+__all__ = [
+    "BadVideo",
+    "NoVideo",
+    "RowVideos",
+    "Video",
+    "VideoReader",
+    "probe_video",
+    "processor_sampling",
+    "read_video",
+]
 
-MAX_VIDEO_PIXELS = 64 * 1280 * 720  # the sampled frames' pixels a video may hold (64 frames of 720p)
+MAX_VIDEO_PIXELS = VideoConfig().max_source_pixels  # the sampled frames' pixels a video may hold (64 frames of 720p)
 FRAME_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")  # the frame files a folder is read for
-FRAMES_FPS = 2.0  # frames a second of a folder or list of frames (qwen-vl-utils' default for frame lists)
+FRAMES_FPS = VideoConfig().frames_fps  # frames a second of a folder or list of frames (qwen-vl-utils' default)
 
+FALLBACK_FPS = 2.0  # qwen-vl-utils' FPS: the sampling of a processor that sets neither fps nor num_frames
 Sampler = Callable[["VideoMetadata"], Sequence[int]]
 
 
@@ -43,13 +57,27 @@ class BadVideo(ValueError):
 
 
 def processor_sampling(video_processor: Any, **knobs: Any) -> Sampler:
-    """The family's frame sampling: `video_processor.sample_frames(metadata, **knobs)` (knobs: `fps` or
-    `num_frames`, `min_frames`, `max_frames`; the processor's own values for those not given).
+    """The family's frame sampling: `sample_frames(metadata)` of a copy of `video_processor` whose attributes
+    `fps`, `num_frames`, `min_frames`, `max_frames` are set to the knobs given (the processor's own values for the
+    others; `num_frames` given clears `fps`, the two exclude each other; a processor that sets neither samples at
+    `FALLBACK_FPS`, qwen-vl-utils' default). Attributes, not keyword arguments: Qwen3-VL's
+    `sample_frames` reads `min_frames`/`max_frames` only from its attributes.
 
-    Raises AttributeError for a video processor without `sample_frames`.
+    Raises AttributeError for a video processor without `sample_frames`, ValueError for an unknown knob.
     """
-    sample_frames = video_processor.sample_frames
-    return lambda metadata: [int(i) for i in sample_frames(metadata, **knobs)]
+    unknown = set(knobs) - {"fps", "num_frames", "min_frames", "max_frames"}
+    if unknown:
+        raise ValueError(f"unknown frame sampling knob(s) {sorted(unknown)}")
+    proc = copy.copy(video_processor)
+    for key, value in knobs.items():
+        if value is not None:
+            setattr(proc, key, value)
+    if knobs.get("num_frames") is not None:
+        proc.fps = None
+    elif proc.fps is None and getattr(proc, "num_frames", None) is None:  # Qwen2/2.5-VL's processors set neither
+        proc.fps = FALLBACK_FPS
+    sample_frames = proc.sample_frames
+    return lambda metadata: [int(i) for i in sample_frames(metadata)]
 
 
 def read_video(
@@ -63,25 +91,82 @@ def read_video(
     kept frames' pixels (frames × height × width); frames_fps: the frame rate of a folder or list of frames.
 
     Raises BadVideo (naming the source) for a missing path, an unreadable file, no frames, frames of different sizes,
-    or more than `max_pixels` pixels.
+    a sampling the source cannot give, or more than `max_pixels` pixels.
     """
+    video = _open(source, sample, max_pixels, frames_fps, decode=True)
+    assert isinstance(video, Video)
+    return video
+
+
+def probe_video(
+    source: str | Path | Sequence[str | Path],
+    sample: Sampler | None = None,
+    max_pixels: int = MAX_VIDEO_PIXELS,
+    frames_fps: float = FRAMES_FPS,
+) -> int:
+    """The frames `read_video` would keep, from the source's metadata only (a file's container header, a folder's
+    first frame): no frame is decoded. Raises BadVideo as `read_video` does, except for a frame that fails to decode."""
+    count = _open(source, sample, max_pixels, frames_fps, decode=False)
+    assert isinstance(count, int)
+    return count
+
+
+def _open(source, sample: Sampler | None, max_pixels: int, frames_fps: float, decode: bool) -> Video | int:
     if isinstance(source, (str, Path)):
         path = Path(source)
         if path.is_dir():
             files = sorted(p for p in path.iterdir() if p.suffix.lower() in FRAME_SUFFIXES)
-            return _read_frames(files, str(path), sample, max_pixels, frames_fps)
+            return _read_frames(files, str(path), sample, max_pixels, frames_fps, decode)
         if not path.is_file():
             raise BadVideo(f"video {path}: no such file or folder")
-        return _read_file(path, sample, max_pixels)
+        return _read_file(path, sample, max_pixels, decode)
     files = [Path(p) for p in source]
-    return _read_frames(files, f"{len(files)} frame files", sample, max_pixels, frames_fps)
+    return _read_frames(files, f"{len(files)} frame files", sample, max_pixels, frames_fps, decode)
+
+
+@dataclass(frozen=True)
+class VideoReader:
+    """How a run reads its dataset rows' videos: the family's frame sampling (`processor_sampling`), the bound on a
+    video's sampled pixels, the frame rate of frame folders and lists. Built once per run
+    (`vlmrl.data.row_videos.row_videos`)."""
+
+    sample: Sampler | None
+    max_pixels: int = MAX_VIDEO_PIXELS
+    frames_fps: float = FRAMES_FPS
+
+    def file(self, source: str | Sequence[str], ref: str) -> VideoFile:
+        """A checked, not yet decoded video (`probe_video` now; `read_video` when a prompt is built from it, the
+        last `READ_CACHE` reads kept). Raises BadVideo."""
+        key = source if isinstance(source, str) else tuple(source)
+        count = probe_video(key if isinstance(key, str) else list(key), self.sample, self.max_pixels, self.frames_fps)
+        return VideoFile(ref, count, functools.partial(_cached_read, self, key))
+
+
+@dataclass(frozen=True)
+class NoVideo:
+    """A run that takes no video; `reason` names the field to change (e.g. `model.family=gemma3 takes no video`)."""
+
+    reason: str
+
+
+RowVideos = Union[VideoReader, NoVideo]  # how a run reads its rows' videos (`vlmrl.data.row_videos.row_videos`)
+
+READ_CACHE = 8  # decoded row videos kept: a GRPO group's episodes build their prompts from one decode
+
+
+@functools.lru_cache(maxsize=READ_CACHE)
+def _cached_read(reader: VideoReader, key: str | tuple[str, ...]) -> Video:
+    return read_video(key if isinstance(key, str) else list(key), reader.sample, reader.max_pixels, reader.frames_fps)
 
 
 def _indices(metadata: VideoMetadata, sample: Sampler | None, ref: str, max_pixels: int) -> list[int]:
     """The kept frames' indices, checked against the bound before decoding (BadVideo)."""
     if not metadata.total_num_frames:
         raise BadVideo(f"video {ref}: no frames")
-    indices = list(range(int(metadata.total_num_frames))) if sample is None else [int(i) for i in sample(metadata)]
+    try:
+        indices = list(range(int(metadata.total_num_frames))) if sample is None else [int(i) for i in sample(metadata)]
+    except ValueError as e:  # e.g. Qwen2-VL's "Video can't be sampled" (more frames asked than the video has)
+        raise BadVideo(f"video {ref}: {e}") from e
     if not indices:
         raise BadVideo(f"video {ref}: the sampling keeps no frame")
     pixels = len(indices) * int(metadata.height or 0) * int(metadata.width or 0)
@@ -93,8 +178,13 @@ def _indices(metadata: VideoMetadata, sample: Sampler | None, ref: str, max_pixe
     return indices
 
 
-def _read_file(path: Path, sample: Sampler | None, max_pixels: int) -> Video:
-    """A video file through transformers' `load_video` (PyAV); only the kept frames are decoded."""
+class _Probed(Exception):
+    """Raised by the sampling callback of a probe: the indices are known, no frame is decoded."""
+
+
+def _read_file(path: Path, sample: Sampler | None, max_pixels: int, decode: bool) -> Video | int:
+    """A video file through transformers' `load_video` (PyAV); only the kept frames are decoded (none for a probe:
+    the sampling callback stops the read once the container's metadata gave the indices)."""
     from transformers.video_utils import load_video
 
     ref = str(path)
@@ -102,10 +192,14 @@ def _read_file(path: Path, sample: Sampler | None, max_pixels: int) -> Video:
 
     def pick(metadata, **_):
         chosen[:] = _indices(metadata, sample, ref, max_pixels)
+        if not decode:
+            raise _Probed
         return np.asarray(chosen)
 
     try:
         frames, metadata = load_video(ref, backend="pyav", sample_indices_fn=pick)  # type: ignore[arg-type]
+    except _Probed:
+        return len(chosen)
     except BadVideo:
         raise
     except Exception as e:  # noqa: BLE001 - PyAV/FFmpeg errors (and numpy's on no decoded frame): unreadable
@@ -116,8 +210,10 @@ def _read_file(path: Path, sample: Sampler | None, max_pixels: int) -> Video:
     return Video(np.ascontiguousarray(frames), metadata, ref)
 
 
-def _read_frames(files: list[Path], ref: str, sample: Sampler | None, max_pixels: int, fps: float) -> Video:
-    """Frames from image files at `fps` frames a second; only the kept files are read."""
+def _read_frames(
+    files: list[Path], ref: str, sample: Sampler | None, max_pixels: int, fps: float, decode: bool
+) -> Video | int:
+    """Frames from image files at `fps` frames a second; only the kept files are read (none for a probe)."""
     from transformers.video_utils import VideoMetadata
 
     if not files:
@@ -131,6 +227,11 @@ def _read_frames(files: list[Path], ref: str, sample: Sampler | None, max_pixels
         total_num_frames=len(files), fps=float(fps), width=width, height=height, duration=len(files) / fps
     )
     indices = _indices(metadata, sample, ref, max_pixels)
+    if not decode:
+        missing = [f for f in (files[i] for i in indices) if not f.is_file()]
+        if missing:
+            raise BadVideo(f"video {ref}: frame {missing[0]} does not exist")
+        return len(indices)
     frames = []
     for i in indices:
         try:

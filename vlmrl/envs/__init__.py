@@ -18,6 +18,8 @@ from typing import Any
 
 from vlmrl.config import DataConfig, EnvConfig
 from vlmrl.data import load_tasks
+from vlmrl.data.layouts import NO_VIDEO
+from vlmrl.data.video import RowVideos
 from vlmrl.envs.base import Environment, StepResult
 from vlmrl.envs.plugins import check_plugins, env_class, env_config
 from vlmrl.types import Task
@@ -34,13 +36,15 @@ def make_env_factory(env_cfg: EnvConfig | Mapping[str, Any]) -> Callable[[], Env
     return instantiate({"_target_": cfg._target_, "_partial_": True}, cfg)
 
 
-def load_env_tasks(env_cfg: EnvConfig | Mapping[str, Any], data_cfg: DataConfig) -> list[Task]:
-    """The environment's generated tasks (`make_tasks`), else the rows of `data_cfg` (`vlmrl.data.load_tasks`)
-    turned into tasks by its `build_task` (a task with fewer images than its row: a warning naming the env, or an
-    error with `data.strict_rows`)."""
+def load_env_tasks(
+    env_cfg: EnvConfig | Mapping[str, Any], data_cfg: DataConfig, videos: RowVideos = NO_VIDEO
+) -> list[Task]:
+    """The environment's generated tasks (`make_tasks`), else the rows of `data_cfg` (`vlmrl.data.load_tasks`, their
+    videos read by `videos`) turned into tasks by its `build_task` (a task with fewer images or videos than its row:
+    a warning naming the env, or an error with `data.strict_rows`)."""
     cfg = env_config(env_cfg)
     cls = env_class(cfg._target_)
     tasks = cls.make_tasks(cfg, data_cfg)
     if tasks is not None:
         return tasks
-    return load_tasks(data_cfg, functools.partial(cls.build_task, cfg=cfg), who=f"env {cls.__name__}")
+    return load_tasks(data_cfg, functools.partial(cls.build_task, cfg=cfg), who=f"env {cls.__name__}", videos=videos)

@@ -64,9 +64,11 @@ def eval_during_training(setup: EvalSetup, step: int) -> dict[str, float]:
     """
     cfg, trainer = setup.cfg, setup.trainer
     if setup.tasks is None:
+        from vlmrl.data.row_videos import row_videos
         from vlmrl.envs import load_env_tasks
 
-        setup.tasks = load_env_tasks(cfg.env, eval_data_cfg(cfg.data))
+        videos = row_videos(cfg.model.family, cfg.rollout.engine, setup.processor, cfg.data.video)
+        setup.tasks = load_env_tasks(cfg.env, eval_data_cfg(cfg.data), videos)
     mine = setup.tasks[trainer.rank :: trainer.world_size]
     samples = cfg.algorithm.group_size
     recs: list = []  # TrajectoryRecords

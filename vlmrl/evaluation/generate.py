@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmrl.config import Config, to_yaml
+from vlmrl.data.video import RowVideos
 from vlmrl.evaluation.metrics import _summary
 from vlmrl.evaluation.rollouts import build_eval_runner, eval_data_cfg, rollout_records
 from vlmrl.evaluation.run_folder import GenerateFiles
@@ -66,6 +67,17 @@ def _for_metrics(records: list[TrajectoryRecord]) -> list[TrajectoryRecord]:
     return records
 
 
+def _row_videos(cfg: Config) -> RowVideos:
+    """The reader of the rows' videos: the family's processor samples the frames (loaded here only for a family that
+    takes video; the policy, loaded later, has its own)."""
+    from vlmrl.data.row_videos import row_videos, takes_video
+    from vlmrl.modeling.loading import load_processor
+
+    family = cfg.model.family
+    processor = load_processor(family, cfg.model.name_or_path) if takes_video(family) else None
+    return row_videos(family, cfg.rollout.engine, processor, cfg.data.video)
+
+
 def _generate(cfg: Config, console: Any) -> GenerateResult:
     from rich.console import Console
 
@@ -78,7 +90,7 @@ def _generate(cfg: Config, console: Any) -> GenerateResult:
     console = console or Console()
     samples = cfg.algorithm.group_size
     files = GenerateFiles(cfg.logging.output_dir, cfg.logging.overwrite, to_yaml(cfg), samples)
-    tasks = load_env_tasks(cfg.env, eval_data_cfg(cfg.data))
+    tasks = load_env_tasks(cfg.env, eval_data_cfg(cfg.data), _row_videos(cfg))
     plan = files.plan(tasks, cfg.trainer.batch_size)
     todo = [p for _, missing in plan.steps for p in missing]
     if plan.done:

@@ -43,26 +43,38 @@ def tiny_processor_dir(family: str) -> Path:
 def _fix_pixels(processor, min_pixels: int | None, max_pixels: int | None):
     """Fix the image processor's pixel range (transformers 5: `size.shortest_edge/longest_edge`) for the run.
     Not via from_pretrained kwargs: those also resize videos and are re-sent as deprecated per-call kwargs."""
-    if min_pixels is None and max_pixels is None:
-        return processor
-    from transformers.image_utils import SizeDict
-
-    ip = processor.image_processor
-    size = {"shortest_edge": ip.size.shortest_edge, "longest_edge": ip.size.longest_edge}
-    for key, value in (("shortest_edge", min_pixels), ("longest_edge", max_pixels)):
-        size[key] = size[key] if value is None else int(value)
-    if size["shortest_edge"] > size["longest_edge"]:
-        raise ValueError(f"model.min_pixels ({size['shortest_edge']}) > model.max_pixels ({size['longest_edge']})")
-    ip.size = SizeDict(**size)
+    fix_size(processor.image_processor, min_pixels, max_pixels, "model.")
     return processor
 
 
-def load_processor(family: str, path: str, min_pixels: int | None = None, max_pixels: int | None = None):
+def fix_size(sub_processor, min_pixels: int | None, max_pixels: int | None, prefix: str) -> None:
+    """Set `size.shortest_edge`/`longest_edge` of an image or video processor to the bounds given (None: keep its
+    own), transformers 5's names for Qwen-VL's min_pixels/max_pixels. Raises ValueError naming `prefix`min_pixels
+    (e.g. `model.video_min_pixels`) when the range is empty."""
+    if min_pixels is None and max_pixels is None:
+        return
+    from transformers.image_utils import SizeDict
+
+    size = {"shortest_edge": sub_processor.size.shortest_edge, "longest_edge": sub_processor.size.longest_edge}
+    for key, value in (("shortest_edge", min_pixels), ("longest_edge", max_pixels)):
+        size[key] = size[key] if value is None else int(value)
+    if size["shortest_edge"] > size["longest_edge"]:
+        raise ValueError(f"{prefix}min_pixels ({size['shortest_edge']}) > {prefix}max_pixels ({size['longest_edge']})")
+    sub_processor.size = SizeDict(**size)
+
+
+def load_processor(
+    family: str,
+    path: str,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
+    video_pixels: tuple[int | None, int | None] = (None, None),
+):
     """Load the processor for `family` from `path` (`tiny:<family>`, a local directory or a hub id).
 
     min_pixels/max_pixels (None = the processor's default) are fixed into the image processor for the run, so an
-    image always expands to the same number of placeholder tokens. Raises ValueError/FileNotFoundError naming the
-    config field on bad input.
+    image always expands to the same number of placeholder tokens; video_pixels (min, max) into the video processor.
+    Raises ValueError/FileNotFoundError naming the config field on bad input.
     """
     from transformers import AutoProcessor
 
@@ -84,6 +96,10 @@ def load_processor(family: str, path: str, min_pixels: int | None = None, max_pi
         _check_hub(path)
         with model_load_errors(path, "processor"):
             processor = AutoProcessor.from_pretrained(path)
+    if video_pixels != (None, None):  # model.video_min_pixels / video_max_pixels
+        if getattr(processor, "video_processor", None) is None:
+            raise ValueError(f"model.video_min_pixels/video_max_pixels: the {family} processor takes no video")
+        fix_size(processor.video_processor, *video_pixels, "model.video_")
     return _fix_pixels(processor, min_pixels, max_pixels)
 
 
@@ -135,7 +151,8 @@ def load_policy(model_cfg: ModelConfig, seed: int = 0):
                 f"expected one of {model_types})"
             )
         _check_weight_files(path)
-    processor = load_processor(family, path, model_cfg.min_pixels, model_cfg.max_pixels)
+    video_pixels = (model_cfg.video_min_pixels, model_cfg.video_max_pixels)
+    processor = load_processor(family, path, model_cfg.min_pixels, model_cfg.max_pixels, video_pixels)
     if tiny:
         model = tiny_model(family, seed, dtype, variant=parse_tiny(path, family)[1], **extra)
     else:

@@ -24,8 +24,9 @@ def episode_metrics(records: list[TrajectoryRecord]) -> dict[str, float]:
     the episodes that reached one; only when some did); format_rate and parse_fail_rate (shares of graded turns; 0
     without any); `env_<key>` for every other per-turn key an environment reports (its mean over the graded turns
     that report it); turns_per_episode; response_length (sampled tokens per episode); sequence_length (ids per
-    episode); images_per_episode; episodes; end_<reason> (shares of episodes; one without an end reason is not
-    counted); stop_<reason> (shares of turns); and, when some episode called a tool, `tool_metrics`.
+    episode); images_per_episode; videos_per_episode (when some episode holds a video); episodes; end_<reason>
+    (shares of episodes; one without an end reason is not counted); stop_<reason> (shares of turns); and, when some
+    episode called a tool, `tool_metrics`.
     """
     if not records:
         return {}
@@ -46,6 +47,8 @@ def episode_metrics(records: list[TrajectoryRecord]) -> dict[str, float]:
         "images_per_episode": statistics.fmean(r.images for r in records),
         "episodes": float(n),
     }
+    if any(r.videos for r in records):
+        out["videos_per_episode"] = statistics.fmean(r.videos for r in records)
     retried = [g[1] for g in graded if len(g) > 1]
     if retried:
         out["second_turn_accuracy"] = statistics.fmean(float(t.correct) for t in retried)

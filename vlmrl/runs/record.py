@@ -137,6 +137,11 @@ class TrajectoryRecord:
         """Images in the conversation (image parts of its messages)."""
         return sum(p.get("type") == "image" for m in self.messages for p in m.get("content", []))
 
+    @property
+    def videos(self) -> int:
+        """Videos in the conversation (video parts of its messages)."""
+        return sum(p.get("type") == "video" for m in self.messages for p in m.get("content", []))
+
     # --- building --------------------------------------------------------------------------------------------------
     @classmethod
     def from_trajectory(

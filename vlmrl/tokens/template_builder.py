@@ -139,7 +139,7 @@ class TemplateBuilder(TokenBuilder):
 
     def _videos(self, messages: list[Message]) -> list[Video]:
         """The messages' videos in order. Raises ValueError when there are some and the family takes none here."""
-        videos = [v for m in messages for v in m.videos]
+        videos = [v.read() for m in messages for v in m.videos]  # a row's video file is decoded here
         if videos and not self.video_token:
             raise ValueError(f"{self.family}: this family takes no video input here (Qwen2/2.5/3-VL do)")
         return videos
