@@ -359,3 +359,32 @@ def test_sinks_off_by_default_and_missing_packages_skipped(tmp_path, monkeypatch
     assert not make_loggers(cfg)
     assert "wandb is not installed" in caplog.text and "tensorboard is not installed" in caplog.text
     assert not make_loggers(cfg, enabled=False)
+
+
+def test_a_video_shows_as_a_strip_of_its_frames_and_a_windowed_turn_says_what_it_saw(tmp_path):
+    """A record whose prompt holds the bar video (8 frames; frame i's bar at columns 8i..8i+7) and a frame folder,
+    with keep_images=1: the video is a strip of its 8 frames in order (read back from the inlined pixels), the
+    folder another, and turn 2 saw only the second video (the first a stub from turn 2)."""
+    import numpy as np
+    from video_fixture import bar_column, make_frames, make_video
+
+    from vlmrl.evaluation.report.viewer import ImageInliner, messages_html
+    from vlmrl.runs.record import TrajectoryRecord
+
+    make_video(tmp_path / "bar.mp4")
+    make_frames(tmp_path / "frames")
+    user = {"role": "user", "content": [{"type": "video", "ref": "bar.mp4"}, {"type": "text", "text": "Where?"}]}
+    more = {"role": "user", "content": [{"type": "video", "ref": "frames"}]}
+    reply = {"role": "assistant", "content": [{"type": "text", "text": "right"}]}
+    rec = TrajectoryRecord.from_json(
+        {"step": 1, "task_id": "t", "reward": 1.0, "messages": [user, reply, more, reply], "keep_images": 1}
+    )
+    page = messages_html(rec, ImageInliner([tmp_path]))
+    strips = re.findall(r'<figure class="video">(.*?)</figure>', page)
+    assert len(strips) == 2 and "video bar.mp4: 8 of its 8 frames · seen by turn 1, a stub from turn 2" in strips[0]
+    frames = [base64.b64decode(b) for _, b in DATA_URI.findall(strips[0])]
+    shown = [bar_column(np.asarray(Image.open(io.BytesIO(f)).convert("RGB").resize((64, 48)))) for f in frames]
+    assert shown == list(range(8))
+    assert "video frames: 8 of its 8 frames · seen by turn 2" in strips[1]
+    assert "saw images/videos 1–1 of 1 (keep_images=1; 0 stubs)" in page
+    assert "saw images/videos 2–2 of 2 (keep_images=1; 1 stubs)" in page

@@ -30,7 +30,18 @@ from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner
 from vlmrl.rollout.history import HistoryWindow, stub_images, windowed
 from vlmrl.tokens import get_builder
 from vlmrl.tools import ToolLimits, ToolRuntime, get_parser
-from vlmrl.types import Generation, ImagePart, Message, Role, StopReason, Task, TextPart, VisionInputs
+from vlmrl.types import (
+    Generation,
+    ImagePart,
+    Message,
+    Role,
+    StopReason,
+    Task,
+    TextPart,
+    VideoInputs,
+    VideoPart,
+    VisionInputs,
+)
 
 TOOL_CALL = '<tool_call>\n{"name": "picture", "arguments": {"size": 60}}\n</tool_call>'
 
@@ -334,6 +345,14 @@ def test_a_24_turn_frozenlake_episode_runs_to_the_end_with_a_window(tmp_path):
     assert all((run / ref).is_file() for ref in refs)  # (the same frame each turn: the random model never moves)
     result = verify_run(run, logprobs=False)
     assert result.ok and result.token_failures == 0
+    # the viewer marks what each turn saw: frame k comes before turn k, so turn k saw frames k-1 and k
+    from vlmrl.evaluation.report import build_report
+
+    page = build_report(run, tmp_path / "report").index.read_text()
+    assert "saw images/videos 23–24 of 24 (keep_images=2; 22 stubs)" in page
+    assert "saw images/videos 1–1 of 1 (keep_images=2; 0 stubs)" in page
+    assert page.count("seen by turns") == 23 and page.count(", a stub from turn") == 22  # frames 1..22 left
+    assert "seen by turns 1–2, a stub from turn 3" in page and "seen by turn 24<" in page
 
 
 def test_shared_prefix_reads_as_its_list():
@@ -365,3 +384,73 @@ def test_released_views_share_the_frozen_prefix_and_read_as_before(processors):
     assert len(prefixes) >= 2 and len({id(p.shared) for p in prefixes}) == 1 and all(p.n > 0 for p in prefixes)
     stored = sum(len(getattr(v.ids, "tail", v.ids)) for v in shared.views)
     assert stored < sum(len(v.ids) for v in shared.views)
+
+
+class ClipsEnv(Environment):
+    """Qwen-VL: the prompt holds an image and a video; after each graded turn, a video or an image, in turn."""
+
+    clips: list = []
+
+    def reset(self, task: Task) -> list[Message]:
+        self.n = 0
+        return [Message(Role.USER, [ImagePart(make_image(56, 56, 1)), VideoPart(self.clips[0]), TextPart("Go.")])]
+
+    def step(self, assistant_text: str, turn: int, last_turn: bool) -> StepResult:
+        self.n += 1
+        item = VideoPart(self.clips[self.n % 2]) if self.n % 2 else ImagePart(make_image(84, 56, self.n))
+        return StepResult(0.0, last_turn, [] if last_turn else [Message(Role.USER, [TextPart(f"Now {self.n}:"), item])])
+
+
+def test_a_video_counts_as_one_item_of_the_window_and_leaves_it_as_a_stub(processors, tmp_path):
+    """Qwen2.5-VL, keep_images=2, six turns: the prompt's image and video, then a video, an image, a video, ... after
+    each turn. Each turn's prompt equals the processor's full render of the conversation with all but the last two
+    items (images and videos alike) replaced by their stubs: ids, pixel_values, pixel_values_videos, video_grid_thw
+    and second_per_grid_ts; the `individual` samples carry those videos."""
+    from video_fixture import make_video
+
+    from vlmrl.data.video import read_video
+
+    bar = make_video(tmp_path / "bar.mp4")
+    ClipsEnv.clips = [read_video(bar, lambda meta: [0, 2, 4, 6]), read_video(bar, lambda meta: [1, 3])]
+    processor = processors("qwen2_5_vl")
+    builder = get_builder("qwen2_5_vl", processor)
+    replies = [f"Step {t}: go right." for t in range(6)]
+    engine = ScriptedVideoEngine(processor.tokenizer, builder.close_turn_id, replies)
+    limits = EpisodeLimits(6, 100_000, 1.0, keep_images=2)
+    runner = EpisodeRunner(builder, engine, ClipsEnv, limits, SamplingParams(max_new_tokens=64))
+    (traj,) = runner.run([Task("t0", [], "")], group_size=1, seed=0)
+    sampled = [list(t.generation.token_ids) for t in traj.turns]
+    assert len(engine.prompts) == 6 and traj.views
+    stubs = []
+    for t, (ids, vision, video) in enumerate(engine.prompts):
+        view = windowed(seen_at(traj, t), 2, builder.image_stub, builder.video_stub)
+        ref = full_reference(builder, view, sampled[:t])
+        assert ids == ref.ids, f"turn {t}"
+        assert sum(len(m.images) + len(m.videos) for m in view) == 2
+        stubs.append(sum(m.text_content.count(builder.video_stub) for m in view))
+        assert (vision is None) == (ref.vision is None) and (video is None) == (ref.video is None)
+        if vision is not None:
+            assert torch.equal(vision.pixel_values, ref.vision.pixel_values)
+        if video is not None:
+            assert torch.equal(video.pixel_values_videos, ref.video.pixel_values_videos)
+            assert video.video_grid_thw.tolist() == ref.video.video_grid_thw.tolist()
+            assert video.second_per_grid_ts.tolist() == ref.video.second_per_grid_ts.tolist()
+    # items before turn t: 2 + t, the oldest t hidden: the prompt's image (turn 1), its video (turn 2), the first
+    # observation's video (turn 3), the second's image (turn 4), the third's video (turn 5)
+    assert stubs == [0, 0, 1, 2, 2, 3]
+    samples = to_samples([traj], ExportStyle.individual, builder.image_token_id, video_token_id=builder.video_token_id)
+    for (ids, _, video), s in zip(engine.prompts, samples):
+        assert s.input_ids.tolist()[: len(ids)] == ids
+        assert (s.video is None) == (video is None)
+        if video is not None:
+            assert torch.equal(s.video.pixel_values_videos, video.pixel_values_videos)
+
+
+class ScriptedVideoEngine(ScriptedEngine):
+    """`ScriptedEngine` that also records each prompt's processed videos."""
+
+    def generate(self, prompts, n, params):
+        out = super().generate(prompts, n, params)
+        for k, p in enumerate(prompts, start=len(self.prompts) - len(prompts)):
+            self.prompts[k] = (*self.prompts[k], VideoInputs.cat(p.video_parts))
+        return out

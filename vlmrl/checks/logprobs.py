@@ -107,7 +107,11 @@ def sampled_alignment(
     """
     trajs = [t for t in trajectories if t.tokens.turn_spans]
     chosen = trajs if len(trajs) <= k else random.Random(seed).sample(trajs, k)
-    recs = [r for i, t in enumerate(chosen) for r in split_views(Recorded.from_trajectory(t, i), builder.image_stub)]
+    recs = [
+        r
+        for i, t in enumerate(chosen)
+        for r in split_views(Recorded.from_trajectory(t, i), builder.image_stub, builder.video_stub)
+    ]
     bad = sum(any(m.failure for m in replay(builder, r)[1]) for r in recs)
     if temperature is None:
         temperature = float(getattr(getattr(trainer_or_model, "cfg", None), "temperature", 1.0) or 1.0)

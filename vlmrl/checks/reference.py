@@ -29,18 +29,20 @@ import torch
 
 from vlmrl.checks.diff import FAIL, Mismatch, diff_tokens
 from vlmrl.checks.diff import _tokenizer as _tokenizer_of
-from vlmrl.types import Message, Role, VisionInputs
+from vlmrl.types import Message, Role, VideoInputs, VisionInputs
 
 MARKER = "VLMRLTURN{}END"
 
 
 @dataclass
 class Reference:
-    """The processor's full render with the sampled ids spliced in: ids [T'], the sampled spans in it, its images."""
+    """The processor's full render with the sampled ids spliced in: ids [T'], the sampled spans in it, its images
+    and its videos."""
 
     ids: list[int]
     spans: list[tuple[int, int]]
     vision: VisionInputs | None
+    video: VideoInputs | None = None
 
 
 def _find(ids: list[int], sub: list[int], start: int) -> int:
@@ -92,7 +94,7 @@ def full_reference(builder, messages: list[Message], sampled: list[list[int]]) -
         out += list(gen)
         pos = end
     out += full.ids[pos:]
-    return Reference(out, spans, full.vision)
+    return Reference(out, spans, full.vision, full.video)
 
 
 def _segments(spans: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:

@@ -43,14 +43,16 @@ class ViewTokens:
     boundary: list[BoundaryEdit]
     image_grid_thw: list[list[int]] | None = None
     vision: VisionInputs | None = None
+    video: VideoInputs | None = None  # its processed videos (in memory)
 
     @staticmethod
     def of(seq: TokenSeq) -> "ViewTokens":
         vision = seq.vision
         grid = vision.image_grid_thw.tolist() if vision is not None else None
         spans = [cast("tuple[int, int]", tuple(s)) for s in seq.turn_spans]
+        video = seq.videos_before(len(seq.ids))
         return ViewTokens(
-            list(seq.ids), list(seq.loss_mask), list(seq.logprobs), spans, list(seq.boundary), grid, vision
+            list(seq.ids), list(seq.loss_mask), list(seq.logprobs), spans, list(seq.boundary), grid, vision, video
         )
 
     @staticmethod

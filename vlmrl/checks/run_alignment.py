@@ -237,7 +237,9 @@ def _check_one(index: int, raw: dict, run: Path, patch, builder, score) -> Traje
     except (KeyError, ValueError, TypeError, AttributeError, IndexError) as exc:
         return _unreadable(index, raw, where, f"{type(exc).__name__}: {exc}")
     try:
-        views = split_views(rec, builder.image_stub)  # a history window: one check per view the model saw
+        views = split_views(
+            rec, builder.image_stub, builder.video_stub
+        )  # a history window: one check per view the model saw
     except ValueError as exc:
         return _unreadable(index, raw, where, f"ValueError: {exc}")
     parts: list[TrajectoryAlignment] = []

@@ -12,10 +12,11 @@ import dataclasses
 
 from vlmrl.checks.replay import Recorded
 from vlmrl.rollout.history import windowed
+from vlmrl.tokens.base import TokenBuilder
 from vlmrl.types import Role
 
 
-def split_views(rec: Recorded, stub: str) -> list[Recorded]:
+def split_views(rec: Recorded, stub: str, video_stub: str = TokenBuilder.video_stub) -> list[Recorded]:
     """`rec` as one Recorded per view (module docstring); [rec] for a trajectory without a window.
 
     Raises ValueError when the record's views do not fit its turns (a turn's view out of range, or a view in which
@@ -45,12 +46,13 @@ def split_views(rec: Recorded, stub: str) -> list[Recorded]:
                 boundary=d.boundary,
                 image_grid_thw=d.image_grid_thw,
                 vision=d.vision,
+                video=d.video,
             )
             n_msgs, n_turns = answers[last] + 1, last + 1
         out.append(
             dataclasses.replace(
                 base,
-                messages=windowed(rec.messages[:n_msgs], rec.keep_images, stub),
+                messages=windowed(rec.messages[:n_msgs], rec.keep_images, stub, video_stub),
                 stop_reasons=rec.stop_reasons[:n_turns],
                 own_turns=(own[0], last + 1) if own else (0, 0),
                 keep_images=None,

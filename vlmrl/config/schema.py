@@ -162,8 +162,8 @@ class EnvConfig:
     )
     keep_images: Optional[int] = knob(
         None,
-        "The history window: the model sees only the last K images of its episode, earlier ones become a text "
-        "stub (vlmrl.rollout.history; training exports `individual`); null: every image.",
+        "The history window: the model sees only the last K images and videos of its episode (a video counts as "
+        "one), earlier ones become a text stub (vlmrl.rollout.history; training exports `individual`); null: all.",
     )
 
 

@@ -1,8 +1,10 @@
-"""A history window for images (`env.keep_images = K`): the model sees only the last K images of its episode.
+"""A history window for images and videos (`env.keep_images = K`): the model sees only the last K images and videos
+of its episode.
 
-Every image of the conversation (prompt, tool results, environment observations) counts, in order. From the turn at
-which an image is no longer among the last K, the prompt shows the builder's `image_stub` text in its place
-(`stub_images`) and its `pixel_values` leave the episode's live token sequence. The conversation the model sees is
+Every image and every video of the conversation (prompt, tool results, environment observations) counts as one item,
+in order. From the turn at which an item is no longer among the last K, the prompt shows the builder's `image_stub`
+(`video_stub`) text in its place (`stub_images`) and its `pixel_values` (`pixel_values_videos`) leave the episode's
+live token sequence. The conversation the model sees is
 therefore rewritten, not extended: each time an image leaves the window the episode switches to a new *view*, a
 `TokenSeq` rebuilt from the episode's segments (the prompt, each sampled turn's ids verbatim, each observation) with
 the hidden images stubbed. A view is exactly the builder's render of the windowed conversation, which for a
@@ -11,7 +13,8 @@ prefix-preserving family is the processor's own full render of it (tested agains
 - Sampled ids are never re-encoded: a rebuilt view replays each earlier turn's ids with `add_generation` and gives
   them loss mask 0 and logprob 0 (they were sampled in another view; `Trajectory.views` keeps that one).
 - Each image is processed once per trajectory: a rebuilt view takes the processed inputs of the images it still
-  shows from the view before (`TokenSeq.carried`), and a segment is re-rendered only when its own stubs change;
+  shows from the view before (`TokenSeq.carried`), and a segment is re-rendered only when its own stubs change (a
+  video that such a segment still shows is processed again then);
   segments whose images are all hidden form a frozen prefix that later views fork. A turn's cost is O(window) renders
   plus copying the view's id lists.
 - Training: a windowed trajectory exports `individual` samples, one per turn: that turn's view up to the end of its
@@ -32,28 +35,30 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from vlmrl.tokens.base import Piece, TokenBuilder
-from vlmrl.types import Generation, ImagePart, Message, Part, StoredImagePart, TextPart, TokenSeq
+from vlmrl.types import Generation, ImagePart, Message, Part, StoredImagePart, TextPart, TokenSeq, VideoPart
 
 
 def count_images(messages: list[Message]) -> int:
-    """The image parts of `messages` (without reading a `StoredImagePart`'s file)."""
-    return sum(isinstance(p, ImagePart) for m in messages for p in m.content)
+    """The items of the window in `messages`: image and video parts (without reading a `StoredImagePart`'s file)."""
+    return sum(isinstance(p, (ImagePart, VideoPart)) for m in messages for p in m.content)
 
 
-def stub_images(messages: list[Message], hide: int, stub: str) -> list[Message]:
-    """`messages` with their first `hide` images (in order) replaced by the text `stub` (new Message objects only
-    where a part changed). hide <= 0: the messages themselves."""
+def stub_images(
+    messages: list[Message], hide: int, stub: str, video_stub: str = TokenBuilder.video_stub
+) -> list[Message]:
+    """`messages` with their first `hide` items (images and videos, in order) replaced by the text `stub` (a video by
+    `video_stub`); new Message objects only where a part changed. hide <= 0: the messages themselves."""
     if hide <= 0:
         return messages
     out, seen = [], 0
     for m in messages:
-        if not m.images or seen >= hide:
+        if seen >= hide or not any(isinstance(p, (ImagePart, VideoPart)) for p in m.content):
             out.append(m)
             continue
         parts: list[Part] = []
         for p in m.content:
-            if isinstance(p, ImagePart) and seen < hide:
-                parts.append(TextPart(stub))
+            if isinstance(p, (ImagePart, VideoPart)) and seen < hide:
+                parts.append(TextPart(video_stub if isinstance(p, VideoPart) else stub))
                 seen += 1
             else:
                 parts.append(p)
@@ -62,7 +67,8 @@ def stub_images(messages: list[Message], hide: int, stub: str) -> list[Message]:
 
 
 def spill_images(messages: list[Message], hidden: int, spill: Callable[[ImagePart], ImagePart]) -> list[Message]:
-    """`messages` with their first `hidden` images (in order) replaced by `spill(part)`, e.g. `ImageStore.spill`: a
+    """`messages` with the images among their first `hidden` items (images and videos, in order) replaced by
+    `spill(part)`, e.g. `ImageStore.spill`: a
     `StoredImagePart` that keeps its place (and record) but not its pixels. Messages that change are new objects (a
     GRPO group's episodes share their prompt's); parts already stored are kept. The images' memory is freed once
     nothing else holds them (`HistoryWindow` drops its own references as segments freeze)."""
@@ -70,9 +76,9 @@ def spill_images(messages: list[Message], hidden: int, spill: Callable[[ImagePar
     for m in messages:
         parts: list[Part] = []
         for p in m.content:
-            if isinstance(p, ImagePart):
+            if isinstance(p, (ImagePart, VideoPart)):
                 seen += 1
-                if seen <= hidden and not isinstance(p, StoredImagePart):
+                if seen <= hidden and isinstance(p, ImagePart) and not isinstance(p, StoredImagePart):
                     p = spill(p)
             parts.append(p)
         changed = any(a is not b for a, b in zip(parts, m.content))
@@ -80,9 +86,11 @@ def spill_images(messages: list[Message], hidden: int, spill: Callable[[ImagePar
     return out
 
 
-def windowed(messages: list[Message], keep: int | None, stub: str) -> list[Message]:
-    """The conversation as the model sees it with a window of `keep` images (None: all of them)."""
-    return messages if keep is None else stub_images(messages, count_images(messages) - keep, stub)
+def windowed(
+    messages: list[Message], keep: int | None, stub: str, video_stub: str = TokenBuilder.video_stub
+) -> list[Message]:
+    """The conversation as the model sees it with a window of `keep` images and videos (None: all of them)."""
+    return messages if keep is None else stub_images(messages, count_images(messages) - keep, stub, video_stub)
 
 
 class SharedPrefix(Sequence):
@@ -152,7 +160,7 @@ class HistoryWindow:
 
     def _msgs(self, s: _Segment) -> list[Message]:
         assert s.messages is not None
-        return stub_images(s.messages, self._hide_in(s), self.builder.image_stub)
+        return stub_images(s.messages, self._hide_in(s), self.builder.image_stub, self.builder.video_stub)
 
     def start(self, messages: list[Message]) -> TokenSeq:
         """The first view: the prompt (its images beyond the last `keep` stubbed)."""

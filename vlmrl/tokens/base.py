@@ -119,6 +119,7 @@ class TokenBuilder(ABC):
     after_assistant_inserted: bool = True  # False: that text travels with the next rendered piece (LLaVA)
     # shown in place of an image that left the history window (`env.keep_images`, vlmrl.rollout.history)
     image_stub: str = " [an earlier image, no longer shown] "
+    video_stub: str = " [an earlier video, no longer shown] "  # the history window's text for a video it hides
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -1,9 +1,11 @@
-"""The static, self-contained HTML trajectory viewer: each episode's turns (text, inline images, tool calls and
-responses, per-turn rewards) and its token sequence coloured by loss mask.
+"""The static, self-contained HTML trajectory viewer: each episode's turns (text, inline images and videos, tool
+calls and responses, per-turn rewards) and its token sequence coloured by loss mask.
 
 Images come from the messages' refs (file paths; relative ones are tried against the run folder and the current
-directory), downscaled and inlined as `data:` URIs. Token ids are decoded with the run's tokenizer when it loads,
-else shown as ids. Runs of one repeated id (image placeholders) are folded into one chip `<tok> ×N`.
+directory), downscaled and inlined as `data:` URIs; a video shows a strip of up to `VIDEO_FRAMES` evenly spaced
+frames. With a history window (`env.keep_images`) each turn says which images and videos it saw and each image or
+video the turns that saw it (`vlmrl.evaluation.report.window`). Token ids are decoded with the run's tokenizer
+when it loads, else shown as ids. Runs of one repeated id (image placeholders) are folded into one chip `<tok> ×N`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
+from vlmrl.evaluation.report.window import MEDIA, WindowMarks
 from vlmrl.runs.record import TrajectoryRecord
 from vlmrl.types import CORRECT, FORMATTED, PARSE_FAIL
 
@@ -23,6 +26,7 @@ log = logging.getLogger("vlmrl.evaluation.report")
 
 TOOL_CALL_RE = re.compile(r"(<tool_call>.*?(?:</tool_call>|$))", re.S)
 FOLD_MIN = 4  # fold runs of at least this many identical ids
+VIDEO_FRAMES = 8  # the frames of a video's strip, evenly spaced over it
 
 
 class ImageInliner:
@@ -42,6 +46,31 @@ class ImageInliner:
             self.cache[ref] = self._encode(ref)
         return self.cache[ref]
 
+    def frames(self, ref: str) -> tuple[list[str], int]:
+        """(data URIs of up to `VIDEO_FRAMES` evenly spaced frames, the video's frame count) of the video `ref` (a
+        file or a folder of frames); ([], 0) when it cannot be read."""
+        from PIL import Image
+
+        from vlmrl.data.video import BadVideo, read_video
+
+        p = Path(ref).expanduser()
+        path = next((c for c in ([p] if p.is_absolute() else [r / p for r in self.roots]) if c.exists()), None)
+        if path is None:
+            return [], 0
+        total = [0]
+
+        def spaced(meta) -> list[int]:
+            total[0] = int(meta.total_num_frames)
+            k = min(VIDEO_FRAMES, total[0])
+            return sorted({round(i * (total[0] - 1) / max(k - 1, 1)) for i in range(k)})
+
+        try:
+            video = read_video(path, spaced, max_pixels=2**62)
+        except BadVideo:
+            return [], 0
+        side = self.max_side // 2
+        return [self._encode_image(Image.fromarray(f), side) for f in video.frames], total[0]
+
     def _encode(self, ref: str) -> str | None:
         from PIL import Image
 
@@ -54,7 +83,14 @@ class ImageInliner:
                 img: Image.Image = im.copy()
         except Exception:  # noqa: BLE001 - an unreadable image becomes a placeholder
             return None
-        img.thumbnail((self.max_side, self.max_side))
+        return self._encode_image(img, self.max_side)
+
+    @staticmethod
+    def _encode_image(img: Any, side: int) -> str:
+        """A data URI of `img` downscaled to `side` px: the smaller of a 256-colour PNG and a JPEG."""
+        from PIL import Image
+
+        img.thumbnail((side, side))
         if img.mode in ("RGBA", "LA", "P"):  # flatten transparency onto white (diagrams are often RGBA)
             rgba = img.convert("RGBA")
             img = Image.new("RGB", rgba.size, (255, 255, 255))
@@ -130,11 +166,24 @@ def _text_html(text: str, role: str) -> str:
     return "".join(out)
 
 
-def _image_html(ref: str, inline: Callable[[str], str | None]) -> str:
+def _image_html(ref: str, inline: Callable[[str], str | None], note: str = "") -> str:
     uri = inline(ref)
+    note = f" · {_esc(note)}" if note else ""
     if uri is None:
-        return f'<div class="noimg">image not found: {_esc(ref)}</div>'
-    return f'<figure><img src="{uri}" alt="{_esc(ref)}"><figcaption>{_esc(Path(ref).name)}</figcaption></figure>'
+        return f'<div class="noimg">image not found: {_esc(ref)}{note}</div>'
+    cap = f"{_esc(Path(ref).name)}{note}"
+    return f'<figure><img src="{uri}" alt="{_esc(ref)}"><figcaption>{cap}</figcaption></figure>'
+
+
+def _video_html(ref: str, inline: Any, note: str = "") -> str:
+    """A video as a strip of its frames (`ImageInliner.frames`), captioned with its name and frame count."""
+    uris, total = inline.frames(ref) if hasattr(inline, "frames") else ([], 0)
+    note = f" · {_esc(note)}" if note else ""
+    if not uris:
+        return f'<div class="noimg">video not found: {_esc(ref)}{note}</div>'
+    strip = "".join(f'<img src="{u}" alt="frame">' for u in uris)
+    cap = f"video {_esc(Path(ref).name)}: {len(uris)} of its {total} frames{note}"
+    return f'<figure class="video">{strip}<figcaption>{cap}</figcaption></figure>'
 
 
 def _turn_info(rec: TrajectoryRecord, a: int) -> str:
@@ -171,20 +220,26 @@ def _turn_info(rec: TrajectoryRecord, a: int) -> str:
 
 
 def messages_html(rec: TrajectoryRecord, inline: Callable[[str], str | None]) -> str:
-    out, a = [], 0
+    """The conversation; with a history window, each image and video names the turns that saw it and each turn the
+    items it saw (`WindowMarks`)."""
+    out, a, item = [], 0, 0
+    marks = WindowMarks.of(rec)
     for msg in rec.messages:
         role = str(msg.get("role", "?"))
         body = []
         for part in msg.get("content", []):
-            if part.get("type") == "image":
-                body.append(_image_html(str(part.get("ref", "")), inline))
-            elif part.get("type") == "video":
-                body.append(f'<div class="info">[video: {_esc(str(part.get("ref", "")))}]</div>')
+            kind, ref = part.get("type"), str(part.get("ref", ""))
+            if kind in MEDIA:
+                note = marks.item_note(item) if marks is not None else ""
+                body.append(_image_html(ref, inline, note) if kind == "image" else _video_html(ref, inline, note))
+                item += 1
             else:
                 body.append(_text_html(str(part.get("text", "")), role))
         info = ""
         if role == "assistant":
             info = _turn_info(rec, a)
+            if marks is not None:
+                info += f'<div class="info"><span class="badge">{_esc(marks.turn_note(a))}</span></div>'
             label = f"assistant · turn {a + 1}"
             a += 1
         else:
