@@ -33,18 +33,22 @@ runner = CliRunner()
 
 def test_scenarios_cover_the_issue():
     names = [s.name for s in scenarios()]
-    assert names == ["text_reply", "tool_call", "tool_image", "user_images", "system_prompt", "thinking", "three_turns"]
+    assert names == [
+        *("text_reply", "tool_call", "tool_image", "user_images", "system_prompt", "thinking", "three_turns"),
+        *("video_prompt", "tool_video", "images_and_videos"),
+    ]
     for sc in scenarios():
         first, plan = turns(sc.messages)
         assert first and len(plan) >= 2 and sc.messages[-1].role == Role.ASSISTANT
     assert any(m.role == Role.TOOL and m.images for m in get_scenario("tool_image").messages)
+    assert any(m.role == Role.TOOL and m.videos for m in get_scenario("tool_video").messages)
     assert stages(get_scenario("text_reply").messages) == [(1, True), (2, False), (3, True), (4, False)]
 
 
 def test_check_template_qwen25_prefix_preserving(qwen25_processor):
     report = check_prefix("qwen2_5_vl", qwen25_processor)
     assert report.prefix_preserving and report.export_style == "concat" and report.consistent
-    assert [s.status for s in report.scenarios] == ["ok"] * 7
+    assert [s.status for s in report.scenarios] == ["ok"] * 10
     assert all(s.tokens > 0 and not s.breaks for s in report.scenarios)
 
 
@@ -120,7 +124,7 @@ def test_verify_alignment_scenarios_qwen(family, qwen_processors):
 def test_verify_alignment_cli_one_family():
     result = runner.invoke(app, ["verify-alignment", "qwen2_vl"])
     assert result.exit_code == 0, result.output
-    assert "7 family × scenario checks: 7 ok, 0 failed" in result.output
+    assert "10 family × scenario checks: 10 ok, 0 failed" in result.output
 
 
 def test_scenario_mismatch_is_a_failure(qwen25_processor, monkeypatch):

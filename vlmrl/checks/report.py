@@ -85,8 +85,8 @@ def print_prefix_report(report: PrefixReport, out: Console | None = None) -> Non
 
 
 # --- verify-alignment, scenarios ---------------------------------------------------------------------------------
-SCENARIO_CHECKS = ("prompts", "ids", "mask", "logprobs", "pixel_values", "image_grid_thw", "placeholders")
-_HEADERS = ("prompts", "ids", "mask", "logprobs", "pixels", "grid", "placeholders")
+SCENARIO_CHECKS = ("prompts", "ids", "mask", "logprobs", "pixel_values", "image_grid_thw", "placeholders", "videos")
+_HEADERS = ("prompts", "ids", "mask", "logprobs", "pixels", "grid", "placeholders", "videos")
 
 
 def scenario_table(results: list[ScenarioAlignment], skipped: dict[str, str] | None = None) -> Table:

@@ -1,6 +1,6 @@
 """Mode 1 of `vlmrl verify-alignment` (`vlmrl.checks.alignment`): each conversation of `vlmrl.checks.scenarios`
 built with the continuous-token builder vs the processor's own full render (ids, prompts, loss mask, logprobs,
-images and placeholder counts)."""
+images and placeholder counts, videos: `pixel_values_videos`, `video_grid_thw`, `second_per_grid_ts`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from vlmrl.checks import make_builder
 from vlmrl.checks.diff import FAIL, Mismatch, _decoder, _status, _tokenizer, _vision_of, diff_tokens
 from vlmrl.checks.scenarios import Scenario, scenarios, turns
 from vlmrl.tokens.base import PrefixMode
-from vlmrl.types import Generation, Message, StopReason, TokenSeq, VisionInputs
+from vlmrl.types import Generation, Message, StopReason, TokenSeq, VideoInputs, VisionInputs
 
 
 @dataclass
@@ -188,7 +188,24 @@ def _compare(builder, built: _Build, n_msgs: int, render_full, rewrites: bool) -
     )
     mismatches += _span_checks(built, decode)
     mismatches += _vision_checks(builder, _vision_of(builder, seq), full.vision, seq.ids, full.ids)
+    mismatches += _video_checks(seq.videos_before(len(seq.ids)), full.video)
     return mismatches
+
+
+def _video_checks(got: VideoInputs | None, ref: VideoInputs | None) -> list[Mismatch]:
+    """The build's processed videos vs the full render's, field by field (exactly equal: each video is processed
+    by the same call on the same frames)."""
+    if got is None and ref is None:
+        return []
+    if got is None or ref is None:
+        return [Mismatch("videos", -1, FAIL, "none" if ref is None else "videos", "none" if got is None else "videos")]
+    out = []
+    for f in dataclasses.fields(VideoInputs):
+        a, b = getattr(got, f.name), getattr(ref, f.name)
+        if (a is None) != (b is None) or (a is not None and (a.shape != b.shape or not torch.equal(a, b))):
+            shape = lambda t: "none" if t is None else f"shape {tuple(t.shape)}"
+            out.append(Mismatch("videos", -1, FAIL, f"{f.name} {shape(b)}", f"{f.name} {shape(a)} (differs)"))
+    return out
 
 
 def align_scenario(builder, scenario: Scenario) -> ScenarioAlignment:
@@ -235,7 +252,7 @@ def align_scenario(builder, scenario: Scenario) -> ScenarioAlignment:
     mismatches = _compare(builder, built, len(msgs), render_full, rewrites)
     checks = {
         name: _status(mismatches, name)
-        for name in ("prompts", "ids", "mask", "logprobs", "pixel_values", "image_grid_thw", "placeholders")
+        for name in ("prompts", "ids", "mask", "logprobs", "pixel_values", "image_grid_thw", "placeholders", "videos")
     }
     return ScenarioAlignment(
         family, scenario.name, not any(m.failure for m in mismatches), len(built.seq.ids), n_images, checks, mismatches

@@ -1,4 +1,5 @@
-"""Conversation scenarios the template checks render, with small dummy images.
+"""Conversation scenarios the template checks render, with small dummy images and videos (the video scenarios are
+not applicable to a family that takes no video).
 
 Each scenario ends with an assistant message and has at least two assistant turns, so every check sees an assistant
 turn that is followed by more conversation (where templates that rewrite history differ from those that extend it).
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 
 from PIL import Image, ImageDraw
 
-from vlmrl.types import ImagePart, Message, Role, TextPart
+from vlmrl.types import ImagePart, Message, Role, TextPart, Video, VideoPart
 
 CALC_TOOL = {
     "type": "function",
@@ -25,6 +26,18 @@ CALC_TOOL = {
             "type": "object",
             "properties": {"expr": {"type": "string", "description": "e.g. 180 - 2*45"}},
             "required": ["expr"],
+        },
+    },
+}
+REPLAY_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "replay",
+        "description": "Show the last seconds of the scene as a video.",
+        "parameters": {
+            "type": "object",
+            "properties": {"seconds": {"type": "integer", "description": "how many seconds back"}},
+            "required": ["seconds"],
         },
     },
 }
@@ -53,6 +66,18 @@ def dummy_image(width: int = 56, height: int = 56, seed: int = 0) -> Image.Image
     return img
 
 
+def dummy_video(frames: int = 4, width: int = 56, height: int = 56, seed: int = 0, fps: float = 2.0) -> Video:
+    """A small deterministic video: `frames` dummy images at `fps` frames a second (each frame's index in the source
+    is its position, as `vlmrl.data.video.read_video` records it)."""
+    import numpy as np
+    from transformers.video_utils import VideoMetadata
+
+    stack = np.stack([np.asarray(dummy_image(width, height, seed + i)) for i in range(frames)])
+    meta = VideoMetadata(total_num_frames=frames, fps=fps, width=width, height=height, duration=frames / fps)
+    meta.frames_indices = list(range(frames))
+    return Video(stack, meta, f"dummy-video:{seed}")
+
+
 @dataclass
 class Scenario:
     """A named conversation (ending with an assistant message) and the tool schemas its chat template is given."""
@@ -63,12 +88,18 @@ class Scenario:
     tools: list[dict] = field(default_factory=list)
 
 
+def _part(p):
+    if isinstance(p, str):
+        return TextPart(p)
+    return VideoPart(p) if isinstance(p, Video) else ImagePart(p, f"dummy:{id(p)}")
+
+
 def _user(*parts) -> Message:
-    return Message(Role.USER, [TextPart(p) if isinstance(p, str) else ImagePart(p, f"dummy:{id(p)}") for p in parts])
+    return Message(Role.USER, [_part(p) for p in parts])
 
 
 def _tool(*parts) -> Message:
-    return Message(Role.TOOL, [TextPart(p) if isinstance(p, str) else ImagePart(p, f"dummy:{id(p)}") for p in parts])
+    return Message(Role.TOOL, [_part(p) for p in parts])
 
 
 def _assistant(text: str) -> Message:
@@ -76,7 +107,52 @@ def _assistant(text: str) -> Message:
 
 
 def scenarios() -> list[Scenario]:
-    """The seven scenarios of `vlmrl check-template` / `verify-alignment` (fresh images each call)."""
+    """The scenarios of `vlmrl check-template` / `verify-alignment` (fresh images each call): seven with text and
+    images, then three with videos."""
+    return _image_scenarios() + _video_scenarios()
+
+
+def _video_scenarios() -> list[Scenario]:
+    """A video in the first prompt; a tool that returns a video; images and videos mixed, one of each returned as an
+    environment observation (a user message after a reply)."""
+    clip, longer = dummy_video(4, 56, 56, 1), dummy_video(6, 84, 56, 5)
+    replay = '<tool_call>\n{"name": "replay", "arguments": {"seconds": 3}}\n</tool_call>'
+    return [
+        Scenario(
+            "video_prompt",
+            "a video in the first prompt, a follow-up, a reply",
+            [
+                _user(clip, "Which way does the box move?"),
+                _assistant("It moves to the right: \\boxed{right}."),
+                _user("How many times does it stop?"),
+                _assistant("It never stops: \\boxed{0}."),
+            ],
+        ),
+        Scenario(
+            "tool_video",
+            "a tool call whose response holds a video",
+            [
+                _user(dummy_image(56, 56, 1), "What happened just before this frame?"),
+                _assistant(replay),
+                _tool("The last 3 seconds:", longer),
+                _assistant("The box slid in from the left: \\boxed{slid}."),
+            ],
+            [REPLAY_TOOL],
+        ),
+        Scenario(
+            "images_and_videos",
+            "images and videos mixed; an observation with a video and an image after the first reply",
+            [
+                _user(dummy_image(84, 56, 2), clip, "Compare the picture with the clip."),
+                _assistant("The clip shows the same box moving."),
+                _user("Now this clip and this frame:", longer, dummy_image(56, 84, 3)),
+                _assistant("The frame is the clip's last: \\boxed{last}."),
+            ],
+        ),
+    ]
+
+
+def _image_scenarios() -> list[Scenario]:
     im = [dummy_image(56, 56, 1), dummy_image(84, 56, 2), dummy_image(56, 84, 3), dummy_image(64, 64, 4)]
     question = "Find x. Choices: A 30, B 45, C 60, D 90. Put the letter in \\boxed{}."
     call = '<tool_call>\n{"name": "calc", "arguments": {"expr": "180 - 2*45"}}\n</tool_call>'

@@ -96,6 +96,9 @@ def load_processor(
         _check_hub(path)
         with model_load_errors(path, "processor"):
             processor = AutoProcessor.from_pretrained(path)
+    video_processor: Any = getattr(processor, "video_processor", None)
+    if getattr(video_processor, "cap_pixels_per_frame", False) is None:  # Qwen2/2.5-VL, transformers < 5.22
+        video_processor.cap_pixels_per_frame = True  # qwen-vl-utils' per-frame cap, transformers' default from 5.22
     if video_pixels != (None, None):  # model.video_min_pixels / video_max_pixels
         if getattr(processor, "video_processor", None) is None:
             raise ValueError(f"model.video_min_pixels/video_max_pixels: the {family} processor takes no video")
