@@ -35,7 +35,7 @@ from typing import Any, cast
 from vlmrl.tools.isolation import Sandbox
 from vlmrl.tools.process import Reply, WorkerError, WorkerProcess, decode_reply
 from vlmrl.tools.results import ImageBounds, items_from_blocks, sanitize
-from vlmrl.types import ImagePart, Message, Role, TextPart, ToolFailure
+from vlmrl.types import ImagePart, Message, Role, TextPart, ToolFailure, Video, VideoPart
 
 log = logging.getLogger("vlmrl.tools")
 _OBSERVATION = (ImageBounds(), 100_000)  # bounds and max characters of reset() observations
@@ -108,7 +108,11 @@ class RemoteMethod:
 
 def _parts(blocks: list[dict] | None) -> list[Any]:
     return [
-        TextPart(sanitize(x)) if isinstance(x, str) else ImagePart(x, "env:reset")
+        TextPart(sanitize(x))
+        if isinstance(x, str)
+        else VideoPart(x)
+        if isinstance(x, Video)
+        else ImagePart(x, "env:reset")
         for x in items_from_blocks(blocks or [])
     ]
 

@@ -1,9 +1,10 @@
-"""Tool results -> `Message(Role.TOOL, parts)`: text (sanitised, truncated to a token budget) and images (bounded
-to the processor's min/max pixels).
+"""Tool results -> `Message(Role.TOOL, parts)`: text (sanitised, truncated to a token budget), images (bounded
+to the processor's min/max pixels) and videos (bounded by `vlmrl.data.video.MAX_VIDEO_PIXELS`).
 
-A tool may return a string, a PIL image, a numpy HxWx3 uint8 array, a `TextPart`/`ImagePart`, a content block
-(`{"type": "text", "text": ...}` / `{"type": "image", "image": PIL}`), a list of any of these (in order), None, or
-any other value (shown as JSON or `str()`).
+A tool may return a string, a PIL image, a numpy HxWx3 uint8 array, a `vlmrl.types.Video` (frames [T, H, W, 3]
+uint8 as the model should see them, e.g. from `vlmrl.data.video.read_video`), a `TextPart`/`ImagePart`/`VideoPart`,
+a content block (`{"type": "text", "text": ...}` / `{"type": "image", "image": PIL}` / `{"type": "video", "video":
+Video}`), a list of any of these (in order), None, or any other value (shown as JSON or `str()`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any, cast
 from PIL import Image
 
 from vlmrl.image_fit import MAX_PIXELS, pad_to_aspect
-from vlmrl.types import ImagePart, Message, Part, Role, TextPart, ToolFailure
+from vlmrl.types import ImagePart, Message, Part, Role, TextPart, ToolFailure, Video, VideoPart
 
 NO_OUTPUT = "(no output)"
 MAX_RESULT_ITEMS = 64  # text/image items shown of one tool result (`flatten`; the worker and the trainer both cap)
@@ -113,6 +114,10 @@ class Converted:
     def images(self) -> int:
         return sum(isinstance(p, ImagePart) for p in self.parts)
 
+    @property
+    def videos(self) -> int:
+        return sum(isinstance(p, VideoPart) for p in self.parts)
+
 
 def _walk(result: Any, depth: int = 0) -> Iterator[Any]:
     if isinstance(result, (list, tuple)) and depth < 3:
@@ -131,8 +136,14 @@ def flatten(result: Any, limit: int = MAX_RESULT_ITEMS) -> list[Any]:
     return items
 
 
-def to_part(item: Any, ref: str) -> TextPart | ImagePart:
-    """One result item as a part (json/str for values that are neither text nor an image)."""
+def to_part(item: Any, ref: str) -> TextPart | ImagePart | VideoPart:
+    """One result item as a part (json/str for values that are neither text, an image nor a video)."""
+    if isinstance(item, dict) and item.get("type") == "video" and isinstance(item.get("video"), Video):
+        item = item["video"]
+    if isinstance(item, Video):
+        return VideoPart(item)
+    if isinstance(item, VideoPart):
+        return item
     if isinstance(item, (TextPart, ImagePart)):
         return item if isinstance(item, TextPart) or item.ref else ImagePart(item.image, ref)
     if isinstance(item, Image.Image):
@@ -162,6 +173,9 @@ def convert_result(result: Any, ref: str, bounds: ImageBounds, budget: TextBudge
     left, truncated, n_img = budget.max_tokens, False, 0
     for item in items:
         part = to_part(item, f"{ref}#{n_img}")
+        if isinstance(part, VideoPart):
+            parts.append(part)
+            continue
         if isinstance(part, ImagePart):
             image, note = pad_to_aspect(part.image, max_pixels=min(bounds.max_pixels or MAX_PIXELS, MAX_PIXELS))
             parts.append(ImagePart(bounds.apply(image), part.ref))
@@ -180,8 +194,8 @@ def convert_result(result: Any, ref: str, bounds: ImageBounds, budget: TextBudge
 
 
 def items_from_blocks(blocks: object) -> list[Any]:
-    """Content blocks from a tool worker (untrusted JSON, see `vlmrl.tools.worker`) as strings and RGB images.
-    Raises ValueError for a malformed block."""
+    """Content blocks from a tool worker (untrusted JSON, see `vlmrl.tools.worker`) as strings, RGB images and
+    videos. Raises ValueError for a malformed block or a video past the bound."""
     if not isinstance(blocks, list):
         raise ValueError("blocks must be a list")
     if len(blocks) > MAX_RESULT_ITEMS + 1:  # the worker sends at most that many (`flatten`)
@@ -195,9 +209,38 @@ def items_from_blocks(blocks: object) -> list[Any]:
             if not (isinstance(w, int) and isinstance(h, int) and w > 0 and h > 0 and len(rgb) == w * h * 3):
                 raise ValueError("an image block's size does not match its pixels")
             items.append(Image.frombytes("RGB", (w, h), rgb))
+        elif isinstance(b, dict) and b.get("type") == "video":
+            items.append(video_from_block(b))
         else:
             raise ValueError("unknown content block")
     return items
+
+
+def video_from_block(b: dict) -> Video:
+    """A worker's video block `{"type": "video", "t", "w", "h", "fps", "indices", "rgb": base64(T*H*W*3)}` as a
+    `Video`. Raises ValueError for a malformed block or more than `MAX_VIDEO_PIXELS` pixels."""
+    import numpy as np
+    from transformers.video_utils import VideoMetadata
+
+    from vlmrl.data.video import MAX_VIDEO_PIXELS
+
+    t, w, h, fps, indices = b.get("t"), b.get("w"), b.get("h"), b.get("fps"), b.get("indices")
+    sizes_ok = all(isinstance(x, int) and x > 0 for x in (t, w, h))
+    if not sizes_ok or not isinstance(fps, (int, float)) or not (math.isfinite(fps) and fps > 0):
+        raise ValueError("a video block needs positive t, w, h and fps")
+    t, w, h = int(cast(int, t)), int(cast(int, w)), int(cast(int, h))
+    if t * w * h > MAX_VIDEO_PIXELS:
+        raise ValueError(f"a video of {t} frames of {w}x{h}: more than {MAX_VIDEO_PIXELS:,} pixels")
+    if not isinstance(indices, list) or len(indices) != t or not all(isinstance(i, int) and i >= 0 for i in indices):
+        raise ValueError("a video block's frame indices do not match its frames")
+    rgb = base64.b64decode(str(b.get("rgb", "")), validate=True)
+    if len(rgb) != t * w * h * 3:
+        raise ValueError("a video block's size does not match its pixels")
+    frames = np.frombuffer(rgb, np.uint8).reshape(t, h, w, 3).copy()
+    total = max(indices) + 1
+    meta = VideoMetadata(total_num_frames=total, fps=float(fps), width=w, height=h, duration=total / fps)
+    meta.frames_indices = list(indices)
+    return Video(frames, meta, "")
 
 
 def error_message(kind: ToolFailure, detail: str) -> Message:

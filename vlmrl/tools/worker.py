@@ -13,7 +13,9 @@ confines them). Protocol, over the worker's stdin/stdout pipes, one request then
 - reply (worker -> trainer, untrusted): 8-byte length + UTF-8 JSON, never pickle, so a hostile worker cannot run
   code in the trainer: `{"ok": true, "blocks": [...], "value": x, "retire": bool}` or
   `{"ok": false, "kind": "exception"|"bad_arguments"|"memory", "detail": "..."}`. A text block is
-  `{"type": "text", "text": s}`; an image block `{"type": "image", "w": W, "h": H, "rgb": base64(W*H*3 bytes)}`.
+  `{"type": "text", "text": s}`; an image block `{"type": "image", "w": W, "h": H, "rgb": base64(W*H*3 bytes)}`; a
+  video block `{"type": "video", "t": T, "w": W, "h": H, "fps": f, "indices": [T source frame indices], "rgb":
+  base64(T*H*W*3 bytes)}`.
 
 Forged replies: tool code runs in this process and can write to the reply pipe (it is only a file descriptor), so
 the trainer trusts no frame's position: a reply must carry its request's nonce, and after each reply the trainer
@@ -49,7 +51,7 @@ from typing import Any, BinaryIO
 
 from vlmrl.tools.results import ImageBounds, flatten, to_part
 from vlmrl.tools.spec import ToolArgumentError
-from vlmrl.types import ImagePart, Message, TextPart
+from vlmrl.types import ImagePart, Message, TextPart, VideoPart
 
 HEADER = struct.Struct(">Q")
 ADDRESS_SPACE_EXTRA_MB = 4096  # shared libraries (torch maps ~3 GiB) on top of memory_mb
@@ -136,6 +138,18 @@ def cpu_spent(cpu_s: float) -> bool:
 
 
 def _block(part: Any) -> dict:
+    if isinstance(part, VideoPart):
+        frames, meta = part.video.frames, part.video.metadata
+        t, h, w = (int(x) for x in frames.shape[:3])
+        indices, fps = getattr(meta, "frames_indices", None), getattr(meta, "fps", None)
+        if not fps:
+            raise ValueError("a video a tool returns needs its frame rate (Video.metadata.fps; read_video sets it)")
+        return {
+            "type": "video",
+            **{"t": t, "w": w, "h": h, "fps": float(fps)},
+            "indices": [int(i) for i in indices] if indices is not None else list(range(t)),
+            "rgb": base64.b64encode(frames.astype("uint8").tobytes()).decode(),
+        }
     if isinstance(part, ImagePart):
         im = part.image
         return {"type": "image", "w": im.width, "h": im.height, "rgb": base64.b64encode(im.tobytes()).decode()}
@@ -149,6 +163,8 @@ def encode_blocks(result: Any, bounds: ImageBounds, max_chars: int) -> list[dict
         part = to_part(item, "")
         if isinstance(part, ImagePart):
             part = ImagePart(bounds.apply(part.image), "")
+        elif isinstance(part, VideoPart):
+            pass  # bounded by the trainer (`vlmrl.tools.results.video_from_block`)
         else:
             part = TextPart(str(part.text)[:max_chars])
         blocks.append(_block(part))

@@ -1,0 +1,85 @@
+"""A tool that returns a video mid-episode, through a real tool worker: the video crosses the worker's JSON reply as
+frames, reaches the tool message, and the trajectory equals the processor's own full render of the conversation
+(ids, pixel_values_videos, video_grid_thw, second_per_grid_ts). A video the worker cannot send, or one past the
+bound, is a counted tool failure and the episode goes on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_history_window import ScriptedVideoEngine
+from video_fixture import bar_column
+from video_tools import clip, no_rate_clip
+
+from vlmrl.checks.reference import full_reference
+from vlmrl.envs.base import Environment, StepResult
+from vlmrl.rollout.engine import SamplingParams
+from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner
+from vlmrl.tokens import get_builder
+from vlmrl.tools import ToolLimits, ToolRuntime, get_parser
+from vlmrl.types import Message, Role, Task, TextPart, VideoPart
+
+CALL = '<tool_call>\n{{"name": "{name}", "arguments": {{"frames": {n}}}}}\n</tool_call>'
+
+
+class AskEnv(Environment):
+    """One question; the tool is `TOOL`; the episode ends after the second reply."""
+
+    TOOL = clip
+
+    def reset(self, task: Task) -> list[Message]:
+        return [Message(Role.USER, [TextPart("Which way does the bar move? Use the tool.")])]
+
+    def tools(self) -> list:
+        return [self.TOOL]
+
+    def step(self, assistant_text: str, turn: int, last_turn: bool) -> StepResult:
+        return StepResult(0.0, True, [])
+
+
+def _episode(processors, tool, call: str):
+    processor = processors("qwen2_5_vl")
+    builder = get_builder("qwen2_5_vl", processor)
+    engine = ScriptedVideoEngine(processor.tokenizer, builder.close_turn_id, [call, "It moves right: \\boxed{right}"])
+    runtime = ToolRuntime(get_parser("qwen2_5_vl"), ToolLimits(timeout_s=60.0))
+    env = type("Env", (AskEnv,), {"TOOL": staticmethod(tool)})
+    limits, sampling = EpisodeLimits(3, 100_000, 1.0), SamplingParams(max_new_tokens=64)
+    runner = EpisodeRunner(builder, engine, env, limits, sampling, tools=runtime)
+    try:
+        (traj,) = runner.run([Task("t0", [], "")], group_size=1, seed=0)
+    finally:
+        runtime.executor.close()
+    return builder, engine, traj
+
+
+def test_a_tools_video_reaches_the_model_as_the_processor_renders_it(processors):
+    """clip(frames=6): six bar frames at 4 fps cross the worker's reply; Qwen2.5-VL's processor pads them to 6 (a
+    multiple of its temporal patch 2): video_grid_thw [[3, h, w]], second_per_grid_ts [0.5] (2 frames / 4 fps)."""
+    builder, engine, traj = _episode(processors, clip, CALL.format(name="clip", n=6))
+    tool_msg = next(m for m in traj.messages if m.role is Role.TOOL)
+    (video,) = tool_msg.videos
+    assert [bar_column(f) for f in video.frames] == list(range(6)) and video.metadata.fps == 4.0
+    assert traj.tool_stats.ok == 1 and traj.tool_stats.failed == 0
+    sampled = [list(t.generation.token_ids) for t in traj.turns]
+    ref = full_reference(builder, traj.messages, sampled)
+    assert traj.tokens.ids == ref.ids
+    got = traj.tokens.videos_before(len(traj.tokens.ids))
+    assert torch.equal(got.pixel_values_videos, ref.video.pixel_values_videos)
+    assert got.video_grid_thw[:, 0].tolist() == [3] and got.second_per_grid_ts.tolist() == [0.5]
+    assert engine.prompts[1][2] is not None  # the second turn's prompt carried the video to the engine
+
+
+@pytest.mark.parametrize("case", ["no frame rate", "past the bound"])
+def test_a_video_the_worker_cannot_send_or_past_the_bound_is_a_counted_tool_failure(processors, monkeypatch, case):
+    if case == "past the bound":
+        monkeypatch.setattr("vlmrl.data.video.MAX_VIDEO_PIXELS", 6 * 64 * 48 - 1)
+        tool, call = clip, CALL.format(name="clip", n=6)
+    else:
+        tool, call = no_rate_clip, CALL.format(name="no_rate_clip", n=2)
+    _, _, traj = _episode(processors, tool, call)
+    tool_msg = next(m for m in traj.messages if m.role is Role.TOOL)
+    assert not tool_msg.videos and "Error" in tool_msg.text_content and len(traj.turns) == 2
+    assert traj.tool_stats.failed == 1 and traj.tool_stats.ok == 0
+    want = "frame rate" if case == "no frame rate" else "a video of 6 frames of 64x48: more than 18,431 pixels"
+    assert want in tool_msg.text_content
+    assert not any(isinstance(p, VideoPart) for m in traj.messages for p in m.content)
