@@ -139,7 +139,8 @@ def cpu_spent(cpu_s: float) -> bool:
 
 def _block(part: Any) -> dict:
     if isinstance(part, VideoPart):
-        frames, meta = part.video.frames, part.video.metadata
+        video = part.video.read()  # (a VideoFile is decoded here)
+        frames, meta = video.frames, video.metadata
         t, h, w = (int(x) for x in frames.shape[:3])
         indices, fps = getattr(meta, "frames_indices", None), getattr(meta, "fps", None)
         if not fps:
