@@ -80,18 +80,7 @@ def _vision_checks(
         names = ["pixel_values", "image_grid_thw"]
         if dataclasses.is_dataclass(ref):
             names += [f.name for f in dataclasses.fields(ref) if f.name not in names]
-        for name in names:
-            a, b = getattr(got, name, None), getattr(ref, name, None)
-            if a is None and b is None or not isinstance(a if a is not None else b, torch.Tensor):
-                continue
-            if a is None or b is None or a.shape != b.shape or not torch.equal(a, b):
-                shape = lambda t: "none" if t is None else f"shape {tuple(t.shape)}"
-                detail = (
-                    ""
-                    if a is None or b is None or a.shape != b.shape
-                    else f", max |diff| {float((a.float() - b.float()).abs().max()):.3g}"
-                )
-                out.append(Mismatch(name, -1, FAIL, shape(b), shape(a) + detail))
+        out += _tensor_mismatches(got, ref, names)
     image_id = builder.image_token_id
     placeholders = sum(1 for t in ids if t == image_id)
     features = _n_features(builder, got)
@@ -192,6 +181,26 @@ def _compare(builder, built: _Build, n_msgs: int, render_full, rewrites: bool) -
     return mismatches
 
 
+def _tensor_mismatches(got: Any, ref: Any, names: list[str], check: str = "") -> list[Mismatch]:
+    """Each tensor field `names` of `got` vs `ref`, exactly (shape, then values); a difference is a FAIL named
+    `check` (its field named in the text), else named by the field."""
+    out = []
+    for name in names:
+        a, b = getattr(got, name, None), getattr(ref, name, None)
+        if a is None and b is None or not isinstance(a if a is not None else b, torch.Tensor):
+            continue
+        if a is None or b is None or a.shape != b.shape or not torch.equal(a, b):
+            shape = lambda t: "none" if t is None else f"shape {tuple(t.shape)}"
+            detail = (
+                ""
+                if a is None or b is None or a.shape != b.shape
+                else f", max |diff| {float((a.float() - b.float()).abs().max()):.3g}"
+            )
+            label = f"{name} " if check else ""
+            out.append(Mismatch(check or name, -1, FAIL, label + shape(b), label + shape(a) + detail))
+    return out
+
+
 def _video_checks(got: VideoInputs | None, ref: VideoInputs | None) -> list[Mismatch]:
     """The build's processed videos vs the full render's, field by field (exactly equal: each video is processed
     by the same call on the same frames)."""
@@ -199,13 +208,7 @@ def _video_checks(got: VideoInputs | None, ref: VideoInputs | None) -> list[Mism
         return []
     if got is None or ref is None:
         return [Mismatch("videos", -1, FAIL, "none" if ref is None else "videos", "none" if got is None else "videos")]
-    out = []
-    for f in dataclasses.fields(VideoInputs):
-        a, b = getattr(got, f.name), getattr(ref, f.name)
-        if (a is None) != (b is None) or (a is not None and (a.shape != b.shape or not torch.equal(a, b))):
-            shape = lambda t: "none" if t is None else f"shape {tuple(t.shape)}"
-            out.append(Mismatch("videos", -1, FAIL, f"{f.name} {shape(b)}", f"{f.name} {shape(a)} (differs)"))
-    return out
+    return _tensor_mismatches(got, ref, [f.name for f in dataclasses.fields(VideoInputs)], "videos")
 
 
 def align_scenario(builder, scenario: Scenario) -> ScenarioAlignment:

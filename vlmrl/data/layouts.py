@@ -73,7 +73,7 @@ def normalise(
         raise BadRowError(f"{where}: no answer")
     _refuse_video(valid, videos, where)
     images = _images(valid, src, rid, where)
-    reader = _VideoSource(videos, src.base_dir, src.name, rid, where)
+    reader = _VideoSource(videos, src.base_dir, where)
     row_videos = [reader.part(item) for item in _video_values(valid)]
     messages = _messages(valid, layout, images, row_videos, reader, where)
     cols = {k: v for k, v in rec.items() if k not in _IMAGE_KEYS + _VIDEO_KEYS}
@@ -114,8 +114,8 @@ def _video_values(valid: Any) -> list:
 class _VideoSource:
     """The row's videos as `VideoPart`s of checked, not yet decoded `VideoFile`s (BadVideo -> BadRowError)."""
 
-    def __init__(self, videos: RowVideos, base_dir: Path | None, dataset: str, rid: str, where: str) -> None:
-        self.videos, self.base_dir, self.dataset, self.rid, self.where = videos, base_dir, dataset, rid, where
+    def __init__(self, videos: RowVideos, base_dir: Path | None, where: str) -> None:
+        self.videos, self.base_dir, self.where = videos, base_dir, where
 
     def part(self, item: Any) -> VideoPart:
         """The video `item` (a path or a list of frame paths; relative to the data file's folder). Raises

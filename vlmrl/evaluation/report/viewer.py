@@ -36,10 +36,11 @@ class ImageInliner:
         self.roots, self.max_side = roots, max_side
         self.cache: dict[str, str | None] = {}
 
-    def resolve(self, ref: str) -> Path | None:
+    def resolve(self, ref: str, folders: bool = False) -> Path | None:
+        """The file `ref` names (absolute, or relative to one of `roots`); folders: a folder too (a video's frames)."""
         p = Path(ref).expanduser()
         candidates = [p] if p.is_absolute() else [root / p for root in self.roots]
-        return next((c for c in candidates if c.is_file()), None)
+        return next((c for c in candidates if c.is_file() or folders and c.is_dir()), None)
 
     def __call__(self, ref: str) -> str | None:
         if ref not in self.cache:
@@ -53,8 +54,7 @@ class ImageInliner:
 
         from vlmrl.data.video import BadVideo, read_video
 
-        p = Path(ref).expanduser()
-        path = next((c for c in ([p] if p.is_absolute() else [r / p for r in self.roots]) if c.exists()), None)
+        path = self.resolve(ref, folders=True) if ref else None
         if path is None:
             return [], 0
         total = [0]
