@@ -25,6 +25,7 @@ from vlmrl.evaluation.during_training import EvalSetup, eval_during_training
 from vlmrl.modeling.adapters import prepare_policy
 from vlmrl.modeling.loading import load_policy
 from vlmrl.registry import ROLLOUT_ENGINES
+from vlmrl.rollout import engine_video_refusal
 from vlmrl.rollout.engine import derive_seed
 from vlmrl.rollout.episode import EpisodeRunner
 from vlmrl.rollout.runner import build_runner
@@ -208,7 +209,7 @@ def build_job(cfg: Config, plan: ResumePlan | None = None) -> Job:
             "over with logging.overwrite=true"
         )
     cfg = dataclasses.replace(cfg, export=dataclasses.replace(cfg.export, style=style))  # config.yaml: the effective
-    videos = row_videos(cfg.model.family, cfg.rollout.engine, processor, cfg.data.video)
+    videos = row_videos(cfg.model.family, engine_video_refusal(cfg.rollout), processor, cfg.data.video)
     tasks = load_env_tasks(cfg.env, cfg.data, videos)
     if not tasks:
         raise ValueError(f"no usable rows in {cfg.data.path} (split {cfg.data.split})")

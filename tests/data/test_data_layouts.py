@@ -154,8 +154,9 @@ def test_a_row_with_video_in_a_run_without_video_is_a_bad_row_not_a_silent_loss(
     """An EasyR1/verl `videos` column, a `<video>` marker or a video part, in a run whose family (or engine) takes no
     video: skipped with a line naming the row and the reason (an error with strict_rows), never trained as text
     without its video."""
-    from vlmrl.config import VideoConfig
+    from vlmrl.config import RolloutConfig, VideoConfig, VLLMConfig
     from vlmrl.data.row_videos import row_videos
+    from vlmrl.rollout import engine_video_refusal
 
     names = _images(tmp_path)
     rows = [
@@ -169,12 +170,13 @@ def test_a_row_with_video_in_a_run_without_video_is_a_bad_row_not_a_silent_loss(
         {"id": "ok", "problem": "<image>Colour?", "images": names[:1], "answer": "red", "videos": []},
     ]
     path = _jsonl(tmp_path / "v.jsonl", rows)
-    for family, engine, reason in [
-        ("gemma3", "transformers", "model.family=gemma3 takes no video here"),
-        ("qwen2_5_vl", "vllm", "rollout.engine=vllm takes no video yet (rollout.engine=transformers does)"),
+    server = RolloutConfig(engine="vllm", vllm=VLLMConfig(mode="server", url="http://127.0.0.1:8000"))
+    for family, rollout, reason in [
+        ("gemma3", RolloutConfig(), "model.family=gemma3 takes no video here"),
+        ("qwen2_5_vl", server, "rollout.vllm.mode=server takes no video (rollout.vllm.mode=colocate does)"),
     ]:
         caplog.clear()
-        videos = row_videos(family, engine, None, VideoConfig())
+        videos = row_videos(family, engine_video_refusal(rollout), None, VideoConfig())
         with caplog.at_level(logging.WARNING, logger="vlmrl.data"):
             assert [r.id for r in load_tasks({"path": str(path)}, lambda row: row, videos)] == ["ok"]
         assert f"row v1 of {path} (line 1): 1 video(s): {reason}" in caplog.text

@@ -46,7 +46,7 @@ def _rows(root: Path, rows: list[dict]) -> Path:
 
 
 def _load(path: Path, processor, family="qwen2_vl", strict=False, **knobs):
-    videos = row_videos(family, "transformers", processor, VideoConfig(**knobs))
+    videos = row_videos(family, None, processor, VideoConfig(**knobs))
     return load_tasks({"path": str(path), "strict_rows": strict}, lambda row: row, videos)
 
 

@@ -131,15 +131,16 @@ def two_image_task() -> Task:
     return Task("two", [Message(Role.USER, content)], "B")
 
 
-def run_episodes(s) -> list:
+def run_episodes(s, env=None, task=None, max_context: int = 1024) -> list:
+    """Two 2-turn episodes (T = 0.7, seed 3) of `task` (default `two_image_task()`) in `env` (`FeedbackImageEnv`)."""
     runner = EpisodeRunner(
         s.builder,
         s.engine,
-        FeedbackImageEnv,
-        EpisodeLimits(2, 1024, 0.95),
+        env or FeedbackImageEnv,
+        EpisodeLimits(2, max_context, 0.95),
         SamplingParams(max_new_tokens=8, temperature=TEMPERATURE, seed=3),
     )
-    return runner.run([two_image_task()], group_size=2)
+    return runner.run([task or two_image_task()], group_size=2)
 
 
 def test_colocated_images_match_the_trainer(setup):

@@ -25,6 +25,7 @@ from vlmrl.rollout.vllm.convert import (
     to_stop_reason,
     to_vllm_prompt,
 )
+from vlmrl.rollout.vllm.video import VideoIds
 from vlmrl.rollout.vllm.weights import write_weights
 from vlmrl.types import EnginePrompt, StopReason, VisionInputs
 
@@ -121,16 +122,6 @@ def test_sampling_kwargs_and_generate_body():
     assert sp["top_k"] == 0 and sp["repetition_penalty"] == 1.0  # never the model's generation_config
     assert body["return_token_ids"] and body["output_mode"] == "tokens"
     assert "logit_bias" not in kw
-
-
-def test_a_prompt_with_a_video_is_a_clear_error_for_vllm():
-    import numpy as np
-
-    from vlmrl.types import Video
-
-    video = Video(np.zeros((2, 4, 4, 3), np.uint8), None, "clip.mp4")
-    with pytest.raises(ValueError, match="vLLM rollouts take no video here yet"):
-        to_vllm_prompt(EnginePrompt([1, 2], [], videos=[video]), IMG, 2)
 
 
 def test_placeholder_ids_are_never_sampled_by_vllm(qwen25_processor):
@@ -302,13 +293,23 @@ def test_nested_vllm_config_reaches_the_engine_as_it_is(monkeypatch):
         ],
     )
     processor = SimpleNamespace(tokenizer=object(), image_processor=SimpleNamespace(merge_size=2))
-    builder = SimpleNamespace(stop_token_ids={EOS, 151643}, image_token_id=IMG, placeholder_token_ids=(IMG, 151656))
+    vision = {"<|vision_start|>": 151652, "<|vision_end|>": 151653}
+    builder = SimpleNamespace(
+        stop_token_ids={EOS, 151643},
+        image_token_id=IMG,
+        placeholder_token_ids=(IMG, 151656),
+        video_token_id=151656,
+        vision_tokens=tuple(vision),
+        tokenizer=SimpleNamespace(convert_tokens_to_ids=vision.get),
+        video_timestamps=True,
+    )
     make_engine(cfg.rollout, None, processor, builder)
     assert seen["config"] is cfg.rollout.vllm
     assert (seen["config"].kv_cache_gb, seen["config"].sync_check_seqs, seen["config"].seed) == (0.5, 3, 7)
     assert (seen["max_model_len"], seen["temperature"], seen["top_p"], seen["merge_size"]) == (999, 0.7, 0.9, 2)
     assert seen["eos_ids"] == [151643, EOS] and seen["image_token_id"] == IMG
     assert seen["suppress_ids"] == (IMG, 151656)
+    assert seen["video"] == VideoIds(151656, 151652, 151653, timestamps=True)
 
 
 def test_make_engine_without_vllm_is_a_clear_error(monkeypatch):

@@ -9,18 +9,15 @@ from vlmrl.config import VideoConfig
 from vlmrl.data.video import NoVideo, RowVideos, VideoReader, processor_sampling
 from vlmrl.families import get_family
 
-VIDEO_ENGINES = ("transformers",)  # the rollout engines that pass a video to the model
 
-
-def row_videos(family: str, engine: str, processor: Any, cfg: VideoConfig) -> RowVideos:
-    """The reader of the rows' videos for `family` (its token builder's `video_token`), `engine`
-    (`rollout.engine`) and `processor` (its `video_processor` samples the frames), with `cfg`'s knobs; or `NoVideo`.
-
-    """
+def row_videos(family: str, engine_refusal: str | None, processor: Any, cfg: VideoConfig) -> RowVideos:
+    """The reader of the rows' videos for `family` (its token builder's `video_token`), the rollout engine
+    (`engine_refusal`: why it passes no video, `vlmrl.rollout.engine_video_refusal`, or None) and `processor` (its
+    `video_processor` samples the frames), with `cfg`'s knobs; or `NoVideo`."""
     if not takes_video(family):
         return NoVideo(f"model.family={family} takes no video here (qwen2_vl, qwen2_5_vl and qwen3_vl do)")
-    if engine not in VIDEO_ENGINES:
-        return NoVideo(f"rollout.engine={engine} takes no video yet (rollout.engine=transformers does)")
+    if engine_refusal is not None:
+        return NoVideo(engine_refusal)
     video_processor = getattr(processor, "video_processor", None)
     if video_processor is None:
         return NoVideo(f"the {family} processor has no video processor")

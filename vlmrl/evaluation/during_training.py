@@ -66,8 +66,10 @@ def eval_during_training(setup: EvalSetup, step: int) -> dict[str, float]:
     if setup.tasks is None:
         from vlmrl.data.row_videos import row_videos
         from vlmrl.envs import load_env_tasks
+        from vlmrl.rollout import engine_video_refusal
 
-        videos = row_videos(cfg.model.family, cfg.rollout.engine, setup.processor, cfg.data.video)
+        refusal = engine_video_refusal(cfg.rollout)
+        videos = row_videos(cfg.model.family, refusal, setup.processor, cfg.data.video)
         setup.tasks = load_env_tasks(cfg.env, eval_data_cfg(cfg.data), videos)
     mine = setup.tasks[trainer.rank :: trainer.world_size]
     samples = cfg.algorithm.group_size

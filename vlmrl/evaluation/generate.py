@@ -72,10 +72,11 @@ def _row_videos(cfg: Config) -> RowVideos:
     takes video; the policy, loaded later, has its own)."""
     from vlmrl.data.row_videos import row_videos, takes_video
     from vlmrl.modeling.loading import load_processor
+    from vlmrl.rollout import engine_video_refusal
 
     family = cfg.model.family
     processor = load_processor(family, cfg.model.name_or_path) if takes_video(family) else None
-    return row_videos(family, cfg.rollout.engine, processor, cfg.data.video)
+    return row_videos(family, engine_video_refusal(cfg.rollout), processor, cfg.data.video)
 
 
 def _generate(cfg: Config, console: Any) -> GenerateResult:

@@ -218,22 +218,31 @@ def tiny_model(
     return model.train()
 
 
-def tiny_vllm_model(seed: int = 0, dtype: torch.dtype = torch.float32, hidden: int = 128, layers: int | None = None):
-    """The tiny Qwen2.5-VL widened so vLLM's kernels take it: text hidden `hidden` with head size 32, mRoPE
-    sections summing to 16, untied, eval mode (../shared/FIXTURES.md, "vLLM on CPU": vLLM's CPU attention needs a
-    head size of 32 or more and `sum(mrope_section) == head_dim / 2`). `hidden`/`layers` widen/deepen the text model
-    (bench/weight_sync.py's synthetic model of the same architecture)."""
+def tiny_vllm_model(
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    hidden: int = 128,
+    layers: int | None = None,
+    family: str = "qwen2_5_vl",
+):
+    """The tiny Qwen2.5-VL (or Qwen3-VL: `family="qwen3_vl"`) widened so vLLM's kernels take it: text hidden `hidden`
+    with head size 32, mRoPE sections summing to 16, untied, eval mode (../shared/FIXTURES.md, "vLLM on CPU": vLLM's
+    CPU attention needs a head size of 32 or more and `sum(mrope_section) == head_dim / 2`). `hidden`/`layers`
+    widen/deepen the text model (bench/weight_sync.py's synthetic model of the same architecture)."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    config = AutoConfig.from_pretrained(str(tiny_assets("qwen2_5_vl")), local_files_only=True)
+    config = AutoConfig.from_pretrained(str(tiny_assets(family)), local_files_only=True)
     text = config.text_config
     text.hidden_size, text.intermediate_size, text.num_attention_heads = hidden, 2 * hidden, hidden // 32
     text.num_key_value_heads = max(2, hidden // 64)
+    if getattr(text, "head_dim", None):
+        text.head_dim = 32
     if layers:
         text.num_hidden_layers = layers
         if getattr(text, "layer_types", None):
             text.layer_types = [text.layer_types[0]] * layers
-    text.rope_parameters["mrope_section"] = [4, 6, 6]
+    # the fixture's section proportions (Qwen2.5-VL [16, 24, 24] / 64 -> [4, 6, 6]; Qwen3-VL's tiny [4, 2, 2] doubled)
+    text.rope_parameters["mrope_section"] = [8, 4, 4] if family == "qwen3_vl" else [4, 6, 6]
     config.vision_config.out_hidden_size = hidden
     config.tie_word_embeddings = False
     with torch.random.fork_rng(devices=[]):

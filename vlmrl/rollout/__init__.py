@@ -18,4 +18,13 @@ def make_engine(rollout_cfg: Any, policy, processor, builder) -> Engine:
     return ROLLOUT_ENGINES.get(rollout_cfg.engine).make(rollout_cfg, policy, processor, builder)
 
 
-__all__ = ["Engine", "SamplingParams", "make_engine"]
+def engine_video_refusal(rollout_cfg: Any) -> str | None:
+    """Why the configured rollout engine passes no video to the model (one line naming the field to change), or None
+    when it does (`EngineSpec.video`). Raises ConfigError naming `rollout.engine` for an unregistered engine."""
+    spec = ROLLOUT_ENGINES.get(rollout_cfg.engine)
+    if spec.video is None:
+        return f"rollout.engine={rollout_cfg.engine} takes no video (rollout.engine=transformers and vllm do)"
+    return spec.video(rollout_cfg)
+
+
+__all__ = ["Engine", "SamplingParams", "engine_video_refusal", "make_engine"]

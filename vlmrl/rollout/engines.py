@@ -32,7 +32,9 @@ class EngineSpec:
     frozen copy of the behaviour weights, and an eval may gather its module once for all its generate calls);
     needs_rollout_correction: its logprobs come from another implementation of the policy than the trainer's
     (`algorithm.rollout_correction=auto` turns TIS on); configure: resolves the engine's own settings in place when
-    the config loads (recorded in the run folder's config.yaml), or None.
+    the config loads (recorded in the run folder's config.yaml), or None; video: the reason a rollout config of this
+    engine passes no video to the model, None when it does (`vlmrl.rollout.engine_video_refusal`), or None (the
+    field) for an engine that takes no video.
     """
 
     name: str
@@ -40,6 +42,7 @@ class EngineSpec:
     shares_policy_module: bool = False
     needs_rollout_correction: bool = True
     configure: Optional[Callable[["Config"], None]] = None
+    video: Optional[Callable[["RolloutConfig"], Optional[str]]] = None
 
 
 def register_engine(
@@ -48,18 +51,31 @@ def register_engine(
     shares_policy_module: bool = False,
     needs_rollout_correction: bool = True,
     configure: Optional[Callable[["Config"], None]] = None,
+    video: Optional[Callable[["RolloutConfig"], Optional[str]]] = None,
 ) -> Callable[[EngineFactory], EngineFactory]:
     """Decorator: register an engine factory under `name` (the attributes as `EngineSpec`'s)."""
 
     def deco(make: EngineFactory) -> EngineFactory:
-        spec = EngineSpec(name, make, shares_policy_module, needs_rollout_correction, configure)
+        spec = EngineSpec(name, make, shares_policy_module, needs_rollout_correction, configure, video)
         ROLLOUT_ENGINES.add(name, spec)
         return make
 
     return deco
 
 
-@register_engine("transformers", shares_policy_module=True, needs_rollout_correction=False)
+def _takes_video(rollout_cfg: RolloutConfig) -> Optional[str]:
+    return None
+
+
+def _vllm_video(rollout_cfg: RolloutConfig) -> Optional[str]:
+    """vLLM takes videos as decoded frames in process (`vlmrl.rollout.vllm.video`); its server would decode and sample
+    an encoded file again."""
+    if rollout_cfg.vllm.mode == "server":
+        return "rollout.vllm.mode=server takes no video (rollout.vllm.mode=colocate does)"
+    return None
+
+
+@register_engine("transformers", shares_policy_module=True, needs_rollout_correction=False, video=_takes_video)
 def transformers_engine(rollout_cfg: RolloutConfig, policy: Any, processor: Any, builder: Any) -> Engine:
     """`model.generate` of the trainer's module (`vlmrl.rollout.hf.TransformersEngine`), batched."""
     from vlmrl.rollout.hf import TransformersEngine
@@ -77,7 +93,7 @@ def transformers_engine(rollout_cfg: RolloutConfig, policy: Any, processor: Any,
     )
 
 
-@register_engine("vllm", configure=resolve_vllm_config)
+@register_engine("vllm", configure=resolve_vllm_config, video=_vllm_video)
 def vllm_engine(rollout_cfg: RolloutConfig, policy: Any, processor: Any, builder: Any) -> Engine:
     """vLLM (`rollout.vllm.mode`: colocate | server, `rollout.vllm.colocate_engine`: async | sync); its
     `sync_weights()` must follow every update. Raises ValueError when vLLM is not installed."""
@@ -99,4 +115,16 @@ def vllm_engine(rollout_cfg: RolloutConfig, policy: Any, processor: Any, builder
         top_p=rollout_cfg.top_p,
         merge_size=merge if isinstance(merge, int) else None,
         suppress_ids=builder.placeholder_token_ids,
+        video=video_ids(builder),
     )
+
+
+def video_ids(builder: Any) -> Any:
+    """The video span's ids of `builder`'s family for vLLM (`vlmrl.rollout.vllm.video.VideoIds`), or None when it
+    takes no video here."""
+    from vlmrl.rollout.vllm.video import VideoIds
+
+    if builder.video_token_id is None or len(builder.vision_tokens) != 2:
+        return None
+    start, end = (int(builder.tokenizer.convert_tokens_to_ids(t)) for t in builder.vision_tokens)
+    return VideoIds(int(builder.video_token_id), start, end, bool(builder.video_timestamps))

@@ -17,6 +17,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList
 
 from vlmrl.modeling.inputs import family_of_model, model_inputs
+from vlmrl.modeling.video_positions import use_reference_video_positions
 from vlmrl.rollout.engine import Engine, GenerateRequest, SamplingParams, derive_seed
 from vlmrl.rollout.sampling import RowSampler
 from vlmrl.rollout.vision_cache import VisionCache, supports
@@ -170,6 +171,7 @@ class TransformersEngine(Engine):
         inputs = model_inputs(family, ids, vision, self.image_token_id, mask)
         inputs["mm_token_type_ids"] = inputs["mm_token_type_ids"].masked_fill(ids == self.video_token_id, 2)
         inputs.update(videos.as_kwargs())
+        use_reference_video_positions()  # Qwen2/2.5-VL: the text after a video as the reference places it
         device, dtype = next(model.parameters()).device, model.dtype
         return {
             k: v.to(device, dtype=dtype) if k.startswith("pixel_values") else v.to(device) for k, v in inputs.items()

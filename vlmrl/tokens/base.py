@@ -114,6 +114,7 @@ class TokenBuilder(ABC):
     stop_tokens: tuple[str, ...] = ()  # more tokens generation stops on (`stop_token_ids`)
     image_token: str = ""  # the image placeholder (`image_token_id`)
     video_token: str = ""  # the video placeholder (`video_token_id`); "" for a family that takes no video here
+    video_timestamps: bool = False  # the processor writes each temporal step's time before its pads (Qwen3-VL)
     vision_tokens: tuple[str, ...] = ()  # tokens around a placeholder (e.g. `<|vision_start|>`): `vision_token_ids`
     after_assistant_ids: tuple[int, ...] = ()  # what the template writes after `close_turn_token`
     after_assistant_inserted: bool = True  # False: that text travels with the next rendered piece (LLaVA)

@@ -67,6 +67,7 @@ class QwenVLBuilder(TemplateBuilder):
         single tokens or whose `\\n` after `<|im_end|>` is not its own token.
         """
         super().__init__(processor, family, tools, **template_kwargs)
+        self.video_timestamps = self.family == "qwen3_vl"  # `<{s:.1f} seconds>` before each temporal step's pads
         merge = getattr(getattr(processor, "image_processor", None), "merge_size", None)
         # the grid expansion needs a placeholder and merge_size; the fast encoder adds no special tokens (nor may the
         # tokenizer: `add_special_tokens` is then moot)

@@ -31,6 +31,7 @@ import torch
 
 from vlmrl.modeling.inputs import family_of_model, image_kwargs, input_style
 from vlmrl.modeling.placeholders import image_positions
+from vlmrl.modeling.video_positions import use_reference_video_positions
 from vlmrl.train.packing import PACKED_LENGTHS, mrope_position_ids
 from vlmrl.types import EnginePrompt, Sample, VideoInputs, VisionInputs
 
@@ -145,6 +146,7 @@ def _image_inputs(samples: list[Sample], family: str | None, image_mask: torch.T
         out["image_grid_thw"] = torch.cat([v.image_grid_thw for v in vision]).long()
     if videos is not None:
         out.update(videos.as_kwargs())
+        use_reference_video_positions()  # Qwen2/2.5-VL: the text after a video as the reference places it
     return out
 
 
@@ -280,18 +282,32 @@ def sequence_logprobs(
 
 
 def prompt_logprobs(
-    model: torch.nn.Module, prompt: EnginePrompt, image_token_id: int | None, temperature: float = 1.0
+    model: torch.nn.Module,
+    prompt: EnginePrompt,
+    image_token_id: int | None,
+    temperature: float = 1.0,
+    video_token_id: int | None = None,
 ) -> torch.Tensor:
-    """The trainer's log p(ids[t] | ids[:t]) of an engine prompt (ids and images as the engine saw them): [T], 0.0
-    at t = 0; the reference vLLM's prompt logprobs are checked against after a weight sync."""
+    """The trainer's log p(ids[t] | ids[:t]) of an engine prompt (ids, images and videos as the engine saw them): [T],
+    0.0 at t = 0; the reference vLLM's prompt logprobs are checked against after a weight sync.
+
+    video_token_id: the video placeholder (mm_token_type_ids 2 on it); needed when the prompt holds videos.
+    Raises ValueError for a prompt with videos and no `video_token_id`."""
     ids = torch.tensor(prompt.token_ids, dtype=torch.long)
     image_id = -1 if image_token_id is None else image_token_id
+    types = (ids == image_id).long()
+    video = VideoInputs.cat(prompt.video_parts)
+    if video is not None:
+        if video_token_id is None:
+            raise ValueError("a prompt with videos needs the video placeholder id (video_token_id)")
+        types[ids == video_token_id] = 2
     sample = Sample(
         input_ids=ids,
         loss_mask=torch.ones_like(ids),
         old_logprobs=torch.zeros(len(ids)),
         advantage=0.0,
         vision=prompt.vision,
-        mm_token_type_ids=(ids == image_id).long(),
+        mm_token_type_ids=types,
+        video=video,
     )
     return sequence_logprobs(model, sample, temperature=temperature)

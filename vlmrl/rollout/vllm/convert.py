@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from vlmrl.rollout.engine import SamplingParams
+from vlmrl.rollout.vllm.video import VideoIds, collapse_video_spans, video_data
 from vlmrl.types import EnginePrompt, Generation, StopReason
 
 
@@ -76,23 +77,28 @@ def collapse_image_placeholders(
     return out
 
 
-def to_vllm_prompt(prompt: EnginePrompt, image_token_id: int | None, merge_size: int | None) -> dict:
-    """A vLLM token prompt: `{"prompt_token_ids": ids}` (+ `"multi_modal_data": {"image": [PIL, ...]}` with images,
-    each image's placeholder run collapsed to one token, see `vlmrl.rollout.vllm.engine`'s docstring).
-    Raises ValueError for a prompt with images but no `image_token_id`, and for a prompt with videos (vLLM rollouts
-    take images only here: the transformers engine takes videos)."""
+def to_vllm_prompt(
+    prompt: EnginePrompt, image_token_id: int | None, merge_size: int | None, video: VideoIds | None = None
+) -> dict:
+    """A vLLM token prompt: `{"prompt_token_ids": ids}` (+ `"multi_modal_data"`: `{"image": [PIL, ...]}` with images,
+    `{"video": [(frames, metadata), ...]}` with videos), each image's placeholder run and each video's expanded span
+    collapsed to one placeholder (see `vlmrl.rollout.vllm.engine`'s docstring and `vlmrl.rollout.vllm.video`).
+    Raises ValueError for a prompt with images but no `image_token_id`, with videos but no `video` ids or merge
+    size, and for placeholders that do not match the images or videos."""
+    ids = list(prompt.token_ids)
+    data: dict[str, list] = {}
+    if prompt.images:
+        if image_token_id is None:
+            raise ValueError("a prompt with images needs the model's image placeholder id")
+        counts = image_token_counts(prompt, merge_size)
+        ids = collapse_image_placeholders(ids, image_token_id, counts, len(prompt.images))
+        data["image"] = list(prompt.images)
     if prompt.videos:
-        raise ValueError(
-            "a prompt with videos: vLLM rollouts take no video here yet (rollout.engine=transformers does)"
-        )
-    if not prompt.images:
-        return {"prompt_token_ids": list(prompt.token_ids)}
-    if image_token_id is None:
-        raise ValueError("a prompt with images needs the model's image placeholder id")
-    ids = collapse_image_placeholders(
-        prompt.token_ids, image_token_id, image_token_counts(prompt, merge_size), len(prompt.images)
-    )
-    return {"prompt_token_ids": ids, "multi_modal_data": {"image": list(prompt.images)}}
+        if video is None or not merge_size:
+            raise ValueError("a prompt with videos needs the model's video placeholder ids and merge size")
+        ids = collapse_video_spans(prompt, ids, video, merge_size)
+        data["video"] = video_data(prompt)
+    return {"prompt_token_ids": ids, "multi_modal_data": data} if data else {"prompt_token_ids": ids}
 
 
 SUPPRESS_BIAS = -100.0  # vLLM clamps logit_bias to [-100, 100]; e^-100 ~ 4e-44: never sampled
@@ -150,7 +156,10 @@ def generate_body(
     `token_ids` with each image's placeholder run collapsed to one token (the server expands it, as in
     `to_vllm_prompt`), the images as PNG data URLs in `content_parts` (in prompt order), `sampling` (the
     `vllm.SamplingParams` fields, e.g. `sampling_kwargs(...)`), and `return_token_ids` so the response carries the
-    server's expanded prompt ids. Raises ValueError as `to_vllm_prompt`."""
+    server's expanded prompt ids. Raises ValueError as `to_vllm_prompt`, and for a prompt with videos (the server
+    route takes images only: a video would go as an encoded file, which vLLM decodes and samples again)."""
+    if prompt.videos:
+        raise ValueError("rollout.vllm.mode=server takes no video (rollout.vllm.mode=colocate does)")
     converted = to_vllm_prompt(prompt, image_token_id, merge_size)
     sampling = {k: v for k, v in sampling.items() if v is not None}  # seed None: the server's own
     body: dict[str, Any] = {
@@ -266,17 +275,18 @@ def check_expanded(prompt: EnginePrompt, vllm_ids: Sequence[int] | None, who: st
 class TokenIO:
     """What converting between vlmrl's prompts/generations and vLLM's needs (both colocated engines and the server
     client): the stop ids (`eos_ids`), the image placeholder id, the image processor's merge size, the
-    tokenizer's decode for `Generation.text`, and the ids never sampled (`suppress_ids`)."""
+    tokenizer's decode for `Generation.text`, the ids never sampled (`suppress_ids`) and the video span's ids."""
 
     eos_ids: list[int]
     image_token_id: int | None
     merge_size: int | None
     decode: Callable[[list[int]], str]
     suppress_ids: tuple[int, ...] = ()  # never sampled: the family's placeholder ids (`sampling_kwargs`)
+    video: VideoIds | None = None  # the video span's ids (None: the family takes no video here)
 
     def prompt(self, prompt: EnginePrompt) -> dict:
-        """`to_vllm_prompt(prompt)` (placeholders collapsed, images as `multi_modal_data`)."""
-        return to_vllm_prompt(prompt, self.image_token_id, self.merge_size)
+        """`to_vllm_prompt(prompt)` (placeholders collapsed, images and videos as `multi_modal_data`)."""
+        return to_vllm_prompt(prompt, self.image_token_id, self.merge_size, self.video)
 
     def sampling(self, params: SamplingParams, n: int) -> dict:
         """`sampling_kwargs` for n samples with vlmrl's stop ids and the request's seed."""

@@ -44,6 +44,10 @@ each image's run back to one placeholder and passes the PIL images as `multi_mod
 own copy of the processor (saved from vlmrl's, so the same min/max pixels), and every request checks that vLLM's
 expanded prompt equals vlmrl's ids token for token (`convert.TokenIO`).
 
+Videos (colocated modes; the server refuses them): each video's expanded span collapses to one `<|video_pad|>` and its
+decoded frames go as `multi_modal_data["video"]` with their metadata, not sampled again (`vlmrl.rollout.vllm.video`);
+the same token-for-token check follows.
+
 Logprobs (`Generation.logprobs` = log_softmax(logits / temperature) of the full distribution, see `SamplingParams`):
 vLLM's `logprobs_mode` is fixed per engine. `processed_logprobs` = log_softmax after temperature and top-k/top-p
 masking: exact when top_p = 1; `raw_logprobs` = log_softmax(logits) before temperature: exact when temperature = 1.
@@ -85,6 +89,7 @@ from vlmrl.rollout.vllm.convert import (
     max_abs_delta,
 )
 from vlmrl.rollout.vllm.server import VLLMServer
+from vlmrl.rollout.vllm.video import VideoIds
 from vlmrl.types import EnginePrompt, Generation
 
 log = logging.getLogger("vlmrl.rollout.vllm")
@@ -141,7 +146,8 @@ class VLLMEngine(Engine):
     image_token_id: the image placeholder id; config: `rollout.vllm` as it is; max_model_len: vLLM's context length
     in tokens (rollout.max_context_tokens); temperature, top_p: the rollout's (they pick `logprobs_mode=auto`);
     merge_size: the image processor's merge size (placeholder counts); suppress_ids: ids never sampled (the
-    family's image/video placeholders, `convert.sampling_kwargs`). Raises ConfigError for a bad `config`.
+    family's image/video placeholders, `convert.sampling_kwargs`); video: the video span's ids
+    (`vlmrl.rollout.vllm.video`; None: the family takes no video here). Raises ConfigError for a bad `config`.
     """
 
     def __init__(
@@ -157,6 +163,7 @@ class VLLMEngine(Engine):
         top_p: float,
         merge_size: int | None = None,
         suppress_ids: Sequence[int] = (),
+        video: VideoIds | None = None,
     ):
         check_vllm_config(config)
         self.policy, self.processor, self.config = policy, processor, config
@@ -165,7 +172,8 @@ class VLLMEngine(Engine):
         self.eos_ids = [int(t) for t in eos_ids]
         self.image_token_id = image_token_id
         self.merge_size = merge_size
-        self.io = TokenIO(self.eos_ids, image_token_id, merge_size, self._decode, tuple(int(t) for t in suppress_ids))
+        suppress = tuple(int(t) for t in suppress_ids)
+        self.io = TokenIO(self.eos_ids, image_token_id, merge_size, self._decode, suppress, video)
         self.logprobs_mode = (
             choose_logprobs_mode(temperature, top_p) if config.logprobs_mode == "auto" else config.logprobs_mode
         )
@@ -362,7 +370,8 @@ class VLLMEngine(Engine):
     def _trainer_logprobs(self, module: torch.nn.Module, prompt: EnginePrompt) -> list[float]:
         from vlmrl.train.logprobs import prompt_logprobs
 
-        return prompt_logprobs(module, prompt, self.image_token_id).tolist()
+        video_id = self.io.video.video_token_id if self.io.video else None
+        return prompt_logprobs(module, prompt, self.image_token_id, video_token_id=video_id).tolist()
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
