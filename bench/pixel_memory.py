@@ -29,6 +29,12 @@ default: 32 x 448x448).
     python bench/pixel_memory.py                         # 32 turns, 448x448 images
     python bench/pixel_memory.py --turns 8 --size 224 --json
     python bench/pixel_memory.py --turns 128 --keep-images 4   # a history window (env.keep_images): flat in turns
+    python bench/pixel_memory.py --media video --turns 32 --keep-images 4   # a video of 4 frames per turn instead
+
+With `--media video` every item is a video of `--frames` frames (each frame an image of the `new` case) instead of an
+image: the trajectory holds its `pixel_values_videos` once, the transformers engine encodes each video once a rollout
+(`VisionCache.video_outputs`), a window counts a video as one item and spills the decoded frames of one that left it
+to the run folder (`ImageStore.spill`), so peak memory follows the videos shown, not all the videos returned.
 
 Each case starts with `vlmrl generate`'s malloc policy (`vlmrl.malloc.mmap_large_blocks`): with glibc's default,
 dynamic threshold the blocks of pixels freed every turn (a window's released images, the image processor's work
@@ -59,7 +65,7 @@ COLUMNS = (
     "engine",
     "window",
     "turns",
-    "images",
+    "items",
     "Σ pixel_values",
     "peak − base",
     "(peak − base) / Σ",
@@ -82,11 +88,22 @@ def _reset_peak() -> None:
         f.write("5")
 
 
-def run_case(case: str, turns: int, size: int, engine: str = "transformers", keep: int | None = None) -> dict:
+def run_case(
+    case: str,
+    turns: int,
+    size: int,
+    engine: str = "transformers",
+    keep: int | None = None,
+    media: str = "image",
+    frames: int = 4,
+) -> dict:
     """Build one `turns`-turn episode of `case` ("new" | "same") for `engine` ("transformers" | "vllm") in this
-    process, with a history window of `keep` images (None: none); its memory row (see module doc)."""
+    process, with a history window of `keep` items (None: none), each item an image or a video of `frames` frames
+    (`media`); its memory row (see module doc)."""
+    import numpy as np
     import torch
     from PIL import Image, ImageDraw
+    from transformers.video_utils import VideoMetadata
 
     from vlmrl.config import ModelConfig
     from vlmrl.modeling.loading import load_policy
@@ -94,7 +111,7 @@ def run_case(case: str, turns: int, size: int, engine: str = "transformers", kee
     from vlmrl.rollout.vision_cache import VisionCache
     from vlmrl.runs.files import ImageStore
     from vlmrl.tokens import get_builder
-    from vlmrl.types import Generation, ImagePart, Message, Role, StopReason, TextPart
+    from vlmrl.types import Generation, ImagePart, Message, Role, StopReason, TextPart, Video, VideoInputs, VideoPart
 
     model, processor = load_policy(ModelConfig(name_or_path="tiny:qwen2_5_vl", family="qwen2_5_vl"))
     calls = {"n": 0}
@@ -106,6 +123,14 @@ def run_case(case: str, turns: int, size: int, engine: str = "transformers", kee
         return preprocess(*args, **kwargs)
 
     image_processor.preprocess = counted
+    video_processor = processor.video_processor
+    video_preprocess = video_processor.preprocess
+
+    def counted_video(*args, **kwargs):
+        calls["n"] += 1
+        return video_preprocess(*args, **kwargs)
+
+    video_processor.preprocess = counted_video
     builder = get_builder("qwen2_5_vl", processor)
     tok = processor.tokenizer
     reply = tok.encode("The angles are supplementary, so x = 60. \\boxed{C}", add_special_tokens=False)
@@ -116,17 +141,26 @@ def run_case(case: str, turns: int, size: int, engine: str = "transformers", kee
         ImageDraw.Draw(img).rectangle([10 + seed % 50, 20, size // 2, size // 2 + 30], fill=(255, 255, 255))
         return img
 
-    def episode(n: int, shared: Image.Image | None):
+    def item(seed: int):
+        """The item of turn `seed`: a new image, or a video of `frames` new images at 2 fps."""
+        if media == "image":
+            return ImagePart(image(seed))
+        stack = np.stack([np.asarray(image(seed * frames + i)) for i in range(frames)])
+        meta = VideoMetadata(total_num_frames=frames, fps=2.0, width=size, height=size, duration=frames / 2)
+        meta.frames_indices = list(range(frames))
+        return VideoPart(Video(stack, meta, ""))
+
+    def episode(n: int, shared):
         """As `EpisodeRunner` builds it (a window's earlier views released, as `vlmrl generate` keeps them)."""
         cache = VisionCache()  # one rollout's
         window = HistoryWindow(builder, keep) if keep is not None else None
-        first = [Message(Role.USER, [ImagePart(shared or image(0)), TextPart("Find x.")])]
+        first = [Message(Role.USER, [shared or item(0), TextPart("Find x.")])]
         seq = window.start(first) if window is not None else builder.start(first)
         views, messages = [], list(first)  # the trajectory's messages keep every image shown (for its record)
         store = ImageStore(tempfile.mkdtemp(prefix="pixel_memory_"))  # where the images that left the window go
         for t in range(n):
             if t:
-                feedback = [Message(Role.USER, [TextPart("Look again."), ImagePart(shared or image(t))])]
+                feedback = [Message(Role.USER, [TextPart("Look again."), shared or item(t)])]
                 messages += feedback
                 piece = builder.render_messages(seq, feedback)
                 view = window.observe(seq, feedback, piece) if window is not None else None
@@ -139,13 +173,17 @@ def run_case(case: str, turns: int, size: int, engine: str = "transformers", kee
                     seq = view
                     messages = spill_images(messages, window.hidden, store.spill)
             prompt = seq.prompt()  # what the engine gets this turn: the trajectory's parts, shared
+            videos = prompt.video_parts
             if engine == "transformers":
                 with torch.no_grad():
-                    read = cache.encoder_outputs(model, prompt.vision_parts, prompt.images)
+                    if prompt.vision_parts:
+                        read = cache.encoder_outputs(model, prompt.vision_parts, prompt.images)
+                    if videos:
+                        read = cache.video_outputs(model, videos, prompt.videos)
             else:
-                read = prompt.image_grid_thw
+                read = (prompt.image_grid_thw, VideoInputs.grid_kwargs(videos) if videos else None)
             (window or builder).add_generation(seq, gen)
-            del prompt, read
+            del prompt, read, videos
         shared = len(window.frozen[1].ids) if window is not None and window.frozen is not None else 0
         return seq, views, shared
 
@@ -153,18 +191,20 @@ def run_case(case: str, turns: int, size: int, engine: str = "transformers", kee
     calls["n"] = 0
     _reset_peak()
     base = _status_bytes("VmRSS")
-    seq, views, shared = episode(turns, image(0) if case == "same" else None)
+    seq, views, shared = episode(turns, item(0) if case == "same" else None)
     peak = _status_bytes("VmHWM")
-    parts = [p for s in (seq, *views) for p in s.vision_parts]
-    storages = {p.pixel_values.untyped_storage().data_ptr(): p.pixel_values.untyped_storage() for p in parts}
+    tensors = [p.pixel_values for s in (seq, *views) for p in s.vision_parts]
+    tensors += [v.pixel_values_videos for s in (seq, *views) for _, v in s.video_parts]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors}
     pixels = sum(s.nbytes() for s in storages.values())  # what the trajectory holds: a re-sent image's view is free
     model = None  # (the policy is not part of the figures)
     return {
         "case": case,
         "engine": engine,
+        "media": media,
         "keep_images": keep,
         "turns": turns,
-        "images": turns,
+        "items": turns,
         "pixel_bytes": pixels,
         "peak_minus_base": peak - base,
         "ratio": (peak - base) / pixels if pixels else float("nan"),
@@ -175,11 +215,20 @@ def run_case(case: str, turns: int, size: int, engine: str = "transformers", kee
     }
 
 
-def measure(case: str, turns: int, size: int, engine: str = "transformers", keep: int | None = None) -> dict:
+def measure(
+    case: str,
+    turns: int,
+    size: int,
+    engine: str = "transformers",
+    keep: int | None = None,
+    media: str = "image",
+    frames: int = 4,
+) -> dict:
     """`run_case` in a fresh Python process (nothing of another case in its heap)."""
     window = ["--keep-images", str(keep)] if keep is not None else []
     out = subprocess.run(
         [sys.executable, __file__, "--case", case, "--engine", engine, "--turns", str(turns), "--size", str(size)]
+        + ["--media", media, "--frames", str(frames)]
         + window
         + ["--json"],
         capture_output=True,
@@ -191,7 +240,9 @@ def measure(case: str, turns: int, size: int, engine: str = "transformers", keep
 
 
 def table(rows: list[dict]) -> Table:
-    t = Table(title="pixel memory of one episode (tiny Qwen2.5-VL, real processor)")
+    media = rows[0].get("media", "image") if rows else "image"
+    article = "an" if media == "image" else "a"
+    t = Table(title=f"pixel memory of one episode, {article} {media} per turn (tiny Qwen2.5-VL, real processor)")
     for col in COLUMNS:
         t.add_column(col, justify="right")
     for r in rows:
@@ -200,7 +251,7 @@ def table(rows: list[dict]) -> Table:
             r["engine"],
             str(r.get("keep_images") or "-"),
             str(r["turns"]),
-            str(r["images"]),
+            str(r["items"]),
             f"{r['pixel_bytes'] / 2**20:.1f} MiB",
             f"{r['peak_minus_base'] / 2**20:.1f} MiB",
             f"{r['ratio']:.2f}",
@@ -212,24 +263,30 @@ def table(rows: list[dict]) -> Table:
 
 
 def main(
-    turns: int = typer.Option(32, help="turns of the episode (one image each)"),
+    turns: int = typer.Option(32, help="turns of the episode (one image or video each)"),
     size: int = typer.Option(448, help="image side in pixels"),
     case: str = typer.Option("", help="run one case (new|same) in this process"),
     engine: str = typer.Option("transformers", help="with --case: the engine whose reads are measured"),
     json_out: bool = typer.Option(False, "--json", help="print JSON rows"),
     keep_images: Optional[int] = typer.Option(
-        None, "--keep-images", help="a history window of K images (env.keep_images): the `new` case only"
+        None, "--keep-images", help="a history window of K images/videos (env.keep_images): the `new` case only"
     ),
+    media: str = typer.Option("image", help="what each turn returns: image | video"),
+    frames: int = typer.Option(4, help="with --media video: frames per video"),
 ) -> None:
+    if media not in ("image", "video"):
+        raise typer.BadParameter(f"--media {media!r}: image or video")
     if case:
         from vlmrl.malloc import mmap_large_blocks
 
         mmap_large_blocks()  # as `vlmrl generate` does (module doc)
-        rows = [run_case(case, turns, size, engine, keep_images)]
+        rows = [run_case(case, turns, size, engine, keep_images, media, frames)]
     elif keep_images is not None:
-        rows = [measure("new", turns, size, e, keep_images) for e in ("transformers", "vllm")]
+        rows = [measure("new", turns, size, e, keep_images, media, frames) for e in ("transformers", "vllm")]
     else:
-        rows = [measure(c, turns, size, e) for c in ("new", "same") for e in ("transformers", "vllm")]
+        rows = [
+            measure(c, turns, size, e, None, media, frames) for c in ("new", "same") for e in ("transformers", "vllm")
+        ]
     if json_out:
         print(json.dumps(rows[0] if case else rows))
     else:

@@ -75,6 +75,20 @@ def test_pixel_memory_bench_small():
 
 
 @pytest.mark.slow
+def test_pixel_memory_bench_with_videos_holds_the_videos_shown():
+    """bench/pixel_memory.py --media video: a 4-frame 112x112 video per turn is 2 temporal x 8 x 8 patches of
+    3 x 2 x 14 x 14 floats (128 x 1176 x 4 = 602,112 bytes, hand-derived), held once per video and processed once;
+    with a window of 1 over 4 turns the trajectory holds only the video shown (a released view's video keeps no
+    pixels)."""
+    bench = _load("pixel_memory")
+    plain = bench.measure("new", turns=3, size=112, engine="transformers", media="video")
+    assert plain["media"] == "video" and plain["pixel_bytes"] == 3 * 602_112 and plain["processor_calls"] == 3
+    window = bench.measure("new", turns=4, size=112, engine="vllm", keep=1, media="video")
+    assert window["pixel_bytes"] == 602_112 and window["processor_calls"] == 4
+    assert "an video" not in _render(bench.table([plain])) and "a video per turn" in _render(bench.table([plain]))
+
+
+@pytest.mark.slow
 def test_update_bench_small(tmp_path):
     """bench/update.py on 1 small geometry3k_tiny step: ZeRO-2 runs as stage 0 at one rank, every part of both
     updates is timed, and the floor's first loss equals the trainer's (same weights, same batch: the same work)."""

@@ -12,6 +12,8 @@ import pytest
 from cli_inprocess import vlmrl  # tests/ is on sys.path (pytest's rootdir-relative import)
 from PIL import Image
 
+from vlmrl.checks.run_alignment import verify_run
+
 ROOT = Path(__file__).resolve().parents[1]
 FAST = [
     "trainer.steps=2",
@@ -130,3 +132,8 @@ def test_easyr1_video_rows_train_with_a_reward_by_import_path(tmp_path):
     trajs = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
     refs = {p["ref"] for t in trajs for m in t["messages"] for p in m["content"] if p["type"] == "video"}
     assert refs == {str(tmp_path / "bar.mp4"), str(tmp_path / "bar_frames")}
+    # `vlmrl verify-alignment --run`: each row's video read again with the run's sampling, re-rendered token for
+    # token, and the sampled tokens rescored with the run's weights and the videos
+    report = verify_run(out)
+    assert report.ok and report.token_failures == 0 and len(report.trajectories) == len(trajs)
+    assert report.max_abs_dlogprob is not None and report.max_abs_dlogprob < 1e-4, report.notes

@@ -145,14 +145,14 @@ class Message:
         ]
         return {"role": self.role.value, "content": parts}
 
-    def to_json(self, image_ref: "Callable[[ImagePart], str] | None" = None) -> dict:
-        """The message for `trajectories.jsonl`: images by reference, never pixels (`image_ref` may store an image
-        that has no file, e.g. one returned by a tool, and give its path)."""
+    def to_json(self, image_ref: "Callable[[Any], str] | None" = None) -> dict:
+        """The message for `trajectories.jsonl`: images and videos by reference, never pixels (`image_ref` may store
+        an image or video part that has no file, e.g. one returned by a tool, and give its path)."""
         ref = image_ref or (lambda part: part.ref)
         parts = [
             {"type": "text", "text": p.text}
             if isinstance(p, TextPart)
-            else {"type": "video", "ref": p.ref}
+            else {"type": "video", "ref": ref(p)}
             if isinstance(p, VideoPart)
             else {"type": "image", "ref": ref(p)}
             for p in self.content
@@ -403,6 +403,26 @@ class VideoInputs:
             torch.cat(seconds) if len(seconds) == len(parts) else None,
         )
 
+    @staticmethod
+    def grid_kwargs(parts: list["VideoInputs"]) -> dict[str, torch.Tensor]:
+        """The parts' video_grid_thw (and second_per_grid_ts when every part has it) concatenated, without their
+        pixels: what the model's positions need when the vision tower's outputs are given instead."""
+        import torch
+
+        out = {"video_grid_thw": torch.cat([p.video_grid_thw for p in parts])}
+        seconds = [p.second_per_grid_ts for p in parts if p.second_per_grid_ts is not None]
+        if seconds and len(seconds) == len(parts):
+            out["second_per_grid_ts"] = torch.cat(seconds)
+        return out
+
+    def per_video(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(pixel rows [t*h*w, D], grid row [1, 3]) of each video, in order: views, no copy."""
+        out, start = [], 0
+        for i, rows in enumerate(self.video_grid_thw.prod(-1).tolist()):
+            out.append((self.pixel_values_videos[start : start + rows], self.video_grid_thw[i : i + 1]))
+            start += rows
+        return out
+
     def as_kwargs(self) -> dict[str, torch.Tensor]:
         """The model's keyword arguments: pixel_values_videos, video_grid_thw (and second_per_grid_ts)."""
         out = {"pixel_values_videos": self.pixel_values_videos, "video_grid_thw": self.video_grid_thw}
@@ -550,15 +570,19 @@ class TokenSeq:
         """Drop this sequence's `pixel_values` (each part keeps its grids, `image_grid_thw`, with 0 pixel rows): an
         earlier view of a history window that nothing will train on (`vlmrl.rollout.history`). Tensors another
         view shares stay alive there."""
-        self.vision_parts = [
-            dataclasses.replace(p, pixel_values=p.pixel_values.new_empty((0, *p.pixel_values.shape[1:])))
-            for p in self.vision_parts
-        ]
+        self.vision_parts = [dataclasses.replace(p, pixel_values=_no_rows(p.pixel_values)) for p in self.vision_parts]
         self.video_parts = [
-            (at, dataclasses.replace(v, pixel_values_videos=v.pixel_values_videos[:0])) for at, v in self.video_parts
+            (at, dataclasses.replace(v, pixel_values_videos=_no_rows(v.pixel_values_videos)))
+            for at, v in self.video_parts
         ]
         self.images, self.videos = [], []  # (the trajectory's messages keep them for its record)
         self.carried, self._image_index, self._indexed, self._per_image, self._split_parts = {}, {}, 0, [], 0
+
+
+def _no_rows(pixels: torch.Tensor) -> torch.Tensor:
+    """An empty tensor of `pixels`' row shape and dtype that shares no storage with it (a `[:0]` slice would keep
+    every pixel alive)."""
+    return pixels.new_empty((0, *pixels.shape[1:]))
 
 
 class TurnOutcome:

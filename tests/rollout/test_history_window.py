@@ -454,3 +454,34 @@ class ScriptedVideoEngine(ScriptedEngine):
         for k, p in enumerate(prompts, start=len(self.prompts) - len(prompts)):
             self.prompts[k] = (*self.prompts[k], VideoInputs.cat(p.video_parts))
         return out
+
+
+def test_a_decoded_video_that_left_the_window_is_read_back_from_the_run_folder(tmp_path):
+    """`ImageStore.spill` on a window's hidden items: an environment's decoded video becomes a `VideoFile` under the
+    run folder whose frames and metadata read back exactly (PNG; fps 4, source of 8 frames, indices 0, 2, 4, 6); a
+    row's video file and the items still shown stay as they were; recording the spilled part names the same folder."""
+    import numpy as np
+    from transformers.video_utils import VideoMetadata
+    from video_fixture import bar_frame
+
+    from vlmrl.rollout.history import spill_images
+    from vlmrl.runs.files import ImageStore
+    from vlmrl.types import Video, VideoFile
+
+    meta = VideoMetadata(total_num_frames=8, fps=4.0, width=64, height=48, duration=2.0)
+    meta.frames_indices = [0, 2, 4, 6]
+    decoded = VideoPart(Video(np.stack([bar_frame(i) for i in (0, 2, 4, 6)]), meta, ""))
+    row = VideoPart(VideoFile(str(tmp_path / "clip.mp4"), 4, reader=lambda: None))
+    (tmp_path / "clip.mp4").write_bytes(b"")
+    shown = VideoPart(Video(np.stack([bar_frame(1)] * 2), meta, ""))
+    messages = [Message(Role.USER, [decoded, TextPart("and"), row]), Message(Role.USER, [shown])]
+    store = ImageStore(tmp_path / "run")
+    out = spill_images(messages, 2, store.spill)
+    spilled = out[0].content[0]
+    assert isinstance(spilled, VideoPart) and isinstance(spilled.video, VideoFile)
+    assert spilled.ref.startswith("videos/") and spilled.video.num_frames == 4
+    back = spilled.video.read()
+    assert np.array_equal(back.frames, decoded.video.frames)
+    assert (back.metadata.fps, back.metadata.total_num_frames, back.metadata.frames_indices) == (4.0, 8, [0, 2, 4, 6])
+    assert out[0].content[2] is row and out[1] is messages[1]
+    assert out[0].to_json(store)["content"][0] == {"type": "video", "ref": spilled.ref}

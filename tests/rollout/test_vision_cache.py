@@ -114,3 +114,58 @@ def test_frames_that_left_the_window_are_freed_during_the_rollout(spill, tmp_pat
         record = TrajectoryRecord.from_trajectory(traj, 1, store)
         refs = [q["ref"] for m in record.messages for q in m["content"] if q["type"] == "image"]
         assert len(refs) == TURNS and all((tmp_path / r).is_file() for r in refs)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_cached_videos_give_the_same_samples_and_encode_each_video_once(family, tmp_path):
+    """Videos as images: an episode whose prompt holds an image and a video, then after each turn a video or an image
+    in turn (the two bar clips re-sent: `ClipsEnv`). With the cache the tower sees each distinct image and video once
+    per rollout; the samples and their logprobs equal the uncached engine's (which encodes every shown item each
+    turn, more in all)."""
+    from test_history_window import ClipsEnv
+    from video_fixture import make_video
+
+    from vlmrl.data.video import read_video
+
+    bar = make_video(tmp_path / "bar.mp4")
+    ClipsEnv.clips = [read_video(bar, lambda meta: [0, 2, 4, 6]), read_video(bar, lambda meta: [1, 3])]
+    model, processor = load_policy(ModelConfig(name_or_path=f"tiny:{family}", family=family))
+    model.eval()
+    builder = get_builder(family, processor)
+    tok = processor.tokenizer
+    eos = [builder.close_turn_id, tok.convert_tokens_to_ids("<|endoftext|>")]
+
+    def run(cache: bool):
+        engine = TransformersEngine(
+            lambda: contextlib.nullcontext(model),
+            tok,
+            eos,
+            tok.pad_token_id,
+            builder.image_token_id,
+            family,
+            list(builder.placeholder_token_ids),
+            cache,
+            video_token_id=builder.video_token_id,
+        )
+        limits = EpisodeLimits(TURNS, 100_000, 1.0)
+        runner = EpisodeRunner(builder, engine, ClipsEnv, limits, SamplingParams(6, temperature=0.7, top_p=0.9))
+        items = []
+        hook = model.model.visual.register_forward_hook(
+            lambda m, args, kwargs, out: items.append(len(kwargs["grid_thw"] if "grid_thw" in kwargs else args[1])),
+            with_kwargs=True,
+        )
+        try:
+            return runner.run([Task("a", [], "")], group_size=2, seed=3), sum(items)
+        finally:
+            hook.remove()
+
+    plain, plain_items = run(False)
+    cached, cached_items = run(True)
+    for a, b in zip(plain, cached, strict=True):
+        assert [t.generation.token_ids for t in a.turns] == [t.generation.token_ids for t in b.turns]
+        for ta, tb in zip(a.turns, b.turns):
+            assert max(abs(x - y) for x, y in zip(ta.generation.logprobs, tb.generation.logprobs)) <= 1e-5
+    media = {id(x) for t in cached for m in t.messages for x in [*m.images, *m.videos]}
+    # both clips, the group's prompt image, and each episode's new images after turns 2 and 4 (hand-derived)
+    assert cached_items == len(media) == 2 + 1 + 2 * 2
+    assert plain_items > 3 * cached_items

@@ -83,3 +83,57 @@ def test_a_video_the_worker_cannot_send_or_past_the_bound_is_a_counted_tool_fail
     want = "frame rate" if case == "no frame rate" else "a video of 6 frames of 64x48: more than 18,431 pixels"
     assert want in tool_msg.text_content
     assert not any(isinstance(p, VideoPart) for m in traj.messages for p in m.content)
+
+
+def test_a_tools_video_is_saved_in_the_run_folder_and_the_viewer_shows_its_frames(processors, tmp_path):
+    """A tool's video has no file of its own: its record names `videos/<sha1>/`, a folder of its 6 frames (PNG, in
+    order) and `metadata.json` (4 fps, indices 0..5); the viewer reads that folder back as bar frames 0..5. Saving
+    again gives the same folder."""
+    import base64
+    import io
+    import json
+    from pathlib import Path
+
+    import numpy as np
+    from PIL import Image
+
+    from vlmrl.evaluation.report.viewer import ImageInliner
+    from vlmrl.runs.files import ImageStore
+    from vlmrl.runs.record import TrajectoryRecord
+
+    _, _, traj = _episode(processors, clip, CALL.format(name="clip", n=6))
+    store = ImageStore(tmp_path)
+    rec = TrajectoryRecord.from_trajectory(traj, 1, store)
+    (ref,) = [p["ref"] for m in rec.messages for p in m["content"] if p["type"] == "video"]
+    folder = tmp_path / ref
+    assert Path(ref).parent == Path("videos") and sorted(p.name for p in folder.iterdir()) == [
+        *(f"frame_{i:04d}.png" for i in range(6)),
+        "metadata.json",
+    ]
+    meta = json.loads((folder / "metadata.json").read_text())
+    assert meta == {"fps": 4.0, "total_num_frames": 6, "frames_indices": [0, 1, 2, 3, 4, 5]}
+    uris, total = ImageInliner([tmp_path]).frames(ref)
+    frames = [Image.open(io.BytesIO(base64.b64decode(u.split(",", 1)[1]))).convert("RGB") for u in uris]
+    assert total == 6 and [bar_column(np.asarray(f.resize((64, 48)))) for f in frames] == list(range(6))
+    assert TrajectoryRecord.from_trajectory(traj, 1, store).messages == rec.messages
+
+
+def test_verify_alignment_replays_a_recorded_tool_video_from_the_run_folder(processors, tmp_path):
+    """`verify-alignment --run`'s replay of the record: the tool's video is read back from `videos/<sha1>/` (frames
+    and metadata as sampled) and the re-render equals the recorded ids token for token; a ref the run did not save
+    is a clear error naming it."""
+    from vlmrl.checks.replay import Recorded, replay
+    from vlmrl.runs.files import ImageStore
+    from vlmrl.runs.record import TrajectoryRecord
+
+    builder, _, traj = _episode(processors, clip, CALL.format(name="clip", n=6))
+    raw = TrajectoryRecord.from_trajectory(traj, 1, ImageStore(tmp_path)).to_json()
+    rec = Recorded.from_record(TrajectoryRecord.from_json(raw, "line 1"), 0, tmp_path, 14)
+    (video,) = [v for m in rec.messages for v in m.videos]
+    assert [bar_column(f) for f in video.read().frames] == list(range(6))
+    _, mismatches = replay(builder, rec)
+    assert not [m for m in mismatches if m.failure] and rec.ids == traj.tokens.ids
+    gone = str(tmp_path / "nowhere")
+    raw["messages"][-2]["content"] = [{"type": "video", "ref": gone}]
+    with pytest.raises(ValueError, match="neither a video the run saved"):
+        Recorded.from_record(TrajectoryRecord.from_json(raw, "line 1"), 0, tmp_path, 14)

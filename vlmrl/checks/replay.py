@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import cast
+from typing import Callable, cast
 
 from vlmrl.checks.diff import FAIL, NOTE, Mismatch, _decoder, _vision_of, diff_tokens
 from vlmrl.checks.reference import _segments, compare_tokens, compare_vision, full_reference
@@ -26,7 +26,9 @@ from vlmrl.types import (
     TextPart,
     TokenSeq,
     Trajectory,
+    Video,
     VideoInputs,
+    VideoPart,
     VisionInputs,
 )
 
@@ -120,9 +122,17 @@ class Recorded:
         )
 
     @staticmethod
-    def from_record(rec: TrajectoryRecord, index: int, run_dir: Path | None, patch_size: int | None) -> "Recorded":
+    def from_record(
+        rec: TrajectoryRecord,
+        index: int,
+        run_dir: Path | None,
+        patch_size: int | None,
+        read_row_video: Callable[[str], Video] | None = None,
+    ) -> "Recorded":
         """A `trajectories.jsonl` record (`TrajectoryRecord.from_json` checked its fields). Images are re-read from
-        their ref, else stood in for by the recorded grid's size. Raises ValueError for an image with neither."""
+        their ref, else stood in for by the recorded grid's size; videos are re-read (`_open_video`, a dataset row's
+        through `read_row_video`: the run's own sampling). Raises ValueError for an image with neither, and for a
+        video that cannot be re-read."""
         grids = rec.image_grid_thw
         messages, n_img, stand_ins = [], 0, 0
         for m in rec.messages:
@@ -141,7 +151,7 @@ class Recorded:
                     parts.append(ImagePart(image, p.get("ref", "")))
                     n_img += 1
                 elif p.get("type") == "video":
-                    raise ValueError(f"video {p.get('ref')!r}: a recorded video is not re-read for a replay yet")
+                    parts.append(VideoPart(_open_video(p.get("ref", ""), run_dir, read_row_video)))
                 else:
                     parts.append(TextPart(p.get("text", "")))
             messages.append(Message(Role(m["role"]), parts))
@@ -164,6 +174,23 @@ class Recorded:
             views=[ViewTokens.from_json(v) for v in rec.views],
             turn_views=list(rec.turn_views),
         )
+
+
+def _open_video(ref: str, run_dir: Path | None, read_row: Callable[[str], Video] | None) -> Video:
+    """The video a record refers to, as the rollout gave it to the processor: a folder the run saved
+    (`<run>/videos/<sha1>/`, `vlmrl.runs.files.ImageStore`: a tool's or environment's video, its frames and metadata
+    as they were), or a dataset row's video file or frame folder read again with the run's sampling (`read_row`).
+    Raises ValueError for any other ref (a row's list of frame files is recorded by its first frame only)."""
+    from vlmrl.data.video import FRAME_SUFFIXES
+    from vlmrl.runs.files import read_stored_video
+
+    saved = run_dir / ref if run_dir is not None and ref else None
+    if saved is not None and (saved / "metadata.json").is_file():
+        return read_stored_video(saved.resolve())
+    path = Path(ref)
+    if ref and read_row is not None and path.exists() and path.suffix.lower() not in FRAME_SUFFIXES:
+        return read_row(ref)
+    raise ValueError(f"video {ref!r}: neither a video the run saved nor a dataset video file or frame folder")
 
 
 def _open_image(ref: str, run_dir: Path | None):

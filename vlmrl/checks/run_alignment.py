@@ -189,7 +189,11 @@ def _score(
         res.logprob_note = f"skipped: {why}"
     else:
         model = policies.get(version)
-        d = logprob_deltas(model, rec, _vision_of(builder, seq), builder.image_token_id, temperature)
+        if rec.video is None:  # a record's videos: those the replay rendered
+            rec = dataclasses.replace(rec, video=seq.videos_before(len(seq.ids)))
+        d = logprob_deltas(
+            model, rec, _vision_of(builder, seq), builder.image_token_id, temperature, builder.video_token_id
+        )
         one = LogprobStats()
         one.add(d)
         total.add(d)
@@ -224,16 +228,29 @@ def _open_run(run: Path):
     return cfg, processor, builder, notes
 
 
-def _check_one(index: int, raw: dict, run: Path, patch, builder, score) -> TrajectoryAlignment:
+def _row_video_reader(cfg, processor):
+    """ref -> the dataset row's video at `ref`, sampled as the run sampled it (`model.family`'s processor and
+    `data.video`, from its config.yaml); None for a run that takes no video."""
+    from vlmrl.data.row_videos import row_videos
+    from vlmrl.data.video import VideoReader
+
+    reader = row_videos(cfg.model.family, None, processor, cfg.data.video)
+    if not isinstance(reader, VideoReader):
+        return None
+    return lambda ref: reader.file(ref, ref).read()
+
+
+def _check_one(index: int, raw: dict, run: Path, patch, builder, score, read_video=None) -> TrajectoryAlignment:
     """One `trajectories.jsonl` record: replay vs the reference, then `score(res, rec, seq, first)` (logprobs), per
-    view of a history window's trajectory (`first`: its first view)."""
+    view of a history window's trajectory (`first`: its first view). read_video: a dataset row's video by its ref,
+    read with the run's sampling (`_row_video_reader`)."""
     where = f"{run / 'trajectories.jsonl'} line {index + 1}"
     try:
         record = TrajectoryRecord.from_json(raw, where)
     except ValueError as exc:  # the message names file, line and field
         return _unreadable(index, raw, where, f"ValueError: {str(exc).removeprefix(where + ': ')}")
     try:
-        rec = Recorded.from_record(record, index, run, patch if isinstance(patch, int) else None)
+        rec = Recorded.from_record(record, index, run, patch if isinstance(patch, int) else None, read_video)
     except (KeyError, ValueError, TypeError, AttributeError, IndexError) as exc:
         return _unreadable(index, raw, where, f"{type(exc).__name__}: {exc}")
     try:
@@ -312,9 +329,10 @@ def verify_run(
             _score(res, rec, seq, builder, policies, temperature, total, sources if first else {})
 
     path = run / "trajectories.jsonl"
+    read_video = _row_video_reader(cfg, processor)
     for index, raw, why in _read_records(path, max_trajectories):
         results.append(
-            _check_one(index, raw, run, patch, builder, score)
+            _check_one(index, raw, run, patch, builder, score, read_video)
             if raw is not None
             else _unreadable(index, None, f"{path} line {index + 1}", why)
         )

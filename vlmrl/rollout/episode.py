@@ -121,9 +121,9 @@ class EpisodeRunner:
     tools: the `ToolRuntime` for environments with tools (default: the builder family's parser, default limits).
     batch_wait_s: how long an idle batch engine waits for episodes still in env steps / tool calls (`EngineBatcher`;
     a `ConcurrentEngine` never waits).
-    spill: with a history window, what becomes of an image once it has left it: its part in the trajectory's
-    messages is replaced by `spill(part)` (`ImageStore.spill`: written to the run folder, no pixels held), so memory
-    stays flat in the number of turns; None keeps every image in memory until the trajectory is recorded.
+    spill: with a history window, what becomes of an image or decoded video once it has left it: its part in the
+    trajectory's messages is replaced by `spill(part)` (`ImageStore.spill`: written to the run folder, no pixels
+    held), so memory stays flat in the number of turns; None keeps them in memory until the trajectory is recorded.
     """
 
     def __init__(
@@ -135,7 +135,7 @@ class EpisodeRunner:
         sampling: SamplingParams,
         tools: ToolRuntime | None = None,
         batch_wait_s: float = 0.05,
-        spill: Callable[[ImagePart], ImagePart] | None = None,
+        spill: Callable[[Part], Part] | None = None,
     ):
         self.builder, self.engine, self.env_factory, self.spill = builder, engine, env_factory, spill
         self.limits, self.sampling, self._tools, self.batch_wait_s = limits, sampling, tools, batch_wait_s

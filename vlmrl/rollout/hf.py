@@ -44,7 +44,7 @@ class TransformersEngine(Engine):
     known family, e.g. a text-only LM, gets the Qwen-VL inputs). suppress_ids: ids never sampled (default: the image
     placeholder). cache_vision: within a `session()`, encode each image once and hand the model the cached vision
     outputs on later turns (`vlmrl.rollout.vision_cache`; families with Qwen-VL inputs). video_token_id: the video
-    placeholder id (Qwen-VL's `<|video_pad|>`; prompts with videos encode them in each call, no cache).
+    placeholder id (Qwen-VL's `<|video_pad|>`; with cache_vision each video is encoded once a session too).
     """
 
     def __init__(
@@ -135,15 +135,17 @@ class TransformersEngine(Engine):
             ids[b, width - n :] = torch.tensor(row.prompt.token_ids, dtype=torch.long)
             mask[b, width - n :] = 1
         visions = [part for r in rows for part in r.prompt.vision_parts]  # concatenated once, below
-        videos = VideoInputs.cat([part for r in rows for part in r.prompt.video_parts])
+        videos = [part for r in rows for part in r.prompt.video_parts]  # concatenated only without the cache
         device = next(model.parameters()).device
         family = self.family or family_of_model(model)
         if family is None:  # not a known VLM family: a text-only LM, or a Qwen-VL-like model
             family = "qwen2_5_vl"
-            if not visions and videos is None:
+            if not visions and not videos:
                 return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
-        if videos is not None:  # Qwen-VL: video placeholders are type 2; each video encoded in this call
-            return self._video_inputs(model, family, ids, mask, VisionInputs.cat(visions), videos)
+        if videos:  # Qwen-VL: video placeholders are type 2
+            keys = [v for r in rows for v in r.prompt.videos]
+            images = [im for r in rows for im in r.prompt.images]
+            return self._video_inputs(model, family, ids, mask, (visions, images), (videos, keys))
         if visions and self._vision is not None and supports(model, family):  # each image encoded once a rollout
             inputs = model_inputs(family, ids, None, self.image_token_id, mask)
             inputs = {k: v.to(device) for k, v in inputs.items()}
@@ -160,22 +162,36 @@ class TransformersEngine(Engine):
         family: str,
         ids: torch.Tensor,
         mask: torch.Tensor,
-        vision: VisionInputs | None,
-        videos: VideoInputs,
+        images: tuple[list[VisionInputs], list],
+        videos: tuple[list[VideoInputs], list],
     ) -> dict:
-        """`model_inputs` plus the videos (`VideoInputs.as_kwargs`), mm_token_type_ids 2 on the video placeholders.
+        """`model_inputs` with the videos, mm_token_type_ids 2 on the video placeholders. images: the rows' processed
+        image parts and their images; videos: the rows' processed videos and their `Video` objects (in order). Within
+        a session each image and video is encoded once (`VisionCache`, `mm_encoder_outputs`); otherwise the pixels
+        go to the model (`VideoInputs.as_kwargs`).
 
         Raises ValueError for an engine without the family's video placeholder id."""
         if self.video_token_id is None:
             raise ValueError("a prompt with videos needs the family's video placeholder id (video_token_id)")
-        inputs = model_inputs(family, ids, vision, self.image_token_id, mask)
+        (visions, pictures), (processed, keys) = images, videos
+        cache = self._vision if self._vision is not None and supports(model, family) else None
+        inputs = model_inputs(family, ids, None if cache else VisionInputs.cat(visions), self.image_token_id, mask)
         inputs["mm_token_type_ids"] = inputs["mm_token_type_ids"].masked_fill(ids == self.video_token_id, 2)
-        inputs.update(videos.as_kwargs())
         use_reference_video_positions()  # Qwen2/2.5-VL: the text after a video as the reference places it
         device, dtype = next(model.parameters()).device, model.dtype
-        return {
-            k: v.to(device, dtype=dtype) if k.startswith("pixel_values") else v.to(device) for k, v in inputs.items()
-        }
+        if cache is None:
+            inputs.update(VideoInputs.cat(processed).as_kwargs())  # type: ignore[union-attr]
+            return {
+                k: v.to(device, dtype=dtype) if k.startswith("pixel_values") else v.to(device)
+                for k, v in inputs.items()
+            }
+        inputs = {k: v.to(device) for k, v in {**inputs, **VideoInputs.grid_kwargs(processed)}.items()}
+        encoded = {"video": cache.video_outputs(model, processed, keys)}
+        if visions:
+            inputs["image_grid_thw"] = VisionInputs.grids(visions).to(device)  # type: ignore[union-attr]
+            encoded["image"] = cache.encoder_outputs(model, visions, pictures)
+        inputs["mm_encoder_outputs"] = encoded
+        return inputs
 
     def _sample(self, model, rows: list[_Row], stop: list[str]) -> list[Generation]:
         inputs = self._batch_inputs(model, rows)

@@ -35,7 +35,17 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from vlmrl.tokens.base import Piece, TokenBuilder
-from vlmrl.types import Generation, ImagePart, Message, Part, StoredImagePart, TextPart, TokenSeq, VideoPart
+from vlmrl.types import (
+    Generation,
+    ImagePart,
+    Message,
+    Part,
+    StoredImagePart,
+    TextPart,
+    TokenSeq,
+    Video,
+    VideoPart,
+)
 
 
 def count_images(messages: list[Message]) -> int:
@@ -66,24 +76,30 @@ def stub_images(
     return out
 
 
-def spill_images(messages: list[Message], hidden: int, spill: Callable[[ImagePart], ImagePart]) -> list[Message]:
-    """`messages` with the images among their first `hidden` items (images and videos, in order) replaced by
-    `spill(part)`, e.g. `ImageStore.spill`: a
-    `StoredImagePart` that keeps its place (and record) but not its pixels. Messages that change are new objects (a
-    GRPO group's episodes share their prompt's); parts already stored are kept. The images' memory is freed once
-    nothing else holds them (`HistoryWindow` drops its own references as segments freeze)."""
+def spill_images(messages: list[Message], hidden: int, spill: Callable[[Part], Part]) -> list[Message]:
+    """`messages` with the images and decoded videos among their first `hidden` items (images and videos, in order)
+    replaced by `spill(part)`, e.g. `ImageStore.spill`: a `StoredImagePart`, or a `VideoPart` of a `VideoFile` read
+    back from the run folder, that keeps its place (and record) but not its pixels. Messages that change are new
+    objects (a GRPO group's episodes share their prompt's); parts already stored, and a row's video file, are kept.
+    The memory is freed once nothing else holds it (`HistoryWindow` drops its own references as segments freeze)."""
     out, seen = [], 0
     for m in messages:
         parts: list[Part] = []
         for p in m.content:
             if isinstance(p, (ImagePart, VideoPart)):
                 seen += 1
-                if seen <= hidden and isinstance(p, ImagePart) and not isinstance(p, StoredImagePart):
+                if seen <= hidden and _holds_pixels(p):
                     p = spill(p)
             parts.append(p)
         changed = any(a is not b for a, b in zip(parts, m.content))
         out.append(Message(m.role, parts) if changed else m)
     return out
+
+
+def _holds_pixels(part: Part) -> bool:
+    if isinstance(part, VideoPart):
+        return isinstance(part.video, Video)
+    return isinstance(part, ImagePart) and not isinstance(part, StoredImagePart)
 
 
 def windowed(

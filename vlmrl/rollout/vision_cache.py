@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from vlmrl.modeling.inputs import input_style
-from vlmrl.types import VisionInputs
+from vlmrl.types import VideoInputs, VisionInputs
 
 
 @dataclass
@@ -50,12 +50,15 @@ def supports(model: torch.nn.Module, family: str) -> bool:
 
 
 class VisionCache:
-    """The vision tower's outputs of the images seen in one rollout. `encoded` counts the images encoded."""
+    """The vision tower's outputs of the images and videos seen in one rollout. `encoded` counts the images encoded,
+    `encoded_videos` the videos."""
 
     def __init__(self) -> None:
         self._images: dict[int, _Encoded] = {}
+        self._videos: dict[int, _Encoded] = {}
         self._kind: type | None = None
         self.encoded = 0
+        self.encoded_videos = 0
 
     def encoder_outputs(self, model: torch.nn.Module, parts: list[VisionInputs], images: list):
         """The `mm_encoder_outputs["image"]` for a batch whose prompts hold `parts` and `images` (both in placeholder
@@ -63,22 +66,44 @@ class VisionCache:
         `model.get_image_features` call (their pixel rows, `VisionInputs.per_image`, in the model's dtype and on its
         device), the others taken from the cache. Returns the model's own output type (pooler_output: one tensor per
         image, in order). Raises ValueError when the parts hold another number of images than `images`."""
-        per_image = [v for p in parts for v in p.per_image()]
+        per_image = [(v.pixel_values, v.image_grid_thw) for p in parts for v in p.per_image()]
         if len(per_image) != len(images):
             raise ValueError(f"{len(per_image)} processed images for {len(images)} images")
-        new = {id(im): (im, v) for im, v in zip(images, per_image) if id(im) not in self._images}
-        if new:
-            param = next(model.parameters())
-            pixels = torch.cat([v.pixel_values for _, v in new.values()]).to(param.device, dtype=param.dtype)
-            grids = torch.cat([v.image_grid_thw for _, v in new.values()]).to(param.device)
-            out = model.get_image_features(pixels, grids, return_dict=True)  # type: ignore[operator]
-            self._kind = type(out)
-            deep = getattr(out, "deepstack_features", None)
-            for k, (key, (im, _)) in enumerate(new.items()):
-                layers = [layer[k] for layer in deep] if deep is not None else None
-                self._images[key] = _Encoded(self._hold(key, im), out.pooler_output[k], layers)
-            self.encoded += len(new)
-        enc = [self._images[id(im)] for im in images]
+        self.encoded += self._encode(self._images, images, per_image, model, "get_image_features")
+        return self._output([self._images[id(im)] for im in images])
+
+    def video_outputs(self, model: torch.nn.Module, parts: list[VideoInputs], keys: list):
+        """The `mm_encoder_outputs["video"]` for a batch whose prompts hold the processed video `parts` and the
+        `Video` objects `keys` (both in placeholder order, `EnginePrompt.video_parts` / `.videos`): as
+        `encoder_outputs`, through `model.get_video_features` (each video's pixel rows a view, no copy). Raises
+        ValueError when the parts hold another number of videos than `keys`."""
+        per_video = [v for p in parts for v in p.per_video()]
+        if len(per_video) != len(keys):
+            raise ValueError(f"{len(per_video)} processed videos for {len(keys)} videos")
+        self.encoded_videos += self._encode(self._videos, keys, per_video, model, "get_video_features")
+        return self._output([self._videos[id(v)] for v in keys])
+
+    def _encode(self, cache: dict[int, _Encoded], keys: list, pieces: list, model: torch.nn.Module, method: str) -> int:
+        """Encode the (pixel rows, grid row) `pieces` whose key objects `cache` has not seen, in one call of the
+        model's `method` (`get_image_features` / `get_video_features`; pixels in the model's dtype and on its
+        device), and keep each one's output. Returns how many were encoded."""
+        new = {id(k): (k, piece) for k, piece in zip(keys, pieces) if id(k) not in cache}
+        if not new:
+            return 0
+        encode = getattr(model, method)
+        param = next(model.parameters())
+        pixels = torch.cat([p for _, (p, _) in new.values()]).to(param.device, dtype=param.dtype)
+        grids = torch.cat([g for _, (_, g) in new.values()]).to(param.device)
+        out = encode(pixels, grids, return_dict=True)
+        self._kind = type(out)
+        deep = getattr(out, "deepstack_features", None)
+        for k, (key, (obj, _)) in enumerate(new.items()):
+            layers = [layer[k] for layer in deep] if deep is not None else None
+            cache[key] = _Encoded(self._hold(cache, key, obj), out.pooler_output[k], layers)
+        return len(new)
+
+    def _output(self, enc: list[_Encoded]) -> Any:
+        """The model's own output type over the entries `enc` (pooler_output: one tensor per item, in order)."""
         fields: dict = {"pooler_output": tuple(e.pooler for e in enc)}
         if enc and enc[0].deepstack is not None:
             depth = len(enc[0].deepstack)
@@ -86,10 +111,10 @@ class VisionCache:
         assert self._kind is not None
         return self._kind(**fields)
 
-    def _hold(self, key: int, image: Any) -> Any:
-        """A weak reference to `image` that removes its entry when the image is freed (so `key`, its id(), is never
-        reused while cached); the image itself if it takes no weak references."""
-        entries = self._images
+    @staticmethod
+    def _hold(entries: dict[int, _Encoded], key: int, image: Any) -> Any:
+        """A weak reference to `image` (or video) that removes its entry from `entries` when it is freed (so `key`,
+        its id(), is never reused while cached); the object itself if it takes no weak references."""
         try:
             return weakref.ref(image, lambda _: entries.pop(key, None))
         except TypeError:

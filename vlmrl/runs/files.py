@@ -10,6 +10,7 @@ JSON). Reading and writing go through `vlmrl.runs.jsonl`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -219,18 +220,45 @@ class RunFiles:
         append_jsonl(path, rows)
 
 
+def read_stored_video(folder: Path):
+    """The `Video` an `ImageStore` saved in `folder`: its frames [T, H, W, 3] uint8 in order and the source's
+    metadata (fps, frame count, the frames' indices), as they were (PNG is lossless). Raises OSError for a folder
+    that cannot be read."""
+    import json
+
+    import numpy as np
+    from PIL import Image
+    from transformers.video_utils import VideoMetadata
+
+    from vlmrl.types import Video
+
+    meta = json.loads((folder / "metadata.json").read_text())
+    files = sorted(folder.glob("frame_*.png"))
+    frames = np.stack([np.asarray(Image.open(f).convert("RGB")) for f in files])
+    height, width = frames.shape[1:3]
+    fps, total = meta["fps"], meta["total_num_frames"]
+    duration = total / fps if fps and total else None
+    metadata = VideoMetadata(total_num_frames=total, fps=fps, width=width, height=height, duration=duration)
+    metadata.frames_indices = list(meta["frames_indices"])
+    return Video(frames, metadata, str(folder))
+
+
 class ImageStore:
-    """Saves images that have no file of their own (tool results, environment frames) under `<run>/images/` as
-    `<sha1 of the PNG>.png` and returns that path relative to the run folder, so `trajectories.jsonl` refers to
-    every image by a file (`vlmrl verify-alignment --run` and the report read them). Idempotent: content-addressed,
-    safe to call from any rank on a shared run folder."""
+    """Saves images and videos that have no file of their own (tool results, environment frames) in the run folder
+    and returns their path relative to it, so `trajectories.jsonl` refers to every image and video by a file (`vlmrl
+    verify-alignment --run` and the report read them): an image as `images/<sha1 of the PNG>.png`, a video as the
+    folder `videos/<sha1 of its frames and metadata>/` of its frames (`frame_0000.png`, ...; the folder layout
+    `vlmrl.data.video.read_video` reads) and `metadata.json` (the source's fps and frame count, the frames' indices
+    in it). Idempotent: content-addressed, safe to call from any rank on a shared run folder."""
 
     def __init__(self, run_dir: str | Path):
         self.run_dir = Path(run_dir)
 
     def __call__(self, part) -> str:
-        from vlmrl.types import StoredImagePart
+        from vlmrl.types import StoredImagePart, VideoPart
 
+        if isinstance(part, VideoPart):
+            return self.video(part)
         if isinstance(part, StoredImagePart) or (part.ref and Path(part.ref).is_file()):
             return part.ref
         import hashlib
@@ -246,11 +274,48 @@ class ImageStore:
             write_atomic(path, data)
         return str(rel)
 
+    def video(self, part) -> str:
+        """The reference of a `VideoPart`'s video: its own file or folder (`ref`) when it has one, else its frames
+        saved as described in the class docstring. Raises what reading a row's video raises (`BadVideo`)."""
+        import hashlib
+        import io
+        import json
+
+        from PIL import Image
+
+        if part.ref and (Path(part.ref).exists() or (self.run_dir / part.ref).exists()):
+            return part.ref  # a file or folder of its own, or one saved here already (relative to the run folder)
+        video = part.video.read()
+        meta = {k: getattr(video.metadata, k, None) for k in ("fps", "total_num_frames", "frames_indices")}
+        meta["frames_indices"] = [int(i) for i in meta["frames_indices"] or range(video.num_frames)]
+        pngs = []
+        for frame in video.frames:
+            buf = io.BytesIO()
+            Image.fromarray(frame).save(buf, format="PNG")
+            pngs.append(buf.getvalue())
+        text = json.dumps(meta, sort_keys=True).encode()
+        rel = Path("videos") / hashlib.sha1(b"".join([text, *pngs])).hexdigest()
+        folder = self.run_dir / rel
+        if not (folder / "metadata.json").exists():  # written last: a folder with it is complete
+            folder.mkdir(parents=True, exist_ok=True)
+            for i, data in enumerate(pngs):
+                write_atomic(folder / f"frame_{i:04d}.png", data)
+            write_atomic(folder / "metadata.json", text)
+        return str(rel)
+
     def spill(self, part):
         """`part` (an `ImagePart`) saved as `__call__` saves it, as a `StoredImagePart` that holds no pixels: for an
         image that has left a history window (`vlmrl.rollout.history.spill_images`). An image with a file of its
-        own (`ref`) is read back from there."""
-        from vlmrl.types import StoredImagePart
+        own (`ref`) is read back from there. A `VideoPart` of decoded frames becomes one of a `VideoFile` that reads
+        its saved frames and metadata back (`read_stored_video`)."""
+        from vlmrl.types import StoredImagePart, VideoFile, VideoPart
+
+        if isinstance(part, VideoPart):
+            if isinstance(part.video, VideoFile):
+                return part
+            rel = self.video(part)
+            reader = functools.partial(read_stored_video, (self.run_dir / rel).resolve())
+            return VideoPart(VideoFile(rel, part.video.num_frames, reader))
 
         if isinstance(part, StoredImagePart):
             return part
