@@ -71,12 +71,12 @@ TEST_ENV := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 RAYON_NUM_THREADS=1 $(MALLOC_ENV
 
 # two workers, one test file each at a time (module fixtures built once per file): most tests wait on subprocess
 # start-up and Python, so the 2 cores are busier than with one worker. Files go to the workers in collection order
-# (--no-loadscope-reorder), where tests/conftest.py puts the longest tests (marked `first`: the three learning runs,
-# the guess run on one worker, the colour and sides runs on the other) at the front.
+# (--no-loadscope-reorder), where tests/conftest.py puts the longest tests (marked `first`: the four learning runs)
+# at the front.
 test: fixtures
 	$(TEST_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
 
-# only the learning runs (marked learning: the colour, guess and sides recipes of docs/quickstart.md learn through the
+# only the learning runs (marked learning: the colour, guess, sides and motion recipes learn through the
 # whole pipeline, one thread each as their thresholds were set): rerun them after a change to a kernel's rounding
 test-learning: fixtures
 	$(TEST_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests -m learning

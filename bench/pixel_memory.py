@@ -103,7 +103,6 @@ def run_case(
     import numpy as np
     import torch
     from PIL import Image, ImageDraw
-    from transformers.video_utils import VideoMetadata
 
     from vlmrl.config import ModelConfig
     from vlmrl.modeling.loading import load_policy
@@ -146,9 +145,7 @@ def run_case(
         if media == "image":
             return ImagePart(image(seed))
         stack = np.stack([np.asarray(image(seed * frames + i)) for i in range(frames)])
-        meta = VideoMetadata(total_num_frames=frames, fps=2.0, width=size, height=size, duration=frames / 2)
-        meta.frames_indices = list(range(frames))
-        return VideoPart(Video(stack, meta, ""))
+        return VideoPart(Video.of_frames(stack, 2.0))
 
     def episode(n: int, shared):
         """As `EpisodeRunner` builds it (a window's earlier views released, as `vlmrl generate` keeps them)."""

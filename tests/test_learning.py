@@ -66,9 +66,19 @@ def sft_then_train(
     return run
 
 
-def _curve(run: Path) -> list[float]:
+def step_rows(run: Path) -> list[dict]:
+    """The training steps' rows of the run's metrics.jsonl (with their evaluations' `eval/` keys)."""
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [r["accuracy"] for r in rows if "accuracy" in r and "step" in r]
+    return [r for r in rows if "step" in r and "accuracy" in r]
+
+
+def held_out_curve(rows: list[dict]) -> list[tuple[int, float]]:
+    """(step, eval/accuracy) of the steps whose row holds an evaluation."""
+    return [(r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
+
+
+def _curve(run: Path) -> list[float]:
+    return [r["accuracy"] for r in step_rows(run)]
 
 
 @pytest.mark.slow

@@ -21,18 +21,10 @@ gradient changed in the last bits: a run this short sits near its threshold at 1
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
-from test_learning import sft_then_train  # tests/ is on sys.path (pytest's rootdir-relative import)
+from test_learning import sft_then_train, step_rows  # tests/ is on sys.path (pytest's rootdir-relative import)
 
 STEPS, FIRST, LAST = 120, 20, 20
-
-
-def _rows(run: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [r for r in rows if "step" in r and "accuracy" in r]
 
 
 def _mean(rows: list[dict], key: str) -> float:
@@ -43,7 +35,7 @@ def _mean(rows: list[dict], key: str) -> float:
 @pytest.mark.learning  # make test runs it first (tests/conftest.py); make test-learning runs only these
 @pytest.mark.first
 def test_guess_recipe_learns_to_use_the_feedback(tmp_path):
-    rows = _rows(sft_then_train(tmp_path, "guess_sft_tiny", "guess_tiny", STEPS, train=("trainer.lr=2e-3",)))
+    rows = step_rows(sft_then_train(tmp_path, "guess_sft_tiny", "guess_tiny", STEPS, train=("trainer.lr=2e-3",)))
     assert len(rows) == STEPS, f"{len(rows)} steps logged"
     first, last = rows[:FIRST], rows[-LAST:]
     curve = " ".join(f"{r.get('second_turn_accuracy', 0.0):.2f}" for r in rows)

@@ -19,18 +19,15 @@ flipped (group advantages negated) the test fails: held-out 0.45, 0.28, 0.0, 0.0
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
-from test_learning import sft_then_train  # tests/ is on sys.path (pytest's rootdir-relative import)
+from test_learning import (  # tests/ is on sys.path (pytest's rootdir-relative import)
+    held_out_curve,
+    sft_then_train,
+    step_rows,
+)
 
 STEPS, EVAL_EVERY = 40, 10
 LARGE = ("env.min_size=36", "env.max_size=44")
-
-
-def _rows(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
 @pytest.mark.slow
@@ -38,9 +35,8 @@ def _rows(run: Path) -> list[dict]:
 @pytest.mark.first
 def test_sides_recipe_learns_left_from_right_on_held_out_canvases(tmp_path):
     evals = [f"trainer.eval_every={EVAL_EVERY}", "data.eval_limit=32", "trainer.lr=2e-3", "trainer.batch_size=8"]
-    rows = _rows(sft_then_train(tmp_path, "sides_sft_tiny", "sides_tiny", STEPS, LARGE, tuple(evals)))
-    held = [(r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
-    train = [r["accuracy"] for r in rows if "accuracy" in r and "step" in r]
+    rows = step_rows(sft_then_train(tmp_path, "sides_sft_tiny", "sides_tiny", STEPS, LARGE, tuple(evals)))
+    held, train = held_out_curve(rows), [r["accuracy"] for r in rows]
     said = f"held-out {held}; training per step {' '.join(f'{a:.2f}' for a in train)}"
     assert len(held) == STEPS // EVAL_EVERY and len(train) == STEPS, said
     assert held[0][1] <= 0.65 and held[-1][1] >= 0.85, said

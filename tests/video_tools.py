@@ -10,14 +10,11 @@ def clip(frames: int):
         frames: How many frames (1 to 8).
     """
     import numpy as np
-    from transformers.video_utils import VideoMetadata
-    from video_fixture import FPS, HEIGHT, WIDTH, bar_frame
+    from video_fixture import FPS, bar_frame
 
     from vlmrl.types import Video
 
-    meta = VideoMetadata(total_num_frames=frames, fps=FPS, width=WIDTH, height=HEIGHT, duration=frames / FPS)
-    meta.frames_indices = list(range(frames))
-    return ["The last frames:", Video(np.stack([bar_frame(i) for i in range(frames)]), meta, "")]
+    return ["The last frames:", Video.of_frames(np.stack([bar_frame(i) for i in range(frames)]), FPS)]
 
 
 def no_rate_clip(frames: int):

@@ -86,6 +86,16 @@ ENVIRONMENTS: Registry[type[Environment]] = Registry(
     "env._target_",
     tuple(
         f"vlmrl.envs.{m}"
-        for m in ("geometry3k", "geometry3k_tools", "frozenlake", "color_square", "colors", "guess", "sides", "generic")
+        for m in (
+            "geometry3k",
+            "geometry3k_tools",
+            "frozenlake",
+            "color_square",
+            "colors",
+            "guess",
+            "sides",
+            "motion",
+            "generic",
+        )
     ),
 )

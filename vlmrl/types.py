@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Callable, Union
+from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
 
 from PIL import Image
 
@@ -70,6 +70,31 @@ class Video:
     frames: "np.ndarray"
     metadata: Any
     ref: str = ""
+
+    @classmethod
+    def of_frames(
+        cls,
+        frames: "np.ndarray",
+        fps: float | None,
+        ref: str = "",
+        indices: Sequence[int] | None = None,
+        total: int | None = None,
+    ) -> "Video":
+        """A video of decoded `frames` ([T, H, W, 3] uint8) at `fps` frames a second (the source's; None: unknown,
+        which Qwen2.5-VL and Qwen3-VL refuse when they need the frames' times); `indices`: each frame's index in the
+        source (default 0..T-1); `total`: the source's frame count (default max(indices) + 1).
+        Raises ValueError for indices that do not match the frames, a total below them or an fps that is not > 0."""
+        from transformers.video_utils import VideoMetadata
+
+        kept = [int(i) for i in (range(len(frames)) if indices is None else indices)]
+        total = max(kept, default=-1) + 1 if total is None else int(total)
+        if len(kept) != len(frames) or not kept or total <= max(kept) or (fps is not None and not fps > 0):
+            raise ValueError(f"video {ref!r}: frame indices {kept} of {total} for {len(frames)} frames at {fps} fps")
+        duration = total / fps if fps else None
+        height, width = frames.shape[1:3]
+        meta = VideoMetadata(total_num_frames=total, fps=fps, width=width, height=height, duration=duration)
+        meta.frames_indices = kept
+        return cls(frames, meta, ref)
 
     @property
     def num_frames(self) -> int:
@@ -396,12 +421,9 @@ class VideoInputs:
             return None
         import torch
 
-        seconds = [p.second_per_grid_ts for p in parts if p.second_per_grid_ts is not None]
-        return VideoInputs(
-            torch.cat([p.pixel_values_videos for p in parts]),
-            torch.cat([p.video_grid_thw for p in parts]),
-            torch.cat(seconds) if len(seconds) == len(parts) else None,
-        )
+        grids = VideoInputs.grid_kwargs(parts)
+        pixels = torch.cat([p.pixel_values_videos for p in parts])
+        return VideoInputs(pixels, grids["video_grid_thw"], grids.get("second_per_grid_ts"))
 
     @staticmethod
     def grid_kwargs(parts: list["VideoInputs"]) -> dict[str, torch.Tensor]:
@@ -411,7 +433,7 @@ class VideoInputs:
 
         out = {"video_grid_thw": torch.cat([p.video_grid_thw for p in parts])}
         seconds = [p.second_per_grid_ts for p in parts if p.second_per_grid_ts is not None]
-        if seconds and len(seconds) == len(parts):
+        if parts and len(seconds) == len(parts):
             out["second_per_grid_ts"] = torch.cat(seconds)
         return out
 

@@ -29,7 +29,6 @@ importlib.import_module("vllm")  # make test-vllm's venv: without vllm this fail
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from test_vllm_multimodal import TEMPERATURE, TOL, diagram, rollout_cfg, run_episodes, worst_delta  # tests/real_vllm
-from transformers.video_utils import VideoMetadata
 from video_fixture import bar_frame  # tests/video_fixture.py
 
 from vlmrl.config import ExportStyle
@@ -57,10 +56,7 @@ from vlmrl.types import (
 def bar_video(indices: list[int], source_frames: int, fps: float, ref: str) -> Video:
     """The bar fixture's frames `indices` of a `source_frames`-frame source at `fps` (as `read_video` samples)."""
     frames = np.stack([bar_frame(i % 8) for i in indices])
-    h, w = frames.shape[1:3]
-    meta = VideoMetadata(total_num_frames=source_frames, fps=fps, width=w, height=h, duration=source_frames / fps)
-    meta.frames_indices = list(indices)
-    return Video(frames, meta, ref)
+    return Video.of_frames(frames, fps, ref, indices, source_frames)
 
 
 PROMPT_VIDEO = bar_video([0, 2, 4, 6], 8, 4.0, "prompt.mp4")  # sampled at 2 fps

@@ -461,19 +461,16 @@ def test_a_decoded_video_that_left_the_window_is_read_back_from_the_run_folder(t
     run folder whose frames and metadata read back exactly (PNG; fps 4, source of 8 frames, indices 0, 2, 4, 6); a
     row's video file and the items still shown stay as they were; recording the spilled part names the same folder."""
     import numpy as np
-    from transformers.video_utils import VideoMetadata
     from video_fixture import bar_frame
 
     from vlmrl.rollout.history import spill_images
     from vlmrl.runs.files import ImageStore
     from vlmrl.types import Video, VideoFile
 
-    meta = VideoMetadata(total_num_frames=8, fps=4.0, width=64, height=48, duration=2.0)
-    meta.frames_indices = [0, 2, 4, 6]
-    decoded = VideoPart(Video(np.stack([bar_frame(i) for i in (0, 2, 4, 6)]), meta, ""))
+    decoded = VideoPart(Video.of_frames(np.stack([bar_frame(i) for i in (0, 2, 4, 6)]), 4.0, "", [0, 2, 4, 6], 8))
     row = VideoPart(VideoFile(str(tmp_path / "clip.mp4"), 4, reader=lambda: None))
     (tmp_path / "clip.mp4").write_bytes(b"")
-    shown = VideoPart(Video(np.stack([bar_frame(1)] * 2), meta, ""))
+    shown = VideoPart(Video.of_frames(np.stack([bar_frame(1)] * 2), 4.0, "", [0, 2], 8))
     messages = [Message(Role.USER, [decoded, TextPart("and"), row]), Message(Role.USER, [shown])]
     store = ImageStore(tmp_path / "run")
     out = spill_images(messages, 2, store.spill)

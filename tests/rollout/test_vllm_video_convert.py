@@ -23,9 +23,7 @@ FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 def video(indices: list[int], source_frames: int, fps: float, seed: int) -> Video:
     """Frames `indices` of a `source_frames`-frame source at `fps`: each frame a different grey level and size 56."""
     frames = np.stack([np.full((56, 84, 3), (37 * (seed + i)) % 256, np.uint8) for i in indices])
-    meta = VideoMetadata(total_num_frames=source_frames, fps=fps, width=84, height=56, duration=source_frames / fps)
-    meta.frames_indices = list(indices)
-    return Video(frames, meta, f"v{seed}")
+    return Video.of_frames(frames, fps, f"v{seed}", indices, source_frames)
 
 
 def conversation() -> list[Message]:

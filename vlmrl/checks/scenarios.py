@@ -70,12 +70,9 @@ def dummy_video(frames: int = 4, width: int = 56, height: int = 56, seed: int = 
     """A small deterministic video: `frames` dummy images at `fps` frames a second (each frame's index in the source
     is its position, as `vlmrl.data.video.read_video` records it)."""
     import numpy as np
-    from transformers.video_utils import VideoMetadata
 
     stack = np.stack([np.asarray(dummy_image(width, height, seed + i)) for i in range(frames)])
-    meta = VideoMetadata(total_num_frames=frames, fps=fps, width=width, height=height, duration=frames / fps)
-    meta.frames_indices = list(range(frames))
-    return Video(stack, meta, f"dummy-video:{seed}")
+    return Video.of_frames(stack, fps, f"dummy-video:{seed}")
 
 
 @dataclass

@@ -7,7 +7,8 @@
 Built in: `geometry3k.Geometry3KEnv`, `geometry3k_tools.Geometry3KToolsEnv`, `frozenlake.FrozenLakeEnv`,
 `color_square.ColorSquareEnv`, and the generic `generic.SingleTurnEnv` / `generic.MultiTurnEnv` graded by
 trl-style reward functions (`env.rewards`); the learning demos `colors.ColorsEnv` (what), `guess.GuessEnv` (using
-the feedback) and `sides.SidesEnv` (where), whose `make_demos` feed `vlmrl sft` with sft.demos=env.
+the feedback), `sides.SidesEnv` (where) and `motion.MotionEnv` (which way a video moves), whose `make_demos` feed
+`vlmrl sft` with sft.demos=env.
 """
 
 from __future__ import annotations

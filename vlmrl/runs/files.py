@@ -228,19 +228,13 @@ def read_stored_video(folder: Path):
 
     import numpy as np
     from PIL import Image
-    from transformers.video_utils import VideoMetadata
 
     from vlmrl.types import Video
 
     meta = json.loads((folder / "metadata.json").read_text())
     files = sorted(folder.glob("frame_*.png"))
     frames = np.stack([np.asarray(Image.open(f).convert("RGB")) for f in files])
-    height, width = frames.shape[1:3]
-    fps, total = meta["fps"], meta["total_num_frames"]
-    duration = total / fps if fps and total else None
-    metadata = VideoMetadata(total_num_frames=total, fps=fps, width=width, height=height, duration=duration)
-    metadata.frames_indices = list(meta["frames_indices"])
-    return Video(frames, metadata, str(folder))
+    return Video.of_frames(frames, meta["fps"], str(folder), meta["frames_indices"], meta["total_num_frames"])
 
 
 class ImageStore:

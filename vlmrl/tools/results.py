@@ -220,7 +220,6 @@ def video_from_block(b: dict) -> Video:
     """A worker's video block `{"type": "video", "t", "w", "h", "fps", "indices", "rgb": base64(T*H*W*3)}` as a
     `Video`. Raises ValueError for a malformed block or more than `MAX_VIDEO_PIXELS` pixels."""
     import numpy as np
-    from transformers.video_utils import VideoMetadata
 
     from vlmrl.data.video import MAX_VIDEO_PIXELS
 
@@ -237,10 +236,7 @@ def video_from_block(b: dict) -> Video:
     if len(rgb) != t * w * h * 3:
         raise ValueError("a video block's size does not match its pixels")
     frames = np.frombuffer(rgb, np.uint8).reshape(t, h, w, 3).copy()
-    total = max(indices) + 1
-    meta = VideoMetadata(total_num_frames=total, fps=float(fps), width=w, height=h, duration=total / fps)
-    meta.frames_indices = list(indices)
-    return Video(frames, meta, "")
+    return Video.of_frames(frames, float(fps), indices=indices)
 
 
 def error_message(kind: ToolFailure, detail: str) -> Message:
