@@ -17,7 +17,7 @@ from vlmrl.rollout.engine import SamplingParams
 from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner
 from vlmrl.tokens import get_builder
 from vlmrl.tools import ToolLimits, ToolRuntime, get_parser
-from vlmrl.types import Message, Role, Task, TextPart, VideoPart
+from vlmrl.types import EndReason, Message, Role, Task, TextPart, ToolFailure, VideoPart
 
 CALL = '<tool_call>\n{{"name": "{name}", "arguments": {{"frames": {n}}}}}\n</tool_call>'
 
@@ -37,11 +37,13 @@ class AskEnv(Environment):
         return StepResult(0.0, True, [])
 
 
-def _episode(processors, tool, call: str):
+def _episode(processors, tool, call: str, budget: int = 1024, video_token: str | None = None):
     processor = processors("qwen2_5_vl")
     builder = get_builder("qwen2_5_vl", processor)
+    if video_token is not None:
+        builder.video_token = video_token  # "": a builder that takes no video
     engine = ScriptedVideoEngine(processor.tokenizer, builder.close_turn_id, [call, "It moves right: \\boxed{right}"])
-    runtime = ToolRuntime(get_parser("qwen2_5_vl"), ToolLimits(timeout_s=60.0))
+    runtime = ToolRuntime(get_parser("qwen2_5_vl"), ToolLimits(timeout_s=60.0, max_tool_response_tokens=budget))
     env = type("Env", (AskEnv,), {"TOOL": staticmethod(tool)})
     limits, sampling = EpisodeLimits(3, 100_000, 1.0), SamplingParams(max_new_tokens=64)
     runner = EpisodeRunner(builder, engine, env, limits, sampling, tools=runtime)
@@ -137,3 +139,23 @@ def test_verify_alignment_replays_a_recorded_tool_video_from_the_run_folder(proc
     raw["messages"][-2]["content"] = [{"type": "video", "ref": gone}]
     with pytest.raises(ValueError, match="neither a video the run saved"):
         Recorded.from_record(TrajectoryRecord.from_json(raw, "line 1"), 0, tmp_path, 14)
+
+
+@pytest.mark.parametrize("budget, dropped", [(12, True), (64, False)])
+def test_a_tools_video_counts_its_placeholders_in_the_response_budget(processors, budget, dropped):
+    """A 6-frame 64x48 clip is 12 video placeholders for Qwen2.5-VL (frames resized to 56x56: t 3, h 4, w 4 patches,
+    48 / merge 2**2), plus its text "The last frames:": over a budget of 12 tokens it is dropped whole, a TOO_LONG
+    failure that ends the episode; within 64 it is shown."""
+    _, _, traj = _episode(processors, clip, CALL.format(name="clip", n=6), budget)
+    shown = [p for m in traj.messages for p in m.content if isinstance(p, VideoPart)]
+    assert (traj.end_reason is EndReason.TOOL_RESPONSE_TOO_LONG) == dropped and len(shown) == (0 if dropped else 1)
+    assert traj.tool_stats.failures == ({ToolFailure.TOO_LONG.value: 1} if dropped else {})
+
+
+def test_a_tools_video_a_family_cannot_take_is_a_counted_rejection(processors):
+    """A builder that takes no video (as Gemma 3's) refuses the tool's video: the call becomes a REJECTED error
+    message naming why, and the episode goes on to its answer."""
+    _, _, traj = _episode(processors, clip, CALL.format(name="clip", n=2), video_token="")
+    tool_msg = next(m for m in traj.messages if m.role is Role.TOOL)
+    assert not tool_msg.videos and "could not be shown to the model" in tool_msg.text_content
+    assert traj.tool_stats.failures == {ToolFailure.REJECTED.value: 1} and len(traj.turns) == 2

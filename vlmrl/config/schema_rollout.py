@@ -18,7 +18,7 @@ class ToolsConfig:
     )
     max_tool_calls: int = knob(8, "Tool calls per episode; further calls get one error message and are not run.")
     max_tool_response_tokens: int = knob(
-        1024, "A longer text response is truncated with a marker; a longer image response ends the episode."
+        1024, "A longer text response is truncated with a marker; a longer image or video response ends the episode."
     )
     parallel: bool = knob(False, "Run one turn's tool calls concurrently.")
     max_workers: int = knob(4, "At most this many tool calls at once when `parallel`.")

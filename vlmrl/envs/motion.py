@@ -9,8 +9,8 @@ Why no single frame answers it: the pattern is random and turned around the stri
 taken alone, is equally likely under both answers. More strongly, a clip moving left is a clip moving right (from its
 last frame's pattern, as likely as any) played backwards, so even the set of frames, without their order, is equally
 likely under both answers. Any policy blind to the frames' order scores exactly 1/2: chance is 0.5. The motion shows
-in every part of the frame: the tiny learner learns it through GRPO within ~50 steps, where a single moving bar (the
-same motion in one or two of its 32 patches) stayed at chance for 100 steps.
+in every part of the frame: the tiny learner learns it through GRPO (held-out 0.91 at step 50, seed 0), where a single
+moving bar (the same motion in one or two of its 32 patches) stayed at chance for 100 steps.
 
 `env.clip` says where the clip appears:
 - `prompt`: in the first user message, with the question (one turn);

@@ -5,7 +5,7 @@
 
 REPLY appends the sampled ids and parses tool calls (only when the environment has tools, and not on the last
 allowed turn, whose reply is always graded). TOOL runs them through the `ToolRuntime` (limits, timeouts, failures
-as error messages) and renders the tool messages (loss mask 0); a tool response with images over
+as error messages) and renders the tool messages (loss mask 0); a tool response with images or videos over
 `max_tool_response_tokens` is dropped whole and ends the episode (trl #5521). Tool turns get reward 0 and do not
 count in the turn discount (max over graded turns t of r_t * gamma**t, t counting graded turns). A prompt that alone
 fills `max_context_tokens` samples nothing: its episodes end at once (`EndReason.PROMPT_TOO_LONG`) and its row is
@@ -260,8 +260,8 @@ class EpisodeRunner:
         ep.state = State.TOOL if ep.calls else State.ENV_STEP
 
     async def _on_tool(self, ep: Episode) -> None:
-        """TOOL: run the calls (worker thread), render their messages; an over-long image response is dropped and
-        ends the episode."""
+        """TOOL: run the calls (worker thread), render their messages; an over-long image or video response is
+        dropped and ends the episode."""
         assert ep.pending is not None and self.batcher is not None
         ref = f"{ep.task.id}/turn{len(ep.turns)}"
         result = await self.batcher.offload(self.tools.run, ep.calls, ep.tools, ep.tool_stats, ref)
@@ -270,7 +270,10 @@ class EpisodeRunner:
         except Exception as err:  # noqa: BLE001 - whatever a tool returns must never end the run
             self.tools.reject_images(result, ep.tool_stats, f"{type(err).__name__}: {err}")
             piece = self.builder.render_messages(ep.seq, result.messages)
-        dropped = self.tools.drop_oversized(result, piece.ids, self.builder.image_token_id, ep.tool_stats)
+        b = self.builder
+        dropped = self.tools.drop_oversized(
+            result, piece.ids, b.image_token_id, ep.tool_stats, b.video_token_id, piece.video
+        )
         ep.turns.append(Turn(ep.pending, 0.0, {}, result.calls, result.errors))  # a tool turn: not graded
         if dropped:
             self._end(ep, EndReason.TOOL_RESPONSE_TOO_LONG)

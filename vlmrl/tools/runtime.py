@@ -27,7 +27,18 @@ from vlmrl.tools.results import (
     items_from_blocks,
 )
 from vlmrl.tools.spec import Tool, ToolArgumentError
-from vlmrl.types import ImagePart, Message, Role, TextPart, ToolCall, ToolCallStatus, ToolFailure, ToolStats
+from vlmrl.types import (
+    ImagePart,
+    Message,
+    Role,
+    TextPart,
+    ToolCall,
+    ToolCallStatus,
+    ToolFailure,
+    ToolStats,
+    VideoInputs,
+    VideoPart,
+)
 
 _PARSE_FAILURE = {
     ToolCallStatus.MALFORMED_JSON: ToolFailure.MALFORMED_JSON,
@@ -202,9 +213,19 @@ class ToolRuntime:
         turn.messages[i] = Message(Role.TOOL, converted.parts)
 
     # --- response budget ------------------------------------------------------------------------------------------
-    def oversized(self, messages: list[Message], ids: list[int], image_token_id: int) -> list[int]:
-        """Indexes of tool messages holding images whose tokens (text + image placeholders in the rendered `ids`)
-        exceed max_tool_response_tokens. Images are never cut: such a response is dropped whole (trl #5521)."""
+    def oversized(
+        self,
+        messages: list[Message],
+        ids: list[int],
+        image_token_id: int,
+        video_token_id: int | None = None,
+        videos: VideoInputs | None = None,
+    ) -> list[int]:
+        """Indexes of tool messages holding images or videos whose tokens (text + placeholders in the rendered `ids`)
+        exceed max_tool_response_tokens. Images and videos are never cut: such a response is dropped whole (trl
+        #5521). videos: the rendered messages' videos (None without), whose video_grid_thw [V, 3] splits the
+        `video_token_id` placeholders of `ids` among the videos, in proportion to their patches (Qwen3-VL spreads
+        one video's placeholders over several runs between its timestamps)."""
         runs: list[int] = []  # placeholder tokens of each image, in order
         prev = False
         for tok in ids:
@@ -214,21 +235,31 @@ class ToolRuntime:
             elif cur:
                 runs.append(1)
             prev = cur
-        out, k = [], 0
+        video_runs = _video_tokens(ids, video_token_id, videos)
+        out, k, v = [], 0, 0
         for i, m in enumerate(messages):
             n_img = sum(isinstance(p, ImagePart) for p in m.content)
-            if n_img:
-                tokens = sum(runs[k : k + n_img]) + self.budget.count(m.text_content)
-                if tokens > self.limits.max_tool_response_tokens:
+            n_vid = sum(isinstance(p, VideoPart) for p in m.content)
+            if n_img or n_vid:
+                media = sum(runs[k : k + n_img]) + sum(video_runs[v : v + n_vid])
+                if media + self.budget.count(m.text_content) > self.limits.max_tool_response_tokens:
                     out.append(i)
-            k += n_img
+            k, v = k + n_img, v + n_vid
         return out
 
-    def drop_oversized(self, turn: ToolTurn, ids: list[int], image_token_id: int, stats: ToolStats) -> bool:
-        """If an image response of `turn` (rendered as `ids`) is over budget: count its call as a TOO_LONG failure
-        (no longer ok), uncount the turn's images, and return True -- the caller drops the whole turn's messages
-        and ends the episode (images are never cut)."""
-        over = self.oversized(turn.messages, ids, image_token_id)
+    def drop_oversized(
+        self,
+        turn: ToolTurn,
+        ids: list[int],
+        image_token_id: int,
+        stats: ToolStats,
+        video_token_id: int | None = None,
+        videos: VideoInputs | None = None,
+    ) -> bool:
+        """If an image or video response of `turn` (rendered as `ids`; videos as `oversized` takes them) is over
+        budget: count its call as a TOO_LONG failure (no longer ok), uncount the turn's images, and return True --
+        the caller drops the whole turn's messages and ends the episode (images and videos are never cut)."""
+        over = self.oversized(turn.messages, ids, image_token_id, video_token_id, videos)
         if not over:
             return False
         for i in over:
@@ -242,16 +273,27 @@ class ToolRuntime:
         return True
 
     def reject_images(self, turn: ToolTurn, stats: ToolStats, reason: str) -> None:
-        """The processor or builder refused to render `turn`'s messages: each result holding images becomes a
-        REJECTED error message (the model is told why), counted as such and no longer ok; its images are uncounted."""
+        """The processor or builder refused to render `turn`'s messages: each result holding images or videos becomes
+        a REJECTED error message (the model is told why), counted as such and no longer ok; its images are
+        uncounted."""
         for i, m in enumerate(turn.messages):
             n_img = sum(isinstance(p, ImagePart) for p in m.content)
-            if not n_img:
+            if not n_img and not any(isinstance(p, VideoPart) for p in m.content):
                 continue
             if i < len(turn.errors) and turn.errors[i] == "":
                 stats.ok -= 1
             stats.images -= n_img
             self._fail(turn, stats, i, ToolFailure.REJECTED, f"the result could not be shown to the model: {reason}")
+
+
+def _video_tokens(ids: list[int], video_token_id: int | None, videos: VideoInputs | None) -> list[int]:
+    """The placeholder tokens of each of `videos` in `ids`: the ids' `video_token_id`s (t*h*w / merge**2 a video,
+    the video processor's count) split in proportion to each video's patches t*h*w."""
+    if videos is None or video_token_id is None:
+        return []
+    patches = videos.video_grid_thw.prod(-1).tolist()
+    placeholders = sum(1 for t in ids if t == video_token_id)
+    return [p * placeholders // sum(patches) for p in patches]
 
 
 def template_renders_tools(processor: Any) -> bool:
