@@ -399,8 +399,8 @@ def test_vllm_logprobs_at_temperature_0_7_top_p_0_9_with_images(setup):
     assert worst_t1 > 1e-2
 
 
-def _train_with_vllm(tmp_path: Path, *extra: str) -> Path:
-    """`vlmrl train recipe=geometry3k_tiny rollout=vllm` (tests/scripts/train_test_env.py: tests/ importable for
+def train_with_vllm(tmp_path: Path, *extra: str, recipe: str = "geometry3k_tiny") -> Path:
+    """`vlmrl train recipe=<recipe> rollout=vllm` (tests/scripts/train_test_env.py: tests/ importable for
     test-only environments) with the head-32 tiny Qwen2.5-VL; returns the run folder."""
     model_dir = tmp_path / "tiny_qwen25_vl_head32"
     tiny_qwen25_vl_head32().save_pretrained(model_dir)
@@ -410,7 +410,7 @@ def _train_with_vllm(tmp_path: Path, *extra: str) -> Path:
         sys.executable,
         str(ROOT / "tests" / "scripts" / "train_test_env.py"),
         "train",
-        "recipe=geometry3k_tiny",
+        f"recipe={recipe}",
         "rollout=vllm",
         f"model.name_or_path={model_dir}",
         "data.limit=2",
@@ -437,7 +437,7 @@ def test_async_train_with_vllm_and_images(tmp_path):
     names (checkpoints/step_<v>/hf) to TOL."""
     from vlmrl.checks.run_alignment import verify_run
 
-    out = _train_with_vllm(
+    out = train_with_vllm(
         tmp_path,
         "trainer.steps=3",
         "algorithm.off_policy_steps=1",
