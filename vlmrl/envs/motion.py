@@ -54,7 +54,7 @@ class ClipAt(str, Enum):
 
 @dataclass
 class MotionConfig(EnvConfig):
-    """Which way does the bar move: left or right (`env=motion`)."""
+    """Which way do the stripes move: left or right (`env=motion`)."""
 
     _target_: str = "vlmrl.envs.motion.MotionEnv"
     max_turns: int = 2  # the observation mode's two turns; a prompt clip's episode ends at its answer
