@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("tokens", "tools"),
     ("envs", "export"),
     ("rollout",),
-    ("train",),
+    ("train", "judge"),
     ("evaluation",),
     ("checks",),
     ("run", "sft"),

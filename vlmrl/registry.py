@@ -1,6 +1,7 @@
 """Registries: every choice a config names (`algorithm.advantage`, `algorithm.loss_agg`, `rollout.engine`,
-`rollout.vllm.weight_sync`, an environment) is an entry registered under that name by one decorated function or
-class in its own module, with what the rest of the code needs to know about it as attributes of the entry.
+`rollout.vllm.weight_sync`, `reward.judge.client`, an environment) is an entry registered under that name by one
+decorated function or class in its own module, with what the rest of the code needs to know about it as attributes
+of the entry.
 
 A registry imports the modules that register its built-in entries (`builtins`, by module name) on its first lookup,
 so the config layer validates a name without importing the modules above it at import time. A name of the form
@@ -19,6 +20,7 @@ from vlmrl.errors import ConfigError
 
 if TYPE_CHECKING:
     from vlmrl.envs.base import Environment
+    from vlmrl.judge.clients import JudgeClientSpec
     from vlmrl.rollout.engines import EngineSpec
     from vlmrl.rollout.vllm.routes import WeightSyncRoute
     from vlmrl.train.advantages import AdvantageEstimator
@@ -82,6 +84,7 @@ ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry(
 LOSS_AGGREGATIONS: Registry[LossAggregation] = Registry("algorithm.loss_agg", ("vlmrl.train.loss_agg",))
 ROLLOUT_ENGINES: Registry[EngineSpec] = Registry("rollout.engine", ("vlmrl.rollout.engines",))
 WEIGHT_SYNC_ROUTES: Registry[WeightSyncRoute] = Registry("rollout.vllm.weight_sync", ("vlmrl.rollout.vllm.routes",))
+JUDGE_CLIENTS: Registry[JudgeClientSpec] = Registry("reward.judge.client", ("vlmrl.judge.clients",))
 ENVIRONMENTS: Registry[type[Environment]] = Registry(
     "env._target_",
     tuple(

@@ -22,6 +22,7 @@ from vlmrl.config import AlgorithmConfig, Config, ExportStyle, to_yaml
 from vlmrl.data.row_videos import row_videos
 from vlmrl.envs import check_plugins, load_env_tasks
 from vlmrl.evaluation.during_training import EvalSetup, eval_during_training
+from vlmrl.judge import Judge, JudgeRound
 from vlmrl.modeling.adapters import prepare_policy
 from vlmrl.modeling.loading import load_policy
 from vlmrl.registry import ROLLOUT_ENGINES
@@ -79,13 +80,17 @@ def sample_step(job: "Job", step: int, position: int) -> SampledBatch:
     trajectory records the version of the weights that sampled it (`job.sampler_version`)."""
     cfg, trainer, alg, size = job.cfg, job.trainer, job.cfg.algorithm, job.cfg.trainer.batch_size
     t0, version = time.perf_counter(), job.sampler_version
+    judged = JudgeRound()
 
     def one_round(start: int) -> tuple[list[Task], list[Trajectory]]:
+        nonlocal judged
         batch = prompts_at(job.tasks, start, size, trainer.rank, trainer.world_size)
         # request seeds derive from (seed, step, rank[, round], task, sample, turn): the same whatever the batching
         rnd = (start - position) // size
         seed = derive_seed(cfg.seed, step, trainer.rank, *((rnd,) if rnd else ()))
         trajs = job.runner.run(batch, alg.group_size, seed=seed)
+        if job.judge is not None:  # reward = env_weight * env reward + weight * judge score (NaN: failed)
+            judged = judged.add(job.judge.score(trajs, batch))
         if alg.overlong_buffer:
             overlong.apply_soft_penalty(trajs, cfg.rollout.max_new_tokens, alg.overlong_buffer, alg.overlong_penalty)
         return batch, trajs
@@ -98,7 +103,10 @@ def sample_step(job: "Job", step: int, position: int) -> SampledBatch:
         sampled = sample_until_full(one_round, position, size, alg.max_sampling_rounds, gather, trainer.rank)
     for traj in sampled.generated:
         traj.policy_version = version
-    return dataclasses.replace(sampled, policy_version=version, rollout_s=time.perf_counter() - t0)
+    rewards = judged.metrics() if job.judge is not None else {}
+    return dataclasses.replace(
+        sampled, policy_version=version, rollout_s=time.perf_counter() - t0, reward_metrics=rewards
+    )
 
 
 def next_batch(job: "Job", step: int) -> SampledBatch:
@@ -173,6 +181,7 @@ class Job:
     prefetch: Prefetcher | None = None
     behaviour: BehaviourWeights | None = None
     sampler_version: int = 0
+    judge: Judge | None = None  # reward.judge (vlmrl.judge): scores each round's episodes
 
 
 def build_job(cfg: Config, plan: ResumePlan | None = None) -> Job:
@@ -183,6 +192,9 @@ def build_job(cfg: Config, plan: ResumePlan | None = None) -> Job:
     when the data split has no usable row.
     """
     set_seed(cfg.seed)  # python, numpy and torch RNGs (vlmrl.seeding)
+    judge = Judge.from_config(cfg)  # a bad template, or a judge server not there, fails before any model loads
+    if judge is not None:
+        judge.check()
     main_rank = int(os.environ.get("RANK", "0")) == 0  # known before torch.distributed starts
     keep_until = None if plan is None or plan.fresh else plan.step
     needed = checkpoint.checkpoint_bytes(plan.checkpoint) if plan is not None and plan.checkpoint else 0
@@ -213,6 +225,8 @@ def build_job(cfg: Config, plan: ResumePlan | None = None) -> Job:
     tasks = load_env_tasks(cfg.env, cfg.data, videos)
     if not tasks:
         raise ValueError(f"no usable rows in {cfg.data.path} (split {cfg.data.split})")
+    if judge is not None:  # the judge takes the tasks' images: before any rollout
+        judge.check(tasks)
     if cfg.data.shuffle_seed is not None:  # null: the data's own order
         random.Random(cfg.data.shuffle_seed).shuffle(tasks)
     if files:  # only now: a start that failed above leaves no config.yaml to block the corrected rerun
@@ -230,6 +244,7 @@ def build_job(cfg: Config, plan: ResumePlan | None = None) -> Job:
         processor,
         behaviour=behaviour,
         prefetch=Prefetcher() if off_policy else None,
+        judge=judge,
     )
     job.guard.max_in_row = cfg.trainer.max_bad_steps
     return job
@@ -311,6 +326,7 @@ def rollout_metrics(
     return mine, {
         **episode_metrics(usable),
         **option_metrics(job.cfg, sampled),
+        **sampled.reward_metrics,
         "samples": float(len(samples)),
         "sampled_vision_tokens": sampled_vision_tokens(played, job.builder.vision_token_ids),
         "rollout_tokens_per_s": gen_tokens / max(sampled.rollout_s, 1e-9),
@@ -334,9 +350,9 @@ def merge_rollout_rows(rows: list[dict]) -> dict:
     keys = sorted({k for r in rows for k in r})
     out = {}
     for key in keys:
-        if key in ("episodes", "samples", "rollout_tokens_per_s"):
+        if key in ("episodes", "samples", "rollout_tokens_per_s", "judge_calls", "judge_retries", "judge_failures"):
             out[key] = sum(r.get(key, 0.0) for r in rows)
-        elif key == "rollout_s" or key.endswith("_max_s"):
+        elif key in ("rollout_s", "judge_s") or key.endswith("_max_s"):
             out[key] = max(r.get(key, 0.0) for r in rows)
         else:
             out[key] = sum(r.get(key, 0.0) * r.get("episodes", 0.0) for r in rows) / total

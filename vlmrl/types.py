@@ -645,6 +645,19 @@ class Turn(TurnOutcome):
 
 
 @dataclass
+class Judgement:
+    """A judge model's verdict on one episode (`vlmrl.judge`). score: in [0, 1], NaN when the judgement failed (the
+    episode then leaves its GRPO group); reply: the judge's text ("" without a reply); error: why it failed ("")."""
+
+    score: float
+    reply: str = ""
+    error: str = ""
+
+    def to_json(self) -> dict:
+        return {"score": self.score, "reply": self.reply, "error": self.error}
+
+
+@dataclass
 class Trajectory:
     """One episode: its messages, its continuous tokens, per-turn rewards and the final (turn-discounted) reward."""
 
@@ -664,6 +677,7 @@ class Trajectory:
     views: list[TokenSeq] = field(default_factory=list)
     turn_views: list[int] = field(default_factory=list)
     keep_images: int | None = None  # the window's size (None: no window)
+    judgement: Judgement | None = None  # reward.judge's verdict (`reward` then includes its score)
 
     def turn_tokens(self, turn: int) -> TokenSeq:
         """The token sequence turn `turn` was sampled in: its view, or `tokens` (no window, or the last view)."""

@@ -14,6 +14,9 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from vlmrl.config.knob import knob
+from vlmrl.config.schema_reward import JudgeConfig as JudgeConfig
+from vlmrl.config.schema_reward import JudgeShows as JudgeShows
+from vlmrl.config.schema_reward import RewardConfig as RewardConfig
 from vlmrl.config.schema_rollout import RolloutConfig as RolloutConfig  # re-exported: one schema module to import
 from vlmrl.config.schema_rollout import ToolsConfig as ToolsConfig
 from vlmrl.config.schema_rollout import VLLMConfig as VLLMConfig
@@ -356,6 +359,7 @@ class Config:
     tools: ToolsConfig = knob(help="Tool calling limits and safety.", factory=ToolsConfig)
     rollout: RolloutConfig = knob(help="Sampling and its engine.", factory=RolloutConfig)
     algorithm: AlgorithmConfig = knob(help="The RL objective.", factory=AlgorithmConfig)
+    reward: RewardConfig = knob(help="The episode reward: the environment's and a judge model's.", factory=RewardConfig)
     export: ExportConfig = knob(help="How trajectories become training samples.", factory=ExportConfig)
     trainer: TrainerConfig = knob(help="Optimizer, ZeRO and the run's schedule.", factory=TrainerConfig)
     logging: LoggingConfig = knob(help="The run folder and metric loggers.", factory=LoggingConfig)

@@ -19,7 +19,13 @@ if TYPE_CHECKING:
 
 
 from vlmrl.errors import ConfigError
-from vlmrl.registry import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, ROLLOUT_ENGINES, WEIGHT_SYNC_ROUTES
+from vlmrl.registry import (
+    ADVANTAGE_ESTIMATORS,
+    JUDGE_CLIENTS,
+    LOSS_AGGREGATIONS,
+    ROLLOUT_ENGINES,
+    WEIGHT_SYNC_ROUTES,
+)
 
 __all__ = ["ConfigError"]  # defined in vlmrl.errors; imported from here by earlier code
 log = logging.getLogger("vlmrl.config")
@@ -107,7 +113,7 @@ def validate_config(cfg: Config, training: bool = True) -> None:
         (cfg.sft.num_demos >= 1, "sft.num_demos must be >= 1"),
         (bool(cfg.sft.demos), "sft.demos must be 'env' or a JSONL file"),
     ]
-    for ok, msg in checks + _range_checks(cfg):
+    for ok, msg in checks + _range_checks(cfg) + _reward_checks(cfg):
         if not ok:
             raise ConfigError(msg)
     budget = cfg.trainer.max_tokens_per_micro_batch
@@ -118,6 +124,29 @@ def validate_config(cfg: Config, training: bool = True) -> None:
             budget,
             cfg.rollout.max_context_tokens,
         )
+
+
+def _reward_checks(cfg: Config) -> list[tuple[bool, str]]:
+    """The checks of `reward` and `reward.judge` (the judge's client a registered name, `JUDGE_CLIENTS`)."""
+    r, j = cfg.reward, cfg.reward.judge
+    if j.client is None:
+        return [(_fin(r.env_weight), "reward.env_weight must be finite")]
+    JUDGE_CLIENTS.get(j.client)
+    return [
+        (_fin(r.env_weight) and _fin(j.weight), "reward.env_weight and reward.judge.weight must be finite"),
+        (j.min_score < j.max_score, "reward.judge.min_score must be below reward.judge.max_score"),
+        (j.max_in_flight >= 1, "reward.judge.max_in_flight must be >= 1"),
+        (j.timeout_s > 0 and _fin(j.timeout_s), "reward.judge.timeout_s must be > 0 and finite"),
+        (j.max_retries >= 0, "reward.judge.max_retries must be >= 0"),
+        (j.max_tokens >= 1, "reward.judge.max_tokens must be >= 1"),
+        (j.client != "openai" or bool(j.url), "reward.judge.client=openai needs reward.judge.url"),
+        (bool(j.model), f"reward.judge.client={j.client} needs reward.judge.model"),
+        (
+            not ADVANTAGE_ESTIMATORS.get(cfg.algorithm.advantage).per_turn,
+            f"reward.judge scores whole episodes: algorithm.advantage={cfg.algorithm.advantage} (per turn) cannot use "
+            "it",
+        ),
+    ]
 
 
 _ATTN = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")

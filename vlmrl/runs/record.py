@@ -13,6 +13,7 @@ the metrics (`vlmrl.runs.episode_metrics`), the evaluation, the report and the a
               tool_errors, and (derived from turn_metrics, for readers older than turn_metrics) correct, formatted,
               parse_status
     end_reason ("" = none), reward, advantage, policy_version, [turn_advantages], tool_stats
+    [judge {score, reply, error}]: reward.judge's verdict (`vlmrl.judge`); score null when it failed
     [keep_images, views [{input_ids, loss_mask, logprobs, turn_spans, boundary, image_grid_thw}], turn_views]: a
               history window's trajectory (`vlmrl.rollout.history`): the line's own ids are its last view
 
@@ -174,6 +175,7 @@ class TrajectoryRecord:
             keep_images=traj.keep_images,
             views=[_view_json(v) for v in traj.views],
             turn_views=list(traj.turn_views),
+            extra={"judge": traj.judgement.to_json()} if traj.judgement is not None else {},
         )
 
     def to_json(self) -> dict:

@@ -18,7 +18,7 @@ collectives, and adds nothing to the loss or the token counts.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from vlmrl.types import Task, Trajectory
@@ -44,7 +44,8 @@ class SampledBatch:
     rank sampled (metrics, trajectories.jsonl); tasks: the prompts this rank ran; prompts: prompts consumed by all
     ranks; rounds: rollout rounds; groups_kept / groups_dropped: over all ranks and rounds (dropped = equal rewards,
     or cut beyond batch_size); fill_only: `kept` is filler for this rank (train it with loss mask 0); policy_version:
-    the step whose end's weights sampled it; rollout_s: its sampling time (seconds)."""
+    the step whose end's weights sampled it; rollout_s: its sampling time (seconds), judging included;
+    reward_metrics: the judge's counts over the rounds (`vlmrl.judge.JudgeRound.metrics`; empty without a judge)."""
 
     kept: list[Trajectory]
     generated: list[Trajectory]
@@ -56,6 +57,7 @@ class SampledBatch:
     fill_only: bool = False
     policy_version: int = 0
     rollout_s: float = 0.0
+    reward_metrics: dict[str, float] = field(default_factory=dict)  # the judge's (`vlmrl.judge.JudgeRound`)
 
     def metrics(self) -> dict[str, float]:
         """dynamic_rounds, dynamic_groups_kept, dynamic_groups_dropped (all ranks) for the step's metrics row."""

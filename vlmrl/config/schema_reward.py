@@ -1,0 +1,66 @@
+"""The reward section of the config schema: `reward` (how the environment's rule reward and a judge model's score
+combine) and `reward.judge` (re-exported by `vlmrl.config.schema`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Dict, Optional
+
+from vlmrl.config.knob import knob
+
+
+class JudgeShows(str, Enum):
+    """What of the episode the judge reads as the answer (`reward.judge.shows`)."""
+
+    final = "final"  # the last assistant reply
+    transcript = "transcript"  # every turn after the prompt: replies, tool results, observations (images as text)
+
+
+@dataclass
+class JudgeConfig:
+    """`reward.judge`: a judge model scoring each finished episode (`vlmrl.judge`). null `client`: no judge."""
+
+    client: Optional[str] = knob(
+        None,
+        "How the judge is reached: openai (an OpenAI-compatible chat server at `url`, e.g. `vllm serve`), "
+        "transformers (loaded in this process from `model`), a registered name or pkg.module:name; null: no judge.",
+    )
+    url: str = knob("http://127.0.0.1:8000/v1", "The judge server's OpenAI-compatible base URL (client=openai).")
+    model: str = knob(
+        "",
+        "client=openai: the served model name (as `vllm serve --served-model-name`); client=transformers: a hub id, a "
+        "local folder or tiny:<family>.",
+    )
+    family: str = knob("", "client=transformers: the judge model's family (model.family's names); '': model.family.")
+    api_key_env: str = knob(
+        "VLMRL_JUDGE_API_KEY", "The environment variable holding the server's API key (unset: no key, as vllm serve)."
+    )
+    template: Optional[str] = knob(
+        None,
+        "The judge's prompt: a text file with {question}, {answer} and optionally {reference}; null: the rubric "
+        "shipped in vlmrl/assets/judge/default.txt. The verdict format is appended by vlmrl, not the template.",
+    )
+    shows: JudgeShows = knob(JudgeShows.final, "What the judge grades: final (the last reply) or transcript.")
+    images: bool = knob(True, "Send the task's images (and the transcript's) to the judge; false: text only.")
+    min_score: int = knob(0, "The lowest verdict `Score: k` the judge may give (scored 0).")
+    max_score: int = knob(10, "The highest verdict (scored 1); k is mapped linearly to [0, 1].")
+    weight: float = knob(1.0, "The judge score's factor in the episode reward.")
+    max_in_flight: int = knob(64, "Judge requests in flight at once (all episodes of a step are judged together).")
+    timeout_s: float = knob(60.0, "Seconds per judge request; a slower one is retried, then a failure.")
+    max_retries: int = knob(2, "Retries of a failed request (timeout, connection, HTTP 408/409/429/5xx) per episode.")
+    max_tokens: int = knob(512, "The judge's reply budget in tokens (its reasoning and the verdict line).")
+    extra_body: Dict[str, Any] = knob(
+        help="More fields of each chat request (client=openai), e.g. vLLM's structured_outputs: {regex: ...} to hold "
+        "a small judge to the verdict format; {}: none.",
+        factory=dict,
+    )
+
+
+@dataclass
+class RewardConfig:
+    """`reward`: the episode reward = env_weight * the environment's reward + judge.weight * the judge's score. A
+    failed judgement (after its retries) is NaN: the episode leaves its GRPO group and is counted."""
+
+    env_weight: float = knob(1.0, "The environment's (rule) reward's factor in the episode reward.")
+    judge: JudgeConfig = knob(help="A judge model's score (reward.judge.client; null: none).", factory=JudgeConfig)

@@ -1,0 +1,132 @@
+"""The judge stage of a step: every finished episode of the round is judged concurrently, its reward becomes
+`reward.env_weight * the environment's reward + reward.judge.weight * the judge's score`.
+
+Bounded and batched: all of a round's judgements are submitted at once, at most `reward.judge.max_in_flight` in
+flight (an asyncio semaphore), so a server with continuous batching (vLLM) sees them together. Never a silent 0: a
+judgement that fails (after the client's retries: a timeout, a connection error, an HTTP error, or a reply whose
+last line is not a verdict) scores NaN, so its episode leaves its GRPO group (`vlmrl.runs.resume.split_unusable`)
+and is counted in the step's `excluded_episodes` and `judge_failures`; a step whose judgements all fail skips its
+update and counts toward `trainer.max_bad_steps`. The same design as verl's reward loop (judge after rollout,
+requests concurrent) and NeMo-Gym's masking of failed judgements, rather than scoring them 0 (trl #6427).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+from vlmrl.config.schema import Config, RewardConfig
+from vlmrl.judge.clients import JudgeClient, JudgeError
+from vlmrl.judge.prompt import JudgeTemplate, case_of, judge_messages, parse_verdict
+from vlmrl.registry import JUDGE_CLIENTS
+from vlmrl.rollout.skipped_rows import prompt_too_long
+from vlmrl.types import Judgement, Message, Task, Trajectory
+
+log = logging.getLogger("vlmrl.judge")
+
+
+@dataclass
+class JudgeRound:
+    """One round's judging: seconds (wall clock), requests sent (retries included), judgements asked, failures."""
+
+    seconds: float = 0.0
+    requests: int = 0
+    judged: int = 0
+    failures: int = 0
+    score_sum: float = 0.0  # of the judgements that did not fail
+
+    def add(self, other: "JudgeRound") -> "JudgeRound":
+        return JudgeRound(
+            self.seconds + other.seconds,
+            self.requests + other.requests,
+            self.judged + other.judged,
+            self.failures + other.failures,
+            self.score_sum + other.score_sum,
+        )
+
+    def metrics(self) -> dict[str, float]:
+        """judge_s, judge_calls (requests), judge_retries (requests beyond one per judgement), judge_failures, and
+        judge_score (the mean score in [0, 1] of the judgements that did not fail; when some did not)."""
+        scored = self.judged - self.failures
+        return {
+            **({"judge_score": self.score_sum / scored} if scored else {}),
+            "judge_s": self.seconds,
+            "judge_calls": float(self.requests),
+            "judge_retries": float(max(self.requests - self.judged, 0)),
+            "judge_failures": float(self.failures),
+        }
+
+
+class Judge:
+    """The judge stage (`reward.judge`): `score(trajectories, tasks)` sets each episode's `judgement` and reward."""
+
+    def __init__(self, reward: RewardConfig, client: JudgeClient, template: JudgeTemplate):
+        self.reward, self.cfg, self.client, self.template = reward, reward.judge, client, template
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> "Judge | None":
+        """The run's judge (None when `reward.judge.client` is null). Raises ConfigError for an unusable template
+        (`JudgeTemplate.load`) or an unregistered client, before any model is loaded."""
+        judge = cfg.reward.judge
+        if judge.client is None:
+            return None
+        template = JudgeTemplate.load(judge.template)
+        spec = JUDGE_CLIENTS.get(judge.client)
+        return cls(cfg.reward, spec.make(judge, cfg.model), template)
+
+    def check(self, tasks: list[Task] | None = None) -> None:
+        """The start-up check (`JudgeClient.check`; ConfigError): without `tasks`, that the judge is there (before the
+        policy loads); with them, also that it takes an image when it is sent images and some task has one."""
+        images = tasks is not None and self.cfg.images and any(m.images for t in tasks for m in t.messages)
+        self.client.check(images)
+
+    def prompt(self, traj: Trajectory, reference: str) -> list[Message]:
+        """The judge's prompt for one episode (`vlmrl.judge.prompt.judge_messages`)."""
+        case = case_of(traj, reference, self.cfg.shows, self.cfg.images)
+        return judge_messages(self.template, case, self.cfg.min_score, self.cfg.max_score)
+
+    def score(self, trajs: list[Trajectory], tasks: list[Task]) -> JudgeRound:
+        """Judge every episode that sampled a turn (concurrently, bounded); set its `judgement` and its reward
+        (NaN when the judgement failed). Returns the round's counts. Never raises for a failed judgement."""
+        answers = {t.id: t.answer for t in tasks}
+        todo = [t for t in trajs if not prompt_too_long(t)]
+        prompts = [self.prompt(t, answers.get(t.task_id, "")) for t in todo]
+        before, t0 = self.client.requests, time.perf_counter()
+        verdicts = asyncio.run(self._all(prompts))
+        stats = JudgeRound(time.perf_counter() - t0, self.client.requests - before, len(todo))
+        for traj, judgement in zip(todo, verdicts):
+            traj.judgement = judgement
+            traj.reward = self.reward.env_weight * traj.reward + self.cfg.weight * judgement.score
+        failed = [(t.task_id, j.error) for t, j in zip(todo, verdicts) if math.isnan(j.score)]
+        stats.failures = len(failed)
+        stats.score_sum = sum(j.score for j in verdicts if not math.isnan(j.score))
+        if failed:
+            log.warning(
+                "%d of %d judgements failed (their episodes leave their groups); first: task %s: %s",
+                len(failed),
+                len(todo),
+                *failed[0],
+            )
+        return stats
+
+    async def _all(self, prompts: list[list[Message]]) -> list[Judgement]:
+        bound = asyncio.Semaphore(self.cfg.max_in_flight)
+        async with self.client.session():
+            return list(await asyncio.gather(*(self._one(bound, p) for p in prompts)))
+
+    async def _one(self, bound: asyncio.Semaphore, prompt: list[Message]) -> Judgement:
+        async with bound:
+            try:
+                reply = await self.client.complete(prompt, self.cfg.max_tokens)
+            except JudgeError as err:
+                return Judgement(math.nan, "", str(err))
+        score = parse_verdict(reply, self.cfg.min_score, self.cfg.max_score)
+        if score is None:
+            last = (reply.strip().splitlines() or [""])[-1][:120]
+            low, high = self.cfg.min_score, self.cfg.max_score
+            why = f"no verdict: the last line is {last!r}, not 'Score: k' with k in [{low}, {high}]"
+            return Judgement(math.nan, reply, why)
+        return Judgement(score, reply)
