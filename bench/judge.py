@@ -21,6 +21,7 @@ warm-up of each row.
 from __future__ import annotations
 
 import json
+import logging
 import statistics
 import sys
 import tempfile
@@ -85,10 +86,10 @@ def main(
 ) -> None:
     processor = load_processor("qwen2_5_vl", "tiny:qwen2_5_vl")
     env = EnvConfig(_target_="vlmrl.envs.geometry3k.Geometry3KEnv")
-    tasks = load_env_tasks(
-        env, DataConfig(path=str(ROOT / "vlmrl/assets/data/geometry3k"), split="train", limit=episodes)
-    )
+    problems = load_env_tasks(env, DataConfig(path=str(ROOT / "vlmrl/assets/data/geometry3k"), split="test"))
+    tasks = [problems[i % len(problems)] for i in range(episodes)]  # 64 problems, each with its diagram
     trajs = lambda: [episode(t, "The angle is 60, so \\boxed{B}.", 0.0, g) for g, t in enumerate(tasks)]
+    logging.getLogger("vlmrl.judge").setLevel(logging.ERROR)  # the tiny judge writes no verdict: failures expected
     with tempfile.TemporaryDirectory() as tmp:
         tiny_vllm_model(seed=0).save_pretrained(tmp)
         processor.save_pretrained(tmp)
