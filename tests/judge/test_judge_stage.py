@@ -48,11 +48,11 @@ def test_rewards_combine_env_and_judge_by_weight():
 
 def test_all_of_a_step_is_in_flight_at_once_up_to_the_bound():
     tasks, trajs = step(8)
-    with GraderServer(mode="delay", delay_s=0.5) as server:
+    with GraderServer(mode="delay", delay_s=1.0) as server:
         make_judge(judge_config(server.url, images=False)).score(trajs, tasks)
     assert server.max_in_flight == 16 and server.images == [0] * 16
     tasks, trajs = step(8)
-    with GraderServer(mode="delay", delay_s=0.1) as server:
+    with GraderServer(mode="delay", delay_s=0.3) as server:
         make_judge(judge_config(server.url, max_in_flight=3)).score(trajs, tasks)
     assert server.max_in_flight == 3 and server.completions == 16
 
