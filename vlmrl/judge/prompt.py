@@ -24,12 +24,12 @@ from pathlib import Path
 
 from vlmrl.config.schema import ASSETS, JudgeShows
 from vlmrl.errors import ConfigError
+from vlmrl.tokens.base import JOINER  # the builders' control-token guard uses the same character
 from vlmrl.types import ImagePart, Message, Role, TextPart, Trajectory
 
 DEFAULT_TEMPLATE = ASSETS / "judge" / "default.txt"
 FIELDS = ("question", "reference", "answer")
 REQUIRED = ("question", "answer")
-JOINER = "\u2060"  # WORD JOINER: invisible, and no tokenizer merges it into a control token
 
 # control-token syntaxes of the chat templates in use (Qwen/ChatML, Llama 3, DeepSeek, Gemma, Mistral/LLaVA,
 # Idefics3/SmolVLM, sentencepiece); the judge server's tokenizer is not known here, so the syntaxes are broken
