@@ -52,7 +52,7 @@ def _setup_logging(level: str = "INFO") -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "httpx", "datasets"):
+    for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "httpx", "httpx2", "datasets"):  # httpx2: openai 3
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
