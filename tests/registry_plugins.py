@@ -1,11 +1,12 @@
-"""An advantage estimator and a rollout engine registered from outside the vlmrl package (tests/test_registry.py
+"""Advantage estimators and a rollout engine registered from outside the vlmrl package (tests/test_registry.py
 names them by one config line each: `algorithm.advantage=registry_plugins:reward_minus_half`,
-`rollout.engine=registry_plugins:counting`)."""
+`rollout.engine=registry_plugins:counting`; tests/test_learning_spatial.py trains with
+`algorithm.advantage=registry_plugins:negated_episode`)."""
 
 from __future__ import annotations
 
 from vlmrl.rollout.engines import register_engine, transformers_engine
-from vlmrl.train.advantages import register_advantage
+from vlmrl.train.advantages import episode_advantages, register_advantage
 
 BUILT: list[str] = []  # the `rollout.engine` value of every engine the counting factory built
 
@@ -15,6 +16,14 @@ def reward_minus_half(cfg, trajs) -> None:
     """advantage = reward - 0.5, no group statistics (a value GRPO never gives for a group of equal rewards)."""
     for t in trajs:
         t.advantage = t.reward - 0.5
+
+
+@register_advantage("negated_episode")
+def negated_episode(cfg, trajs) -> None:
+    """GRPO's `episode` advantages with their sign flipped: a run that learns with `episode` must not learn with it."""
+    episode_advantages(cfg, trajs)
+    for t in trajs:
+        t.advantage = -t.advantage
 
 
 @register_engine("counting", shares_policy_module=True, needs_rollout_correction=False)

@@ -11,7 +11,7 @@ Seeds: `seed` 0 (conf/config.yaml), data.shuffle_seed 0. The run is cut to STEPS
 The assertions: the first FIRST steps are at chance (<= BLIND + 0.05), the mean accuracy over the last LAST steps
 minus the first FIRST >= RISE, and the last LAST beat BLIND + 0.05: with balanced colours, a policy whose answer does
 not depend on the image scores sum_c 1/4 p(c) <= 1/4 in expectation, so only reading the image gets above it. A
-failure prints the curve. Marked `learning` (`make test` runs it; `make test-learning` runs only the learning tests).
+failure prints the curve. Marked `learning`: `make test-learning` runs it (`make test` runs the sides run only).
 The two commands run in the test's process (tests/cli_inprocess.py): the same per-step accuracies as two `vlmrl`
 processes, to the digit. Its curve and duration: docs/results.md, "Colour learning test". With the GRPO advantage's
 sign flipped the accuracy falls to 0.00 from step 3 and the test fails.
@@ -82,7 +82,7 @@ def _curve(run: Path) -> list[float]:
 
 
 @pytest.mark.slow
-@pytest.mark.learning  # make test runs it first (tests/conftest.py); make test-learning runs only these
+@pytest.mark.learning  # make test-learning runs these (make test leaves them out), the longest first
 @pytest.mark.first
 def test_colors_recipe_learns_to_read_the_image(tmp_path):
     acc = _curve(sft_then_train(tmp_path, "colors_sft_tiny", "colors_tiny", STEPS))

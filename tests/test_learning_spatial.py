@@ -13,8 +13,12 @@ Both sides show the same two colours, so any policy blind to position scores 1/2
 is at chance (<= 0.65) and the last is >= 0.85, and training accuracy rises likewise (first and last 10 steps).
 Its held-out and training curves for two seeds, and the run with 16 prompts a step (seed 0 then reached the held-out
 bound but not the training one over steps 31-40): docs/results.md, "Spatial learning test". The tiny model
-(`qwen2_5_vl_tiny`) stays at chance on this task even supervised (`bench/spatial_probe.py`). With the advantage's sign
-flipped (group advantages negated) the test fails: held-out 0.45, 0.28, 0.0, 0.0, training 0.0 over steps 31-40.
+(`qwen2_5_vl_tiny`) stays at chance on this task even supervised (`bench/spatial_probe.py`).
+
+The fastest run that learns through the whole pipeline, so `make test` keeps it (the other learning runs are marked
+`learning`: `make test-learning`). Its counterpart, in `make test-learning`, is the same run with the advantage's sign
+flipped (`registry_plugins:negated_episode`, GRPO's group advantages negated): it must not learn, so the assertions
+above fail on it (docs/results.md, "Spatial learning test", has its curve).
 """
 
 from __future__ import annotations
@@ -30,14 +34,35 @@ STEPS, EVAL_EVERY = 40, 10
 LARGE = ("env.min_size=36", "env.max_size=44")
 
 
-@pytest.mark.slow
-@pytest.mark.learning  # make test runs it first (tests/conftest.py); make test-learning runs only these
+EVALS = (f"trainer.eval_every={EVAL_EVERY}", "data.eval_limit=32", "trainer.lr=2e-3", "trainer.batch_size=8")
+
+
+def _sides_curves(tmp_path, *train: str) -> tuple[list[tuple[int, float]], list[float], str]:
+    """(held-out curve, training accuracy per step, both as text) of the sides run, `train` overrides added."""
+    rows = step_rows(sft_then_train(tmp_path, "sides_sft_tiny", "sides_tiny", STEPS, LARGE, (*EVALS, *train)))
+    held, acc = held_out_curve(rows), [r["accuracy"] for r in rows]
+    said = f"held-out {held}; training per step {' '.join(f'{a:.2f}' for a in acc)}"
+    assert len(held) == STEPS // EVAL_EVERY and len(acc) == STEPS, said
+    return held, acc, said
+
+
+def _learned(held: list[tuple[int, float]], acc: list[float]) -> bool:
+    """The learning test's criterion: held-out and training accuracy start at chance and end >= 0.85."""
+    held_rose = held[0][1] <= 0.65 and held[-1][1] >= 0.85
+    return held_rose and sum(acc[:10]) / 10 <= 0.65 and sum(acc[-10:]) / 10 >= 0.85
+
+
+@pytest.mark.slow  # ~1 min: the learning run make test keeps (module docstring)
 @pytest.mark.first
 def test_sides_recipe_learns_left_from_right_on_held_out_canvases(tmp_path):
-    evals = [f"trainer.eval_every={EVAL_EVERY}", "data.eval_limit=32", "trainer.lr=2e-3", "trainer.batch_size=8"]
-    rows = step_rows(sft_then_train(tmp_path, "sides_sft_tiny", "sides_tiny", STEPS, LARGE, tuple(evals)))
-    held, train = held_out_curve(rows), [r["accuracy"] for r in rows]
-    said = f"held-out {held}; training per step {' '.join(f'{a:.2f}' for a in train)}"
-    assert len(held) == STEPS // EVAL_EVERY and len(train) == STEPS, said
+    held, acc, said = _sides_curves(tmp_path)
     assert held[0][1] <= 0.65 and held[-1][1] >= 0.85, said
-    assert sum(train[:10]) / 10 <= 0.65 and sum(train[-10:]) / 10 >= 0.85, said
+    assert sum(acc[:10]) / 10 <= 0.65 and sum(acc[-10:]) / 10 >= 0.85, said
+
+
+@pytest.mark.slow
+@pytest.mark.learning  # make test-learning runs these (make test leaves them out), the longest first
+def test_sides_with_the_advantage_sign_flipped_does_not_learn(tmp_path):
+    held, acc, said = _sides_curves(tmp_path, "algorithm.advantage=registry_plugins:negated_episode")
+    assert not _learned(held, acc), f"learned with the advantage's sign flipped: {said}"
+    assert held[-1][1] < 0.85 and sum(acc[-10:]) / 10 < 0.85, said

@@ -30,7 +30,7 @@ STEPS, EVAL_EVERY = 60, 10
 
 
 @pytest.mark.slow
-@pytest.mark.learning  # make test runs it first (tests/conftest.py); make test-learning runs only these
+@pytest.mark.learning  # make test-learning runs these (make test leaves them out), the longest first
 @pytest.mark.first
 def test_motion_recipe_learns_the_direction_of_a_clip_returned_mid_episode(tmp_path):
     env = ("env.clip=observation",)

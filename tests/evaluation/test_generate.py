@@ -240,11 +240,35 @@ def letter_engine(monkeypatch):
     return engines
 
 
+def load_policy_once(monkeypatch) -> None:
+    """Every `generate` of the calling test after its first gets the same (model, processor) from `load_policy` for
+    the same model config, and the same processor from `load_processor` (the rows' video reader's) for the same
+    arguments: with a scripted engine the model is never run (generate only puts it in eval mode), so a fresh load
+    per run would only repeat the same work."""
+    from vlmrl.modeling import loading
+
+    real_policy, real_processor, loaded = loading.load_policy, loading.load_processor, {}
+
+    def once(load, *args):
+        key = (load.__name__, repr(args))
+        if key not in loaded:
+            loaded[key] = load(*args)
+        return loaded[key]
+
+    monkeypatch.setattr(loading, "load_policy", lambda model_cfg, seed=0: once(real_policy, model_cfg, seed))
+    monkeypatch.setattr(loading, "load_processor", lambda *args: once(real_processor, *args))
+
+
+@pytest.fixture
+def policy_once(monkeypatch):
+    load_policy_once(monkeypatch)
+
+
 def _lines(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
-def test_generate_exact_metrics_and_resume(tmp_path, letter_engine):
+def test_generate_exact_metrics_and_resume(tmp_path, letter_engine, policy_once):
     res = generate(_cfg(tmp_path))
     out = tmp_path / "gen"
     m = res.metrics
@@ -276,7 +300,7 @@ def test_generate_exact_metrics_and_resume(tmp_path, letter_engine):
     assert [r["step"] for r in _lines(out / "metrics.jsonl")] == [1, 2]  # step numbers continue
 
 
-def test_generate_refuses_other_settings_and_training_folders(tmp_path, letter_engine):
+def test_generate_refuses_other_settings_and_training_folders(tmp_path, letter_engine, policy_once):
     generate(_cfg(tmp_path, "data.limit=1"))
     with pytest.raises(RunFolderError, match="rollout.temperature"):
         generate(_cfg(tmp_path, "data.limit=1", "rollout.temperature=0.7"))

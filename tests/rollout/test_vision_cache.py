@@ -13,8 +13,6 @@ import pytest
 from conftest import make_image
 from test_history_window import FramesEnv
 
-from vlmrl.config import ModelConfig
-from vlmrl.modeling.loading import load_policy
 from vlmrl.rollout.engine import SamplingParams
 from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner
 from vlmrl.rollout.hf import TransformersEngine
@@ -55,9 +53,8 @@ def rollout(family: str, model, processor, cache: bool, per_step: int, keep: int
 
 
 @pytest.mark.parametrize("family,per_step,keep", [("qwen2_5_vl", 1, None), ("qwen3_vl", 2, 3)])
-def test_cached_vision_gives_the_same_samples_and_encodes_each_image_once(family, per_step, keep):
-    model, processor = load_policy(ModelConfig(name_or_path=f"tiny:{family}", family=family))
-    model.eval()
+def test_cached_vision_gives_the_same_samples_and_encodes_each_image_once(family, per_step, keep, tiny_policies):
+    model, processor = tiny_policies(family)
     plain, plain_images = rollout(family, model, processor, False, per_step, keep)
     cached, cached_images = rollout(family, model, processor, True, per_step, keep)
     for a, b in zip(plain, cached, strict=True):
@@ -74,13 +71,12 @@ def test_cached_vision_gives_the_same_samples_and_encodes_each_image_once(family
 
 
 @pytest.mark.parametrize("spill", [True, False])
-def test_frames_that_left_the_window_are_freed_during_the_rollout(spill, tmp_path):
+def test_frames_that_left_the_window_are_freed_during_the_rollout(spill, tmp_path, qwen25_policy):
     """`vlmrl generate` with env.keep_images=2 (`ImageStore.spill`): once a frame has left the window nothing holds its
     pixels any more (the trajectory's messages, the released views, the window's segments, the engine's vision
     cache), so a long episode's memory stays flat; the messages keep a file-backed part with the same pixels, and the
     record refers to it. Without a spill every frame stays alive until the trajectory is recorded."""
-    model, processor = load_policy(ModelConfig(name_or_path="tiny:qwen2_5_vl", family="qwen2_5_vl"))
-    model.eval()
+    model, processor = qwen25_policy
     frames: list[weakref.ref] = []
     alive: list[int] = []  # frames alive as each turn starts to sample
 
@@ -96,8 +92,15 @@ def test_frames_that_left_the_window_are_freed_during_the_rollout(spill, tmp_pat
             return super().step(assistant_text, turn, last_turn)
 
     store = ImageStore(tmp_path)
-    trajs, _ = rollout("qwen2_5_vl", model, processor, True, 1, 2, Tracked, store.spill if spill else None)
+    # everything that exists before the rollout (torch, transformers, the model) is moved out of the collector's
+    # reach: each step's collection then walks only what the rollout made, frames included
     gc.collect()
+    gc.freeze()
+    try:
+        trajs, _ = rollout("qwen2_5_vl", model, processor, True, 1, 2, Tracked, store.spill if spill else None)
+        gc.collect()
+    finally:
+        gc.unfreeze()
     episodes, shown = 4, 2  # 2 tasks x group 2; a frame per turn, K = 2
     if not spill:  # every frame sent to a trajectory is still alive as the last turn is graded
         assert alive[-1] >= 2 + episodes * (TURNS - 1)  # a prompt frame per group, a frame per later turn
@@ -117,7 +120,7 @@ def test_frames_that_left_the_window_are_freed_during_the_rollout(spill, tmp_pat
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
-def test_cached_videos_give_the_same_samples_and_encode_each_video_once(family, tmp_path):
+def test_cached_videos_give_the_same_samples_and_encode_each_video_once(family, tmp_path, tiny_policies):
     """Videos as images: an episode whose prompt holds an image and a video, then after each turn a video or an image
     in turn (the two bar clips re-sent: `ClipsEnv`). With the cache the tower sees each distinct image and video once
     per rollout; the samples and their logprobs equal the uncached engine's (which encodes every shown item each
@@ -129,8 +132,7 @@ def test_cached_videos_give_the_same_samples_and_encode_each_video_once(family, 
 
     bar = make_video(tmp_path / "bar.mp4")
     ClipsEnv.clips = [read_video(bar, lambda meta: [0, 2, 4, 6]), read_video(bar, lambda meta: [1, 3])]
-    model, processor = load_policy(ModelConfig(name_or_path=f"tiny:{family}", family=family))
-    model.eval()
+    model, processor = tiny_policies(family)
     builder = get_builder(family, processor)
     tok = processor.tokenizer
     eos = [builder.close_turn_id, tok.convert_tokens_to_ids("<|endoftext|>")]

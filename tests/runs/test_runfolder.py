@@ -20,6 +20,7 @@ import pytest
 from cli_inprocess import vlmrl  # tests/ is on sys.path (pytest's rootdir-relative import)
 from conftest import GEOMETRY3K
 from test_generate import LetterEngine as LetterAnswers
+from test_generate import load_policy_once
 from typer.testing import CliRunner
 
 from vlmrl.config import load
@@ -364,6 +365,7 @@ def duplicate_ids(monkeypatch):
         "vlmrl.rollout.make_engine",
         lambda rollout_cfg, policy, processor, builder: LetterEngine(processor.tokenizer, fail_at[0]),
     )
+    load_policy_once(monkeypatch)  # the scripted engine never runs the model: one load for the test's runs
     return fail_at
 
 

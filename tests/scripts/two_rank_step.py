@@ -80,11 +80,11 @@ def params_digest(trainer: GRPOTrainer) -> str:
     return h.hexdigest()[:16]
 
 
-def run_stage(stage: int, options: dict) -> None:
+def run_stage(stage: int, options: dict, initial: torch.nn.Module) -> None:
+    """One run from a copy of `initial`, the tiny policy as loaded (the trainer updates its model in place)."""
     from deepspeed.utils import safe_get_full_grad
 
-    model, _ = load_policy(ModelConfig(name_or_path="tiny:qwen2_5_vl", family="qwen2_5_vl"))
-    model.train()
+    model = copy.deepcopy(initial).train()
     everything = [image_sample(50 + i, n_gen=2 + 3 * i, advantage=a) for i, a in enumerate([1.0, -0.5, 0.8, -1.2])]
     everything = with_old_logprobs(model, everything, noise=0.3)
     expected = reference_grads(copy.deepcopy(model), everything, options)
@@ -146,8 +146,10 @@ def main() -> None:
         runs = [(stage, options) for stage in args.stages]
     else:
         runs = [(stage, {}) for stage in args.stages] + [(stage, options) for stage in args.options_stages]
+    # loaded once (processor and model): every run trains its own copy
+    initial, _ = load_policy(ModelConfig(name_or_path="tiny:qwen2_5_vl", family="qwen2_5_vl"))
     for stage, opts in runs:
-        run_stage(stage, opts)
+        run_stage(stage, opts, initial)
     dist.barrier()  # both ranks done before either tears its group down
     dist.shutdown()
     # Every check above passed. Skip the interpreter's teardown: rarely (~1 run in 6 under a loaded suite), a rank

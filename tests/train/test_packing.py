@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import make_image
 
-from vlmrl.modeling.loading import load_processor, tiny_model
+from vlmrl.modeling.loading import tiny_model
 from vlmrl.modeling.packed_attention import PACKED_SDPA, use_packed_sdpa
 from vlmrl.tokens import get_builder
 from vlmrl.train import packing
@@ -121,6 +121,20 @@ def test_exchange_gives_each_rank_its_planned_samples():
     assert len(calls) == 1  # nothing moves: no second all-gather
 
 
+@pytest.fixture(scope="module")
+def tiny():
+    """`tiny(family)` -> a copy of the family's tiny fp32 seed-0 model (train mode), built once per module: each
+    test changes its own copy only."""
+    models: dict = {}
+
+    def get(family: str) -> torch.nn.Module:
+        if family not in models:
+            models[family] = tiny_model(family, seed=0).float()
+        return copy.deepcopy(models[family]).train()
+
+    return get
+
+
 def _samples(family: str, builder) -> list[Sample]:
     """One sample per entry of IMAGES: a user turn (the images, then text) and 5 'sampled' text tokens (mask 1)."""
     g = torch.Generator().manual_seed(0)
@@ -159,10 +173,10 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("kernel", ["sdpa", PACKED_SDPA])
 @pytest.mark.parametrize("family", PACKED)
-def test_a_packed_row_gives_each_samples_own_logprobs_loss_and_gradients(family, kernel, monkeypatch):
+def test_a_packed_row_gives_each_samples_own_logprobs_loss_and_gradients(family, kernel, tiny, processors, monkeypatch):
     """Under transformers' `sdpa` (a block-diagonal [N, N] mask) and under PACKED_SDPA (sdpa once per sample)."""
-    builder = get_builder(family, load_processor(family, f"tiny:{family}"))
-    model = tiny_model(family, seed=0).float().train()
+    builder = get_builder(family, processors(family))
+    model = tiny(family)
     samples = _samples(family, builder)
     assert [s.vision.num_images if s.vision else 0 for s in samples] == [0, 1, 2]
     # a twin of the one-image sample, other sampled tokens: two samples of one length (one batched call per length)
@@ -205,11 +219,11 @@ def test_a_packed_row_gives_each_samples_own_logprobs_loss_and_gradients(family,
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
-def test_mrope_positions_restarting_as_text_positions_are_caught(family, monkeypatch):
+def test_mrope_positions_restarting_as_text_positions_are_caught(family, tiny, processors, monkeypatch):
     """The samples' M-RoPE rows replaced by their text positions (what a packer that ignores M-RoPE sends): the
     image samples' logprobs move away from the reference."""
-    builder = get_builder(family, load_processor(family, f"tiny:{family}"))
-    model = tiny_model(family, seed=0).float().eval()
+    builder = get_builder(family, processors(family))
+    model = tiny(family).eval()
     samples = _samples(family, builder)
     batch = pack(samples, family)
     with torch.no_grad():
@@ -222,13 +236,13 @@ def test_mrope_positions_restarting_as_text_positions_are_caught(family, monkeyp
     assert (wrong[1:] - right[1:]).abs().max() > 10 * LOGPROB_TOL  # the main test fails past LOGPROB_TOL
 
 
-def test_packed_sdpa_is_sdpa_on_padded_batches_and_in_generation():
+def test_packed_sdpa_is_sdpa_on_padded_batches_and_in_generation(tiny, processors):
     """Off a packed row PACKED_SDPA is transformers' sdpa: a padded batch's logprobs and a cached greedy generation
     (a padded prompt batch, then one token at a time) are the same as under `sdpa`; a sliding-window model keeps
     `sdpa`."""
     family = "qwen2_5_vl"
-    builder = get_builder(family, load_processor(family, f"tiny:{family}"))
-    plain = tiny_model(family, seed=0).float().eval()
+    builder = get_builder(family, processors(family))
+    plain = tiny(family).eval()
     packed = copy.deepcopy(plain)
     assert use_packed_sdpa(packed) and packed.config._attn_implementation == PACKED_SDPA
     samples = _samples(family, builder)
@@ -246,16 +260,16 @@ def test_packed_sdpa_is_sdpa_on_padded_batches_and_in_generation():
     torch.testing.assert_close(out[1][0], out[0][0], rtol=0, atol=1e-6)
     assert torch.equal(out[1][1], out[0][1])
     torch.testing.assert_close(out[1][2], out[0][2], rtol=0, atol=1e-5)
-    gemma = tiny_model("gemma3", seed=0)
+    gemma = tiny("gemma3")
     assert not use_packed_sdpa(gemma) and gemma.config._attn_implementation == "sdpa"
 
 
-def test_a_model_with_linear_attention_and_gemma3_are_not_packed():
+def test_a_model_with_linear_attention_and_gemma3_are_not_packed(tiny):
     """Qwen3.5's Gated DeltaNet layers carry a state along the row, and transformers misplaces Gemma 3's image
     blocks in a packed row's sliding-window mask: a token budget trains them padded."""
-    assert not can_pack(tiny_model("qwen3_5_think", seed=0), "qwen3_5_think")
-    assert not can_pack(tiny_model("gemma3", seed=0), "gemma3")
-    assert can_pack(copy.deepcopy(tiny_model("qwen2_5_vl", seed=0)), "qwen2_5_vl")
+    assert not can_pack(tiny("qwen3_5_think"), "qwen3_5_think")
+    assert not can_pack(tiny("gemma3"), "gemma3")
+    assert can_pack(tiny("qwen2_5_vl"), "qwen2_5_vl")
 
 
 def test_the_trainer_with_a_token_budget_equals_one_sample_per_micro_batch(qwen25_model, caplog):

@@ -19,7 +19,7 @@ from vlmrl.checks.logprobs import sampled_alignment
 from vlmrl.config import DataConfig, EnvConfig, ExportStyle
 from vlmrl.envs import load_env_tasks, make_env_factory
 from vlmrl.export import to_samples
-from vlmrl.modeling.loading import load_processor, tiny_model
+from vlmrl.modeling.loading import tiny_model
 from vlmrl.rollout.engine import Engine, SamplingParams
 from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner
 from vlmrl.run import sampled_vision_tokens
@@ -86,10 +86,10 @@ def _reference(model, family: str, sample: Sample, placeholder_ids: tuple[int, .
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_a_sampled_placeholder_is_a_text_token_to_export_and_trainer(family):
-    processor = load_processor(family, f"tiny:{family}")
+def test_a_sampled_placeholder_is_a_text_token_to_export_and_trainer(family, qwen_processors, processors, monkeypatch):
+    processor = qwen_processors[family] if family in qwen_processors else processors(family)  # the session's
     if hasattr(processor.image_processor, "do_image_splitting"):  # Idefics3/SmolVLM: one crop an image is enough here
-        processor.image_processor.do_image_splitting = False
+        monkeypatch.setattr(processor.image_processor, "do_image_splitting", False)  # put back after the test
     builder = get_builder(family, processor)
     model = tiny_model(family, seed=0).float().eval()
     traj = _trajectory(builder)
