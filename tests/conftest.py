@@ -44,12 +44,18 @@ if not collect_ignore and _WORKER.startswith("gw") and "VLLM_CPU_OMP_THREADS_BIN
 
 
 def pytest_collection_modifyitems(config, items):
-    """The files holding a test marked `first` are collected first, in their order: `make test` runs pytest-xdist
-    with `--dist loadfile --no-loadscope-reorder`, which hands whole files to its two workers in collection order,
-    so the longest test starts at once beside the rest instead of running alone at the end (xdist's default order
-    puts the files with the most tests first)."""
-    first = {item.path for item in items if item.get_closest_marker("first")}
-    items.sort(key=lambda item: item.path not in first)  # stable: the order within each group is kept
+    """The files holding a test marked `first(seconds)` are collected first, the longest first (a file's longest
+    such test; the rest keep their order): the test targets run pytest-xdist with `--dist loadfile
+    --no-loadscope-reorder`, which hands whole files to its two workers in collection order, alternately, a worker
+    taking the next one when it finishes one. So the longest tests start at once, on different workers, instead of
+    two of them running one after the other on one worker (xdist's default order puts the files with the most tests
+    first). `seconds`: the test's duration on 2 cores beside another worker, roughly."""
+    first: dict = {}
+    for item in items:
+        mark = item.get_closest_marker("first")
+        if mark is not None:
+            first[item.path] = max(first.get(item.path, 0), mark.args[0] if mark.args else 0)
+    items.sort(key=lambda item: (item.path not in first, -first.get(item.path, 0)))  # stable within equal keys
 
 
 def load_tasks(fields: dict, build_task, videos=None):

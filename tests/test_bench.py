@@ -59,6 +59,7 @@ def test_token_building_bench_small():
 
 
 @pytest.mark.slow
+@pytest.mark.long  # ~20 s: each case in a process of its own (a peak of memory is per process)
 def test_pixel_memory_bench_small():
     """bench/pixel_memory.py at 3 turns: each case and each engine's read once (a case with an engine runs in its own
     process), every column is filled, the trajectory holds one 224x224 `pixel_values` per distinct image (256
@@ -75,6 +76,7 @@ def test_pixel_memory_bench_small():
 
 
 @pytest.mark.slow
+@pytest.mark.long  # ~22 s: each case in a process of its own (a peak of memory is per process)
 def test_pixel_memory_bench_with_videos_holds_the_videos_shown():
     """bench/pixel_memory.py --media video: a 4-frame 112x112 video per turn is 2 temporal x 8 x 8 patches of
     3 x 2 x 14 x 14 floats (128 x 1176 x 4 = 602,112 bytes, hand-derived), held once per video and processed once;

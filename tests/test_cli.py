@@ -124,6 +124,7 @@ def test_train_writes_run_folder(tmp_path, style):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # ~30 s: torchrun launches two ranks, each with its own imports and DeepSpeed engine
 def test_train_two_ranks_torchrun(tmp_path):
     launcher = [
         sys.executable,

@@ -83,7 +83,7 @@ def _curve(run: Path) -> list[float]:
 
 @pytest.mark.slow
 @pytest.mark.learning  # make test-learning runs these (make test leaves them out), the longest first
-@pytest.mark.first
+@pytest.mark.first(90)
 def test_colors_recipe_learns_to_read_the_image(tmp_path):
     acc = _curve(sft_then_train(tmp_path, "colors_sft_tiny", "colors_tiny", STEPS))
     curve = " ".join(f"{a:.2f}" for a in acc)

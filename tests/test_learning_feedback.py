@@ -33,7 +33,7 @@ def _mean(rows: list[dict], key: str) -> float:
 
 @pytest.mark.slow
 @pytest.mark.learning  # make test-learning runs these (make test leaves them out), the longest first
-@pytest.mark.first
+@pytest.mark.first(280)
 def test_guess_recipe_learns_to_use_the_feedback(tmp_path):
     rows = step_rows(sft_then_train(tmp_path, "guess_sft_tiny", "guess_tiny", STEPS, train=("trainer.lr=2e-3",)))
     assert len(rows) == STEPS, f"{len(rows)} steps logged"

@@ -24,6 +24,7 @@ from test_learning import BLIND, FIRST, LAST, RISE, STEPS, sft_then_train, step_
 
 @pytest.mark.slow
 @pytest.mark.learning
+@pytest.mark.first(115)
 def test_colors_learn_from_a_judge_alone(tmp_path):
     with GraderServer() as server:
         judged = (

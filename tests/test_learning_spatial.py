@@ -53,7 +53,7 @@ def _learned(held: list[tuple[int, float]], acc: list[float]) -> bool:
 
 
 @pytest.mark.slow  # ~1 min: the learning run make test keeps (module docstring)
-@pytest.mark.first
+@pytest.mark.first(60)
 def test_sides_recipe_learns_left_from_right_on_held_out_canvases(tmp_path):
     held, acc, said = _sides_curves(tmp_path)
     assert held[0][1] <= 0.65 and held[-1][1] >= 0.85, said

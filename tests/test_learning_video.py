@@ -31,7 +31,7 @@ STEPS, EVAL_EVERY = 60, 10
 
 @pytest.mark.slow
 @pytest.mark.learning  # make test-learning runs these (make test leaves them out), the longest first
-@pytest.mark.first
+@pytest.mark.first(250)
 def test_motion_recipe_learns_the_direction_of_a_clip_returned_mid_episode(tmp_path):
     env = ("env.clip=observation",)
     train = (f"trainer.eval_every={EVAL_EVERY}",)

@@ -350,6 +350,7 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # ~40 s: three `vlmrl train` processes (SIGTERM, kill -9, the resume) and a reference run
 def test_sigterm_then_kill_9_mid_step_resume_matches_an_uninterrupted_run(tmp_path, reference):
     """One run, stopped twice: SIGTERM mid-step (checkpoint saved, non-zero exit, how to resume), resumed; kill -9
     mid-step, plus the debris a crash can leave (torn line, row after the checkpoint, a truncated newer checkpoint),

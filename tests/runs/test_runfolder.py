@@ -104,6 +104,7 @@ def test_a_held_folder_refuses_train_and_generate_and_a_killed_holder_does_not_b
 
 
 @pytest.mark.slow
+@pytest.mark.long  # ~20 s: two `vlmrl train` processes at once, then the resume
 def test_two_concurrent_train_runs_then_a_torn_middle_line_and_resume(tmp_path, caplog):
     """Run B into run A's folder while A trains: B exits 1 at once naming A; A's folder holds each step once. Then
     the torn-line case: line 2 of metrics.jsonl torn mid-write and glued to line 3 (one physical line), and a corrupt

@@ -161,6 +161,7 @@ def test_a_4000x3000_photo_trains_within_model_max_pixels(tmp_path, caplog):
     assert not _skip_lines(caplog)
 
 
+@pytest.mark.long  # ~30 s: torchrun launches two ranks, each with its own imports and DeepSpeed engine
 def test_two_ranks_agree_to_skip_a_step_one_of_them_has_no_sample_for(tmp_path):
     """torchrun, 2 ranks (gloo, ZeRO-2): at step 1 rank 0 runs P1 alone (skipped), rank 1 runs G1; both skip the
     update (no rank waits in a collective the other never joins) and step 2 (G2 | G3) trains. P1 is logged once."""

@@ -220,6 +220,7 @@ def loop(qwen25_processor):
 
 
 @pytest.mark.slow  # 420 episodes through the loop and the tool workers
+@pytest.mark.long  # ~22 s: those 420 episodes, each failed tool call answered by a worker process
 def test_episode_loop_survives_malformed_outputs_and_counts_every_failure(loop):
     runner, engine = loop
     task = Task("fuzz", [], "")

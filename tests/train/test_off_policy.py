@@ -164,6 +164,7 @@ def test_async_samples_carry_the_weights_that_sampled_them(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # ~23 s: an async `vlmrl train` process killed mid-run, then its resume
 def test_async_run_resumes_after_kill_9_with_each_step_once(tmp_path):
     out, root = tmp_path / "run", tmp_path / "run" / "checkpoints"
     proc = _start(out, *ASYNC)

@@ -19,6 +19,7 @@ SCRIPT = ROOT / "tests" / "scripts" / "two_rank_step.py"
 
 
 @pytest.mark.slow  # torchrun, two ranks
+@pytest.mark.long  # ~30 s: two ranks' imports and DeepSpeed engines, four stages of exact steps
 def test_two_ranks_take_identical_exact_steps_with_and_without_loss_aggregation_and_rollout_correction():
     """ZeRO stages 1, 2, 3 with the default loss, then stage 2 with seq-mean-token-mean, TIS + MIS (noisy rollout
     logprobs: tokens capped, a sequence masked) and packed token-budget micro-batches: each two-rank step's gradient
