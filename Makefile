@@ -115,7 +115,7 @@ test-fast:
 # and this package, all held to that torch pair by the constraints file. ../shared/FIXTURES.md "vLLM on CPU".
 # The venv lives outside the checkout, keyed by what it installs (tests/real_vllm/vllm_venv.py): a new clone, CI's
 # included, reuses it, and any change to those inputs builds a new one (the older ones are removed then), so a fresh
-# machine builds it from scratch (~5-10 min). .venv-vllm in the checkout links to it; this package is installed into
+# machine builds it from scratch (~15 min, mostly waiting on pip). .venv-vllm in the checkout links to it; this package is installed into
 # it in editable mode from the checkout that runs make test-vllm (no dependencies, seconds), and the tests also put
 # the checkout first on PYTHONPATH.
 VLMRL_CACHE ?= $(HOME)/.cache/vlmrl

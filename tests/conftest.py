@@ -35,8 +35,8 @@ for _folder in sorted(Path(__file__).resolve().parent.iterdir()):
 # and there a broken vllm fails its modules' `import vllm` loudly. `make test` runs the rest, none of which skips.
 collect_ignore = [] if importlib.util.find_spec("vllm") is not None else ["real_vllm"]
 
-# `make test-vllm` runs two pytest-xdist workers: each worker's vLLM engines (in its process, and the servers it
-# starts) bind their OpenMP threads to a core of their own instead of both binding to the same cores
+# `make test-vllm VLLM_WORKERS=N` (N > 0) runs N pytest-xdist workers: each worker's vLLM engines (in its process,
+# and the servers it starts) bind their OpenMP threads to a core of their own instead of all binding to the same ones
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 if not collect_ignore and _WORKER.startswith("gw") and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
     _CPUS = sorted(os.sched_getaffinity(0))
