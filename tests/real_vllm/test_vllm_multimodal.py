@@ -112,6 +112,80 @@ def worst_delta(model, samples) -> float:
     return worst
 
 
+def train_with_vllm(tmp_path: Path, *extra: str, recipe: str = "geometry3k_tiny") -> Path:
+    """`vlmrl train recipe=<recipe> rollout=vllm` (tests/scripts/train_test_env.py: tests/ importable for
+    test-only environments) with the head-32 tiny Qwen2.5-VL; returns the run folder. A process of its own: in the
+    suite's process, after an in-process `vllm.LLM` engine has run (test_vllm_engine.py), DeepSpeed's process group
+    is no longer registered ("Group ... is not registered")."""
+    model_dir = tmp_path / "tiny_qwen25_vl_head32"
+    tiny_qwen25_vl_head32().save_pretrained(model_dir)
+    load_processor("qwen2_5_vl", "tiny:qwen2_5_vl").save_pretrained(model_dir)
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        str(ROOT / "tests" / "scripts" / "train_test_env.py"),
+        "train",
+        f"recipe={recipe}",
+        "rollout=vllm",
+        f"model.name_or_path={model_dir}",
+        "data.limit=2",
+        "trainer.batch_size=1",
+        "algorithm.group_size=2",
+        "rollout.max_new_tokens=8",
+        "rollout.max_context_tokens=1024",
+        "rollout.vllm.kv_cache_gb=0.25",
+        "trainer.align_every=0",
+        f"logging.output_dir={out}",
+        *extra,
+    ]
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+@pytest.mark.slow
+def test_async_train_with_vllm_and_images(tmp_path):
+    """`algorithm.off_policy_steps=1` through colocated vLLM: step k+1 is sampled in the background thread while
+    step k updates, the weights are synced after that batch; a reward from the text (tests/resume_envs.py) makes the
+    updates real. Every recorded vLLM logprob matches the trainer's forward with the weights its `policy_version`
+    names (checkpoints/step_<v>/hf) to TOL. First in this file, so that no engine of the module fixture is held
+    meanwhile (memory)."""
+    from vlmrl.checks.run_alignment import verify_run
+
+    out = train_with_vllm(
+        tmp_path,
+        "trainer.steps=3",
+        "algorithm.off_policy_steps=1",
+        "trainer.lr=1e-3",
+        "trainer.save_every=1",
+        "trainer.keep_last=0",
+        "env._target_=resume_envs.ScoredEnv",
+    )
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["off_policy/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]
+    versions = {
+        (r["step"], r["policy_version"])
+        for r in (json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines())
+    }
+    assert versions == {(1, 0), (2, 0), (3, 1)}
+    sys.path.insert(0, str(ROOT / "tests"))  # resume_envs, named by the run's config
+    report = verify_run(out)
+    print(f"async vLLM: max|dlogprob| {report.max_abs_dlogprob:.3g} over {report.n_tokens} tokens; {report.notes}")
+    assert report.ok and report.n_tokens > 0 and report.max_abs_dlogprob <= TOL
+    # the synchronous assumption (sampled by the end of step - 1) does not fit step 3: the updates were real
+    path = out / "trajectories.jsonl"
+    path.write_text(
+        "".join(
+            json.dumps({k: v for k, v in json.loads(line).items() if k != "policy_version"}) + "\n"
+            for line in path.read_text().splitlines()
+        )
+    )
+    wrong = verify_run(out)
+    print(f"step - 1 weights: max|dlogprob| {wrong.max_abs_dlogprob:.3g}")
+    assert wrong.max_abs_dlogprob > 1e-2
+
+
 @pytest.fixture(scope="module")
 def setup():
     model = tiny_qwen25_vl_head32()
@@ -397,74 +471,3 @@ def test_vllm_logprobs_at_temperature_0_7_top_p_0_9_with_images(setup):
     )
     assert worst <= TOL and worst_plain <= TOL and worst_gap <= TOL
     assert worst_t1 > 1e-2
-
-
-def train_with_vllm(tmp_path: Path, *extra: str, recipe: str = "geometry3k_tiny") -> Path:
-    """`vlmrl train recipe=<recipe> rollout=vllm` (tests/scripts/train_test_env.py: tests/ importable for
-    test-only environments) with the head-32 tiny Qwen2.5-VL; returns the run folder."""
-    model_dir = tmp_path / "tiny_qwen25_vl_head32"
-    tiny_qwen25_vl_head32().save_pretrained(model_dir)
-    load_processor("qwen2_5_vl", "tiny:qwen2_5_vl").save_pretrained(model_dir)
-    out = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        str(ROOT / "tests" / "scripts" / "train_test_env.py"),
-        "train",
-        f"recipe={recipe}",
-        "rollout=vllm",
-        f"model.name_or_path={model_dir}",
-        "data.limit=2",
-        "trainer.batch_size=1",
-        "algorithm.group_size=2",
-        "rollout.max_new_tokens=8",
-        "rollout.max_context_tokens=1024",
-        "rollout.vllm.kv_cache_gb=0.25",
-        "trainer.align_every=0",
-        f"logging.output_dir={out}",
-        *extra,
-    ]
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out
-
-
-@pytest.mark.slow
-def test_async_train_with_vllm_and_images(tmp_path):
-    """`algorithm.off_policy_steps=1` through colocated vLLM: step k+1 is sampled in the background thread while
-    step k updates, the weights are synced after that batch; a reward from the text (tests/resume_envs.py) makes the
-    updates real. Every recorded vLLM logprob matches the trainer's forward with the weights its `policy_version`
-    names (checkpoints/step_<v>/hf) to TOL."""
-    from vlmrl.checks.run_alignment import verify_run
-
-    out = train_with_vllm(
-        tmp_path,
-        "trainer.steps=3",
-        "algorithm.off_policy_steps=1",
-        "trainer.lr=1e-3",
-        "trainer.save_every=1",
-        "trainer.keep_last=0",
-        "env._target_=resume_envs.ScoredEnv",
-    )
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["off_policy/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]
-    versions = {
-        (r["step"], r["policy_version"])
-        for r in (json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines())
-    }
-    assert versions == {(1, 0), (2, 0), (3, 1)}
-    sys.path.insert(0, str(ROOT / "tests"))  # resume_envs, named by the run's config
-    report = verify_run(out)
-    print(f"async vLLM: max|dlogprob| {report.max_abs_dlogprob:.3g} over {report.n_tokens} tokens; {report.notes}")
-    assert report.ok and report.n_tokens > 0 and report.max_abs_dlogprob <= TOL
-    # the synchronous assumption (sampled by the end of step - 1) does not fit step 3: the updates were real
-    path = out / "trajectories.jsonl"
-    path.write_text(
-        "".join(
-            json.dumps({k: v for k, v in json.loads(line).items() if k != "policy_version"}) + "\n"
-            for line in path.read_text().splitlines()
-        )
-    )
-    wrong = verify_run(out)
-    print(f"step - 1 weights: max|dlogprob| {wrong.max_abs_dlogprob:.3g}")
-    assert wrong.max_abs_dlogprob > 1e-2

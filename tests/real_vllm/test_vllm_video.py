@@ -75,6 +75,28 @@ class FeedbackVideoEnv(Environment):
         return StepResult(0.0, False, [] if last_turn else more, {"correct": 0.0, "formatted": 0.0, "parse_fail": 1.0})
 
 
+@pytest.mark.slow
+def test_train_with_vllm_on_clips_returned_mid_episode(tmp_path):
+    """`vlmrl train recipe=motion_tiny env.clip=observation rollout=vllm`, 2 steps: colocated vLLM samples both turns,
+    the second after the environment's clip, the ZeRO-2 trainer updates and syncs. `verify_run` re-reads each clip
+    from the run folder and recomputes every recorded vLLM logprob with the trainer's forward (TOL). First in this
+    file, so that no engine of the module fixture is held meanwhile (memory)."""
+    from test_vllm_multimodal import train_with_vllm
+
+    from vlmrl.checks.run_alignment import verify_run
+
+    steps = ("trainer.steps=2", "trainer.save_every=1", "trainer.keep_last=0", "trainer.eval_every=0")
+    out = train_with_vllm(tmp_path, *steps, "env.clip=observation", "trainer.lr=1e-3", recipe="motion_tiny")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["videos_per_episode"], r["turns_per_episode"]) for r in rows] == [
+        (1, 1.0, 2.0),
+        (2, 1.0, 2.0),
+    ]
+    report = verify_run(out)
+    print(f"\nvLLM training on clips: max|dlogprob| {report.max_abs_dlogprob:.3g} over {report.n_tokens} tokens")
+    assert report.ok and report.n_tokens > 0 and report.max_abs_dlogprob <= TOL
+
+
 @pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
 def setup(request):
     family = request.param
@@ -125,24 +147,3 @@ def test_a_tools_video_is_sampled_through_vllm(setup):
         worst = max(worst, float((lp[-len(gen.token_ids) :] - torch.tensor(gen.logprobs)).abs().max()))
     print(f"\n{setup.family} tool video: rollout vs trainer max |d| {worst:.2e}")
     assert worst < TOL
-
-
-@pytest.mark.slow
-def test_train_with_vllm_on_clips_returned_mid_episode(tmp_path):
-    """`vlmrl train recipe=motion_tiny env.clip=observation rollout=vllm`, 2 steps: colocated vLLM samples both
-    turns, the second after the environment's clip, the ZeRO-2 trainer updates and syncs. `verify_run` re-reads each
-    clip from the run folder and recomputes every recorded vLLM logprob with the trainer's forward (TOL)."""
-    from test_vllm_multimodal import train_with_vllm
-
-    from vlmrl.checks.run_alignment import verify_run
-
-    steps = ("trainer.steps=2", "trainer.save_every=1", "trainer.keep_last=0", "trainer.eval_every=0")
-    out = train_with_vllm(tmp_path, *steps, "env.clip=observation", "trainer.lr=1e-3", recipe="motion_tiny")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["step"], r["videos_per_episode"], r["turns_per_episode"]) for r in rows] == [
-        (1, 1.0, 2.0),
-        (2, 1.0, 2.0),
-    ]
-    report = verify_run(out)
-    print(f"\nvLLM training on clips: max|dlogprob| {report.max_abs_dlogprob:.3g} over {report.n_tokens} tokens")
-    assert report.ok and report.n_tokens > 0 and report.max_abs_dlogprob <= TOL

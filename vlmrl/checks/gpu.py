@@ -5,10 +5,10 @@ no hub; a few minutes. It prints one row per check and exits 1 if any failed.
 - `cuda`: the device, torch and CUDA versions, bf16 support, a bf16 matmul against fp64.
 - `trainer bf16`: the trainer's logprobs of a two-image prompt in bf16 on the GPU against fp32 on the CPU.
 - `vllm <route>` (needs vLLM: `make setup-gpu`): a colocated engine per weight-sync route (`rollout.vllm.weight_sync`
-  ipc, shm, file): perturbed weights synced, vLLM's samples of the two-image prompt at T = 0.7 scored by the trainer
-  (max |Δ logprob|), and `vllm digests`: every route's parameter digests (`compute_weight_checksums`) equal the file
-  route's. `vllm nccl`: vLLM's server on a second GPU, synced over NCCL (NCCL joins no two ranks on one GPU, so it
-  is skipped on one GPU).
+  ipc, shm, file): perturbed weights synced in 4 MiB buckets, vLLM's samples of the two-image prompt at T = 0.7
+  scored by the trainer (max |Δ logprob|), and `vllm digests`: every route's parameter digests
+  (`compute_weight_checksums`) equal the file route's. `vllm nccl`: vLLM's server on a second GPU, synced over NCCL
+  (NCCL joins no two ranks on one GPU, so it is skipped on one GPU).
 - `vllm sleep`: free GPU memory (`torch.cuda.mem_get_info`) before and after `sleep` (level 1), then a sync wakes
   the weights, loads new ones, wakes the KV cache, and the parity holds again.
 - `vllm scale` (vlmrl/checks/gpu_scale.py): a random bf16 model of Qwen2.5-VL-3B's shapes (`--scale-config`) synced
@@ -42,6 +42,7 @@ DIAGRAMS = ROOT / "assets" / "data" / "geometry3k" / "images"
 TEMPERATURE = 0.7
 BF16_TOL = 0.15  # max |Δ logprob| bf16 vs fp32 (a tiny random model: logprobs near -ln(151936) = -11.9)
 KV_GB = 1.0
+SYNC_BUCKET_MB = 4  # several buckets even for the tiny model: the digests row checks a bucketed transfer
 
 
 class Skip(Exception):
@@ -138,7 +139,12 @@ def _engine(b: Bench, route: str, sleep: bool) -> Any:
         temperature=TEMPERATURE,
         max_new_tokens=8,
         max_context_tokens=2048,
-        vllm=VLLMConfig(weight_sync=route, sleep=sleep, kv_cache_gb=KV_GB if b.device == "cuda" else 0.25),
+        vllm=VLLMConfig(
+            weight_sync=route,
+            sleep=sleep,
+            kv_cache_gb=KV_GB if b.device == "cuda" else 0.25,
+            sync_bucket_mb=SYNC_BUCKET_MB,
+        ),
     )
     return make_engine(cfg, lambda: contextlib.nullcontext(b.model), b.processor, b.builder)
 
