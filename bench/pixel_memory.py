@@ -154,7 +154,8 @@ def run_case(
         first = [Message(Role.USER, [shared or item(0), TextPart("Find x.")])]
         seq = window.start(first) if window is not None else builder.start(first)
         views, messages = [], list(first)  # the trajectory's messages keep every image shown (for its record)
-        store = ImageStore(tempfile.mkdtemp(prefix="pixel_memory_"))  # where the images that left the window go
+        spill_dir = tempfile.TemporaryDirectory(prefix="pixel_memory_")  # removed when the episode ends
+        store = ImageStore(spill_dir.name)  # where the images that left the window go
         for t in range(n):
             if t:
                 feedback = [Message(Role.USER, [TextPart("Look again."), shared or item(t)])]
@@ -182,6 +183,7 @@ def run_case(
             (window or builder).add_generation(seq, gen)
             del prompt, read, videos
         shared = len(window.frozen[1].ids) if window is not None and window.frozen is not None else 0
+        spill_dir.cleanup()
         return seq, views, shared
 
     episode(1, None)  # warm-up: lazy imports, caches, allocator pools
