@@ -35,6 +35,15 @@ from vlmrl.types import ImagePart, Message, Role, TextPart
         ("**Score: 7**", None),
         ("Score: 7 out of 10", None),
         ("", None),
+        ("reasoning\r\nScore: 10\r\n", 1.0),  # CRLF line ends
+        ("Score: \u0661\u0660", None),  # Arabic-Indic digits
+        ("Score: \uff11\uff10", None),  # fullwidth digits
+        ("Score: 010", None),  # a leading zero
+        ("Score:\u00a010", None),  # a no-break space
+        ("Score: 0\u2028Score: 10", None),  # U+2028 is not a line break here: one line, not a verdict
+        ("Score: 0\x85Score: 10", None),  # nor U+0085
+        ("Score: 10\u2029", None),
+        ("Score: " + "1" * 5000, None),  # past int()'s digit limit: a failed judgement, not an error
     ],
 )
 def test_verdict_is_read_strictly_from_the_last_line(reply, want):

@@ -10,8 +10,9 @@ The policy's text is data, never instructions:
 - chat-template control tokens written as text (`<|im_end|>`, `<end_of_turn>`, `[INST]`, ...) are broken with a
   U+2060 WORD JOINER after their first character (`guard_control`), as the token builders guard environment text, so
   a server that parses special tokens in message text cannot be handed a forged turn;
-- the verdict is read only from the judge's own reply, from its last line, which must be `Score: k` with k an
-  integer in [min_score, max_score]; anything else is a failed judgement (`parse_verdict` -> None).
+- the verdict is read only from the judge's own reply, from its last line (split at line feeds only: U+2028, U+0085
+  and the like are not line breaks), which must be `Score: k` with k an integer in [min_score, max_score] written in
+  ASCII digits without a leading zero; anything else is a failed judgement (`parse_verdict` -> None).
 """
 
 from __future__ import annotations
@@ -38,7 +39,10 @@ _CONTROL = re.compile(
     r"|<(?:start|end)_of_(?:turn|image)>|<end_of_utterance>|<fake_token_around_image>|<global-img>"
     r"|<row_\d+_col_\d+>|<(?:image|video|bos|eos|pad|unk)>"
 )
-_VERDICT = re.compile(r"Score:\s*(-?\d+)")
+# ASCII only: `\d` and `\s` would take other scripts' digits (`Score: ١٠`, fullwidth `１０`) and spaces; no leading zero
+# (`010`), at most 9 digits (a 5,000-digit `Score:` is past int()'s digit limit).
+_VERDICT = re.compile(r"Score:[ \t]*(0|-?[1-9][0-9]{0,8})")
+_ASCII_SPACE = " \t\r"
 
 
 @dataclass(frozen=True)
@@ -149,9 +153,11 @@ def judge_messages(template: JudgeTemplate, case: JudgeCase, low: int, high: int
 
 
 def parse_verdict(reply: str, low: int, high: int) -> float | None:
-    """The judge's score mapped to [0, 1] ((k - low) / (high - low)) when the last non-empty line of `reply` is
-    exactly `Score: k` with low <= k <= high; None for anything else (a failed judgement)."""
-    lines = [line.strip() for line in reply.strip().splitlines() if line.strip()]
+    """The judge's score mapped to [0, 1] ((k - low) / (high - low)) when the last non-empty line of `reply` (lines
+    split at line feeds only, ASCII spaces, tabs and carriage returns stripped) is exactly `Score: k`, k in ASCII
+    digits without a leading zero and low <= k <= high; None for anything else (a failed judgement)."""
+    lines = [line.strip(_ASCII_SPACE) for line in reply.split("\n")]
+    lines = [line for line in lines if line]
     match = _VERDICT.fullmatch(lines[-1]) if lines else None
     if match is None:
         return None
