@@ -12,7 +12,8 @@ So only the fencing and the control-token guard of `vlmrl.judge.prompt` keep a p
 score, and a test of them can fail.
 
 Failure modes (`mode`): grade (above), garbage (a reply without a verdict), delay (grade after `delay_s`), error
-(HTTP 500 for the first `fail_first` requests, then grade), no_images (HTTP 400 for a request holding an image).
+(HTTP 500 for the first `fail_first` requests, then grade), no_images (HTTP 400 for a request holding an image), raw
+(HTTP 200 with the bytes `raw` under the content type `raw_type`, whatever they are: a malformed reply).
 `stop_after`: the server shuts down after answering that many completions (killed mid-step). It records every
 request's prompt text, images and the largest number of completions in flight at once.
 """
@@ -78,8 +79,17 @@ class _QuietServer(ThreadingHTTPServer):
 class GraderServer:
     """The grader on 127.0.0.1 (a free port), in a thread: `with GraderServer() as server: server.url`."""
 
-    def __init__(self, mode: str = "grade", delay_s: float = 0.0, fail_first: int = 0, stop_after: int | None = None):
+    def __init__(
+        self,
+        mode: str = "grade",
+        delay_s: float = 0.0,
+        fail_first: int = 0,
+        stop_after: int | None = None,
+        raw: bytes = b"",
+        raw_type: str = "application/json",
+    ):
         self.mode, self.delay_s, self.fail_first, self.stop_after = mode, delay_s, fail_first, stop_after
+        self.raw, self.raw_type = raw, raw_type
         self.prompts: list[str] = []
         self.images: list[int] = []  # per completion request: the images it held (each a decodable PNG)
         self.completions = 0
@@ -145,10 +155,10 @@ class GraderServer:
             def log_message(self, *args) -> None:
                 pass
 
-            def _send(self, status: int, payload: dict) -> None:
-                data = json.dumps(payload).encode()
+            def _send(self, status: int, payload: dict, data: bytes | None = None, kind: str = "application/json"):
+                data = json.dumps(payload).encode() if data is None else data
                 self.send_response(status)
-                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Type", kind)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
@@ -172,7 +182,10 @@ class GraderServer:
                 finally:
                     with server.lock:
                         server.in_flight -= 1
-                self._send(status, payload)
+                if server.mode == "raw":
+                    self._send(status, {}, server.raw, server.raw_type)
+                else:
+                    self._send(status, payload)
                 if server.stop_after is not None and server.completions >= server.stop_after:
                     threading.Thread(target=server.stop, daemon=True).start()
 

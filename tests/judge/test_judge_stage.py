@@ -4,6 +4,7 @@ mid-step, an HTTP error), the start-up checks, and answers that try to steer the
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -65,6 +66,57 @@ def test_garbage_verdicts_are_nan_and_counted_never_zero():
     assert "no verdict: the last line is 'Looks fine to me.'" in trajs[0].judgement.error
     assert stats.metrics()["judge_failures"] == 4 and stats.metrics()["judge_calls"] == 4  # not retried
     assert "judge_score" not in stats.metrics()
+
+
+def _completion(message) -> bytes:
+    return json.dumps(
+        {"id": "c", "object": "chat.completion", "model": MODEL, "choices": [{"message": message}]}
+    ).encode()
+
+
+@pytest.mark.parametrize(
+    "raw, raw_type, why",
+    [
+        (b'{"id": "c", "choices": [{"index": 0, "message": {"role": "assist', "application/json", "unreadable reply"),
+        (b"<html><body>Score: 10</body></html>", "text/html", "not a chat completion"),
+        (b"[1, 2]", "application/json", "not a chat completion"),
+        (json.dumps({"choices": [{}]}).encode(), "application/json", "no text content"),
+        (json.dumps({"choices": 5}).encode(), "application/json", "not a chat completion"),
+        (_completion(None), "application/json", "no text content"),
+        (_completion({"role": "assistant", "content": 5}), "application/json", "no text content"),
+        (
+            _completion({"role": "assistant", "content": [{"type": "text", "text": "Score: 10"}]}),
+            "application/json",
+            "no text",
+        ),
+        (b"[" * 100_000 + b"]" * 100_000, "application/json", "unreadable reply"),  # RecursionError in the JSON parser
+        (_completion({"role": "assistant", "content": "Score: " + "1" * 5000}), "application/json", "no verdict"),
+    ],
+)
+def test_a_reply_of_any_shape_is_a_failed_judgement_never_the_end_of_the_run(raw, raw_type, why):
+    tasks, trajs = step(1)
+    with GraderServer(mode="raw", raw=raw, raw_type=raw_type) as server:
+        stats = make_judge(judge_config(server.url, max_retries=0)).score(trajs, tasks)
+    assert all(math.isnan(t.reward) and math.isnan(t.judgement.score) for t in trajs)
+    assert why in trajs[0].judgement.error and len(trajs[0].judgement.error) <= 300, trajs[0].judgement.error
+    assert stats.metrics()["judge_failures"] == 2
+
+
+def test_a_client_that_raises_or_returns_no_text_fails_the_judgement():
+    class Raises(OpenAIJudge):
+        async def complete(self, messages, max_tokens):
+            raise KeyError("choices")
+
+    class NotText(OpenAIJudge):
+        async def complete(self, messages, max_tokens):
+            return {"content": "Score: 10"}
+
+    for client, why in ((Raises, "the judge client raised KeyError"), (NotText, "returned a dict, not text")):
+        tasks, trajs = step(1)
+        reward = judge_config("http://127.0.0.1:9/v1")
+        stats = Judge(reward, client(reward.judge), JudgeTemplate.load(None)).score(trajs, tasks)
+        assert all(math.isnan(t.reward) for t in trajs) and why in trajs[0].judgement.error
+        assert stats.metrics()["judge_failures"] == 2
 
 
 def test_a_judge_slower_than_the_timeout_fails_after_its_retries():

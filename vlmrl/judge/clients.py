@@ -83,6 +83,24 @@ def openai_messages(messages: list[Message]) -> list[Any]:
     return out
 
 
+def reply_text(reply: Any) -> str:
+    """The text of a chat completion's first choice (`reply.choices[0].message.content`); raises JudgeError (one
+    line) for a reply of any other shape: an HTML or JSON body that is not a completion, no choice, no message, a
+    content that is not a string (None is the empty reply)."""
+    choices = getattr(reply, "choices", None)
+    if not isinstance(choices, list) or not choices:
+        raise JudgeError(f"the reply is not a chat completion with a choice (got {_shape(reply)})")
+    message = getattr(choices[0], "message", None)
+    content = getattr(message, "content", None)
+    if message is None or not isinstance(content, (str, type(None))):
+        raise JudgeError(f"the reply's first choice has no text content (got {_shape(choices[0])})")
+    return content or ""
+
+
+def _shape(value: Any) -> str:
+    return f"{type(value).__name__} {' '.join(repr(value).split())[:80]}"
+
+
 def _one_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {' '.join(str(err).split())}"[:300]
 
@@ -127,9 +145,9 @@ class OpenAIJudge(JudgeClient):
             )
         except openai.OpenAIError as err:
             raise JudgeError(_one_line(err)) from None
-        if not reply.choices:
-            raise JudgeError("the reply has no choice")
-        return reply.choices[0].message.content or ""
+        except Exception as err:  # noqa: BLE001 - a body the client cannot read (truncated, too deep) is a failed judgement
+            raise JudgeError(f"unreadable reply ({_one_line(err)})") from None
+        return reply_text(reply)
 
     def check(self, images: bool) -> None:
         """The server answers at `url`, serves `model`, and (images) takes an image: one request each, no retry."""

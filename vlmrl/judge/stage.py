@@ -123,6 +123,10 @@ class Judge:
                 reply = await self.client.complete(prompt, self.cfg.max_tokens)
             except JudgeError as err:
                 return Judgement(math.nan, "", str(err))
+            except Exception as err:  # noqa: BLE001 - a client (a plug-in too) never ends the run: a failed judgement
+                return Judgement(math.nan, "", f"the judge client raised {type(err).__name__}: {err}"[:300])
+        if not isinstance(reply, str):
+            return Judgement(math.nan, "", f"the judge client returned a {type(reply).__name__}, not text")
         score = parse_verdict(reply, self.cfg.min_score, self.cfg.max_score)
         if score is None:
             last = (reply.strip().splitlines() or [""])[-1][:120]
