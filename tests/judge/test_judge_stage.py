@@ -102,6 +102,17 @@ def test_a_reply_of_any_shape_is_a_failed_judgement_never_the_end_of_the_run(raw
     assert stats.metrics()["judge_failures"] == 2
 
 
+def test_a_long_reply_is_stored_with_its_head_and_its_verdict():
+    reply = "Let me think. " + "x" * 1_000_000 + "\nScore: 10"
+    tasks, trajs = step(1)
+    with GraderServer(mode="raw", raw=_completion({"role": "assistant", "content": reply})) as server:
+        make_judge(judge_config(server.url)).score(trajs, tasks)
+    kept = trajs[0].judgement.reply
+    assert trajs[0].judgement.score == 1.0 and len(kept) < 4100  # STORED_REPLY_CHARS and the cut line
+    assert kept.startswith("Let me think. ") and kept.endswith("\nScore: 10")
+    assert f"[... {len(reply) - 4000} characters of the judge's reply cut ...]" in kept
+
+
 def test_a_client_that_raises_or_returns_no_text_fails_the_judgement():
     class Raises(OpenAIJudge):
         async def complete(self, messages, max_tokens):

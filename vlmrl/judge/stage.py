@@ -27,6 +27,17 @@ from vlmrl.types import Judgement, Message, Task, Trajectory
 
 log = logging.getLogger("vlmrl.judge")
 
+STORED_REPLY_CHARS = 4000  # of a judge's reply kept in its judgement (trajectories.jsonl): the head and the tail
+
+
+def stored_reply(reply: str, limit: int = STORED_REPLY_CHARS) -> str:
+    """`reply` as its judgement keeps it: whole up to `limit` characters, else its first and last `limit // 2`
+    around a line saying how many were cut (the tail holds the verdict)."""
+    if len(reply) <= limit:
+        return reply
+    half = limit // 2
+    return f"{reply[:half]}\n[... {len(reply) - 2 * half} characters of the judge's reply cut ...]\n{reply[-half:]}"
+
 
 @dataclass
 class JudgeRound:
@@ -132,5 +143,5 @@ class Judge:
             last = (reply.strip().splitlines() or [""])[-1][:120]
             low, high = self.cfg.min_score, self.cfg.max_score
             why = f"no verdict: the last line is {last!r}, not 'Score: k' with k in [{low}, {high}]"
-            return Judgement(math.nan, reply, why)
-        return Judgement(score, reply)
+            return Judgement(math.nan, stored_reply(reply), why)
+        return Judgement(score, stored_reply(reply))
