@@ -101,7 +101,8 @@ def _shape(value: Any) -> str:
     return f"{type(value).__name__} {' '.join(repr(value).split())[:80]}"
 
 
-def _one_line(err: BaseException) -> str:
+def one_line(err: BaseException) -> str:
+    """`err` as `Type: message` on one line (whitespace runs collapsed), at most 300 characters."""
     return f"{type(err).__name__}: {' '.join(str(err).split())}"[:300]
 
 
@@ -144,9 +145,9 @@ class OpenAIJudge(JudgeClient):
                 extra_body=dict(self.cfg.extra_body) or None,
             )
         except openai.OpenAIError as err:
-            raise JudgeError(_one_line(err)) from None
+            raise JudgeError(one_line(err)) from None
         except Exception as err:  # noqa: BLE001 - a body the client cannot read (truncated, too deep) is a failed judgement
-            raise JudgeError(f"unreadable reply ({_one_line(err)})") from None
+            raise JudgeError(f"unreadable reply ({one_line(err)})") from None
         return reply_text(reply)
 
     def check(self, images: bool) -> None:
@@ -159,7 +160,7 @@ class OpenAIJudge(JudgeClient):
                 served = [m.id for m in client.models.list()]
             except openai.OpenAIError as err:
                 raise ConfigError(
-                    f"reward.judge.url={url}: no OpenAI-compatible server answers ({_one_line(err)})"
+                    f"reward.judge.url={url}: no OpenAI-compatible server answers ({one_line(err)})"
                 ) from None
             if model not in served:
                 raise ConfigError(f"reward.judge.model={model!r} is not served at {url} (served: {', '.join(served)})")
@@ -170,7 +171,7 @@ class OpenAIJudge(JudgeClient):
                 client.chat.completions.create(model=model, messages=openai_messages([probe]), max_tokens=1)
             except openai.OpenAIError as err:
                 raise ConfigError(
-                    f"reward.judge.model={model!r} at {url} refused an image ({_one_line(err)}): serve a model that "
+                    f"reward.judge.model={model!r} at {url} refused an image ({one_line(err)}): serve a model that "
                     "takes images, or set reward.judge.images=false"
                 ) from None
 
@@ -209,7 +210,7 @@ class TransformersJudge(JudgeClient):
                 with self.engine.session():
                     ((gen,),) = self.engine.generate([seq.prompt()], 1, params)
             except Exception as err:  # noqa: BLE001 - a judgement that cannot run is a failed judgement
-                raise JudgeError(_one_line(err)) from None
+                raise JudgeError(one_line(err)) from None
         return gen.text
 
 

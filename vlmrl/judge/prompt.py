@@ -152,13 +152,17 @@ def judge_messages(template: JudgeTemplate, case: JudgeCase, low: int, high: int
     return [Message(Role.USER, [*case.images, TextPart(text)])]
 
 
+def last_line(reply: str) -> str:
+    """The last non-empty line of `reply`, split at line feeds only, ASCII spaces, tabs and carriage returns stripped
+    ("" when there is none): the line a verdict is read from."""
+    lines = [line for line in (part.strip(_ASCII_SPACE) for part in reply.split("\n")) if line]
+    return lines[-1] if lines else ""
+
+
 def parse_verdict(reply: str, low: int, high: int) -> float | None:
-    """The judge's score mapped to [0, 1] ((k - low) / (high - low)) when the last non-empty line of `reply` (lines
-    split at line feeds only, ASCII spaces, tabs and carriage returns stripped) is exactly `Score: k`, k in ASCII
-    digits without a leading zero and low <= k <= high; None for anything else (a failed judgement)."""
-    lines = [line.strip(_ASCII_SPACE) for line in reply.split("\n")]
-    lines = [line for line in lines if line]
-    match = _VERDICT.fullmatch(lines[-1]) if lines else None
+    """The judge's score mapped to [0, 1] ((k - low) / (high - low)) when `last_line(reply)` is exactly `Score: k`, k
+    in ASCII digits without a leading zero and low <= k <= high; None for anything else (a failed judgement)."""
+    match = _VERDICT.fullmatch(last_line(reply))
     if match is None:
         return None
     k = int(match.group(1))

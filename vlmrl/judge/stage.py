@@ -19,8 +19,8 @@ import time
 from dataclasses import dataclass
 
 from vlmrl.config.schema import Config, RewardConfig
-from vlmrl.judge.clients import JudgeClient, JudgeError
-from vlmrl.judge.prompt import JudgeTemplate, case_of, judge_messages, parse_verdict
+from vlmrl.judge.clients import JudgeClient, JudgeError, one_line
+from vlmrl.judge.prompt import JudgeTemplate, case_of, judge_messages, last_line, parse_verdict
 from vlmrl.registry import JUDGE_CLIENTS
 from vlmrl.rollout.skipped_rows import prompt_too_long
 from vlmrl.types import Judgement, Message, Task, Trajectory
@@ -135,12 +135,12 @@ class Judge:
             except JudgeError as err:
                 return Judgement(math.nan, "", str(err))
             except Exception as err:  # noqa: BLE001 - a client (a plug-in too) never ends the run: a failed judgement
-                return Judgement(math.nan, "", f"the judge client raised {type(err).__name__}: {err}"[:300])
+                return Judgement(math.nan, "", f"the judge client raised {one_line(err)}"[:300])
         if not isinstance(reply, str):
             return Judgement(math.nan, "", f"the judge client returned a {type(reply).__name__}, not text")
         score = parse_verdict(reply, self.cfg.min_score, self.cfg.max_score)
         if score is None:
-            last = (reply.strip().splitlines() or [""])[-1][:120]
+            last = last_line(reply)[:120]
             low, high = self.cfg.min_score, self.cfg.max_score
             why = f"no verdict: the last line is {last!r}, not 'Score: k' with k in [{low}, {high}]"
             return Judgement(math.nan, stored_reply(reply), why)
