@@ -92,8 +92,10 @@ def reply_text(reply: Any) -> str:
         raise JudgeError(f"the reply is not a chat completion with a choice (got {_shape(reply)})")
     message = getattr(choices[0], "message", None)
     content = getattr(message, "content", None)
-    if message is None or not isinstance(content, (str, type(None))):
-        raise JudgeError(f"the reply's first choice has no text content (got {_shape(choices[0])})")
+    if message is None:
+        raise JudgeError(f"the reply's first choice has no text content (no message: {_shape(choices[0])})")
+    if not isinstance(content, (str, type(None))):
+        raise JudgeError(f"the reply's first choice has no text content (content: {_shape(content)})")
     return content or ""
 
 
