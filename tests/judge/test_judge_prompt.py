@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from judge_cases import QUESTION, episode, task
 
@@ -10,6 +12,7 @@ from vlmrl.config import JudgeShows
 from vlmrl.errors import ConfigError
 from vlmrl.judge.prompt import (
     DEFAULT_TEMPLATE,
+    TEMPLATE_BYTES,
     JudgeTemplate,
     case_of,
     guard_control,
@@ -75,6 +78,11 @@ def test_default_template_fills_and_fences_every_field():
         ("Grade {answer}.", "the template lacks {question}"),
         ("{question} {answer} {solution}", "unknown field(s) solution"),
         ("{question} {answer} {", "write a literal brace"),
+        ("{question} {answer:d}", "{answer:d}: write a field as {answer}, without a conversion or format spec"),
+        ("{question} {answer:{reference}}", "{answer:{reference}}: write a field as {answer}"),
+        ("{question} {answer!z}", "{answer!z}: write a field as {answer}"),
+        ("{question!r} {answer}", "{question!r}: write a field as {question}"),
+        ("{question} {answer:>100000000}", "{answer:>100000000}: write a field as {answer}"),
     ],
 )
 def test_a_bad_template_is_one_line_naming_the_key(tmp_path, body, error):
@@ -85,6 +93,33 @@ def test_a_bad_template_is_one_line_naming_the_key(tmp_path, body, error):
     assert error in str(err.value) and "\n" not in str(err.value)
     with pytest.raises(ConfigError, match="cannot read it"):
         JudgeTemplate.load(str(tmp_path / "missing.txt"))
+
+
+def test_a_template_that_is_not_a_small_regular_utf8_file_is_refused_unread(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # opening it would wait for a writer
+    big = tmp_path / "big.txt"
+    big.write_text("{question} {answer}" + "x" * TEMPLATE_BYTES)
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("{question} {answer} café".encode("latin-1"))
+    cases = [
+        ("/dev/zero", "not a regular file (a character device)"),
+        (fifo, "not a regular file (a FIFO)"),
+        (tmp_path, "not a regular file (a folder)"),
+        (big, f"{TEMPLATE_BYTES + 19} bytes, over the {TEMPLATE_BYTES}-byte bound of a template"),
+        (latin, "not UTF-8 text (byte 23: unexpected end of data)"),
+    ]
+    for path, error in cases:
+        with pytest.raises(ConfigError) as err:
+            JudgeTemplate.load(str(path))
+        assert str(err.value) == f"reward.judge.template={path}: {error}"
+
+
+def test_a_field_is_filled_verbatim_without_format_mini_language(tmp_path):
+    path = tmp_path / "t.txt"
+    path.write_text("{{literal}} {question} / {answer}")
+    text = JudgeTemplate.load(str(path)).fill({"question": "{answer} {0:>9}", "answer": "}{"})
+    assert text == "{literal} {answer} {0:>9} / }{"
 
 
 def test_a_template_without_reference_and_with_literal_braces(tmp_path):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import stat
 import string
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,10 +46,14 @@ _VERDICT = re.compile(r"Score:[ \t]*(0|-?[1-9][0-9]{0,8})")
 _ASCII_SPACE = " \t\r"
 
 
+TEMPLATE_BYTES = 65_536  # the largest template file read (the shipped rubric is under 1 KB)
+
+
 @dataclass(frozen=True)
 class JudgeTemplate:
-    """A judge prompt template: `text` with `{question}`, `{answer}` and optionally `{reference}` (literal braces
-    doubled, Python `str.format`); `source`: its file, for errors."""
+    """A judge prompt template: `text` with the fields `{question}`, `{answer}` and optionally `{reference}`, each
+    written plainly (no conversion, format spec, index or attribute), literal braces doubled; `source`: its file, for
+    errors. Filled by `fill`, not by `str.format`: no field can be padded or converted."""
 
     text: str
     source: str
@@ -56,24 +61,60 @@ class JudgeTemplate:
     @classmethod
     def load(cls, path: str | None) -> "JudgeTemplate":
         """The template in `path` (None: the shipped rubric). Raises ConfigError naming `reward.judge.template` for a
-        missing file, a field it lacks (question, answer), an unknown field or a malformed brace."""
+        path that is not a regular file (a FIFO or a device is not opened), a file over TEMPLATE_BYTES or not UTF-8,
+        a field it lacks (question, answer), an unknown field, a conversion or format spec, or a malformed brace."""
         where = Path(path) if path else DEFAULT_TEMPLATE
         key = f"reward.judge.template={where}"
         try:
-            text = where.read_text(encoding="utf-8")
+            info = where.stat()
+            if not stat.S_ISREG(info.st_mode):
+                raise ConfigError(f"{key}: not a regular file (a {_file_kind(info.st_mode)})")
+            if info.st_size > TEMPLATE_BYTES:
+                raise ConfigError(f"{key}: {info.st_size} bytes, over the {TEMPLATE_BYTES}-byte bound of a template")
+            with where.open("rb") as f:
+                data = f.read(TEMPLATE_BYTES + 1)
+            text = data[:TEMPLATE_BYTES].decode("utf-8")
         except OSError as err:
             raise ConfigError(f"{key}: cannot read it ({type(err).__name__}: {err})") from None
-        try:
-            names = {name for _, name, _, _ in string.Formatter().parse(text) if name is not None}
-        except ValueError as err:
-            raise ConfigError(f"{key}: {err} (write a literal brace as {{{{ or }}}})") from None
-        unknown = sorted(names - set(FIELDS))
-        missing = [f for f in REQUIRED if f not in names]
-        if unknown:
-            raise ConfigError(f"{key}: unknown field(s) {', '.join(unknown)} (fields: {', '.join(FIELDS)})")
-        if missing:
-            raise ConfigError(f"{key}: the template lacks {', '.join('{' + f + '}' for f in missing)}")
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"{key}: not UTF-8 text (byte {err.start}: {err.reason})") from None
+        if len(data) > TEMPLATE_BYTES:
+            raise ConfigError(f"{key}: grew past the {TEMPLATE_BYTES}-byte bound of a template while read")
+        _check_fields(key, text)
         return cls(text, str(where))
+
+    def fill(self, values: dict[str, str]) -> str:
+        """The template's text with each `{field}` replaced by `values[field]` and `{{`, `}}` by one brace."""
+        return "".join(
+            literal + (values[name] if name is not None else "")
+            for literal, name, _, _ in string.Formatter().parse(self.text)
+        )
+
+
+def _file_kind(mode: int) -> str:
+    kinds = [(stat.S_ISDIR, "folder"), (stat.S_ISFIFO, "FIFO"), (stat.S_ISCHR, "character device")]
+    kinds += [(stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket")]
+    return next((name for test, name in kinds if test(mode)), "special file")
+
+
+def _check_fields(key: str, text: str) -> None:
+    """Raise ConfigError (naming `key`) unless every field of `text` is a plain `{question}`, `{reference}` or
+    `{answer}` and the required ones are there."""
+    try:
+        fields = [(name, spec, conv) for _, name, spec, conv in string.Formatter().parse(text) if name is not None]
+    except ValueError as err:
+        raise ConfigError(f"{key}: {err} (write a literal brace as {{{{ or }}}})") from None
+    names = {name for name, _, _ in fields}
+    unknown = sorted(names - set(FIELDS))
+    missing = [f for f in REQUIRED if f not in names]
+    if unknown:
+        raise ConfigError(f"{key}: unknown field(s) {', '.join(unknown)} (fields: {', '.join(FIELDS)})")
+    if missing:
+        raise ConfigError(f"{key}: the template lacks {', '.join('{' + f + '}' for f in missing)}")
+    for name, spec, conv in fields:
+        if spec or conv:
+            written = "{" + name + (f"!{conv}" if conv else "") + (f":{spec}" if spec else "") + "}"
+            raise ConfigError(f"{key}: {written}: write a field as {{{name}}}, without a conversion or format spec")
 
 
 @dataclass
@@ -147,7 +188,7 @@ def judge_messages(template: JudgeTemplate, case: JudgeCase, low: int, high: int
     fenced (module docstring)."""
     texts = {name: guard_control(getattr(case, name)) for name in FIELDS}
     nonce = nonce_of(*texts.values())
-    body = template.text.format(**{name: fence(name, t, nonce) for name, t in texts.items()})
+    body = template.fill({name: fence(name, t, nonce) for name, t in texts.items()})
     text = f"{body.rstrip()}\n\n{verdict_instruction(nonce, low, high)}"
     return [Message(Role.USER, [*case.images, TextPart(text)])]
 
