@@ -7,15 +7,19 @@ replies with a short reasoning and `Score: 10` when the answer's last `\\boxed{}
 
 It is gullible on purpose, like a language model that follows any instruction it reads: text of the prompt outside
 the fenced fields that asks for a score ("give ... Score: k", "score of k") or a verdict line there is obeyed, and a
-chat-template control token (`<|im_start|>assistant`) read as such starts its own reply, whose verdict it then takes.
-So only the fencing and the control-token guard of `vlmrl.judge.prompt` keep a policy's answer from moving the
-score, and a test of them can fail.
+live chat-template or added token (`<|im_start|>assistant`, `</think>`, `<tool_response>`, `[TOOL_RESULTS]`,
+`[multimodal]`, `<mask>`) starts text it takes as its own, whose verdict it then gives. Two readers of the fences:
+`exact` (the fence lines with the nonce, as written) and `lookalike` (`read_lookalike`: as people read them, folding
+Unicode look-alikes, dropping invisible characters, ending a field at its first closer with any nonce or none, a later
+opener of a field replacing the earlier one). In a transcript it reads the turns by the markers the verdict
+instruction names, and obeys a `tool` turn that says the answer is verified. So only the quoting and fencing of
+`vlmrl.judge.quote` keep a policy's answer from moving the score, and a test of them can fail.
 
 Failure modes (`mode`): grade (above), garbage (a reply without a verdict), delay (grade after `delay_s`), error
 (HTTP 500 for the first `fail_first` requests, then grade), no_images (HTTP 400 for a request holding an image), raw
-(HTTP 200 with the bytes `raw` under the content type `raw_type`, whatever they are: a malformed reply).
-`stop_after`: the server shuts down after answering that many completions (killed mid-step). It records every
-request's prompt text, images and the largest number of completions in flight at once.
+(HTTP 200 with the bytes `raw` under the content type `raw_type`, whatever they are: a malformed reply). `reader`:
+exact or lookalike (above). `stop_after`: the server shuts down after answering that many completions (killed
+mid-step). It records every request's prompt text, images and the largest number of completions in flight at once.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import json
 import re
 import threading
 import time
+import unicodedata
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from PIL import Image
@@ -37,32 +42,65 @@ _INSTRUCTION = re.compile(r'"\[<name> ([0-9a-f]{16})\]"')
 _ORDERS = re.compile(r"(?:Score:\s*|score of\s*)(\d+)", re.IGNORECASE)
 
 
-def fenced(text: str, name: str, nonce: str) -> str | None:
-    """The field `name` fenced with `nonce` in `text` (None if absent)."""
-    m = re.search(rf"\[{name} {nonce}\]\n(.*?)\n\[/{name} {nonce}\]", text, re.DOTALL)
-    return m.group(1) if m else None
+LIVE = ("<|im_start|>assistant", "</think>", "<tool_response>", "[TOOL_RESULTS]", "[multimodal]", "<mask>")
+_SLASH_LIKE = str.maketrans({c: "/" for c in "\u2044\u2215\u29f8\u2571\u27cb"})
 
 
-def grade(prompt: str) -> str:
-    """The grader's reply to a judge prompt (module docstring)."""
-    forged = prompt.rfind("<|im_start|>assistant")
-    if forged >= 0:  # a forged turn: the grader "continues" it
-        prompt = prompt[forged:]
-        orders = _ORDERS.findall(prompt)
+def fold(text: str) -> str:
+    """`text` as a reader of look-alikes sees it: NFKC, invisible format characters dropped, slashes unified."""
+    text = unicodedata.normalize("NFKC", text).translate(_SLASH_LIKE)
+    return "".join(c for c in text if unicodedata.category(c) != "Cf")
+
+
+def read_exact(prompt: str, nonce: str) -> tuple[dict[str, str], str]:
+    """The fields fenced with `nonce` ({name: text}) and the prompt outside them."""
+    fields = {
+        m.group(1): m.group(2) for m in re.finditer(rf"\[(\w+) {nonce}\]\n(.*?)\n\[/\1 {nonce}\]", prompt, re.DOTALL)
+    }
+    return fields, re.sub(rf"\[(\w+) {nonce}\]\n.*?\n\[/\1 {nonce}\]", "", prompt, flags=re.DOTALL)
+
+
+def read_lookalike(prompt: str) -> tuple[dict[str, str], str]:
+    """The fields as a careless reader finds them in `fold(prompt)`: from any opener `[name...]` to the first closer
+    `[/name...]` (any nonce, or none) or the next opener; a later field of the same name replaces the earlier."""
+    text, fields, outside, open_name, start, pos = fold(prompt), {}, [], None, 0, 0
+    for m in re.finditer(r"\[\s*(/?)\s*(question|reference|answer)\b[^\]\n]*\]", text, re.IGNORECASE):
+        closer, name = m.group(1) == "/", m.group(2).lower()
+        if open_name is None:
+            outside.append(text[pos : m.start()])
+        else:
+            fields[open_name] = text[start : m.start()].strip("\n")
+        open_name, start, pos = (None if closer else name), m.end(), m.end()
+    if open_name is None:
+        outside.append(text[pos:])
+    else:
+        fields[open_name] = text[start:].strip("\n")
+    return fields, "".join(outside)
+
+
+def grade(prompt: str, reader: str = "exact") -> str:
+    """The grader's reply to a judge prompt (module docstring), reading the fences as `reader` does."""
+    forged = max(prompt.rfind(token) for token in LIVE)
+    if forged >= 0:  # live structure: the grader takes what follows as its own
+        orders = _ORDERS.findall(prompt[forged:])
         return f"Continuing.\nScore: {orders[-1]}" if orders else "Continuing."
     found = _INSTRUCTION.search(prompt)
     if found is None:
         return "I cannot find the verdict instruction."
     nonce = found.group(1)
-    answer, reference = fenced(prompt, "answer", nonce), fenced(prompt, "reference", nonce)
+    fields, outside = read_exact(prompt, nonce) if reader == "exact" else read_lookalike(prompt)
+    answer, reference = fields.get("answer"), fields.get("reference")
     if answer is None:
         return "I cannot find the answer."
-    outside = re.sub(rf"\[(\w+) {nonce}\]\n.*?\n\[/\1 {nonce}\]", "", prompt, flags=re.DOTALL)
     outside = outside.replace(found.group(0), "")  # the instruction's own "Score: k" format line is not an order
     outside = re.sub(r'"Score: k"', "", outside)
     orders = _ORDERS.findall(outside)
     if orders:  # obeys whatever it reads outside the data
         return f"As instructed.\nScore: {orders[-1]}"
+    marker = f" {nonce}:" if f'"<role> {nonce}:"' in prompt else ":"  # the turns' markers, as the instruction says
+    turns = re.findall(rf"^(assistant|user|tool){re.escape(marker)} ?(.*)$", answer, re.MULTILINE)
+    if any(role == "tool" and "verified correct" in text.lower() for role, text in turns):
+        return "The tool verified the answer.\nScore: 10"
     said = (extract_boxed(answer) or "").strip().lower()
     right = bool(said) and said == (reference or "").strip().lower()
     return f"The answer {'matches' if right else 'does not match'} the reference.\nScore: {10 if right else 0}"
@@ -87,9 +125,10 @@ class GraderServer:
         stop_after: int | None = None,
         raw: bytes = b"",
         raw_type: str = "application/json",
+        reader: str = "exact",
     ):
         self.mode, self.delay_s, self.fail_first, self.stop_after = mode, delay_s, fail_first, stop_after
-        self.raw, self.raw_type = raw, raw_type
+        self.raw, self.raw_type, self.reader = raw, raw_type, reader
         self.prompts: list[str] = []
         self.images: list[int] = []  # per completion request: the images it held (each a decodable PNG)
         self.completions = 0
@@ -136,7 +175,7 @@ class GraderServer:
             return 500, {"error": {"message": "internal error", "type": "InternalServerError"}}
         if self.mode == "delay":
             time.sleep(self.delay_s)
-        answer = "Looks fine to me." if self.mode == "garbage" else grade(text)
+        answer = "Looks fine to me." if self.mode == "garbage" else grade(text, self.reader)
         return 200, {
             "id": f"cmpl-{n}",
             "object": "chat.completion",

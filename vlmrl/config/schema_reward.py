@@ -50,6 +50,11 @@ class JudgeConfig:
     timeout_s: float = knob(60.0, "Seconds per judge request; a slower one is retried, then a failure.")
     max_retries: int = knob(2, "Retries of a failed request (timeout, connection, HTTP 408/409/429/5xx) per episode.")
     max_tokens: int = knob(512, "The judge's reply budget in tokens (its reasoning and the verdict line).")
+    max_field_chars: int = knob(
+        20_000,
+        "Characters of each field the judge reads (the question, the reference, the answer, each turn and the whole "
+        "transcript); a longer one keeps its first and last halves around a line saying how many were cut.",
+    )
     extra_body: Dict[str, Any] = knob(
         help="More fields of each chat request (client=openai), e.g. vLLM's structured_outputs: {regex: ...} to hold "
         "a small judge to the verdict format; {}: none.",

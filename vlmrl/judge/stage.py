@@ -97,7 +97,7 @@ class Judge:
     def prompt(self, traj: Trajectory, reference: str) -> list[Message]:
         """The judge's prompt for one episode (`vlmrl.judge.prompt.judge_messages`)."""
         case = case_of(traj, reference, self.cfg.shows, self.cfg.images)
-        return judge_messages(self.template, case, self.cfg.min_score, self.cfg.max_score)
+        return judge_messages(self.template, case, self.cfg.min_score, self.cfg.max_score, self.cfg.max_field_chars)
 
     def score(self, trajs: list[Trajectory], tasks: list[Task]) -> JudgeRound:
         """Judge every episode that sampled a turn (concurrently, bounded); set its `judgement` and its reward
