@@ -16,10 +16,13 @@ instruction names, and obeys a `tool` turn that says the answer is verified. So 
 `vlmrl.judge.quote` keep a policy's answer from moving the score, and a test of them can fail.
 
 Failure modes (`mode`): grade (above), garbage (a reply without a verdict), delay (grade after `delay_s`), error
-(HTTP 500 for the first `fail_first` requests, then grade), no_images (HTTP 400 for a request holding an image), raw
-(HTTP 200 with the bytes `raw` under the content type `raw_type`, whatever they are: a malformed reply). `reader`:
-exact or lookalike (above). `stop_after`: the server shuts down after answering that many completions (killed
-mid-step). It records every request's prompt text, images and the largest number of completions in flight at once.
+(HTTP 500 for the first `fail_first` requests, then grade), busy (HTTP 429 to every request), no_images (HTTP 400 for
+a request holding an image), raw (HTTP 200 with the bytes `raw` under the content type `raw_type`, whatever they are:
+a malformed reply), silent (every request, the model list too, held open and never answered). `trickle_s`: every
+reply's body is sent a byte at a time, one each `trickle_s` seconds; `headers`: more headers on every reply
+(`Retry-After`, `Content-Encoding`). `reader`: exact or lookalike (above). `stop_after`: the server shuts down after
+answering that many completions (killed mid-step). It records every request's prompt text, images and the largest
+number of completions in flight at once.
 """
 
 from __future__ import annotations
@@ -126,9 +129,12 @@ class GraderServer:
         raw: bytes = b"",
         raw_type: str = "application/json",
         reader: str = "exact",
+        trickle_s: float = 0.0,
+        headers: dict[str, str] | None = None,
     ):
         self.mode, self.delay_s, self.fail_first, self.stop_after = mode, delay_s, fail_first, stop_after
         self.raw, self.raw_type, self.reader = raw, raw_type, reader
+        self.trickle_s, self.headers = trickle_s, headers or {}
         self.prompts: list[str] = []
         self.images: list[int] = []  # per completion request: the images it held (each a decodable PNG)
         self.completions = 0
@@ -173,6 +179,8 @@ class GraderServer:
             return 400, {"error": {"message": "this model takes no image input", "type": "BadRequestError"}}
         if self.mode == "error" and n <= self.fail_first:
             return 500, {"error": {"message": "internal error", "type": "InternalServerError"}}
+        if self.mode == "busy":
+            return 429, {"error": {"message": "too many requests", "type": "RateLimitError"}}
         if self.mode == "delay":
             time.sleep(self.delay_s)
         answer = "Looks fine to me." if self.mode == "garbage" else grade(text, self.reader)
@@ -196,11 +204,25 @@ class GraderServer:
 
             def _send(self, status: int, payload: dict, data: bytes | None = None, kind: str = "application/json"):
                 data = json.dumps(payload).encode() if data is None else data
+                if server.mode == "silent":  # holds the connection and never answers
+                    while not server.dead:
+                        time.sleep(0.05)
+                    return
                 self.send_response(status)
                 self.send_header("Content-Type", kind)
                 self.send_header("Content-Length", str(len(data)))
+                for name, value in server.headers.items():
+                    self.send_header(name, value)
                 self.end_headers()
-                self.wfile.write(data)
+                if not server.trickle_s:
+                    self.wfile.write(data)
+                    return
+                for i in range(len(data)):  # a byte at a time, each within any per-read timeout
+                    if server.dead:
+                        return
+                    self.wfile.write(data[i : i + 1])
+                    self.wfile.flush()
+                    time.sleep(server.trickle_s)
 
             def do_GET(self) -> None:
                 if self.path.rstrip("/").endswith("/models"):

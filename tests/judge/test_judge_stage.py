@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 from grader_server import MODEL, GraderServer, grade
@@ -139,6 +140,44 @@ def test_a_judge_slower_than_the_timeout_fails_after_its_retries():
     assert stats.metrics()["judge_calls"] == 4 and stats.metrics()["judge_retries"] == 2  # 2 episodes x (1 + 1)
 
 
+def test_a_trickled_reply_is_cut_off_at_the_judgements_deadline():
+    """A body sent a byte every 0.2 s never trips the 5 s per-read timeout (the whole body would take ~80 s); the
+    judgement's deadline ends it."""
+    tasks, trajs = step(1)
+    with GraderServer(trickle_s=0.2) as server:
+        t0 = time.monotonic()
+        stats = make_judge(judge_config(server.url, timeout_s=5.0, deadline_s=1.5)).score(trajs, tasks)
+    assert time.monotonic() - t0 < 6 and stats.failures == 2
+    assert trajs[0].judgement.error == "no judgement within reward.judge.deadline_s=1.5 (its requests and retries)"
+
+
+def test_the_judgements_not_done_by_the_step_deadline_fail_and_the_rest_count():
+    tasks, trajs = step(2)
+    with GraderServer(mode="delay", delay_s=1.0) as server:
+        t0 = time.monotonic()
+        stats = make_judge(judge_config(server.url, max_in_flight=1, step_deadline_s=2.5)).score(trajs, tasks)
+    assert time.monotonic() - t0 < 4.5 and [t.judgement.score for t in trajs[:2]] == [1.0, 0.0]
+    assert all(math.isnan(t.reward) for t in trajs[2:]) and stats.failures == 2
+    assert trajs[3].judgement.error == "not judged within reward.judge.step_deadline_s=2.5 (the step's judging)"
+
+
+def test_a_50_mb_or_compressed_reply_is_refused_unread_and_an_hour_long_retry_after_is_not_waited_for():
+    huge = _completion({"role": "assistant", "content": "x" * 50_000_000 + "\nScore: 10"})
+    cases = [
+        (dict(mode="raw", raw=huge), "(ReplyTooLarge: the reply is over 8388608 bytes)"),
+        (dict(headers={"Content-Encoding": "gzip"}), "(ReplyTooLarge: the reply is compressed (gzip)"),
+        (dict(mode="busy", headers={"Retry-After": "3600"}), "RateLimitError: Error code: 429"),
+    ]
+    for server_args, why in cases:
+        tasks, trajs = step(1)
+        with GraderServer(**server_args) as server:
+            t0 = time.monotonic()
+            stats = make_judge(judge_config(server.url, max_retries=2)).score(trajs, tasks)
+        assert time.monotonic() - t0 < 10 and stats.failures == 2 and why in trajs[0].judgement.error, why
+        assert trajs[0].judgement.reply == ""
+    assert stats.requests == 2  # the 429 asking for an hour: not retried
+
+
 def test_server_errors_are_retried_then_graded():
     tasks, trajs = step(1)
     with GraderServer(mode="error", fail_first=2) as server:
@@ -207,6 +246,13 @@ def test_startup_checks_are_one_line():
             make_judge(judge_config(url, model="other")).check([task()])
     with pytest.raises(ConfigError, match=rf"reward.judge.url={url}: no OpenAI-compatible server answers"):
         make_judge(judge_config(url)).check([task()])
+    with GraderServer(trickle_s=0.5) as server:  # the model list trickled: cut off at timeout_s in all
+        t0 = time.monotonic()
+        with pytest.raises(
+            ConfigError, match=r"no OpenAI-compatible server answers \(no reply within reward.judge.timeout_s=1\)"
+        ):
+            make_judge(judge_config(server.url, timeout_s=1.0)).check([task()])
+        assert time.monotonic() - t0 < 4
     with GraderServer(mode="no_images") as server:
         make_judge(judge_config(server.url)).check([task(image=False)])  # no image to take
         with pytest.raises(ConfigError, match=f"reward.judge.model='{MODEL}' at .* refused an image .*images=false"):

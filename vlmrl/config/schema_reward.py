@@ -47,7 +47,19 @@ class JudgeConfig:
     max_score: int = knob(10, "The highest verdict (scored 1); k is mapped linearly to [0, 1].")
     weight: float = knob(1.0, "The judge score's factor in the episode reward.")
     max_in_flight: int = knob(64, "Judge requests in flight at once (all episodes of a step are judged together).")
-    timeout_s: float = knob(60.0, "Seconds per judge request; a slower one is retried, then a failure.")
+    timeout_s: float = knob(
+        60.0,
+        "Seconds a judge request may wait for each read (a start-up check request: in all); a slower one is retried, "
+        "then a failure.",
+    )
+    deadline_s: float = knob(
+        300.0,
+        "Seconds one judgement may take in all (its requests, retries and the waits between them; a server that "
+        "trickles its reply is cut off here); then it fails.",
+    )
+    step_deadline_s: float = knob(
+        1800.0, "Seconds a step's judging may take in all; the judgements not done by then fail (NaN, counted)."
+    )
     max_retries: int = knob(2, "Retries of a failed request (timeout, connection, HTTP 408/409/429/5xx) per episode.")
     max_tokens: int = knob(512, "The judge's reply budget in tokens (its reasoning and the verdict line).")
     max_field_chars: int = knob(

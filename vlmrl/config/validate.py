@@ -137,6 +137,8 @@ def _reward_checks(cfg: Config) -> list[tuple[bool, str]]:
         (j.min_score < j.max_score, "reward.judge.min_score must be below reward.judge.max_score"),
         (j.max_in_flight >= 1, "reward.judge.max_in_flight must be >= 1"),
         (j.timeout_s > 0 and _fin(j.timeout_s), "reward.judge.timeout_s must be > 0 and finite"),
+        (j.deadline_s > 0 and _fin(j.deadline_s), "reward.judge.deadline_s must be > 0 and finite"),
+        (j.step_deadline_s > 0 and _fin(j.step_deadline_s), "reward.judge.step_deadline_s must be > 0 and finite"),
         (j.max_retries >= 0, "reward.judge.max_retries must be >= 0"),
         (j.max_tokens >= 1, "reward.judge.max_tokens must be >= 1"),
         (j.max_field_chars >= 64, "reward.judge.max_field_chars must be >= 64"),

@@ -1,9 +1,12 @@
 """How a judge model is reached (`reward.judge.client`, registry `vlmrl.registry.JUDGE_CLIENTS`).
 
 - `openai`: an OpenAI-compatible chat completions server (`vllm serve`, SGLang, a hosted API) through the `openai`
-  package's `AsyncOpenAI`: its timeout per request, its retries (exponential backoff, `Retry-After` honoured; on
-  timeouts, connection errors and HTTP 408/409/429/5xx) and its connection pool. Every HTTP request it sends is
-  counted (an httpx event hook), so the retries are known.
+  package's `AsyncOpenAI`: its timeout per read, its retries (exponential backoff, `Retry-After` honoured up to the
+  package's cap of 120 s, a longer one not retried; on timeouts, connection errors and HTTP 408/409/429/5xx) and its
+  connection pool. Every HTTP request it sends is counted (an httpx event hook), so the retries are known; every
+  reply's body is capped at REPLY_BYTES and asked for uncompressed (a compressed one is refused: no decompression
+  bomb). The judge stage bounds a judgement's total time (`reward.judge.deadline_s`); each start-up check request
+  takes at most `reward.judge.timeout_s` in all.
 - `transformers`: the judge loaded in this process (`vlmrl.modeling.loading.load_policy`) and sampled greedily by the
   transformers engine through its family's token builder: for tests and CPUs; one request at a time, no timeout.
 
@@ -16,8 +19,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import io
 import os
+import sys
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
@@ -108,6 +113,51 @@ def one_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {' '.join(str(err).split())}"[:300]
 
 
+REPLY_BYTES = 8 << 20  # the largest reply body read from a judge server (a completion of max_tokens is a few KB)
+
+
+class ReplyTooLarge(Exception):
+    """A reply body over REPLY_BYTES, or compressed (raised while it is read: the request fails)."""
+
+
+@functools.cache
+def _capped_stream(base: type) -> type:
+    """A subclass of the HTTP package's `AsyncByteStream` (httpx or httpx2, whichever the openai package uses) whose
+    body raises ReplyTooLarge past `limit` bytes."""
+
+    class CappedStream(base):  # type: ignore[misc,valid-type]
+        def __init__(self, stream: Any, limit: int):
+            self.stream, self.limit = stream, limit
+
+        async def __aiter__(self) -> AsyncIterator[bytes]:
+            size = 0
+            async for chunk in self.stream:
+                size += len(chunk)
+                if size > self.limit:
+                    raise ReplyTooLarge(f"the reply is over {self.limit} bytes")
+                yield chunk
+
+        async def aclose(self) -> None:
+            await self.stream.aclose()
+
+    return CappedStream
+
+
+async def _cap_body(response: Any) -> None:
+    """httpx response hook (before the body is read): refuse a compressed body, cap any other's size."""
+    encoding = response.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise ReplyTooLarge(f"the reply is compressed ({encoding}) though asked for identity")
+    http = sys.modules[type(response).__module__.partition(".")[0]]
+    response.stream = _capped_stream(http.AsyncByteStream)(response.stream, REPLY_BYTES)
+
+
+def _failure(err: BaseException) -> str:
+    """An openai error on one line, with the exception it wraps (a connection error's cause: a capped body)."""
+    cause = err.__cause__
+    return f"{one_line(err)} ({one_line(cause)})"[:300] if cause is not None else one_line(err)
+
+
 class OpenAIJudge(JudgeClient):
     """A judge behind an OpenAI-compatible chat server (`reward.judge.url`, `model`, `timeout_s`, `max_retries`)."""
 
@@ -116,19 +166,24 @@ class OpenAIJudge(JudgeClient):
         self.requests = 0
         self._client: Any = None
 
-    def _kwargs(self) -> dict[str, Any]:
-        key = os.environ.get(self.cfg.api_key_env) or "EMPTY"  # vllm serve without --api-key takes any key
-        return {"base_url": self.cfg.url, "api_key": key, "timeout": self.cfg.timeout_s}
-
     async def _count(self, request: Any) -> None:
         self.requests += 1
 
-    @contextlib.asynccontextmanager
-    async def session(self) -> AsyncIterator[None]:
+    def _open(self, max_retries: int) -> Any:
+        """An AsyncOpenAI client at `url` whose requests are counted and whose replies are capped."""
         import openai
 
-        http = openai.DefaultAsyncHttpxClient(event_hooks={"request": [self._count]})
-        async with openai.AsyncOpenAI(**self._kwargs(), max_retries=self.cfg.max_retries, http_client=http) as client:
+        key = os.environ.get(self.cfg.api_key_env) or "EMPTY"  # vllm serve without --api-key takes any key
+        http = openai.DefaultAsyncHttpxClient(
+            event_hooks={"request": [self._count], "response": [_cap_body]}, headers={"Accept-Encoding": "identity"}
+        )
+        return openai.AsyncOpenAI(
+            base_url=self.cfg.url, api_key=key, timeout=self.cfg.timeout_s, max_retries=max_retries, http_client=http
+        )
+
+    @contextlib.asynccontextmanager
+    async def session(self) -> AsyncIterator[None]:
+        async with self._open(self.cfg.max_retries) as client:
             self._client = client
             try:
                 yield
@@ -147,35 +202,53 @@ class OpenAIJudge(JudgeClient):
                 extra_body=dict(self.cfg.extra_body) or None,
             )
         except openai.OpenAIError as err:
-            raise JudgeError(one_line(err)) from None
+            raise JudgeError(_failure(err)) from None
         except Exception as err:  # noqa: BLE001 - a body the client cannot read (truncated, too deep) is a failed judgement
             raise JudgeError(f"unreadable reply ({one_line(err)})") from None
         return reply_text(reply)
 
     def check(self, images: bool) -> None:
-        """The server answers at `url`, serves `model`, and (images) takes an image: one request each, no retry."""
-        import openai
+        """The server answers at `url`, serves `model`, and (images) takes an image: one request each, no retry, each
+        within `timeout_s` in all (a server that trickles its reply is cut off)."""
+        asyncio.run(self._check(images))
 
+    async def _check(self, images: bool) -> None:
         url, model = self.cfg.url, self.cfg.model
-        with openai.OpenAI(**self._kwargs(), max_retries=0) as client:
+        async with self._open(max_retries=0) as client:
             try:
-                served = [m.id for m in client.models.list()]
-            except openai.OpenAIError as err:
-                raise ConfigError(
-                    f"reward.judge.url={url}: no OpenAI-compatible server answers ({one_line(err)})"
-                ) from None
-            if model not in served:
-                raise ConfigError(f"reward.judge.model={model!r} is not served at {url} (served: {', '.join(served)})")
+                served = await self._bounded(client.models.list())
+            except _CheckFailed as err:
+                raise ConfigError(f"reward.judge.url={url}: no OpenAI-compatible server answers ({err})") from None
+            ids = [m.id for m in served.data]
+            if model not in ids:
+                raise ConfigError(f"reward.judge.model={model!r} is not served at {url} (served: {', '.join(ids)})")
             if not images:
                 return
             probe = Message(Role.USER, [ImagePart(Image.new("RGB", (56, 56), (128, 128, 128))), TextPart("Say yes.")])
             try:
-                client.chat.completions.create(model=model, messages=openai_messages([probe]), max_tokens=1)
-            except openai.OpenAIError as err:
+                await self._bounded(
+                    client.chat.completions.create(model=model, messages=openai_messages([probe]), max_tokens=1)
+                )
+            except _CheckFailed as err:
                 raise ConfigError(
-                    f"reward.judge.model={model!r} at {url} refused an image ({one_line(err)}): serve a model that "
-                    "takes images, or set reward.judge.images=false"
+                    f"reward.judge.model={model!r} at {url} refused an image ({err}): serve a model that takes "
+                    "images, or set reward.judge.images=false"
                 ) from None
+
+    async def _bounded(self, request: Any) -> Any:
+        """`await request` within `timeout_s` in all; _CheckFailed (one line) for an openai error or the time."""
+        import openai
+
+        try:
+            return await asyncio.wait_for(request, self.cfg.timeout_s)
+        except asyncio.TimeoutError:
+            raise _CheckFailed(f"no reply within reward.judge.timeout_s={self.cfg.timeout_s:g}") from None
+        except openai.OpenAIError as err:
+            raise _CheckFailed(_failure(err)) from None
+
+
+class _CheckFailed(Exception):
+    """A start-up check's request that failed (the message: one line)."""
 
 
 class TransformersJudge(JudgeClient):

@@ -3,8 +3,9 @@
 
 Bounded and batched: all of a round's judgements are submitted at once, at most `reward.judge.max_in_flight` in
 flight (an asyncio semaphore), so a server with continuous batching (vLLM) sees them together. Never a silent 0: a
-judgement that fails (after the client's retries: a timeout, a connection error, an HTTP error, or a reply whose
-last line is not a verdict) scores NaN, so its episode leaves its GRPO group (`vlmrl.runs.resume.split_unusable`)
+judgement that fails (after the client's retries: a timeout, a connection error, an HTTP error, a reply whose last
+line is not a verdict, no reply within `reward.judge.deadline_s` in all, or none before the step's judging reaches
+`reward.judge.step_deadline_s`) scores NaN, so its episode leaves its GRPO group (`vlmrl.runs.resume.split_unusable`)
 and is counted in the step's `excluded_episodes` and `judge_failures`; a step whose judgements all fail skips its
 update and counts toward `trainer.max_bad_steps`. The same design as verl's reward loop (judge after rollout,
 requests concurrent) and NeMo-Gym's masking of failed judgements, rather than scoring them 0 (trl #6427).
@@ -124,14 +125,26 @@ class Judge:
         return stats
 
     async def _all(self, prompts: list[list[Message]]) -> list[Judgement]:
+        """Every prompt's judgement, those not done within `step_deadline_s` failed (their requests cancelled)."""
+        if not prompts:
+            return []
         bound = asyncio.Semaphore(self.cfg.max_in_flight)
         async with self.client.session():
-            return list(await asyncio.gather(*(self._one(bound, p) for p in prompts)))
+            jobs = [asyncio.ensure_future(self._one(bound, p)) for p in prompts]
+            done, pending = await asyncio.wait(jobs, timeout=self.cfg.step_deadline_s)
+            for job in pending:
+                job.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        late = f"not judged within reward.judge.step_deadline_s={self.cfg.step_deadline_s:g} (the step's judging)"
+        return [job.result() if job in done else Judgement(math.nan, "", late) for job in jobs]
 
     async def _one(self, bound: asyncio.Semaphore, prompt: list[Message]) -> Judgement:
         async with bound:
             try:
-                reply = await self.client.complete(prompt, self.cfg.max_tokens)
+                reply = await asyncio.wait_for(self.client.complete(prompt, self.cfg.max_tokens), self.cfg.deadline_s)
+            except asyncio.TimeoutError:
+                why = f"no judgement within reward.judge.deadline_s={self.cfg.deadline_s:g} (its requests and retries)"
+                return Judgement(math.nan, "", why)
             except JudgeError as err:
                 return Judgement(math.nan, "", str(err))
             except Exception as err:  # noqa: BLE001 - a client (a plug-in too) never ends the run: a failed judgement
