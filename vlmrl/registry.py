@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from vlmrl.errors import ConfigError
+from vlmrl.plugins import ImportFailed, import_module
 
 if TYPE_CHECKING:
     from vlmrl.envs.base import Environment
@@ -62,11 +63,9 @@ class Registry(Generic[T]):
         module, sep, short = str(name).rpartition(":")
         if sep:
             try:
-                importlib.import_module(module)
-            except Exception as err:  # noqa: BLE001 - ImportError or the module's own error, as one line
-                raise ConfigError(
-                    f"{self.key}={name!r}: cannot import {module!r} ({type(err).__name__}: {err})"
-                ) from None
+                import_module(module)
+            except ImportFailed as err:  # its own error, sys.exit, os._exit or a hang at import: one line
+                raise ConfigError(f"{self.key}={name!r}: cannot import {module!r} ({err})") from None
         if short not in self._entries:
             raise ConfigError(f"{self.key}={name!r} is not registered (registered: {', '.join(self._entries)})")
         return self._entries[short]

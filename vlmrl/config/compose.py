@@ -10,7 +10,6 @@ paths resolve) is checked beside the environments, `vlmrl.envs.plugins.check_plu
 
 from __future__ import annotations
 
-import importlib
 import os
 import re
 import shutil
@@ -26,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from vlmrl.config.validate import ConfigError, moved_key_message
 from vlmrl.config.yaml_guard import check_yaml_file
+from vlmrl.plugins import ImportFailed, import_module
 from vlmrl.registry import ENVIRONMENTS
 
 ROOT = Path(os.environ.get("VLMRL_ROOT", Path(__file__).resolve().parents[2]))  # holds conf/ and recipes/
@@ -127,10 +127,11 @@ def import_path(path: str, key: str) -> Any:
     if not module or not attr:
         raise ConfigError(f"{key}: {path!r} is not an import path of the form 'package.module:Name'")
     try:
-        return getattr(importlib.import_module(module), attr)
-    except Exception as err:  # noqa: BLE001 - ImportError, AttributeError, or the module's own import error
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ConfigError(f"{key}: cannot import {path!r} ({type(err).__name__}: {reason})") from None
+        return getattr(import_module(module), attr)
+    except ImportFailed as err:  # its own error, sys.exit, os._exit or a hang at import: one line
+        raise ConfigError(f"{key}: cannot import {path!r} ({err})") from None
+    except AttributeError as err:
+        raise ConfigError(f"{key}: cannot import {path!r} (AttributeError: {err})") from None
 
 
 def not_an_environment(target: str) -> ConfigError:

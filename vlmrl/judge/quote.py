@@ -63,9 +63,12 @@ def defuse_fences(text: str) -> str:
     script (`[`, `［`, `〔`, `⟦`, ...), an optional slash or look-alike (`／`, `∕`, `⁄`, ...), then a field name
     (question, reference, answer) in any case or width, with any spaces and invisible format characters (zero-width,
     bidi controls, U+2060: Unicode category Cf) between its characters."""
-    kept = [i for i, c in enumerate(text) if unicodedata.category(c) != "Cf"]
-    shadow = "".join(_fold(text[i]) for i in kept)
-    starts = [kept[m.start()] for m in _fence_like().finditer(shadow)]
+    if text.isascii():  # no format character, and folding is lower-casing
+        starts = [m.start() for m in _fence_like().finditer(text.lower())]
+    else:
+        kept = [i for i, c in enumerate(text) if unicodedata.category(c) != "Cf"]
+        shadow = "".join(_fold(text[i]) for i in kept)
+        starts = [kept[m.start()] for m in _fence_like().finditer(shadow)]
     if not starts:
         return text
     chars = list(text)

@@ -16,7 +16,6 @@ tools named in config by path (`"package.module:function"`).
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import json
 import math
@@ -25,6 +24,8 @@ import typing
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
+
+from vlmrl.plugins import ImportFailed, import_module
 
 OBJECT_RESERVED = frozenset({"reset", "reward", "step", "tools", "close", "render"})
 
@@ -218,9 +219,9 @@ def import_object(path: str) -> Any:
     if not module or not attr:
         raise ToolSpecError(f"import path {path!r} is not of the form 'package.module:name'")
     try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as err:
-        raise ToolSpecError(f"cannot import {path!r}: {err}") from err
+        return getattr(import_module(module), attr)
+    except (ImportFailed, AttributeError) as err:  # its own error, sys.exit, os._exit or a hang at import
+        raise ToolSpecError(f"cannot import {path!r}: {err}") from None
 
 
 def load_tools(paths: Iterable[str]) -> list[Tool]:
