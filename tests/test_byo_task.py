@@ -105,18 +105,21 @@ def test_verl_style_parquet_trains(tmp_path):
 
 @pytest.mark.slow
 def test_easyr1_video_rows_train_with_a_reward_by_import_path(tmp_path):
-    """EasyR1 rows whose `videos` column names a video file (with a `<video>` marker) and a folder of frames (without
-    one), a reward function of the user's own module by import path, Qwen2.5-VL (its `second_per_grid_ts`) through
-    `vlmrl train` with no edit to vlmrl: the model sees each video (`videos_per_episode` 1, the trajectory's message
-    holds it), and the in-training alignment check, which re-renders the episodes and recomputes their logprobs with
-    the videos, agrees with the engine's (a forward without the videos differs by ~0.1)."""
+    """EasyR1 rows whose `videos` column names a video file (with a `<video>` marker), a folder of frames and a list
+    of frame files (without one), a reward function of the user's own module by import path, Qwen2.5-VL (its
+    `second_per_grid_ts`) through `vlmrl train` with no edit to vlmrl: the model sees each video
+    (`videos_per_episode` 1, the trajectory's message holds it, a list of frames with every frame), and the
+    in-training alignment check, which re-renders the episodes and recomputes their logprobs with the videos, agrees
+    with the engine's (a forward without the videos differs by ~0.1)."""
     from video_fixture import make_frames, make_video
 
     make_video(tmp_path / "bar.mp4")
     make_frames(tmp_path / "bar_frames")
+    frame_files = [f"bar_frames/{p.name}" for p in sorted((tmp_path / "bar_frames").iterdir())]
     rows = [
         {"id": "file", "problem": "<video>Which way does the bar move?", "videos": ["bar.mp4"], "answer": "right"},
         {"id": "frames", "problem": "Which way does the bar move?", "videos": ["bar_frames"], "answer": "right"},
+        {"id": "list", "problem": "Which way does the bar move?", "videos": [frame_files], "answer": "right"},
     ]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "video_reward.py").write_text(
@@ -130,8 +133,11 @@ def test_easyr1_video_rows_train_with_a_reward_by_import_path(tmp_path):
     assert [m["videos_per_episode"] for m in metrics] == [1.0, 1.0]
     assert all(m["align/token_mismatches"] == 0 and m["align/max_abs_dlogprob"] < 1e-4 for m in metrics)
     trajs = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
-    refs = {p["ref"] for t in trajs for m in t["messages"] for p in m["content"] if p["type"] == "video"}
-    assert refs == {str(tmp_path / "bar.mp4"), str(tmp_path / "bar_frames")}
+    videos = [p for t in trajs for m in t["messages"] for p in m["content"] if p["type"] == "video"]
+    first = str(tmp_path / frame_files[0])
+    assert {p["ref"] for p in videos} == {str(tmp_path / "bar.mp4"), str(tmp_path / "bar_frames"), first}
+    listed = [p["frames"] for p in videos if "frames" in p]  # a list of frame files: every frame recorded
+    assert listed and all(f == [str(tmp_path / name) for name in frame_files] for f in listed)
     # `vlmrl verify-alignment --run`: each row's video read again with the run's sampling, re-rendered token for
     # token, and the sampled tokens rescored with the run's weights and the videos
     report = verify_run(out)

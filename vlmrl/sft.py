@@ -12,7 +12,10 @@ user, feedback, images, the template's tokens around turns) loss mask 0, exactly
 Demonstrations (`sft.demos`): `env` = the environment class's `make_demos(env_cfg, sft.num_demos, seed)`;
 otherwise a JSONL file, one conversation per line: {"messages": [{"role": "user", "content": [{"type": "image",
 "ref": "img/0.png"}, {"type": "text", "text": "..."}]}, {"role": "assistant", "content": [{"type": "text", ...}]}]}
-(the `messages` format of `trajectories.jsonl`; image paths relative to the file's folder).
+(the `messages` format of `trajectories.jsonl`; image paths relative to the file's folder). A video part
+`{"type": "video", "ref": "clip.mp4"}` (a file, a folder of frames, or a list of frame files) is read as a video, with
+the family's frame sampling and `data.video`'s bound, as a dataset row's video; a family or processor that takes no
+video refuses it in one line naming the line of the file.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from PIL import Image
 
 from vlmrl.config import Config, to_yaml
 from vlmrl.data import to_rgb
+from vlmrl.data.row_videos import row_videos
+from vlmrl.data.video import BadVideo, NoVideo, RowVideos
 from vlmrl.envs import check_plugins, env_config
 from vlmrl.envs.plugins import env_class
 from vlmrl.export import to_samples
@@ -41,9 +46,13 @@ from vlmrl.tokens.base import TokenBuilder
 from vlmrl.train import dist
 from vlmrl.train.step_batch import export_style
 from vlmrl.train.trainer import GRPOTrainer, TrainerSettings
-from vlmrl.types import Generation, ImagePart, Message, Part, Role, StopReason, TextPart, Trajectory
+from vlmrl.types import Generation, ImagePart, Message, Part, Role, StopReason, TextPart, Trajectory, VideoPart
 
 log = logging.getLogger("vlmrl.sft")
+
+
+class BadDemo(ValueError):
+    """A demonstration that cannot be used; the message names the file and line."""
 
 
 def demo_trajectory(builder: TokenBuilder, conv: list[Message], demo_id: str) -> Trajectory:
@@ -69,8 +78,9 @@ def demo_trajectory(builder: TokenBuilder, conv: list[Message], demo_id: str) ->
     return Trajectory(task_id=demo_id, group=0, messages=conv, tokens=seq, turns=[], advantage=1.0)
 
 
-def load_demos(cfg: Config) -> list[list[Message]]:
-    """The demonstrations of `cfg.sft` (see the module docstring). ValueError/FileNotFoundError naming the file."""
+def load_demos(cfg: Config, videos: RowVideos | None = None) -> list[list[Message]]:
+    """The demonstrations of `cfg.sft` (see the module docstring); `videos`: how a video part is read (None: no
+    video is read here). ValueError/FileNotFoundError naming the file (and the line)."""
     if cfg.sft.demos == "env":
         make_demos = getattr(env_class(cfg.env._target_), "make_demos", None)
         if not callable(make_demos):
@@ -86,25 +96,42 @@ def load_demos(cfg: Config) -> list[list[Message]]:
                 rec = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"sft.demos {path}:{n}: not JSON ({exc.msg} at column {exc.colno})") from None
-            demos.append(_conversation(rec, path.parent, f"{path}:{n}"))
+            demos.append(_conversation(rec, path.parent, f"{path}:{n}", videos or NoVideo("no video reader given")))
     return demos
 
 
-def _conversation(rec: dict, root: Path, where: str) -> list[Message]:
+def _conversation(rec: dict, root: Path, where: str, videos: RowVideos) -> list[Message]:
     try:
         out = []
         for m in rec["messages"]:
             content = m["content"] if isinstance(m["content"], list) else [{"type": "text", "text": m["content"]}]
-            parts: list[Part] = [
-                TextPart(p["text"])
-                if p["type"] == "text"
-                else ImagePart(to_rgb(Image.open(root / (p.get("ref") or p["image"]))), str(p.get("ref") or p["image"]))
-                for p in content
-            ]
-            out.append(Message(Role(m["role"]), parts))
+            out.append(Message(Role(m["role"]), [_part(p, root, where, videos) for p in content]))
         return out
+    except BadDemo:
+        raise
     except (KeyError, TypeError, ValueError, OSError) as exc:
-        raise ValueError(f"{where}: bad demonstration ({type(exc).__name__}: {exc})") from exc
+        raise BadDemo(f"{where}: bad demonstration ({type(exc).__name__}: {exc})") from exc
+
+
+def _part(p: dict, root: Path, where: str, videos: RowVideos) -> Part:
+    """One content part of a demonstration: text, an image, or a video read as a dataset row's (BadDemo)."""
+    kind = p["type"]
+    if kind == "text":
+        return TextPart(p["text"])
+    if kind == "image":
+        ref = p.get("ref") or p["image"]
+        return ImagePart(to_rgb(Image.open(root / ref)), str(ref))
+    if kind != "video":
+        raise BadDemo(f"{where}: a part of type {kind!r} (text, image or video)")
+    source = p.get("ref") or p["video"]
+    if isinstance(videos, NoVideo):
+        raise BadDemo(f"{where}: a video part ({source!r}), but this run reads no video: {videos.reason}")
+    paths = [str(root / f) for f in source] if isinstance(source, list) else str(root / source)
+    ref = source[0] if isinstance(source, list) and source else str(source)
+    try:
+        return VideoPart(videos.file(paths, str(ref)))
+    except BadVideo as err:
+        raise BadDemo(f"{where}: {err}") from None
 
 
 def sft(cfg: Config) -> Path:
@@ -130,7 +157,8 @@ def _sft(cfg: Config) -> Path:
         files.write_config(to_yaml(cfg))
     builder = get_builder(cfg.model.family, processor)
     style = export_style(cfg.export.style, builder)
-    demos = [demo_trajectory(builder, c, f"demo-{i}") for i, c in enumerate(load_demos(cfg))]
+    videos = row_videos(cfg.model.family, None, processor, cfg.data.video)
+    demos = [demo_trajectory(builder, c, f"demo-{i}") for i, c in enumerate(load_demos(cfg, videos))]
     random.Random(cfg.data.shuffle_seed).shuffle(demos)
     size = cfg.trainer.batch_size
     for step in range(1, cfg.trainer.steps + 1):

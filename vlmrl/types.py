@@ -111,12 +111,15 @@ class VideoFile:
     read when a prompt is built from it, so a data set's videos are not all held in memory.
 
     ref: the source (a path, or the folder/first frame of a frame list); num_frames: the frames the family's sampling
-    keeps; reader: () -> the decoded `Video` (raises `BadVideo` when the file changed since it was checked).
+    keeps; reader: () -> the decoded `Video` (raises `BadVideo` when the file changed since it was checked); frames:
+    every frame file of a list-of-frames source, in order (empty for a video file or a folder), recorded in
+    `trajectories.jsonl` so the video can be read again.
     """
 
     ref: str
     num_frames: int
     reader: Callable[[], "Video"] = field(compare=False, repr=False)
+    frames: tuple[str, ...] = ()
 
     def read(self) -> Video:
         """The decoded video (the reader's cache keeps the last few, so a GRPO group decodes it once)."""
@@ -177,12 +180,18 @@ class Message:
         parts = [
             {"type": "text", "text": p.text}
             if isinstance(p, TextPart)
-            else {"type": "video", "ref": ref(p)}
+            else {"type": "video", "ref": ref(p), **_frame_list(p)}
             if isinstance(p, VideoPart)
             else {"type": "image", "ref": ref(p)}
             for p in self.content
         ]
         return {"role": self.role.value, "content": parts}
+
+
+def _frame_list(part: VideoPart) -> dict:
+    """`{"frames": [...]}` for a video read from a list of frame files, else nothing."""
+    frames = part.video.frames if isinstance(part.video, VideoFile) else ()
+    return {"frames": list(frames)} if frames else {}
 
 
 @dataclass

@@ -382,6 +382,11 @@ def test_a_video_shows_as_a_strip_of_its_frames_and_a_windowed_turn_says_what_it
     page = messages_html(rec, ImageInliner([tmp_path]))
     strips = re.findall(r'<figure class="video">(.*?)</figure>', page)
     assert len(strips) == 2 and "video bar.mp4: 8 of its 8 frames · seen by turn 1, a stub from turn 2" in strips[0]
+    files = sorted(str(p) for p in (tmp_path / "frames").iterdir())  # a row's list of frame files, as recorded
+    listed = {"role": "user", "content": [{"type": "video", "ref": files[0], "frames": files}]}
+    alone = TrajectoryRecord.from_json({"step": 1, "task_id": "t", "reward": 1.0, "messages": [listed, reply]})
+    (strip,) = re.findall(r'<figure class="video">(.*?)</figure>', messages_html(alone, ImageInliner([tmp_path])))
+    assert f"video {Path(files[0]).name}: 8 of its 8 frames" in strip
     frames = [base64.b64decode(b) for _, b in DATA_URI.findall(strips[0])]
     shown = [bar_column(np.asarray(Image.open(io.BytesIO(f)).convert("RGB").resize((64, 48)))) for f in frames]
     assert shown == list(range(8))

@@ -107,6 +107,56 @@ def test_demos_from_jsonl(tmp_path):
         load_demos(load("colors_sft_tiny", [f"sft.demos={tmp_path / 'torn.jsonl'}"]))
 
 
+def _clip(folder: Path, frames: int = 4) -> list[Path]:
+    """`frames` 56x56 PNG frames of a square moving right, and the same as a GIF (clip.gif) in `folder`."""
+    from PIL import Image
+
+    images = []
+    for i in range(frames):
+        img = Image.new("RGB", (56, 56), (20, 20, 20))
+        img.paste((220, 40, 40), (8 + 8 * i, 20, 24 + 8 * i, 36))
+        images.append(img)
+    paths = []
+    for i, img in enumerate(images):
+        paths.append(folder / f"f{i}.png")
+        img.save(paths[-1])
+    images[0].save(folder / "clip.gif", save_all=True, append_images=images[1:], duration=500, loop=0)
+    return paths
+
+
+def test_a_demo_video_is_carried_as_a_video_or_refused_naming_the_line(tmp_path, qwen25_processor):
+    """A video part of a JSONL demonstration (a GIF, or a list of frame files) is read as a video with the family's
+    sampling: all its frames reach the token builder, whose ids are the processor's own render of the conversation;
+    a run that reads no video refuses it in one line naming the file's line (never the GIF's first frame as an
+    image)."""
+    from vlmrl.config import VideoConfig
+    from vlmrl.data.row_videos import row_videos
+    from vlmrl.types import VideoPart
+
+    frames = _clip(tmp_path)
+    lines = []
+    for ref in ("clip.gif", [p.name for p in frames]):
+        content = [{"type": "video", "ref": ref}, {"type": "text", "text": "Which way does it move?"}]
+        lines.append({"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": "right"}]})
+    path = tmp_path / "demos.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    cfg = load("colors_sft_tiny", [f"sft.demos={path}"])
+    videos = row_videos("qwen2_5_vl", None, qwen25_processor, VideoConfig())
+    builder = get_builder("qwen2_5_vl", qwen25_processor)
+    for demo in load_demos(cfg, videos):
+        part = demo[0].content[0]
+        assert isinstance(part, VideoPart) and part.video.read().frames.shape == (4, 56, 56, 3)
+        traj = demo_trajectory(builder, demo, "demo-0")
+        full = builder.render_full(demo)
+        assert traj.tokens.ids == full.ids and traj.tokens.ids.count(builder.video_token_id) > 0
+    with pytest.raises(ValueError) as err:
+        load_demos(cfg, row_videos("gemma3", None, qwen25_processor, VideoConfig()))
+    assert str(err.value) == (
+        f"{path}:1: a video part ('clip.gif'), but this run reads no video: model.family=gemma3 takes no video here "
+        "(qwen2_vl, qwen2_5_vl and qwen3_vl do)"
+    )
+
+
 @pytest.mark.slow
 def test_sft_checkpoint_loads_in_train_and_generate(tmp_path):
     out = tmp_path / "sft"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, cast
+from typing import Any, Callable, cast
 
 from vlmrl.checks.diff import FAIL, NOTE, Mismatch, _decoder, _vision_of, diff_tokens
 from vlmrl.checks.reference import _segments, compare_tokens, compare_vision, full_reference
@@ -127,7 +127,7 @@ class Recorded:
         index: int,
         run_dir: Path | None,
         patch_size: int | None,
-        read_row_video: Callable[[str], Video] | None = None,
+        read_row_video: Callable[[Any], Video] | None = None,
     ) -> "Recorded":
         """A `trajectories.jsonl` record (`TrajectoryRecord.from_json` checked its fields). Images are re-read from
         their ref, else stood in for by the recorded grid's size; videos are re-read (`_open_video`, a dataset row's
@@ -151,7 +151,7 @@ class Recorded:
                     parts.append(ImagePart(image, p.get("ref", "")))
                     n_img += 1
                 elif p.get("type") == "video":
-                    parts.append(VideoPart(_open_video(p.get("ref", ""), run_dir, read_row_video)))
+                    parts.append(VideoPart(_open_video(p.get("ref", ""), run_dir, read_row_video, p.get("frames"))))
                 else:
                     parts.append(TextPart(p.get("text", "")))
             messages.append(Message(Role(m["role"]), parts))
@@ -176,17 +176,25 @@ class Recorded:
         )
 
 
-def _open_video(ref: str, run_dir: Path | None, read_row: Callable[[str], Video] | None) -> Video:
+def _open_video(ref: str, run_dir: Path | None, read_row: Callable[[Any], Video] | None, frames: Any = None) -> Video:
     """The video a record refers to, as the rollout gave it to the processor: a folder the run saved
     (`<run>/videos/<sha1>/`, `vlmrl.runs.files.ImageStore`: a tool's or environment's video, its frames and metadata
-    as they were), or a dataset row's video file or frame folder read again with the run's sampling (`read_row`).
-    Raises ValueError for any other ref (a row's list of frame files is recorded by its first frame only)."""
+    as they were), or a dataset row's video file, frame folder or list of frame files (`frames`, the record's list)
+    read again with the run's sampling (`read_row`). Raises ValueError for any other ref, or a listed frame that is
+    not a file."""
     from vlmrl.data.video import FRAME_SUFFIXES
     from vlmrl.runs.files import read_stored_video
 
     saved = run_dir / ref if run_dir is not None and ref else None
     if saved is not None and (saved / "metadata.json").is_file():
         return read_stored_video(saved.resolve())
+    if isinstance(frames, list) and frames and read_row is not None:
+        missing = [f for f in frames if not isinstance(f, str) or not Path(f).is_file()]
+        if missing:
+            raise ValueError(
+                f"video {ref!r}: {len(missing)} of its {len(frames)} frame files are gone ({missing[0]!r})"
+            )
+        return read_row(frames)
     path = Path(ref)
     if ref and read_row is not None and path.exists() and path.suffix.lower() not in FRAME_SUFFIXES:
         return read_row(ref)

@@ -229,15 +229,15 @@ def _open_run(run: Path):
 
 
 def _row_video_reader(cfg, processor):
-    """ref -> the dataset row's video at `ref`, sampled as the run sampled it (`model.family`'s processor and
-    `data.video`, from its config.yaml); None for a run that takes no video."""
+    """source -> the dataset row's video at `source` (a path, or a list of frame files), sampled as the run sampled
+    it (`model.family`'s processor and `data.video`, from its config.yaml); None for a run that takes no video."""
     from vlmrl.data.row_videos import row_videos
     from vlmrl.data.video import VideoReader
 
     reader = row_videos(cfg.model.family, None, processor, cfg.data.video)
     if not isinstance(reader, VideoReader):
         return None
-    return lambda ref: reader.file(ref, ref).read()
+    return lambda source: reader.file(source, source if isinstance(source, str) else source[0]).read()
 
 
 def _check_one(index: int, raw: dict, run: Path, patch, builder, score, read_video=None) -> TrajectoryAlignment:

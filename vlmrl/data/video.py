@@ -139,7 +139,8 @@ class VideoReader:
         last `READ_CACHE` reads kept). Raises BadVideo."""
         key = source if isinstance(source, str) else tuple(source)
         count = probe_video(key if isinstance(key, str) else list(key), self.sample, self.max_pixels, self.frames_fps)
-        return VideoFile(ref, count, functools.partial(_cached_read, self, key))
+        frames = () if isinstance(key, str) else tuple(str(f) for f in key)
+        return VideoFile(ref, count, functools.partial(_cached_read, self, key), frames)
 
 
 @dataclass(frozen=True)

@@ -47,14 +47,19 @@ class ImageInliner:
             self.cache[ref] = self._encode(ref)
         return self.cache[ref]
 
-    def frames(self, ref: str) -> tuple[list[str], int]:
+    def frames(self, ref: str, files: list[str] | None = None) -> tuple[list[str], int]:
         """(data URIs of up to `VIDEO_FRAMES` evenly spaced frames, the video's frame count) of the video `ref` (a
-        file or a folder of frames); ([], 0) when it cannot be read."""
+        file or a folder of frames), or of its list of frame `files`; ([], 0) when it cannot be read."""
         from PIL import Image
 
         from vlmrl.data.video import BadVideo, read_video
 
-        path = self.resolve(ref, folders=True) if ref else None
+        path: Path | list[Path] | None
+        if files:
+            found = [self.resolve(f) for f in files]
+            path = None if None in found else [p for p in found if p is not None]
+        else:
+            path = self.resolve(ref, folders=True) if ref else None
         if path is None:
             return [], 0
         total = [0]
@@ -175,9 +180,10 @@ def _image_html(ref: str, inline: Callable[[str], str | None], note: str = "") -
     return f'<figure><img src="{uri}" alt="{_esc(ref)}"><figcaption>{cap}</figcaption></figure>'
 
 
-def _video_html(ref: str, inline: Any, note: str = "") -> str:
-    """A video as a strip of its frames (`ImageInliner.frames`), captioned with its name and frame count."""
-    uris, total = inline.frames(ref) if hasattr(inline, "frames") else ([], 0)
+def _video_html(ref: str, inline: Any, note: str = "", files: list[str] | None = None) -> str:
+    """A video as a strip of its frames (`ImageInliner.frames`; `files`: its list of frame files), captioned with
+    its name and frame count."""
+    uris, total = inline.frames(ref, files) if hasattr(inline, "frames") else ([], 0)
     note = f" · {_esc(note)}" if note else ""
     if not uris:
         return f'<div class="noimg">video not found: {_esc(ref)}{note}</div>'
@@ -231,7 +237,10 @@ def messages_html(rec: TrajectoryRecord, inline: Callable[[str], str | None]) ->
             kind, ref = part.get("type"), str(part.get("ref", ""))
             if kind in MEDIA:
                 note = marks.item_note(item) if marks is not None else ""
-                body.append(_image_html(ref, inline, note) if kind == "image" else _video_html(ref, inline, note))
+                files = part.get("frames") if isinstance(part.get("frames"), list) else None
+                body.append(
+                    _image_html(ref, inline, note) if kind == "image" else _video_html(ref, inline, note, files)
+                )
                 item += 1
             else:
                 body.append(_text_html(str(part.get("text", "")), role))
