@@ -4,12 +4,14 @@ the fixture's known content (the bar of frame i sits at columns 8i .. 8i + 7, te
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from PIL import Image
 from video_fixture import FPS, FRAMES, HEIGHT, WIDTH, bar_column, bar_frame, make_frames, make_video
 
-from vlmrl.data.video import BadVideo, processor_sampling, read_video
+from vlmrl.data.video import BadVideo, probe_video, processor_sampling, read_video
 from vlmrl.modeling.loading import load_processor
 
 
@@ -67,7 +69,43 @@ def test_bad_videos_are_errors_that_name_the_source(bar, tmp_path):
     Image.new("RGB", (10, 10)).save(odd[1])
     with pytest.raises(BadVideo, match=r"frame_1\.png is 10x10, not 64x48"):
         read_video(odd)
-    # the bound is checked on the metadata, before decoding: 4 sampled frames of 64x48 = 12,288 pixels
-    with pytest.raises(BadVideo, match=r"bar\.mp4: 4 frames of 64x48 are 12,288 pixels, more than the bound of 12,287"):
-        read_video(bar[0], lambda meta: [0, 2, 4, 6], max_pixels=4 * 64 * 48 - 1)
-    assert read_video(bar[0], lambda meta: [0, 2, 4, 6], max_pixels=4 * 64 * 48).num_frames == 4
+    with pytest.raises(BadVideo, match=r"frame_1\.png is 10x10, not 64x48"):  # found from the headers, undecoded
+        probe_video(odd)
+    # the bound is checked on the metadata, before decoding: 4 sampled frames of 64x48 (3,072 pixels, each enlarged to
+    # 56x56 = 3,136 by the processor) = 12,544 pixels
+    with pytest.raises(
+        BadVideo,
+        match=r"bar\.mp4: 4 frames of 64x48 are 12,544 pixels \(each enlarged to 3,136 by the processor\), "
+        r"more than the bound of 12,543",
+    ):
+        read_video(bar[0], lambda meta: [0, 2, 4, 6], max_pixels=4 * 3136 - 1)
+    assert read_video(bar[0], lambda meta: [0, 2, 4, 6], max_pixels=4 * 3136).num_frames == 4
+
+
+def _frames(folder: Path, size: tuple[int, int], count: int = 2, mode: str = "RGB") -> list[Path]:
+    folder.mkdir()
+    paths = [folder / f"f{i}.png" for i in range(count)]
+    for p in paths:
+        Image.new(mode, size).save(p)
+    return paths
+
+
+def test_videos_the_processor_would_refuse_or_enlarge_past_the_bound_are_found_before_decoding(tmp_path, monkeypatch):
+    """Frames thinner than the processors take (1x5000, 20000x2, a 1x500 GIF), a frame list of 1x1 frames that the
+    processor enlarges past the bound, and a frame past PIL's decompression-bomb bound: each a BadVideo naming the
+    source from the probe, as a row is read (the row is then skipped and counted), never at the processor."""
+    thin = "a frame's long side may be at most 100 times its short side"
+    for name, size in (("tall", (1, 5000)), ("wide", (20000, 2))):
+        with pytest.raises(BadVideo, match=rf"{name}: frames of {size[0]}x{size[1]}: {thin}"):
+            probe_video(_frames(tmp_path / name, size)[0].parent)
+    gif = tmp_path / "thin.gif"
+    Image.new("RGB", (1, 500)).save(gif, save_all=True, append_images=[Image.new("RGB", (1, 500), (9, 9, 9))])
+    with pytest.raises(BadVideo, match=rf"thin\.gif: frames of 1x500: {thin}"):
+        probe_video(gif)
+    dots = _frames(tmp_path / "dots", (1, 1), count=10)  # 10 source pixels, 31,360 once enlarged
+    with pytest.raises(BadVideo, match=r"10 frames of 1x1 are 31,360 pixels \(each enlarged to 3,136"):
+        probe_video(dots, max_pixels=20_000)
+    assert probe_video(_frames(tmp_path / "ok", (56, 56), count=10), max_pixels=31_360) == 10
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1_000)  # a 100x100 frame is then a decompression bomb
+    with pytest.raises(BadVideo, match=r"f0\.png unreadable \(DecompressionBombError: Image size \(10000 pixels\)"):
+        probe_video(_frames(tmp_path / "bomb", (100, 100), mode="1"))

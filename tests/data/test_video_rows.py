@@ -101,7 +101,8 @@ def test_the_frame_knobs_reach_the_familys_sampling(data, qwen2):
 
 def test_bad_video_rows_are_counted_lines_naming_the_row(data, qwen2, caplog):
     """Each bad row is one warning line naming the row and line, and the good row stays; strict_rows stops at the
-    first. The bound: 4 sampled frames of 64x48 are 12,288 pixels (good at that bound, bad one below it)."""
+    first. The bound: 4 sampled frames of 64x48, each enlarged to 56x56 by the processor, are 12,544 pixels (good at
+    that bound, bad one below it)."""
     rows = [
         {"id": "missing", "problem": "<video>?", "videos": ["nope.mp4"], "answer": "x"},
         {"id": "junk", "problem": "<video>?", "videos": ["junk.mp4"], "answer": "x"},
@@ -110,10 +111,14 @@ def test_bad_video_rows_are_counted_lines_naming_the_row(data, qwen2, caplog):
         {"id": "number", "problem": "<video>?", "videos": [5], "answer": "x"},
         {"id": "lost-frame", "problem": "<video>?", "videos": [["bar_frames/frame_0.png", "gone.png"]], "answer": "x"},
         {"id": "good", "problem": "<video>?", "videos": ["bar.mp4"], "answer": "x"},
+        {"id": "thin", "problem": "<video>?", "videos": ["thin"], "answer": "x"},
     ]
+    (data / "thin").mkdir(exist_ok=True)
+    for i in range(2):  # frames no processor takes (a long side over 100 times the short one)
+        Image.new("RGB", (1, 5000)).save(data / "thin" / f"f{i}.png")
     path = _rows(data, rows)
     with caplog.at_level(logging.WARNING, logger="vlmrl.data"):
-        good = _load(path, qwen2, fps=2.0, max_source_pixels=4 * 64 * 48)
+        good = _load(path, qwen2, fps=2.0, max_source_pixels=4 * 3136)
     assert [r.id for r in good] == ["good"]
     log = caplog.text
     assert f"row missing of {path} (line 1): video {data / 'nope.mp4'}: no such file or folder" in log
@@ -122,11 +127,12 @@ def test_bad_video_rows_are_counted_lines_naming_the_row(data, qwen2, caplog):
     assert f"row two-one of {path} (line 4): the prompt places 1 video(s) but the row has 2" in log
     assert f"row number of {path} (line 5): easyr1 layout: videos.0" in log
     assert f"row lost-frame of {path} (line 6): video 2 frame files: frame {data / 'gone.png'} does not exist" in log
-    assert sum("skipping bad row" in line for line in log.splitlines()) == 6
+    assert f"row thin of {path} (line 8): video {data / 'thin'}: frames of 1x5000: a frame's long side may be" in log
+    assert sum("skipping bad row" in line for line in log.splitlines()) == 7
 
     with caplog.at_level(logging.WARNING, logger="vlmrl.data"), pytest.raises(ValueError, match="no usable rows"):
-        _load(path, qwen2, fps=2.0, max_source_pixels=4 * 64 * 48 - 1)
-    assert f"row good of {path} (line 7): video {data / 'bar.mp4'}: 4 frames of 64x48 are 12,288 pixels, more " in (
+        _load(path, qwen2, fps=2.0, max_source_pixels=4 * 3136 - 1)
+    assert f"row good of {path} (line 7): video {data / 'bar.mp4'}: 4 frames of 64x48 are 12,544 pixels (each " in (
         caplog.text
     )
     with pytest.raises(BadRowError, match=r"row missing of .*\(line 1\): video .*nope.mp4: no such file"):

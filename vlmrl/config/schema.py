@@ -113,8 +113,9 @@ class VideoConfig:
     max_frames: Optional[int] = knob(None, "At most this many frames by fps; null: the processor's (768).")
     max_source_pixels: int = knob(
         64 * 1280 * 720,
-        "A row's video whose sampled frames hold more pixels than this at their source size (frames x height x "
-        "width) is a bad row, checked on its metadata before decoding.",
+        "A row's video whose sampled frames hold more pixels than this (frames x height x width, a frame smaller "
+        "than 56x56 counted as 56x56: the processor enlarges it) is a bad row, checked on its metadata before "
+        "decoding.",
     )
     frames_fps: float = knob(2.0, "The frame rate of a video given as a folder or list of frame files.")
 

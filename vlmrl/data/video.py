@@ -11,9 +11,12 @@ rounded to the temporal patch size), the same indices the processor would take i
 source's fps and each kept frame's index (`frames_indices`), which Qwen2.5-VL (`second_per_grid_ts`) and Qwen3-VL
 (timestamps in the text) need.
 
-Bad input is a `BadVideo` (a ValueError) that names the source: a missing path, an unreadable file, a video with no
-frames, frames of different sizes, and an enormous video: more than `max_pixels` pixels over the sampled frames
-(frames × height × width), checked on the metadata before any frame is decoded.
+Bad input is a `BadVideo` (a ValueError) that names the source: a missing path, an unreadable file (a frame past
+PIL's decompression-bomb bound included), a video with no frames, frames of different sizes, frames thinner than any
+processor takes (a long side over `MAX_ASPECT` times the short one: Qwen-VL's processors refuse 200), and an enormous
+video: more than `max_pixels` pixels over the sampled frames, each frame counted at its size or at `MIN_FRAME_PIXELS`
+(the processor enlarges a smaller frame to that before anything else), checked on the metadata (a frame list's
+headers) before any frame is decoded.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import numpy as np
 from PIL import Image
 
 from vlmrl.config import VideoConfig
+from vlmrl.image_fit import MAX_ASPECT
 from vlmrl.types import Video, VideoFile
 
 if TYPE_CHECKING:
@@ -49,6 +53,10 @@ FRAME_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")  # the frame files a
 FRAMES_FPS = VideoConfig().frames_fps  # frames a second of a folder or list of frames (qwen-vl-utils' default)
 
 FALLBACK_FPS = 2.0  # qwen-vl-utils' FPS: the sampling of a processor that sets neither fps nor num_frames
+# the fewest pixels a frame costs: Qwen2/2.5-VL's video processors enlarge every frame to at least 56x56 (their
+# `size.shortest_edge`, Qwen3-VL's is 64x64) before anything else, so 100,000 frames of 1x1 are ~3e8 pixels, not 1e5
+MIN_FRAME_PIXELS = 56 * 56
+_UNREADABLE = (OSError, ValueError, Image.DecompressionBombError)  # what opening a frame file raises
 Sampler = Callable[["VideoMetadata"], Sequence[int]]
 
 
@@ -170,11 +178,20 @@ def _indices(metadata: VideoMetadata, sample: Sampler | None, ref: str, max_pixe
         raise BadVideo(f"video {ref}: {e}") from e
     if not indices:
         raise BadVideo(f"video {ref}: the sampling keeps no frame")
-    pixels = len(indices) * int(metadata.height or 0) * int(metadata.width or 0)
-    if pixels > max_pixels:
+    width, height = int(metadata.width or 0), int(metadata.height or 0)
+    if min(width, height) < 1 or max(width, height) > MAX_ASPECT * min(width, height):
         raise BadVideo(
-            f"video {ref}: {len(indices)} frames of {metadata.width}x{metadata.height} are {pixels:,} pixels, "
-            f"more than the bound of {max_pixels:,}"
+            f"video {ref}: frames of {width}x{height}: a frame's long side may be at most {MAX_ASPECT} times its "
+            "short side (the processors refuse thinner frames)"
+        )
+    pixels = len(indices) * max(width * height, MIN_FRAME_PIXELS)
+    if pixels > max_pixels:
+        enlarged = (
+            f" (each enlarged to {MIN_FRAME_PIXELS:,} by the processor)" if width * height < MIN_FRAME_PIXELS else ""
+        )
+        raise BadVideo(
+            f"video {ref}: {len(indices)} frames of {width}x{height} are {pixels:,} pixels{enlarged}, more than the "
+            f"bound of {max_pixels:,}"
         )
     return indices
 
@@ -211,6 +228,16 @@ def _read_file(path: Path, sample: Sampler | None, max_pixels: int, decode: bool
     return Video(np.ascontiguousarray(frames), metadata, ref)
 
 
+def _frame_size(path: Path, ref: str) -> tuple[int, int]:
+    """(width, height) of a frame file from its header (BadVideo when it cannot be opened, or is a decompression
+    bomb by PIL's bound)."""
+    try:
+        with Image.open(path) as im:
+            return im.size
+    except _UNREADABLE as e:
+        raise BadVideo(f"video {ref}: frame {path} unreadable ({type(e).__name__}: {e})") from e
+
+
 def _read_frames(
     files: list[Path], ref: str, sample: Sampler | None, max_pixels: int, fps: float, decode: bool
 ) -> Video | int:
@@ -219,26 +246,25 @@ def _read_frames(
 
     if not files:
         raise BadVideo(f"video {ref}: no frames")
-    try:
-        with Image.open(files[0]) as first:
-            width, height = first.size
-    except (OSError, ValueError) as e:
-        raise BadVideo(f"video {ref}: frame {files[0]} unreadable ({e})") from e
+    width, height = _frame_size(files[0], ref)
     metadata = VideoMetadata(
         total_num_frames=len(files), fps=float(fps), width=width, height=height, duration=len(files) / fps
     )
     indices = _indices(metadata, sample, ref, max_pixels)
-    if not decode:
-        missing = [f for f in (files[i] for i in indices) if not f.is_file()]
-        if missing:
-            raise BadVideo(f"video {ref}: frame {missing[0]} does not exist")
+    if not decode:  # every kept frame's header: a missing, unreadable or differently sized frame is found now
+        for i in indices:
+            if not files[i].is_file():
+                raise BadVideo(f"video {ref}: frame {files[i]} does not exist")
+            size = _frame_size(files[i], ref)
+            if size != (width, height):
+                raise BadVideo(f"video {ref}: frame {files[i]} is {size[0]}x{size[1]}, not {width}x{height}")
         return len(indices)
     frames = []
     for i in indices:
         try:
             with Image.open(files[i]) as im:
                 frame = np.asarray(im.convert("RGB"))
-        except (OSError, ValueError) as e:
+        except _UNREADABLE as e:
             raise BadVideo(f"video {ref}: frame {files[i]} unreadable ({e})") from e
         if frame.shape[:2] != (height, width):
             raise BadVideo(f"video {ref}: frame {files[i]} is {frame.shape[1]}x{frame.shape[0]}, not {width}x{height}")
