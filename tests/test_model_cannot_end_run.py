@@ -105,3 +105,51 @@ def test_what_the_processor_still_refuses_is_a_counted_failure(qwen25_processor,
     assert traj.turns[1].metrics[OBSERVATION_REJECTED] == 1.0 and len(traj.turns) == 3
     check_alignment(builder, traj)
     runtime.executor.close()
+
+
+class DotsObservationEnv(ColorSquareEnv):
+    """The colour task whose feedback after the first turn is a video of 100 frames of 1x1 (100 source pixels; the
+    processor enlarges each frame to 56x56, 313,600 pixels in all)."""
+
+    stepped = False
+
+    def step(self, assistant_text, turn, last_turn):
+        result = super().step(assistant_text, turn, last_turn)
+        if not self.stepped:
+            self.stepped = True
+            result = dataclasses.replace(result, done=False, messages=[_dots_message()])
+        return result
+
+
+def _dots_message() -> Message:
+    import numpy as np
+
+    from vlmrl.types import Video, VideoPart
+
+    dots = VideoPart(Video.of_frames(np.zeros((100, 1, 1, 3), np.uint8), 2.0, ref="dots"))
+    return Message(Role.USER, [dots, TextPart("Again.")])
+
+
+def test_a_video_the_processor_would_enlarge_past_the_bound_is_a_counted_observation_failure(
+    qwen25_processor, monkeypatch
+):
+    """With the bound at 100,000 pixels, the environment's 100 frames of 1x1 (313,600 pixels once the processor
+    enlarges them) are refused before the processor sees them: the observation's video becomes a text saying why
+    (`observation_rejected`) and the episode goes on. The processor itself takes the video (so the test can fail)."""
+    import vlmrl.data.video as video
+
+    monkeypatch.setattr(video, "MAX_VIDEO_PIXELS", 100_000)
+    builder = get_builder("qwen2_5_vl", qwen25_processor)
+    (task,) = make_tasks(ColorSquareConfig(max_turns=2), DataConfig(limit=1))
+    runtime = ToolRuntime(P, bounds=ImageBounds.of_processor(qwen25_processor), sandbox=Sandbox(isolation="rlimits"))
+    factory = ToolEnvFactory(lambda: DotsObservationEnv(ColorSquareConfig(max_turns=2)), [], None)
+    (traj,), _ = run(builder, factory, [task], ["\\boxed{red}", "\\boxed{blue}"], 2, runtime)
+    observation = traj.messages[2]  # after the prompt: reply, feedback
+    assert (
+        not observation.videos
+        and "[video not shown: BadVideo: video dots: 100 frames of 1x1 are 313,600 pixels" in (observation.text_content)
+    )
+    assert traj.turns[0].metrics[OBSERVATION_REJECTED] == 1.0 and len(traj.turns) == 2
+    check_alignment(builder, traj)
+    runtime.executor.close()
+    assert builder.start([_dots_message()]).ids  # the processor itself renders the video: no error

@@ -109,3 +109,17 @@ def test_videos_the_processor_would_refuse_or_enlarge_past_the_bound_are_found_b
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1_000)  # a 100x100 frame is then a decompression bomb
     with pytest.raises(BadVideo, match=r"f0\.png unreadable \(DecompressionBombError: Image size \(10000 pixels\)"):
         probe_video(_frames(tmp_path / "bomb", (100, 100), mode="1"))
+
+
+def test_a_decoded_video_past_what_the_processor_takes_is_refused():
+    """A tool's or environment's decoded video: 100 frames of 1x1 are 100 source pixels but 313,600 once the processor
+    enlarges each to 56x56; a 300x1 frame is thinner than the processors take."""
+    from vlmrl.data.video import check_shown
+    from vlmrl.types import Video
+
+    dots = Video.of_frames(np.zeros((100, 1, 1, 3), np.uint8), 2.0, ref="dots")
+    with pytest.raises(BadVideo, match=r"video dots: 100 frames of 1x1 are 313,600 pixels \(each enlarged to 3,136"):
+        check_shown(dots, max_pixels=313_599)
+    check_shown(dots, max_pixels=313_600)
+    with pytest.raises(BadVideo, match=r"video shown: frames of 300x1: a frame's long side may be at most 100 times"):
+        check_shown(Video.of_frames(np.zeros((2, 1, 300, 3), np.uint8), 2.0))

@@ -74,7 +74,7 @@ def test_a_tools_video_reaches_the_model_as_the_processor_renders_it(processors)
 @pytest.mark.parametrize("case", ["no frame rate", "past the bound"])
 def test_a_video_the_worker_cannot_send_or_past_the_bound_is_a_counted_tool_failure(processors, monkeypatch, case):
     if case == "past the bound":
-        monkeypatch.setattr("vlmrl.data.video.MAX_VIDEO_PIXELS", 6 * 64 * 48 - 1)
+        monkeypatch.setattr("vlmrl.data.video.MAX_VIDEO_PIXELS", 6 * 56 * 56 - 1)  # each 64x48 frame counts 56x56
         tool, call = clip, CALL.format(name="clip", n=6)
     else:
         tool, call = no_rate_clip, CALL.format(name="no_rate_clip", n=2)
@@ -82,7 +82,8 @@ def test_a_video_the_worker_cannot_send_or_past_the_bound_is_a_counted_tool_fail
     tool_msg = next(m for m in traj.messages if m.role is Role.TOOL)
     assert not tool_msg.videos and "Error" in tool_msg.text_content and len(traj.turns) == 2
     assert traj.tool_stats.failed == 1 and traj.tool_stats.ok == 0
-    want = "frame rate" if case == "no frame rate" else "a video of 6 frames of 64x48: more than 18,431 pixels"
+    past = "video from the tool: 6 frames of 64x48 are 18,816 pixels (each enlarged to 3,136 by the processor), more"
+    want = "frame rate" if case == "no frame rate" else past
     assert want in tool_msg.text_content
     assert not any(isinstance(p, VideoPart) for m in traj.messages for p in m.content)
 

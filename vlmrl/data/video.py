@@ -43,6 +43,8 @@ __all__ = [
     "RowVideos",
     "Video",
     "VideoReader",
+    "check_frames",
+    "check_shown",
     "probe_video",
     "processor_sampling",
     "read_video",
@@ -178,22 +180,37 @@ def _indices(metadata: VideoMetadata, sample: Sampler | None, ref: str, max_pixe
         raise BadVideo(f"video {ref}: {e}") from e
     if not indices:
         raise BadVideo(f"video {ref}: the sampling keeps no frame")
-    width, height = int(metadata.width or 0), int(metadata.height or 0)
+    check_frames(len(indices), int(metadata.width or 0), int(metadata.height or 0), ref, max_pixels)
+    return indices
+
+
+def check_shown(video: Video | VideoFile, max_pixels: int | None = None) -> None:
+    """Raise BadVideo unless a decoded video shown to the model (a tool's, an environment's) is one the processors
+    take within `max_pixels` (None: `MAX_VIDEO_PIXELS`; `check_frames`); a row's `VideoFile` was checked when it was
+    read."""
+    if isinstance(video, Video):
+        t, h, w = (int(x) for x in video.frames.shape[:3])
+        check_frames(t, w, h, video.ref or "shown", MAX_VIDEO_PIXELS if max_pixels is None else max_pixels)
+
+
+def check_frames(frames: int, width: int, height: int, ref: str, max_pixels: int) -> None:
+    """Raise BadVideo (naming `ref`) for frames no processor takes (a side under 1 pixel, a long side over
+    `MAX_ASPECT` times the short one) or more than `max_pixels` pixels, each frame counted at its size or at
+    `MIN_FRAME_PIXELS` when smaller (the processor enlarges it first)."""
     if min(width, height) < 1 or max(width, height) > MAX_ASPECT * min(width, height):
         raise BadVideo(
             f"video {ref}: frames of {width}x{height}: a frame's long side may be at most {MAX_ASPECT} times its "
             "short side (the processors refuse thinner frames)"
         )
-    pixels = len(indices) * max(width * height, MIN_FRAME_PIXELS)
+    pixels = frames * max(width * height, MIN_FRAME_PIXELS)
     if pixels > max_pixels:
         enlarged = (
             f" (each enlarged to {MIN_FRAME_PIXELS:,} by the processor)" if width * height < MIN_FRAME_PIXELS else ""
         )
         raise BadVideo(
-            f"video {ref}: {len(indices)} frames of {width}x{height} are {pixels:,} pixels{enlarged}, more than the "
+            f"video {ref}: {frames} frames of {width}x{height} are {pixels:,} pixels{enlarged}, more than the "
             f"bound of {max_pixels:,}"
         )
-    return indices
 
 
 class _Probed(Exception):

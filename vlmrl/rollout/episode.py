@@ -36,6 +36,7 @@ from typing import Callable
 
 import torch
 
+from vlmrl.data.video import check_shown
 from vlmrl.envs.base import Environment
 from vlmrl.image_fit import fit_messages
 from vlmrl.rewards import episode_reward
@@ -266,6 +267,7 @@ class EpisodeRunner:
         ref = f"{ep.task.id}/turn{len(ep.turns)}"
         result = await self.batcher.offload(self.tools.run, ep.calls, ep.tools, ep.tool_stats, ref)
         try:
+            check_videos(result.messages)
             piece = self.builder.render_messages(ep.seq, result.messages)
         except Exception as err:  # noqa: BLE001 - whatever a tool returns must never end the run
             self.tools.reject_images(result, ep.tool_stats, f"{type(err).__name__}: {err}")
@@ -324,9 +326,12 @@ class EpisodeRunner:
         return fitted
 
     def _render_observation(self, ep: Episode) -> Piece:
-        """The environment's messages rendered; if the processor or builder refuses them, their images become a
-        text saying why (counted as the last turn's `observation_rejected`) and the episode goes on."""
+        """The environment's messages rendered; if a video in them is past what the processors take
+        (`vlmrl.data.video.check_shown`: checked first, as the processor would enlarge it) or the processor or
+        builder refuses them, their images and videos become a text saying why (counted as the last turn's
+        `observation_rejected`) and the episode goes on."""
         try:
+            check_videos(ep.observation)
             return self.builder.render_messages(ep.seq, ep.observation)
         except Exception as err:  # noqa: BLE001 - an observation the model's actions shaped must never end the run
             reason = f"{type(err).__name__}: {err}"
@@ -358,6 +363,13 @@ class EpisodeRunner:
             turn_views=ep.turn_views,
             keep_images=self.limits.keep_images,
         )
+
+
+def check_videos(messages: list[Message]) -> None:
+    """Raise BadVideo for a video in `messages` that no processor takes or that is past `MAX_VIDEO_PIXELS` as the
+    processor sizes it (`vlmrl.data.video.check_shown`): checked before rendering, which would first enlarge it."""
+    for video in (v for m in messages for v in m.videos):
+        check_shown(video)
 
 
 def images_as_text(message: Message, reason: str) -> Message:

@@ -218,18 +218,18 @@ def items_from_blocks(blocks: object) -> list[Any]:
 
 def video_from_block(b: dict) -> Video:
     """A worker's video block `{"type": "video", "t", "w", "h", "fps", "indices", "rgb": base64(T*H*W*3)}` as a
-    `Video`. Raises ValueError for a malformed block or more than `MAX_VIDEO_PIXELS` pixels."""
+    `Video`. Raises ValueError for a malformed block, or (BadVideo) frames no processor takes or more than
+    `MAX_VIDEO_PIXELS` pixels as the processor sizes them (`vlmrl.data.video.check_frames`)."""
     import numpy as np
 
-    from vlmrl.data.video import MAX_VIDEO_PIXELS
+    from vlmrl.data.video import MAX_VIDEO_PIXELS, check_frames
 
     t, w, h, fps, indices = b.get("t"), b.get("w"), b.get("h"), b.get("fps"), b.get("indices")
     sizes_ok = all(isinstance(x, int) and x > 0 for x in (t, w, h))
     if not sizes_ok or not isinstance(fps, (int, float)) or not (math.isfinite(fps) and fps > 0):
         raise ValueError("a video block needs positive t, w, h and fps")
     t, w, h = int(cast(int, t)), int(cast(int, w)), int(cast(int, h))
-    if t * w * h > MAX_VIDEO_PIXELS:
-        raise ValueError(f"a video of {t} frames of {w}x{h}: more than {MAX_VIDEO_PIXELS:,} pixels")
+    check_frames(t, w, h, "from the tool", MAX_VIDEO_PIXELS)  # BadVideo, a ValueError
     if not isinstance(indices, list) or len(indices) != t or not all(isinstance(i, int) and i >= 0 for i in indices):
         raise ValueError("a video block's frame indices do not match its frames")
     rgb = base64.b64decode(str(b.get("rgb", "")), validate=True)
