@@ -310,7 +310,12 @@ def test_a_file_size_limit_hit_during_a_checkpoint_is_one_line(trainer, qwen25_p
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         signal.signal(signal.SIGXFSZ, handler)
     message = str(exc.value)
+    limit = f"this process's file-size limit, ulimit -f, is {biggest // 2:,} bytes"
     assert message.startswith("could not write checkpoint step_2: ") and "\n" not in message
+    assert limit in message or "a file grew past the file-size limit (ulimit -f)" in message, message
+    assert "disk full" not in message and message.endswith(
+        "Raise the file-size limit (ulimit -f), then rerun the same command to resume"
+    )
     assert f"GiB free in {root}); removed the partial .tmp-step_2; last complete checkpoint: step_1" in message
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_1"]
 

@@ -150,8 +150,8 @@ _WRITE_FAILURES = (
     ("StorageFull", "no space left on the device"),
     ("os error 28", "no space left on the device"),
     ("Disk quota exceeded", "disk quota exceeded"),
-    ("file write failed", "a file write failed (disk full?)"),
-    ("iostream error", "a file write failed (disk full?)"),
+    ("file write failed", ""),  # torch's writer says no more: `_unsaid_reason` looks
+    ("iostream error", ""),
 )
 
 
@@ -175,9 +175,20 @@ def write_failure(exc: BaseException) -> str | None:
             return _ERRNO_REASONS[cause.errno]
         for needle, reason in _WRITE_FAILURES:
             if needle in str(cause):
-                return reason
+                return reason or _unsaid_reason()
         cause = cause.__cause__ or cause.__context__
     return None
+
+
+def _unsaid_reason() -> str:
+    """Why a write failed when the library does not say: this process's file-size limit when it has one (`ulimit -f`:
+    the write fails with EFBIG, SIGXFSZ being ignored by Python), else most likely a full disk."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if soft != resource.RLIM_INFINITY:
+        return f"a file write failed (this process's file-size limit, ulimit -f, is {soft:,} bytes)"
+    return "a file write failed (disk full?)"
 
 
 def _write(trainer: Any, tmp: Path, step: int, state: dict, processor: Any, config_yaml: str | None) -> None:
@@ -232,10 +243,11 @@ def save(
         lines = str(exc).strip().splitlines()
         reason = write_failure(exc) or f"{type(exc).__name__}: {lines[0] if lines else 'no message'}"
         newest = latest_checkpoint(root)
+        fix = "Raise the file-size limit (ulimit -f)" if "ulimit -f" in reason else "Free some space"
         raise CheckpointWriteError(
             f"could not write checkpoint step_{step}: {reason} ({shutil.disk_usage(root).free / 2**30:.2f} GiB free "
             f"in {root}); removed the partial {tmp.name}; last complete checkpoint: "
-            f"{newest[0].name if newest else 'none'}. Free some space, then rerun the same command to resume"
+            f"{newest[0].name if newest else 'none'}. {fix}, then rerun the same command to resume"
         ) from None
     if trainer.is_main:
         if final.exists():  # the same step saved again (e.g. an interrupted step redone): replace it
