@@ -140,13 +140,15 @@ def test_a_judge_slower_than_the_timeout_fails_after_its_retries():
     assert stats.metrics()["judge_calls"] == 4 and stats.metrics()["judge_retries"] == 2  # 2 episodes x (1 + 1)
 
 
-def test_a_trickled_reply_is_cut_off_at_the_judgements_deadline():
-    """A body sent a byte every 0.2 s never trips the 5 s per-read timeout (the whole body would take ~80 s); the
-    judgement's deadline ends it."""
+@pytest.mark.parametrize("server_args", [dict(trickle_s=0.2), dict(mode="silent")], ids=["trickles", "never answers"])
+def test_a_trickled_or_unanswered_request_is_cut_off_at_the_judgements_deadline(server_args):
+    """A body sent a byte every 0.2 s never trips the 5 s per-read timeout (the whole body would take ~80 s), and a
+    server that holds the request open would take 3 x 30 s of per-read timeouts; the judgement's deadline ends both."""
     tasks, trajs = step(1)
-    with GraderServer(trickle_s=0.2) as server:
+    timeout = 5.0 if "trickle_s" in server_args else 30.0
+    with GraderServer(**server_args) as server:
         t0 = time.monotonic()
-        stats = make_judge(judge_config(server.url, timeout_s=5.0, deadline_s=1.5)).score(trajs, tasks)
+        stats = make_judge(judge_config(server.url, timeout_s=timeout, deadline_s=1.5)).score(trajs, tasks)
     assert time.monotonic() - t0 < 6 and stats.failures == 2
     assert trajs[0].judgement.error == "no judgement within reward.judge.deadline_s=1.5 (its requests and retries)"
 
