@@ -2,11 +2,11 @@
 
 - `openai`: an OpenAI-compatible chat completions server (`vllm serve`, SGLang, a hosted API) through the `openai`
   package's `AsyncOpenAI`: its timeout per read, its retries (exponential backoff, `Retry-After` honoured up to the
-  package's cap of 120 s, a longer one not retried; on timeouts, connection errors and HTTP 408/409/429/5xx) and its
-  connection pool. Every HTTP request it sends is counted (an httpx event hook), so the retries are known; every
-  reply's body is capped at REPLY_BYTES and asked for uncompressed (a compressed one is refused: no decompression
-  bomb). The judge stage bounds a judgement's total time (`reward.judge.deadline_s`); each start-up check request
-  takes at most `reward.judge.timeout_s` in all.
+  package's cap (120 s in openai 3.57), a longer one not retried; on timeouts, connection errors and HTTP
+  408/409/429/5xx) and its connection pool. Every HTTP request it sends is counted (an httpx event hook), so the
+  retries are known; every reply's body is capped at REPLY_BYTES and asked for uncompressed (a compressed one is
+  refused: no decompression bomb). The judge stage bounds a judgement's total time (`reward.judge.deadline_s`);
+  each start-up check request takes at most `reward.judge.timeout_s` in all.
 - `transformers`: the judge loaded in this process (`vlmrl.modeling.loading.load_policy`) and sampled greedily by the
   transformers engine through its family's token builder: for tests and CPUs; one request at a time, no timeout.
 
