@@ -20,6 +20,7 @@ import functools
 import hashlib
 import re
 import unicodedata
+from collections.abc import Callable
 
 from vlmrl.tokens.base import JOINER  # the builders' control-token guard uses the same character
 
@@ -82,13 +83,19 @@ def guard_control(text: str) -> str:
     return _CONTROL.sub(lambda m: m.group(0)[0] + JOINER + m.group(0)[1:], text)
 
 
-def cap(text: str, limit: int, what: str) -> str:
+def cut_middle(text: str, limit: int, line: Callable[[int], str]) -> str:
     """`text` when it has at most `limit` characters, else its first and last `limit // 2` around the line
-    `(... N characters of the <what> cut ...)`."""
+    `line(N)`, N the characters cut."""
     if len(text) <= limit:
         return text
     half = limit // 2
-    return f"{text[:half]}\n(... {len(text) - 2 * half} characters of the {what} cut ...)\n{text[-half:]}"
+    return f"{text[:half]}\n{line(len(text) - 2 * half)}\n{text[-half:]}"
+
+
+def cap(text: str, limit: int, what: str) -> str:
+    """`text` cut from the middle to `limit` characters (`cut_middle`) around `(... N characters of the <what> cut
+    ...)`: no bracket, so the line cannot open or close a fence."""
+    return cut_middle(text, limit, lambda n: f"(... {n} characters of the {what} cut ...)")
 
 
 def quote(text: str, limit: int, what: str) -> str:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from vlmrl.config.schema import Config, RewardConfig
 from vlmrl.judge.clients import JudgeClient, JudgeError, one_line
 from vlmrl.judge.prompt import JudgeTemplate, case_of, judge_messages, last_line, parse_verdict
+from vlmrl.judge.quote import cut_middle
 from vlmrl.registry import JUDGE_CLIENTS
 from vlmrl.rollout.skipped_rows import prompt_too_long
 from vlmrl.types import Judgement, Message, Task, Trajectory
@@ -34,10 +35,7 @@ STORED_REPLY_CHARS = 4000  # of a judge's reply kept in its judgement (trajector
 def stored_reply(reply: str, limit: int = STORED_REPLY_CHARS) -> str:
     """`reply` as its judgement keeps it: whole up to `limit` characters, else its first and last `limit // 2`
     around a line saying how many were cut (the tail holds the verdict)."""
-    if len(reply) <= limit:
-        return reply
-    half = limit // 2
-    return f"{reply[:half]}\n[... {len(reply) - 2 * half} characters of the judge's reply cut ...]\n{reply[-half:]}"
+    return cut_middle(reply, limit, lambda n: f"[... {n} characters of the judge's reply cut ...]")
 
 
 @dataclass
