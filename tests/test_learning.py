@@ -40,6 +40,12 @@ def _cli(*args: str) -> None:
     assert res.returncode == 0, f"vlmrl {' '.join(args)} failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
 
 
+# The warm starts of this test process: the same `vlmrl sft` command (recipe and overrides) gives the same checkpoint
+# (seed 0), so the tests that start from one (the colour and the judge runs) run it once; a later test's folder only
+# holds its training run.
+_SFT: dict[tuple[str, tuple[str, ...]], Path] = {}
+
+
 def sft_then_train(
     tmp_path: Path,
     sft_recipe: str,
@@ -50,9 +56,14 @@ def sft_then_train(
 ) -> Path:
     """The two commands of docs/quickstart.md, "The colour task": `vlmrl sft recipe=<sft_recipe>`, then `vlmrl train
     recipe=<train_recipe>` from its checkpoint for `steps` steps; `env` overrides go to both, `train` ones to the
-    second. Returns the training run's folder."""
-    sft, run = tmp_path / "sft", tmp_path / "train"
-    _cli("sft", f"recipe={sft_recipe}", f"logging.output_dir={sft}", "logging.progress=false", *env)
+    second. The SFT command runs once per (recipe, overrides) in a test process (`_SFT`). Returns the training run's
+    folder."""
+    run = tmp_path / "train"
+    sft = _SFT.get((sft_recipe, env))
+    if sft is None or not (sft / "hf").is_dir():
+        sft = tmp_path / "sft"
+        _cli("sft", f"recipe={sft_recipe}", f"logging.output_dir={sft}", "logging.progress=false", *env)
+        _SFT[(sft_recipe, env)] = sft
     _cli(
         "train",
         f"recipe={train_recipe}",

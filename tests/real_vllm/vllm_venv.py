@@ -21,7 +21,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-RECIPE = 1
+RECIPE = 2  # 2: installed with pip --no-compile
 
 
 def requirements() -> list[str]:
