@@ -4,3 +4,8 @@ and the registries (`vlmrl.registry`) can raise it without importing each other.
 
 class ConfigError(ValueError):
     """A config that cannot be composed or validated; the message is one line naming the key or value."""
+
+
+class ShmRoomError(ConfigError):
+    """The shm weight-sync route's two buffers do not fit in /dev/shm (a container's default is 64 MB); the message
+    is one line naming the settings to change."""

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vlmrl.checks.gpu import _perturb, checks, digests_row, run_row
+from vlmrl.checks.gpu import _perturb, checks, digests_row, driver_floor, run_row
 from vlmrl.checks.gpu_scale import DEFAULT_SCALE_CONFIG, fill_, parameter_bytes, scale_config, scale_model, scale_row
 
 
@@ -23,6 +23,14 @@ def test_without_a_gpu_it_says_so_in_one_line():
     lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()]
     assert proc.returncode == 1 and len(lines) == 1, lines
     assert lines[0].startswith("gpu-check: no CUDA GPU on this machine")
+    assert lines[0].endswith(driver_floor(torch.version.cuda))  # this torch's driver floor, where it is a CUDA build
+
+
+def test_the_driver_floor_follows_the_cuda_major_version():
+    assert "NVIDIA driver >= 580" in driver_floor("13.0") and "CUDA 13.0" in driver_floor("13.0")
+    assert "NVIDIA driver >= 525" in driver_floor("12.8")
+    assert driver_floor(None) == ""  # a CPU build of torch
+    assert "a driver for it" in driver_floor("14.1")
 
 
 def test_a_row_that_raises_is_a_failing_row_and_digests_must_agree():
@@ -99,3 +107,28 @@ def test_scale_model_is_bf16_and_seeded():
     fill_(b, seed=1)
     assert not torch.equal(next(a.parameters()), next(b.parameters()))
     assert abs(float(torch.cat([p.detach().float().flatten() for p in b.parameters()]).std()) - 0.02) < 1e-3
+
+
+def test_the_shm_row_skips_when_dev_shm_is_too_small(monkeypatch):
+    """A container's default /dev/shm (64 MB) cannot hold the shm route's buffers: that row says so and is skipped,
+    and the check does not fail for it (the route a GPU run takes is ipc). Any other failure still fails the row."""
+    from vlmrl.checks import gpu
+    from vlmrl.errors import ShmRoomError
+
+    model = torch.nn.Linear(2, 2)
+    bench = SimpleNamespace(model=model, base={k: v.detach().clone() for k, v in model.named_parameters()})
+    said = "rollout.vllm.weight_sync=shm needs 8 MiB of /dev/shm (two buckets) and 1 MiB is free: give it more"
+
+    def no_room(*args, **kwargs):
+        raise ShmRoomError(said)
+
+    monkeypatch.setattr(gpu, "_engine", no_room)
+    row = run_row("vllm shm", lambda: gpu.route_row(bench, "shm"))
+    assert row.ok is None and row.detail == said
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("engine failed to start")
+
+    monkeypatch.setattr(gpu, "_engine", broken)
+    row = run_row("vllm shm", lambda: gpu.route_row(bench, "shm"))
+    assert row.ok is False and "engine failed to start" in row.detail

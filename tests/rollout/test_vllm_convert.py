@@ -317,7 +317,11 @@ def test_make_engine_without_vllm_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # importlib.util.find_spec("vllm") is None, `import vllm` fails
     from vlmrl.rollout import make_engine
 
-    with pytest.raises(ValueError, match=r"vlmrl\[vllm\]"):
+    with pytest.raises(ValueError, match=r"vlmrl\[vllm\]") as err:
+        make_engine(SimpleNamespace(engine="vllm"), None, None, None)
+    assert "Python >= 3.11" not in str(err.value)  # this interpreter is new enough: vLLM is only missing
+    monkeypatch.setattr(sys, "version_info", (3, 10, 14, "final", 0))
+    with pytest.raises(ValueError, match=r"vLLM 0.32 and 0.33 need Python >= 3.11; this is 3.10"):
         make_engine(SimpleNamespace(engine="vllm"), None, None, None)
 
 

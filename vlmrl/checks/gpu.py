@@ -37,6 +37,8 @@ from typing import Any, Callable, Iterator, cast
 
 import torch
 
+from vlmrl.errors import ShmRoomError
+
 ROOT = Path(__file__).resolve().parents[1]
 DIAGRAMS = ROOT / "assets" / "data" / "geometry3k" / "images"
 TEMPERATURE = 0.7
@@ -169,19 +171,25 @@ def _tolerance(b: Bench) -> float:
 
 
 def route_row(b: Bench, route: str) -> str:
+    """One weight-sync route: perturbed weights synced, vLLM's digests kept for `digests_row`, sampled logprobs
+    against the trainer's. Skipped (not failed) when the shm route's buffers do not fit in /dev/shm (a container's
+    default 64 MB): the route a GPU run takes is ipc."""
     from vlmrl.rollout.vllm.engine import METRIC
 
     _perturb(b.model, b.base, seed=0)
-    engine = _engine(b, route, sleep=False)
     try:
-        if engine.route != route:
-            raise RuntimeError(f"asked for weight_sync={route}, the engine took {engine.route}")
-        _perturb(b.model, b.base, seed=1)
-        metrics = engine.sync_weights()
-        b.digests[route] = engine.checksums()
-        delta = _parity(b, engine)
-    finally:
-        _close(engine)
+        engine = _engine(b, route, sleep=False)
+        try:
+            if engine.route != route:
+                raise RuntimeError(f"asked for weight_sync={route}, the engine took {engine.route}")
+            _perturb(b.model, b.base, seed=1)
+            metrics = engine.sync_weights()
+            b.digests[route] = engine.checksums()
+            delta = _parity(b, engine)
+        finally:
+            _close(engine)
+    except ShmRoomError as exc:
+        raise Skip(str(exc)) from exc
     if delta > _tolerance(b):
         raise RuntimeError(f"sampled logprobs differ from the trainer's by {delta:.3g} after the sync")
     return (
@@ -416,6 +424,18 @@ def print_table(rows: list[Row]) -> None:
     Console(width=200).print(table)
 
 
+def driver_floor(cuda: str | None) -> str:
+    """The NVIDIA driver a torch built for CUDA `cuda` ("13.0", "12.8", None for a CPU build) needs, as a clause for
+    the no-GPU line: CUDA 13.x needs driver >= 580, 12.x >= 525 (NVIDIA's CUDA toolkit release notes, minor-version
+    compatibility); an older driver leaves `torch.cuda.is_available()` False. "" for a CPU build."""
+    if not cuda:
+        return ""
+    major = int(cuda.split(".")[0])
+    floor = {13: 580, 12: 525}.get(major)
+    need = f"NVIDIA driver >= {floor}" if floor else "a driver for it"
+    return f" with {need} (this torch is built for CUDA {cuda}; nvidia-smi prints the driver's version)"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the checks; 0 when none failed, 1 otherwise (and on a machine without a CUDA GPU)."""
     parser = argparse.ArgumentParser(prog="make gpu-check", description=__doc__.split("\n")[0])
@@ -429,7 +449,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("gpu-check: no CUDA GPU on this machine (torch.cuda.is_available() is False); run it on a GPU machine")
+        print(
+            "gpu-check: no CUDA GPU on this machine (torch.cuda.is_available() is False); run it on a GPU machine"
+            f"{driver_floor(torch.version.cuda)}"
+        )
         return 1
     vllm = not args.no_vllm and importlib.util.find_spec("vllm") is not None
     b = setup(args.device)

@@ -9,6 +9,7 @@ nothing (vllm stays unimported until `rollout.engine=vllm` builds an engine).
 from __future__ import annotations
 
 import importlib.util
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
@@ -98,8 +99,11 @@ def vllm_engine(rollout_cfg: RolloutConfig, policy: Any, processor: Any, builder
     """vLLM (`rollout.vllm.mode`: colocate | server, `rollout.vllm.colocate_engine`: async | sync); its
     `sync_weights()` must follow every update. Raises ValueError when vLLM is not installed."""
     if importlib.util.find_spec("vllm") is None:  # only vlmrl.rollout.vllm imports vllm
+        python = "%d.%d" % sys.version_info[:2]
+        floor = "" if sys.version_info >= (3, 11) else f" (vLLM 0.32 and 0.33 need Python >= 3.11; this is {python})"
         raise ValueError(
-            "rollout.engine=vllm needs vLLM: pip install 'vlmrl[vllm]' (CUDA), or the CPU build as in `make test-vllm`"
+            f"rollout.engine=vllm needs vLLM{floor}: pip install 'vlmrl[vllm]' (CUDA), or the CPU build as in "
+            "`make test-vllm`"
         )
     from vlmrl.rollout.vllm.engine import make_vllm_engine
 

@@ -26,6 +26,7 @@ from vlmrl.config import VLLMConfig
 from vlmrl.registry import WEIGHT_SYNC_ROUTES
 from vlmrl.rollout.engine import GenerateRequest
 from vlmrl.rollout.vllm.convert import PROMPT_LOGPROBS, TokenIO
+from vlmrl.rollout.vllm.memory import wake_with_room
 from vlmrl.rollout.vllm.transfer import transfer_engine_kwargs
 from vlmrl.rollout.vllm.weights import full_state_items, write_items, write_weights
 from vlmrl.types import EnginePrompt, Generation
@@ -147,13 +148,15 @@ class ColocatedBackend(ABC):
         """`push()` (which loads new weights) with generation paused throughout; a sleeping engine (`asleep`) wakes
         its weights first and its KV cache after the new weights are in, both before generation resumes (vLLM's
         engine core resumes scheduling once every allocation is awake, `EngineCore.wake_up`, and `resume_generation`
-        would otherwise schedule requests with the KV cache still freed). Returns what `push` returns."""
+        would otherwise schedule requests with the KV cache still freed). Each wake first frees this process's cached
+        GPU memory and is retried once when it runs out of memory (`vlmrl.rollout.vllm.memory.wake_with_room`).
+        Returns what `push` returns."""
         with self.paused():
             if asleep:
-                self.wake(["weights"])
+                wake_with_room(self.wake, ["weights"])
             out = push()
             if asleep:
-                self.wake(["kv_cache"])
+                wake_with_room(self.wake, ["kv_cache"])
         return out
 
 

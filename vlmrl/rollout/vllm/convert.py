@@ -22,7 +22,12 @@ def choose_logprobs_mode(temperature: float, top_p: float) -> str:
 
 
 def logprobs_exact(mode: str, temperature: float, top_p: float) -> bool:
-    """True when vLLM's `mode` returns exactly vlmrl's logprob convention for a call with these settings."""
+    """True when vLLM's `mode` returns exactly vlmrl's logprob convention for a call with these settings.
+
+    The same rule for both of vLLM's model runners (0.32 and 0.33): the V1 runner (the CPU platform's) takes
+    processed logprobs after top-k/top-p (`vllm/v1/sample/ops/topk_topp_sampler.py`), and so does the V2 runner that
+    CUDA runs by default (`vllm/v1/worker/gpu/sample/sampler.py`: when processed logprobs are returned the fused
+    sampler is not used, and the logprobs come from the logits after `apply_top_k_top_p`)."""
     if mode == "processed_logprobs":
         return top_p >= 1.0
     if mode == "raw_logprobs":

@@ -88,6 +88,7 @@ from vlmrl.rollout.vllm.convert import (
     logprobs_exact,
     max_abs_delta,
 )
+from vlmrl.rollout.vllm.memory import wake_with_room
 from vlmrl.rollout.vllm.server import VLLMServer
 from vlmrl.rollout.vllm.video import VideoIds
 from vlmrl.types import EnginePrompt, Generation
@@ -288,9 +289,10 @@ class VLLMEngine(Engine):
             self._asleep = True
 
     def wake_up(self) -> None:
-        """Wake a sleeping engine with the weights it had (an update that was skipped)."""
+        """Wake a sleeping engine with the weights it had (an update that was skipped), this process's cached GPU
+        memory freed first (`vlmrl.rollout.vllm.memory.wake_with_room`)."""
         if self._asleep and isinstance(self.backend, ColocatedBackend):
-            self.backend.wake(["weights", "kv_cache"])
+            wake_with_room(self.backend.wake, ["weights", "kv_cache"])
             self._asleep = False
 
     def checksums(self) -> dict[str, str]:

@@ -50,7 +50,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
-from vlmrl.config.validate import ConfigError
+from vlmrl.errors import ShmRoomError
 
 BACKEND = "vlmrl_shm"
 ALIGN = 64  # bytes: each tensor starts at a multiple of this offset in the buffer
@@ -72,9 +72,9 @@ def _map(path: str, size: int) -> mmap.mmap:
         os.close(fd)
 
 
-def _room_error(folder: str, need: int) -> ConfigError:
+def _room_error(folder: str, need: int) -> ShmRoomError:
     free = shutil.disk_usage(folder).free
-    return ConfigError(
+    return ShmRoomError(
         f"rollout.vllm.weight_sync=shm needs {need / 2**20:.0f} MiB of {folder} (two buckets) and {free / 2**20:.0f} "
         "MiB is free: give it more shared memory (docker run --shm-size), lower rollout.vllm.sync_bucket_mb (not "
         "below the largest tensor), or use rollout.vllm.weight_sync=file"
@@ -82,7 +82,8 @@ def _room_error(folder: str, need: int) -> ConfigError:
 
 
 def check_room(folder: str, need: int) -> None:
-    """Raise ConfigError (one line naming the settings to change) when `folder` has less than `need` bytes free."""
+    """Raise ShmRoomError (a ConfigError: one line naming the settings to change) when `folder` has less than `need`
+    bytes free."""
     if shutil.disk_usage(folder).free < need:
         raise _room_error(folder, need)
 
