@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import importlib.util
 import json
 import os
@@ -38,6 +37,7 @@ from typing import Any, Callable, Iterator, cast
 import torch
 
 from vlmrl.errors import ShmRoomError
+from vlmrl.rollout.vllm.memory import release_cached_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 DIAGRAMS = ROOT / "assets" / "data" / "geometry3k" / "images"
@@ -345,9 +345,7 @@ def train_row(b: Bench, *extra: str) -> str:
 
 def _close(engine: Any) -> None:
     engine.close()
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    release_cached_memory()
 
 
 def setup(device: str) -> Bench:

@@ -21,13 +21,13 @@ its absence under `--no-vllm` are tested (tests/checks/test_gpu_check.py).
 from __future__ import annotations
 
 import contextlib
-import gc
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from vlmrl.checks.gpu import KV_GB, Bench, Skip, same_digests
+from vlmrl.rollout.vllm.memory import release_cached_memory
 
 DEFAULT_SCALE_CONFIG = Path(__file__).resolve().parents[1] / "assets" / "scale" / "qwen2_5_vl_3b"
 ROUTES = ("ipc", "file")  # the colocated routes on one GPU (shm, also one, is the CPU default: `vllm shm`)
@@ -93,8 +93,7 @@ def _sync_route(b: Bench, model: torch.nn.Module, route: str) -> tuple[float, di
         return seconds, engine.checksums()
     finally:
         engine.close()
-        gc.collect()
-        torch.cuda.empty_cache()
+        release_cached_memory()
 
 
 def scale_row(b: Bench, config_path: Path | str = DEFAULT_SCALE_CONFIG) -> str:
@@ -117,8 +116,7 @@ def scale_row(b: Bench, config_path: Path | str = DEFAULT_SCALE_CONFIG) -> str:
             parts.append(f"{route} {seconds:.2f} s ({nbytes / 1e9 / seconds:.1f} GB/s)")
     finally:
         del model
-        gc.collect()
-        torch.cuda.empty_cache()
+        release_cached_memory()
     many = torch.cuda.device_count() > 1
     nccl = "nccl: not at this scale (`vllm nccl` syncs the tiny model)" if many else "nccl: needs a second GPU"
     return f"{nbytes / 1e9:.2f} GB bf16; 2nd sync {', '.join(parts)}; {same_digests(digests)}; {nccl}"

@@ -48,20 +48,19 @@ def wake_with_room(wake: Callable[[list[str]], None], tags: list[str]) -> None:
 
     Raises MemoryError when the second try runs out of memory too, in one line naming the knobs that lower the
     memory each side holds."""
-    release_cached_memory()
-    try:
-        wake(tags)
-        return
-    except Exception as exc:
-        if not out_of_memory(exc):
-            raise
-        log.warning("vLLM could not wake its %s (out of memory): freeing and trying once more: %s", "+".join(tags), exc)
-    release_cached_memory()
-    try:
-        wake(tags)
-    except Exception as exc:
-        if not out_of_memory(exc):
-            raise
-        raise MemoryError(
-            f"vLLM could not wake its {'+'.join(tags)} after the update: out of GPU memory twice ({exc}); {KNOBS}"
-        ) from exc
+    for tries in (1, 2):
+        release_cached_memory()
+        try:
+            wake(tags)
+            return
+        except Exception as exc:
+            if not out_of_memory(exc):
+                raise
+            if tries == 2:
+                raise MemoryError(
+                    f"vLLM could not wake its {'+'.join(tags)} after the update: out of GPU memory twice ({exc}); "
+                    f"{KNOBS}"
+                ) from exc
+            log.warning(
+                "vLLM could not wake its %s (out of memory): freeing and trying once more: %s", "+".join(tags), exc
+            )
