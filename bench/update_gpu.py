@@ -3,7 +3,8 @@ tokens per second and the model FLOPs utilisation of vlmrl's trainer against ben
 
 Model: `AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(--config), dtype=--dtype)` built under
 `torch.device(--device)`, seeded (default: vlmrl/assets/scale/qwen2_5_vl_3b, Qwen2.5-VL-3B's shapes).
-Settings: the trainer's settings of `--recipe` (default geometry3k, the 3B GPU recipe) with `--override`s, as
+Settings: the trainer's settings of `--recipe` (default geometry3k_141gb, the 3B GPU recipe with its optimizer on the
+GPU, as the floor's is; geometry3k offloads it to host memory) with `--override`s, as
 `vlmrl train` resolves them (`TrainerSettings.from_config` + `vlmrl.run.trainer_algorithm`); the recipe's model is
 swapped for the random one, passed to `GRPOTrainer(model, settings)` as `vlmrl.run.build_job` passes the loaded one.
 Batch: `--samples` synthetic `Sample`s of `--tokens` ids each (uniform random text ids below the vision specials):
@@ -19,10 +20,10 @@ advantages: N(0, 1) draws.
 fused AdamW on its own dtype, the GRPO loss written out), its tensors made on the device (`DeviceFloor`). Both start
 from the same weights and run the same batch: the floor first (on its copy), then the trainer (on the model), not
 interleaved, since both do not fit one 80 GB GPU together at 3B (3.75e9 parameters; trainer: bf16 weights and
-gradients, fp32 master weights, gradient partition and AdamW states, ~20 bytes per parameter, ~75 GB before
-activations, tight on 80 GB; floor: ~8 bytes per parameter beside the model). Each: one warm-up step (its loss:
-"first loss"), then `--repeats` timed steps, the device synchronised around every part (`SyncClock`); figures are
-medians.
+gradients, fp32 master weights and AdamW states, and the optimizer step's flat and fp32 gradient copies: 22 bytes
+per parameter, 80.4 GiB at that step with vLLM asleep beside it, `vlmrl plan-memory recipe=geometry3k_141gb`; floor:
+~8 bytes per parameter beside the model). Each: one warm-up step (its loss: "first loss"), then `--repeats` timed
+steps, the device synchronised around every part (`SyncClock`); figures are medians.
 
 FLOPs per step (`model_flops`): 6 * N_lm * tokens + 12 * layers * hidden * sum_i seq_i^2 (+ 6 * N_vision * patches
 with images): N_lm = the language model's non-embedding parameters (its decoder layers and final norm; the input
@@ -305,7 +306,7 @@ def trainer_phase(
 
 def measure(
     config: Path,
-    recipe: str = "geometry3k",
+    recipe: str = "geometry3k_141gb",
     overrides: list[str] | None = None,
     samples: int = 8,
     tokens: int = 1024,
@@ -399,7 +400,7 @@ def table(row: dict) -> Table:
 def main(
     device: str = typer.Option("cuda", help="cuda, or cpu (needs --config: a tiny config)"),
     config: Path = typer.Option(None, help=f"a folder with a config.json (default on cuda: {SCALE_3B})"),
-    recipe: str = typer.Option("geometry3k", help="the recipe whose trainer settings are measured"),
+    recipe: str = typer.Option("geometry3k_141gb", help="the recipe whose trainer settings are measured"),
     override: list[str] = typer.Option([], help="a config override, e.g. trainer.gradient_checkpointing=true"),
     samples: int = typer.Option(8, help="samples per step"),
     tokens: int = typer.Option(1024, help="ids per sample"),

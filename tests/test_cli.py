@@ -23,14 +23,16 @@ runner = CliRunner()
     "override, needle",
     [
         ("trainer.nope=1", "trainer.nope"),
-        ("export.style=sideways", "export.style"),
+        ("export.style=sideways", "export.style: Invalid value 'sideways', expected one of [concat, individual]"),
+        ("trainer.offload_optimizer=gpu", "expected one of [none, cpu]"),
+        ("trainer.offload_optimizer=cpu trainer.zero_stage=0 model.dtype=float32", "offload_optimizer=cpu needs ZeRO"),
         ("model=not_a_model", "model/not_a_model"),
         ("trainer.lr=fast", "trainer.lr"),
         ("recipe=missing_recipe", "recipes/missing_recipe"),
     ],
 )
 def test_bad_override_is_one_line_error(override, needle):
-    result = runner.invoke(app, ["show-config", "recipe=geometry3k_tiny", override])
+    result = runner.invoke(app, ["show-config", "recipe=geometry3k_tiny", *override.split()])
     assert result.exit_code == 2
     lines = [ln for ln in result.output.strip().splitlines() if ln.strip()]
     assert len(lines) <= 2 and needle in result.output and "Traceback" not in result.output

@@ -11,6 +11,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.markup import escape
 
 from vlmrl.config import ConfigError, load
 
@@ -56,6 +57,11 @@ def _setup_logging(level: str = "INFO") -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+def _error(kind: str, exc: BaseException) -> None:
+    """One red `kind:` line with the exception's text as it is (its brackets are text, not rich markup)."""
+    console.print(f"[red]{kind}:[/red] {escape(str(exc))}", highlight=False)
+
+
 def _split_recipe(overrides: list[str]) -> tuple[Optional[str], list[str]]:
     recipe = None
     rest = []
@@ -67,16 +73,16 @@ def _split_recipe(overrides: list[str]) -> tuple[Optional[str], list[str]]:
     return recipe, rest
 
 
-def _load_or_exit(overrides: Optional[list[str]], training: bool = True):
+def _load_or_exit(overrides: Optional[list[str]], training: bool = True, configure_engine: bool = True):
     recipe, rest = _split_recipe(list(overrides or []))
     try:
-        cfg = load(recipe, rest, training=training)
+        cfg = load(recipe, rest, training=training, configure_engine=configure_engine)
         from vlmrl.envs.plugins import check_plugins
 
         check_plugins(cfg)  # env/reward/tool import paths: an error now, before any model loads
         return cfg
     except ConfigError as exc:
-        console.print(f"[red]config error:[/red] {exc}")
+        _error("config error", exc)
         raise typer.Exit(2)
 
 
@@ -87,7 +93,7 @@ def _check_model_or_exit(cfg) -> None:
     try:
         check_model_source(cfg.model.name_or_path)
     except (OSError, ValueError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        _error("error", exc)
         raise typer.Exit(1)
 
 
@@ -104,10 +110,10 @@ def train(overrides: Optional[list[str]] = OVERRIDES) -> None:
     try:
         out = run_train(cfg, Console())
     except (RunFolderError, FileNotFoundError, ValueError, TooManyBadSteps) as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        _error("error", exc)
         raise typer.Exit(1)
     except (TrainingInterrupted, KeyboardInterrupt) as exc:
-        console.print(f"[yellow]interrupted:[/yellow] {exc or 'stopped at once'}")
+        console.print(f"[yellow]interrupted:[/yellow] {escape(str(exc)) or 'stopped at once'}")
         console.print(f"resume with: {_resume_command(overrides, cfg.logging.output_dir)}")
         raise typer.Exit(getattr(exc, "exit_code", 130))
     console.print(f"run folder: {out}")
@@ -125,7 +131,7 @@ def sft(overrides: Optional[list[str]] = OVERRIDES) -> None:
     try:
         out = run_sft(cfg)
     except (RunFolderError, FileNotFoundError, ValueError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        _error("error", exc)
         raise typer.Exit(1)
     console.print(f"checkpoint: {out}  (vlmrl train model.name_or_path={out})")
 
@@ -146,6 +152,52 @@ def show_config(overrides: Optional[list[str]] = OVERRIDES) -> None:
 
     cfg = _load_or_exit(overrides)
     typer.echo(to_yaml(cfg))
+
+
+GPU_GIB = typer.Option(
+    None, "--gpu-gib", help="the GPU's memory in GiB (an 80 GB H100: 79.6); default: this GPU's, 79.6 without one"
+)
+
+
+@app.command("plan-memory")
+def plan_memory(
+    overrides: Optional[list[str]] = OVERRIDES,
+    gpu_gib: Optional[float] = GPU_GIB,
+    ranks: int = typer.Option(1, help="data-parallel ranks (ZeRO shards the optimizer states over them)"),
+) -> None:
+    """Print a run's GPU memory plan: each kind of memory, the peak of each phase against the GPU's memory, and the
+    host memory; exits 1 when a phase cannot fit (the line a training run would stop with)."""
+    from rich.table import Table
+
+    from vlmrl.errors import MemoryPlanError
+    from vlmrl.modeling.sources import ModelLoadError
+    from vlmrl.train.memory_config import gpu_bytes_here, plan_rows, run_plan
+    from vlmrl.train.memory_plan import GIB, check_fits
+
+    cfg = _load_or_exit(overrides, configure_engine=False)  # vLLM's sleep as it resolves on a GPU
+    gpu = int(gpu_gib * GIB) if gpu_gib else (gpu_bytes_here() or int(79.6 * GIB))
+    try:
+        rp = run_plan(cfg, gpu, ranks)
+    except (ModelLoadError, ConfigError, ValueError) as exc:
+        _error("error", exc)
+        raise typer.Exit(1)
+    size, tr = rp.size, rp.trainer
+    title = (
+        f"{cfg.model.name_or_path}: {size.params / 1e9:.2f}B parameters ({size.trainable / 1e9:.2f}B trained), "
+        f"ZeRO-{tr.zero_stage} at {tr.ranks} rank(s), optimizer on {'cpu' if tr.offload == 'cpu' else 'gpu'}, "
+        f"{tr.tokens} tokens per micro-batch"
+    )
+    table = Table("memory", "GiB", "on the GPU in", "rule", title=title)
+    for row in plan_rows(rp):
+        table.add_row(*row)
+    out = Console()
+    out.print(table)
+    try:
+        check_fits(rp.plan, rp.trainer, rp.vllm)
+    except MemoryPlanError as exc:
+        _error("does not fit", exc)
+        raise typer.Exit(1)
+    out.print(f"fits: the highest peak is {rp.plan.worst()[1] / GIB:.1f} of {gpu / GIB:.1f} GiB")
 
 
 def _print_metrics(row: dict, title: str) -> None:
@@ -178,7 +230,7 @@ def generate(overrides: Optional[list[str]] = OVERRIDES) -> None:
     try:
         result = run_generate(cfg, Console())
     except (RunFolderError, FileNotFoundError, ValueError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        _error("error", exc)
         raise typer.Exit(1)
     if result.skipped_problems:
         console.print(f"resumed: {result.skipped_problems} problem(s) already done, {result.new_problems} new")
@@ -199,7 +251,7 @@ def evaluate(
     try:
         report = build_report(run_dir, out, max_trajectories=max_trajectories)
     except (OSError, ReportError) as exc:  # not a run folder, an unreadable run file, an unwritable --out
-        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        _error("error", exc)
         raise typer.Exit(1)
     for problem in report.problems:  # one line each: file:line: reason (skipped)
         console.print(f"[yellow]warning:[/yellow] {problem}", soft_wrap=True, highlight=False)
@@ -227,7 +279,7 @@ def check_template(
     try:
         fam, processor, source = resolve_model(model, family)
     except (CheckError, OSError, ValueError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        _error("error", exc)
         raise typer.Exit(2)
     report = check_prefix(fam, processor, source)
     if as_json:
@@ -263,7 +315,7 @@ def verify_alignment(
         try:
             result = verify_run(run, max_trajectories, checkpoint, not no_logprobs, max_kl)
         except (CheckError, OSError, ValueError) as exc:
-            console.print(f"[red]error:[/red] {exc}")
+            _error("error", exc)
             raise typer.Exit(2)
         typer.echo(to_json(result)) if as_json else print_run_report(result)
         raise typer.Exit(0 if result.ok else 1)
@@ -275,7 +327,7 @@ def verify_alignment(
         try:
             targets = [resolve_model(model, family)[:2]]
         except (CheckError, OSError, ValueError) as exc:
-            console.print(f"[red]error:[/red] {exc}")
+            _error("error", exc)
             raise typer.Exit(2)
     else:
         targets = []

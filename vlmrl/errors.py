@@ -9,3 +9,8 @@ class ConfigError(ValueError):
 class ShmRoomError(ConfigError):
     """The shm weight-sync route's two buffers do not fit in /dev/shm (a container's default is 64 MB); the message
     is one line naming the settings to change."""
+
+
+class MemoryPlanError(ConfigError):
+    """A run whose GPU memory plan (`vlmrl.train.memory_plan`) does not fit its GPU; the message is one line naming
+    the phase, its peak, the GPU's memory and the knobs that lower it."""

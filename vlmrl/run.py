@@ -55,6 +55,7 @@ from vlmrl.tokens.base import TokenBuilder
 from vlmrl.train import dist, loss_agg, overlong, rollout_correction
 from vlmrl.train.async_rollout import BehaviourWeights, Prefetcher, staleness, staleness_metrics
 from vlmrl.train.dynamic_sampling import SampledBatch, sample_until_full
+from vlmrl.train.memory_config import check_run_memory
 from vlmrl.train.step_batch import check_step, export_style, step_samples
 from vlmrl.train.trainer import GRPOTrainer, TrainerSettings
 from vlmrl.types import Sample, Task, Trajectory
@@ -195,6 +196,7 @@ def build_job(cfg: Config, plan: ResumePlan | None = None) -> Job:
     judge = Judge.from_config(cfg)  # a bad template, or a judge server not there, fails before any model loads
     if judge is not None:
         judge.check()
+    check_run_memory(cfg)  # a plan that cannot fit the GPU stops here, before the run folder and the model
     main_rank = int(os.environ.get("RANK", "0")) == 0  # known before torch.distributed starts
     keep_until = None if plan is None or plan.fresh else plan.step
     needed = checkpoint.checkpoint_bytes(plan.checkpoint) if plan is not None and plan.checkpoint else 0

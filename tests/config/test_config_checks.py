@@ -141,7 +141,7 @@ def test_nested_vllm_keys_and_their_defaults():
     # (but for the weight-sync route and sleep mode, resolved for this machine when the config loads)
     assert load("geometry3k_tiny", ["rollout=vllm"]).rollout.vllm == VLLMConfig(weight_sync="shm", sleep=False)
     gpu = load("geometry3k").rollout
-    assert (gpu.engine, gpu.vllm.gpu_memory_utilization, gpu.vllm.limit_mm_per_prompt) == ("vllm", 0.3, 1)
+    assert (gpu.engine, gpu.vllm.gpu_memory_utilization, gpu.vllm.limit_mm_per_prompt) == ("vllm", 0.5, 1)
 
 
 @pytest.mark.parametrize(

@@ -118,6 +118,7 @@ def test_bf16_at_one_rank_steps_fp32_master_weights(qwen25_model):
         (1, {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, {}, 2),  # offload needs ZeRO
         (1, {"zero_optimization": {"offload_optimizer": {"device": "none"}}}, {}, 0),
         (1, {}, {"partition_one_rank": True}, 2),  # resuming a partitioned checkpoint
+        (1, {}, {"dtype": "bf16", "offload_optimizer": "cpu"}, 2),  # trainer.offload_optimizer: ZeRO-Offload
         (1, {}, {"zero_stage": 3}, 0),
         (1, {}, {"dtype": "bf16"}, 1),  # bf16: the lowest stage with fp32 master weights
         (1, {}, {"dtype": "bf16", "zero_stage": 0}, 0),
@@ -132,6 +133,26 @@ def test_effective_zero_stage(tmp_path, world, user, settings, stage):
     assert ds["zero_optimization"]["stage"] == stage
     user_stage = "stage" in user.get("zero_optimization", {})
     assert effective_zero_stage(cfg, ds, world, user_stage) == stage
+
+
+def test_the_offloaded_optimizer_takes_the_same_steps(qwen25_model):
+    """trainer.offload_optimizer=cpu (ZeRO-Offload: fp32 master weights, AdamW states and gradients in host memory)
+    against the optimizer beside the weights, bf16 weights, clipping on: three steps give the same losses and
+    gradient norms and the same weights after, to the bit (on a CPU both step the same fp32 numbers)."""
+    samples = [image_sample(80 + i, n_gen=3 + 2 * i, advantage=a) for i, a in enumerate([1.3, -0.6, 0.8])]
+    samples = with_old_logprobs(qwen25_model, samples, noise=0.3)
+    runs = []
+    for offload in ("none", "cpu"):
+        settings = TrainerSettings(zero_stage=2, lr=LR, micro_batch_size=2, offload_optimizer=offload)
+        trainer = GRPOTrainer(copy.deepcopy(qwen25_model).to(torch.bfloat16).train(), settings)
+        assert trainer.engine.zero_cpu_offload() is (offload == "cpu")
+        stats = [trainer.train_step(samples).as_dict() for _ in range(3)]
+        runs.append(([(s["loss"], s["grad_norm"]) for s in stats], dict(trainer.module.named_parameters())))
+    (gpu_stats, gpu_params), (cpu_stats, cpu_params) = runs
+    assert gpu_stats == cpu_stats and len({loss for loss, _ in gpu_stats}) == 3
+    for name, p in gpu_params.items():
+        assert torch.equal(p.detach(), cpu_params[name].detach()), name
+    assert not torch.equal(gpu_params[name].detach(), dict(qwen25_model.named_parameters())[name].bfloat16())
 
 
 def test_fused_adam_only_where_torch_has_it_and_never_over_the_users_choice():

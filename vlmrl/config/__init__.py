@@ -30,6 +30,7 @@ from vlmrl.config.schema import (
     LoggingConfig,
     LoraSettings,
     ModelConfig,
+    OffloadDevice,
     ResumeConfig,
     ResumeMode,
     RewardConfig,
@@ -58,6 +59,7 @@ __all__ = [
     "EnvConfig",
     "ExportConfig",
     "ExportStyle",
+    "OffloadDevice",
     "JudgeConfig",
     "JudgeShows",
     "LoggingConfig",
@@ -87,14 +89,20 @@ def env_target(env_cfg: Any) -> str:
     return str(target or EnvConfig._target_)
 
 
-def load(recipe: Optional[str] = None, overrides: list[str] | None = None, training: bool = True) -> Config:
+def load(
+    recipe: Optional[str] = None,
+    overrides: list[str] | None = None,
+    training: bool = True,
+    configure_engine: bool = True,
+) -> Config:
     """Compose `conf/config.yaml` + optional `recipes/<recipe>.yaml` + overrides into a validated `Config`.
 
     recipe: a name inside `recipes/` or an absolute path to a YAML file; overrides may hold `config_dir=PATH`
     (`vlmrl.config.compose.compose_config`); training: False for `vlmrl generate` (which allows
-    algorithm.group_size=1). Raises ConfigError (one line) for an unknown recipe, group option, key, a value of the
-    wrong type or out of range. The reward and tool import paths are resolved for a run, not here
-    (`vlmrl.envs.plugins.check_plugins`).
+    algorithm.group_size=1); configure_engine: False leaves what the engine resolves for this machine (vLLM's
+    weight_sync and sleep) as configured, for `vlmrl plan-memory` to plan a GPU run from any machine. Raises
+    ConfigError (one line) for an unknown recipe, group option, key, a value of the wrong type or out of range.
+    The reward and tool import paths are resolved for a run, not here (`vlmrl.envs.plugins.check_plugins`).
     """
     raw = compose_config(recipe, overrides)
     try:
@@ -105,7 +113,9 @@ def load(recipe: Optional[str] = None, overrides: list[str] | None = None, train
         raise ConfigError(one_line(exc)) from exc
     validate_config(cfg, training)
     configure = ROLLOUT_ENGINES.get(cfg.rollout.engine).configure
-    if configure is not None:  # e.g. vllm: the weight-sync route and sleep mode this machine takes, in config.yaml
+    if (
+        configure is not None and configure_engine
+    ):  # e.g. vllm: the weight-sync route and sleep mode this machine takes, in config.yaml
         configure(cfg)
     return cfg
 

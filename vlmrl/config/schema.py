@@ -35,6 +35,14 @@ class ExportStyle(str, Enum):
     individual = "individual"
 
 
+class OffloadDevice(str, Enum):
+    """Where ZeRO keeps the optimizer's states (`trainer.offload_optimizer`; DeepSpeed's
+    `zero_optimization.offload_optimizer.device`)."""
+
+    none = "none"
+    cpu = "cpu"
+
+
 @dataclass
 class LoraSettings:
     """LoRA adapters via peft (`model.lora.r > 0`); the base weights are frozen, the synced/saved weights merged."""
@@ -296,6 +304,17 @@ class TrainerConfig:
     warmup_ratio: float = knob(0.0, "LR warm-up as a share of steps, in [0, 1) (when warmup_steps is 0).")
     gradient_checkpointing: bool = knob(
         False, "Recompute activations in the backward pass (less memory, one more forward per step)."
+    )
+    offload_optimizer: OffloadDevice = knob(
+        OffloadDevice.none,
+        "ZeRO-Offload: cpu keeps the fp32 master weights, AdamW states and fp32 gradients in host memory and steps "
+        "them there (the GPU keeps the bf16 weights; same update, slower step); none: all on the GPU.",
+    )
+    plan_gpu_gib: Optional[float] = knob(
+        None,
+        "The GPU memory in GiB that the run's memory plan is checked against before the model loads (vlmrl "
+        "plan-memory prints the plan): a run whose plan cannot fit stops there. null: this GPU's (no check "
+        "without CUDA); 0: no check.",
     )
     deepspeed_config: Optional[str] = knob(
         None,

@@ -233,6 +233,11 @@ def _range_checks(cfg: Config) -> list[tuple[bool, str]]:
             "trainer.zero_stage=0 with model.dtype=bfloat16 takes DeepSpeed's stage-0 bf16 optimizer, whose steps "
             "differ from AdamW's: use trainer.zero_stage=1 (fp32 master weights; or model.dtype=float32)",
         ),
+        (
+            not (tr.zero_stage == 0 and tr.offload_optimizer != "none"),
+            "trainer.offload_optimizer=cpu needs ZeRO (DeepSpeed offloads from stage 1): use trainer.zero_stage=2",
+        ),
+        (tr.plan_gpu_gib is None or tr.plan_gpu_gib >= 0, "trainer.plan_gpu_gib must be >= 0 (0: no check)"),
         (tr.eval_every >= 0 and tr.align_every >= 0, "trainer.eval_every and align_every must be >= 0"),
         (tr.align_samples >= 1, "trainer.align_samples must be >= 1"),
         (tr.lr_scheduler in _SCHEDULERS, f"trainer.lr_scheduler must be one of {', '.join(_SCHEDULERS)}"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,7 @@ class TrainerSettings:
     warmup_steps: int = TrainerConfig.warmup_steps  # 0: ceil(warmup_ratio * steps)
     warmup_ratio: float = TrainerConfig.warmup_ratio
     gradient_checkpointing: bool = TrainerConfig.gradient_checkpointing
+    offload_optimizer: str = TrainerConfig.offload_optimizer.value  # "none" | "cpu" (ZeRO-Offload)
     deepspeed_config: str | None = TrainerConfig.deepspeed_config  # a user JSON merged under the computed config
     # ZeRO-1/2/3 at one rank: False runs them as stage 0 (`effective_zero_stage`); True keeps the stage (resuming a
     # checkpoint written partitioned, `vlmrl.runs.checkpoint.zero_partitioned`; tests of the stages in one process)
@@ -69,13 +71,15 @@ class TrainerSettings:
         for f in fields(cls):
             for source in (algorithm, trainer):
                 if f.name != "temperature" and hasattr(source, f.name):
-                    values[f.name] = getattr(source, f.name)
+                    value = getattr(source, f.name)
+                    values[f.name] = value.value if isinstance(value, Enum) else value
                     break
         return cls(**values)
 
 
 def deepspeed_config(cfg: TrainerSettings, micro_batch_size: int | None = None) -> dict[str, Any]:
-    """The DeepSpeed config dict: ZeRO stage, torch AdamW, clipping, dtype; gradient_accumulation_steps = 1."""
+    """The DeepSpeed config dict: ZeRO stage, torch AdamW, clipping, dtype, the optimizer's offload device;
+    gradient_accumulation_steps = 1."""
     ds: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro_batch_size or cfg.micro_batch_size,
         "gradient_accumulation_steps": 1,
@@ -90,6 +94,8 @@ def deepspeed_config(cfg: TrainerSettings, micro_batch_size: int | None = None) 
     }
     if cfg.dtype == "bf16":
         ds["bf16"] = {"enabled": True}
+    if cfg.offload_optimizer != "none":  # ZeRO-Offload (DeepSpeed's config: zero_optimization.offload_optimizer)
+        ds["zero_optimization"]["offload_optimizer"] = {"device": cfg.offload_optimizer}
     return ds
 
 

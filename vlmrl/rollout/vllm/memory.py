@@ -19,9 +19,9 @@ import torch
 log = logging.getLogger(__name__)
 
 KNOBS = (
-    "lower vLLM's share (rollout.vllm.gpu_memory_utilization, rollout.vllm.kv_cache_gb) or the update's peak "
-    "(trainer.micro_batch_size or trainer.max_tokens_per_micro_batch, trainer.gradient_checkpointing=true, "
-    "a DeepSpeed offload config in trainer.deepspeed_config)"
+    "lower vLLM's share (rollout.vllm.gpu_memory_utilization, rollout.vllm.kv_cache_gb) or what the trainer keeps "
+    "(trainer.offload_optimizer=cpu, trainer.micro_batch_size or trainer.max_tokens_per_micro_batch, "
+    "trainer.gradient_checkpointing=true); vlmrl plan-memory prints the plan"
 )
 
 
