@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from vlmrl.checks.gpu import _perturb, checks, digests_row, driver_floor, run_row
+from vlmrl.checks.gpu_memory import memory_row
 from vlmrl.checks.gpu_scale import DEFAULT_SCALE_CONFIG, fill_, parameter_bytes, scale_config, scale_model, scale_row
 
 
@@ -76,8 +77,11 @@ def test_scale_row_skips_without_cuda_and_leaves_no_vllm_runs():
     for device in ("cpu", "cuda"):  # `--device cpu`, and a CUDA run on a machine without one
         row = run_row("vllm scale", lambda: scale_row(SimpleNamespace(device=device)))  # type: ignore[arg-type]
         assert row.ok is None and row.detail.startswith("needs a CUDA GPU"), row
+    row = run_row("memory", lambda: memory_row(SimpleNamespace(device="cpu"), DEFAULT_SCALE_CONFIG))  # type: ignore
+    assert row.ok is None and row.detail.startswith("needs a CUDA GPU"), row
     b = SimpleNamespace(device="cuda")
     assert "vllm scale" in [name for name, _ in checks(b, vllm=True)]  # type: ignore[arg-type]
+    assert "memory" in [name for name, _ in checks(b, vllm=False)]  # type: ignore[arg-type]
     assert not [name for name, _ in checks(b, vllm=False) if name.startswith("vllm")]  # type: ignore[arg-type]
     with pytest.raises(FileNotFoundError, match="--scale-config"):
         scale_config("/nonexistent/config.json")

@@ -38,6 +38,7 @@ def test_gpu_check_rows_pass_on_cpu(capsys, monkeypatch):
         "vllm nccl": "skip",  # one GPU at most here
         "vllm sleep": "skip",
         "vllm scale": "skip",  # a 3.75e9-parameter model on a GPU
+        "memory": "skip",  # torch's CUDA allocator statistics
         "train": "ok",
         "train rollout=vllm": "ok",
     }

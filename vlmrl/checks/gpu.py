@@ -13,6 +13,9 @@ no hub; a few minutes. It prints one row per check and exits 1 if any failed.
   the weights, loads new ones, wakes the KV cache, and the parity holds again.
 - `vllm scale` (vlmrl/checks/gpu_scale.py): a random bf16 model of Qwen2.5-VL-3B's shapes (`--scale-config`) synced
   by the ipc and file routes: seconds and GB/s of a sync, digests equal (not run on a GPU yet).
+- `memory` (vlmrl/checks/gpu_memory.py): the memory plan of `--memory-recipe` (geometry3k) rehearsed: its trainer on a
+  random model of the recipe model's shapes beside a process holding vLLM's share, three steps with a sleep and a
+  wake each, the update's peaks against the plan; `--gpu-gib 79.6` emulates an 80 GB GPU (not run on a GPU yet).
 - `train`: `vlmrl train recipe=geometry3k_tiny` for 2 steps on the GPU (transformers engine), and with `rollout=vllm`.
 
 Without a CUDA GPU it says so in one line (exit 1). `--no-vllm` skips the vLLM rows (they fail without vLLM
@@ -369,8 +372,16 @@ def setup(device: str) -> Bench:
     return Bench(device, dtype, processor, builder, seq.prompt(), model, base)
 
 
-def checks(b: Bench, vllm: bool, scale_config: Path | None = None) -> list[tuple[str, Callable[[], str]]]:
-    """The rows to run, in order; `scale_config`: the `vllm scale` row's model config (None: the 3B one)."""
+def checks(
+    b: Bench,
+    vllm: bool,
+    scale_config: Path | None = None,
+    memory_recipe: str = "geometry3k",
+    gpu_gib: float | None = None,
+) -> list[tuple[str, Callable[[], str]]]:
+    """The rows to run, in order; `scale_config`: the `vllm scale` and `memory` rows' model config (None: the 3B
+    one); `memory_recipe` and `gpu_gib`: the `memory` row's recipe and emulated GPU size (None: the GPU's own)."""
+    from vlmrl.checks.gpu_memory import memory_row
     from vlmrl.checks.gpu_scale import DEFAULT_SCALE_CONFIG, scale_row
 
     rows: list[tuple[str, Callable[[], str]]] = [
@@ -383,6 +394,8 @@ def checks(b: Bench, vllm: bool, scale_config: Path | None = None) -> list[tuple
         rows += [("vllm digests", lambda: digests_row(b)), ("vllm nccl", lambda: nccl_row(b))]
         rows += [("vllm sleep", lambda: sleep_row(b))]
         rows += [("vllm scale", lambda: scale_row(b, scale_config or DEFAULT_SCALE_CONFIG))]
+    config = scale_config or DEFAULT_SCALE_CONFIG
+    rows.append(("memory", lambda: memory_row(b, config, memory_recipe, gpu_gib)))
     rows.append(("train", lambda: train_row(b)))
     if vllm:
         rows.append(("train rollout=vllm", lambda: vllm_train_row(b)))
@@ -445,6 +458,10 @@ def main(argv: list[str] | None = None) -> int:
         default=ROOT / "assets" / "scale" / "qwen2_5_vl_3b",
         help="config.json (or its folder) of the `vllm scale` row's random model (default: Qwen2.5-VL-3B's shapes)",
     )
+    parser.add_argument("--memory-recipe", default="geometry3k", help="the `memory` row's recipe (its memory plan)")
+    parser.add_argument(
+        "--gpu-gib", type=float, default=None, help="the `memory` row emulates a GPU of this many GiB (80 GB: 79.6)"
+    )
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print(
@@ -454,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     vllm = not args.no_vllm and importlib.util.find_spec("vllm") is not None
     b = setup(args.device)
-    rows = [run_row(name, fn) for name, fn in checks(b, vllm, args.scale_config)]
+    rows = [run_row(name, fn) for name, fn in checks(b, vllm, args.scale_config, args.memory_recipe, args.gpu_gib)]
     if not args.no_vllm and not vllm:
         rows.append(Row("vllm", False, "vLLM is not installed: make setup-gpu (or --no-vllm to skip these rows)", 0.0))
     print_table(rows)
