@@ -23,7 +23,7 @@ import torch
 
 from vlmrl.checks.gpu import Bench, Skip
 from vlmrl.rollout.vllm.memory import release_cached_memory
-from vlmrl.train.memory_plan import GIB, VLLM_ASLEEP_GIB, Phase
+from vlmrl.train.memory_plan import GIB, VLLM_ASLEEP_GIB, Kind, Phase
 
 STEPS = 3
 ROWS_PER_STEP = 3  # micro-batches of the token budget per step
@@ -56,15 +56,6 @@ def _samples(vocab: int, tokens: int, count: int, seed: int) -> list[Any]:
         mask[tokens // 4 :] = 1.0
         out.append(Sample(ids, mask, torch.zeros(tokens), (-1.0) ** i, None, torch.zeros(tokens, dtype=torch.long)))
     return out
-
-
-def _trainer_side(plan: Any, phase: Phase) -> int:
-    """The plan's peak of `phase` without the CUDA context and vLLM's lines (what torch's allocator counts)."""
-    return sum(
-        line.size
-        for line in plan.lines
-        if phase in line.phases and not line.name.startswith(("vLLM", "CUDA context", "weight-sync"))
-    )
 
 
 def memory_row(b: Bench, scale_config: Path, recipe: str = "geometry3k", gpu_gib: float | None = None) -> str:
@@ -114,7 +105,8 @@ def memory_row(b: Bench, scale_config: Path, recipe: str = "geometry3k", gpu_gib
         child.join(timeout=60)
         del ballast
         release_cached_memory()
-    planned = max(_trainer_side(rp.plan, p) for p in (Phase.backward, Phase.step)) / GIB
+    trainer_side = (Kind.state, Kind.activation)  # what this process's torch allocator counts
+    planned = max(rp.plan.peak(p, trainer_side) for p in (Phase.backward, Phase.step)) / GIB
     detail = (
         f"{recipe} at {gpu / GIB:.1f} GiB: update peaks {', '.join(f'{p:.1f}' for p in peaks)} GiB "
         f"(plan {planned:.1f}), wakes {', '.join(wakes)}"

@@ -104,5 +104,5 @@ def plan_rows(rp: RunPlan) -> list[tuple[str, str, str, str]]:
     for phase in Phase:
         peak = rp.plan.peak(phase)
         rows.append((f"peak: {phase.value}", f"{peak / GIB:.2f}", f"of {rp.plan.gpu_bytes / GIB:.1f} GiB", ""))
-    rows.append(("host memory", f"{rp.plan.host / GIB:.2f}", "", ""))
+    rows.append(("host memory", f"{rp.plan.host() / GIB:.2f}", "", ""))
     return rows

@@ -15,9 +15,11 @@ Rules, in bytes (P parameters, P_t trainable ones, b the weights' bytes per elem
 - the optimizer step's transient (bf16, ZeRO-1/2 on the GPU): DeepSpeed 0.19's `DeepSpeedZeroOptimizer.step`
   (`runtime/zero/stage_1_and_2.py`) flattens the partition's gradients (b * P_t / N) and converts that copy to fp32
   (4 * P_t / N) before it frees the `.grad` tensors.
-- `trainer.offload_optimizer=cpu` (ZeRO-Offload): master weights, AdamW states, fp32 gradients (4 + 8 + 4) * P_t / N
-  and a b * P_t / N staging copy live in host memory; the GPU keeps the gradient reduce bucket (DeepSpeed's
-  `reduce_bucket_size`, 5e8 elements by default) and no step transient.
+- `trainer.offload_optimizer=cpu` (ZeRO-Offload): master weights, AdamW states, fp32 gradients (4 + 8 + 4) * P_t / N,
+  a b * P_t / N staging copy of the weights and, from a step's second micro-batch, its earlier micro-batches'
+  gradients (b * P_t / N, `async_accumulate_grad_in_cpu_via_gpu`) live in host memory, with a copy buffer of the
+  largest tensor on each side; the GPU keeps the gradient reduce bucket (DeepSpeed's `reduce_bucket_size`, 5e8
+  elements by default) and no step transient. bench/memory_plan.py checks these rules against DeepSpeed on a CPU.
 - activations at the micro-batch's T tokens (`activation_bytes`), all tokens taken as loss tokens and every token
   as an image placeholder (an upper bound).
 - vLLM awake: `rollout.vllm.gpu_memory_utilization` of the GPU (vLLM's budget for its weights, activations and KV
@@ -59,6 +61,17 @@ class Phase(str, Enum):
     sync = "weight sync"
 
 
+class Kind(str, Enum):
+    """What a line of the plan is: the trainer's states and buffers, its activations, vLLM's memory, the weight
+    sync's buckets, or a CUDA context."""
+
+    state = "state"
+    activation = "activation"
+    vllm = "vllm"
+    sync = "sync"
+    context = "context"
+
+
 ALL = tuple(Phase)
 UPDATE = (Phase.backward, Phase.step)
 
@@ -72,6 +85,7 @@ class Line:
     size: int
     phases: tuple[Phase, ...]
     rule: str
+    kind: Kind = Kind.state
 
 
 @dataclass(frozen=True)
@@ -105,18 +119,18 @@ class MemoryPlan:
     gpu_bytes: int
     lines: tuple[Line, ...]
 
-    def peak(self, phase: Phase) -> int:
-        """The bytes alive on the GPU in `phase`."""
-        return sum(line.size for line in self.lines if phase in line.phases)
+    def peak(self, phase: Phase, kinds: tuple[Kind, ...] = tuple(Kind)) -> int:
+        """The bytes of `kinds` (default: all) alive on the GPU in `phase`."""
+        return sum(line.size for line in self.lines if phase in line.phases and line.kind in kinds)
 
     def worst(self) -> tuple[Phase, int]:
         """The phase with the highest peak and that peak."""
         return max(((p, self.peak(p)) for p in Phase), key=lambda item: item[1])
 
-    @property
-    def host(self) -> int:
-        """Host memory the plan puts there (offloaded optimizer states, vLLM's weights while asleep)."""
-        return sum(line.size for line in self.lines if not line.phases)
+    def host(self, kinds: tuple[Kind, ...] = tuple(Kind)) -> int:
+        """Host memory of `kinds` (default: all) the plan puts there (offloaded optimizer states, vLLM's weights
+        while asleep)."""
+        return sum(line.size for line in self.lines if not line.phases and line.kind in kinds)
 
 
 def activation_bytes(size: ModelSize, tokens: int, checkpointing: bool) -> dict[str, int]:
@@ -163,11 +177,14 @@ def _optimizer_lines(size: ModelSize, tr: Trainer) -> list[Line]:
         Line("AdamW exp_avg + exp_avg_sq (fp32)", 8 * pt // shard, gpu, "8 B x trainable / ranks (ZeRO-1+)"),
     ]
     if tr.offload == "cpu":
-        bucket = min(REDUCE_BUCKET_ELEMENTS, pt) * b
+        bucket, largest = min(REDUCE_BUCKET_ELEMENTS, pt) * b, size.largest * b
         lines += [
             Line("fp32 gradients", 4 * pt // shard, (), "ZeRO-Offload: 4 B x trainable / ranks"),
             Line("staging copy of the weights", b * pt // shard, (), "ZeRO-Offload: b x trainable / ranks"),
+            Line("gradients of earlier micro-batches", b * pt // shard, (), "ZeRO-Offload: b x trainable / ranks"),
+            Line("host copy buffer", largest, (), "ZeRO-Offload: the largest tensor"),
             Line("gradient reduce bucket", bucket, UPDATE, "reduce_bucket_size (5e8) x b"),
+            Line("device copy buffer", largest, UPDATE, "ZeRO-Offload: the largest tensor"),
         ]
         return lines
     lines.append(Line("gradients", b * pt // grad_shard, UPDATE, "b x trainable (/ ranks at ZeRO-2)"))
@@ -183,28 +200,28 @@ def plan_memory(size: ModelSize, trainer: Trainer, vllm: VLLMShare | None, gpu_b
     b = size.dtype_bytes
     weights = b * size.params // (trainer.ranks if trainer.zero_stage == 3 else 1)
     lines = [
-        Line("CUDA context (trainer)", _gib(CONTEXT_GIB), ALL, "estimate"),
+        Line("CUDA context (trainer)", _gib(CONTEXT_GIB), ALL, "estimate", Kind.context),
         Line("policy weights", weights, ALL, "b x parameters (/ ranks at ZeRO-3)"),
         *_optimizer_lines(size, trainer),
     ]
-    act = activation_bytes(size, trainer.tokens, trainer.checkpointing)
+    act, A, V = activation_bytes(size, trainer.tokens, trainer.checkpointing), Kind.activation, Kind.vllm
     how = "checkpointed" if trainer.checkpointing else "no checkpointing"
     lines += [
-        Line(f"activations kept ({how})", act["kept"], (Phase.backward,), f"{trainer.tokens} tokens"),
-        Line("one layer rebuilt + its gradients", act["rebuilt"], (Phase.backward,), "checkpointing"),
-        Line("loss tokens' logits + gradient", act["logits"], (Phase.backward,), f"{trainer.tokens} x vocab"),
+        Line(f"activations kept ({how})", act["kept"], (Phase.backward,), f"{trainer.tokens} tokens", A),
+        Line("one layer rebuilt + its gradients", act["rebuilt"], (Phase.backward,), "checkpointing", A),
+        Line("loss tokens' logits + gradient", act["logits"], (Phase.backward,), f"{trainer.tokens} x vocab", A),
     ]
     if vllm is not None:
         asleep = _gib(VLLM_ASLEEP_GIB) if vllm.sleeps else vllm.awake
         woken = b * size.params if vllm.sleeps else 0
         lines += [
-            Line("vLLM awake (beyond asleep)", vllm.awake - asleep, (Phase.rollout,), f"{vllm.share:g} of the GPU"),
-            Line("vLLM asleep" if vllm.sleeps else "vLLM (no sleep)", asleep, ALL, "estimate; awake: in its share"),
-            Line("vLLM weights woken for the sync", woken, (Phase.sync,), "b x parameters"),
-            Line("weight-sync buckets", 2 * vllm.bucket, (Phase.sync,), "2 x bucket"),
+            Line("vLLM awake (beyond asleep)", vllm.awake - asleep, (Phase.rollout,), f"{vllm.share:g} of the GPU", V),
+            Line("vLLM asleep" if vllm.sleeps else "vLLM (no sleep)", asleep, ALL, "estimate; awake: in its share", V),
+            Line("vLLM weights woken for the sync", woken, (Phase.sync,), "b x parameters", V),
+            Line("weight-sync buckets", 2 * vllm.bucket, (Phase.sync,), "2 x bucket", Kind.sync),
         ]
         if vllm.sleeps:
-            lines.append(Line("vLLM weights while asleep (host)", woken, (), "sleep level 1"))
+            lines.append(Line("vLLM weights while asleep (host)", woken, (), "sleep level 1", V))
     return MemoryPlan(gpu_bytes, tuple(line for line in lines if line.size > 0))
 
 
