@@ -10,7 +10,7 @@ import pytest
 from grader_server import fold, grade, read_lookalike
 from judge_cases import QUESTION, episode, task
 
-from vlmrl.config import JudgeConfig, JudgeShows
+from vlmrl.config import JudgeConfig, JudgeShows, RewardConfig
 from vlmrl.errors import ConfigError
 from vlmrl.judge.prompt import DEFAULT_TEMPLATE, TEMPLATE_BYTES, JudgeTemplate, case_of, judge_messages, parse_verdict
 from vlmrl.judge.quote import defuse_fences, guard_control, nonce_of
@@ -248,6 +248,33 @@ def test_a_long_field_is_cut_in_the_middle_and_the_fences_and_rubric_stay():
     head, cut, tail = re.search(rf"\[answer {nonce}\]\n(.*)\n(\(.*\))\n(.*)\n\[/answer {nonce}\]", text, re.S).groups()
     assert head == reply[:1_000] and tail == reply[-1_000:] and tail.endswith("\\boxed{red}.")
     assert cut == f"(... {len(reply) - 2_000} characters of the answer cut ...)"
+
+
+def test_a_field_is_capped_in_the_judges_tokens_where_they_are_known(qwen25_processor):
+    """15,000 digits are 15,000 Qwen tokens (its pre-tokenizer splits digits one by one) in 15,000 characters, within
+    the character cap: a transformers judge's prompt (the stage passes its client's tokenizer) keeps the first and
+    last 2,048 tokens around a line naming the 10,904 cut; a server judge's (no tokenizer) sends the field whole."""
+    from vlmrl.judge.clients import JudgeClient
+    from vlmrl.judge.stage import Judge
+
+    tokenizer = qwen25_processor.tokenizer
+    reply = "".join(str(i % 10) for i in range(15_000))
+    assert len(tokenizer.encode(reply, add_special_tokens=False)) == 15_000 and len(reply) < LIMIT
+    traj = episode(task(), reply)
+
+    class Local(JudgeClient):
+        async def complete(self, messages, max_tokens):
+            return "Score: 0"
+
+    reward = RewardConfig()
+    judge = Judge(reward, Local(), JudgeTemplate.load(None))
+    assert reply in judge.prompt(traj, "red")[0].content[-1].text
+    judge.client.tokenizer = tokenizer
+    text = judge.prompt(traj, "red")[0].content[-1].text
+    nonce = re.search(r"\[answer ([0-9a-f]{16})\]", text).group(1)
+    head, cut, tail = re.search(rf"\[answer {nonce}\]\n(.*)\n(\(.*\))\n(.*)\n\[/answer {nonce}\]", text, re.S).groups()
+    assert (head, tail) == (reply[:2_048], reply[-2_048:])
+    assert cut == f"(... {15_000 - 4_096} tokens of the answer cut ...)" and reward.judge.max_field_tokens == 4_096
 
 
 def test_a_transcript_turn_the_reply_forges_carries_no_marker():

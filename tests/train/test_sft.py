@@ -3,6 +3,7 @@ cross-entropy objective of the trainer, and a checkpoint that `vlmrl train` and 
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -15,7 +16,9 @@ from vlmrl.envs import colors
 from vlmrl.export import to_samples
 from vlmrl.sft import demo_trajectory, load_demos
 from vlmrl.tokens import get_builder
+from vlmrl.train.settings import TrainerSettings
 from vlmrl.train.sft_loss import sft_loss
+from vlmrl.train.trainer import GRPOTrainer
 from vlmrl.types import ImagePart, Message, Role, TextPart
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -124,11 +127,13 @@ def _clip(folder: Path, frames: int = 4) -> list[Path]:
     return paths
 
 
-def test_a_demo_video_is_carried_as_a_video_or_refused_naming_the_line(tmp_path, qwen25_processor):
+def test_a_demo_video_is_carried_as_a_video_or_refused_naming_the_line(tmp_path, qwen25_processor, qwen25_model):
     """A video part of a JSONL demonstration (a GIF, or a list of frame files) is read as a video with the family's
-    sampling: all its frames reach the token builder, whose ids are the processor's own render of the conversation;
-    a run that reads no video refuses it in one line naming the file's line (never the GIF's first frame as an
-    image)."""
+    sampling: all its frames reach the token builder, whose ids are the processor's own render of the conversation,
+    and an SFT step's loss is the masked mean NLL of the model run on the processor's own render (its
+    `pixel_values_videos`, `video_grid_thw`, `second_per_grid_ts`; M-RoPE positions after a video by the reference
+    rule, `vlmrl.modeling.video_positions`, as vLLM samples); a run that reads no video refuses it in one line
+    naming the file's line (never the GIF's first frame as an image)."""
     from vlmrl.config import VideoConfig
     from vlmrl.data.row_videos import row_videos
     from vlmrl.types import VideoPart
@@ -143,12 +148,33 @@ def test_a_demo_video_is_carried_as_a_video_or_refused_naming_the_line(tmp_path,
     cfg = load("colors_sft_tiny", [f"sft.demos={path}"])
     videos = row_videos("qwen2_5_vl", None, qwen25_processor, VideoConfig())
     builder = get_builder("qwen2_5_vl", qwen25_processor)
+    from vlmrl.modeling.video_positions import use_reference_video_positions
+
+    use_reference_video_positions()
+    trajs, nll, count = [], 0.0, 0.0
     for demo in load_demos(cfg, videos):
         part = demo[0].content[0]
         assert isinstance(part, VideoPart) and part.video.read().frames.shape == (4, 56, 56, 3)
         traj = demo_trajectory(builder, demo, "demo-0")
         full = builder.render_full(demo)
         assert traj.tokens.ids == full.ids and traj.tokens.ids.count(builder.video_token_id) > 0
+        trajs.append(traj)
+        ids, mask = torch.tensor([full.ids]), torch.tensor(traj.tokens.loss_mask[1:], dtype=torch.float64)
+        with torch.no_grad():
+            logits = qwen25_model(
+                input_ids=ids,
+                pixel_values_videos=full.video.pixel_values_videos,
+                video_grid_thw=full.video.video_grid_thw,
+                second_per_grid_ts=full.video.second_per_grid_ts,
+                mm_token_type_ids=(ids == builder.video_token_id).long() * 2,
+            ).logits[0]
+        logp = torch.log_softmax(logits.double(), -1)[:-1].gather(1, ids[0, 1:, None])[:, 0]
+        nll, count = nll - float((logp * mask).sum()), count + float(mask.sum())
+    settings = TrainerSettings(zero_stage=2, lr=1e-3, micro_batch_size=1, max_grad_norm=0.0)
+    trainer = GRPOTrainer(copy.deepcopy(qwen25_model).train(), settings, family="qwen2_5_vl", objective="sft")
+    samples = to_samples(trajs, ExportStyle.concat, builder.image_token_id, video_token_id=builder.video_token_id)
+    assert all(s.video is not None for s in samples)
+    assert trainer.train_step(samples).loss == pytest.approx(nll / count, rel=1e-5)
     with pytest.raises(ValueError) as err:
         load_demos(cfg, row_videos("gemma3", None, qwen25_processor, VideoConfig()))
     assert str(err.value) == (

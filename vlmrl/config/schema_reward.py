@@ -67,6 +67,11 @@ class JudgeConfig:
         "Characters of each field the judge reads (the question, the reference, the answer, each turn and the whole "
         "transcript); a longer one keeps its first and last halves around a line saying how many were cut.",
     )
+    max_field_tokens: int = knob(
+        4096,
+        "Tokens of each field where the judge's tokenizer is known (client=transformers), after max_field_chars: a "
+        "longer one keeps the text of its first and last halves around a line saying how many were cut; 0: none.",
+    )
     extra_body: Dict[str, Any] = knob(
         help="More fields of each chat request (client=openai), e.g. vLLM's structured_outputs: {regex: ...} to hold "
         "a small judge to the verdict format; {}: none.",

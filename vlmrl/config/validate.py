@@ -142,6 +142,7 @@ def _reward_checks(cfg: Config) -> list[tuple[bool, str]]:
         (j.max_retries >= 0, "reward.judge.max_retries must be >= 0"),
         (j.max_tokens >= 1, "reward.judge.max_tokens must be >= 1"),
         (j.max_field_chars >= 64, "reward.judge.max_field_chars must be >= 64"),
+        (j.max_field_tokens == 0 or j.max_field_tokens >= 16, "reward.judge.max_field_tokens must be >= 16 (0: none)"),
         (j.client != "openai" or bool(j.url), "reward.judge.client=openai needs reward.judge.url"),
         (bool(j.model), f"reward.judge.client={j.client} needs reward.judge.model"),
         (

@@ -42,9 +42,11 @@ class JudgeError(Exception):
 
 
 class JudgeClient(ABC):
-    """One judge model. requests: the requests sent so far (retries included)."""
+    """One judge model. requests: the requests sent so far (retries included); tokenizer: the judge's own HF
+    tokenizer where this process has it (a transformers judge; None for a server's)."""
 
     requests: int = 0
+    tokenizer: Any = None
 
     def check(self, images: bool) -> None:
         """Raise ConfigError (one line naming the key) when the judge cannot serve this run; images: the tasks hold
@@ -265,6 +267,7 @@ class TransformersJudge(JudgeClient):
         model, processor = load_policy(model_cfg)
         model.eval()
         self.builder = get_builder(family, processor)
+        self.tokenizer = getattr(processor, "tokenizer", processor)
         self.engine = make_engine(
             RolloutConfig(engine="transformers"), lambda: contextlib.nullcontext(model), processor, self.builder
         )

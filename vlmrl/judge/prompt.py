@@ -23,7 +23,7 @@ from pathlib import Path
 
 from vlmrl.config.schema import ASSETS, JudgeShows
 from vlmrl.errors import ConfigError
-from vlmrl.judge.quote import FIELDS, cap, fence, nonce_of, quote
+from vlmrl.judge.quote import FIELDS, TokenCap, cap, fence, nonce_of, quote
 from vlmrl.types import ImagePart, Message, Role, TextPart, Trajectory
 
 DEFAULT_TEMPLATE = ASSETS / "judge" / "default.txt"
@@ -160,16 +160,20 @@ def verdict_instruction(nonce: str, low: int, high: int, transcript: bool = Fals
     )
 
 
-def judge_messages(template: JudgeTemplate, case: JudgeCase, low: int, high: int, limit: int) -> list[Message]:
+def judge_messages(
+    template: JudgeTemplate, case: JudgeCase, low: int, high: int, limit: int, tokens: TokenCap | None = None
+) -> list[Message]:
     """The judge's prompt for `case`: one user message, [images..., text]. Each field (each turn of a transcript) is
-    quoted (`vlmrl.judge.quote.quote`: at most `limit` characters, fence look-alikes defused, control tokens
-    guarded) and fenced; a transcript's turns are marked `<role> NONCE:`, a marker no quoted text can write."""
-    texts = {name: quote(getattr(case, name), limit, name) for name in ("question", "reference")}
-    turns = [(role, quote(text, limit, f"{role} turn")) for role, text in case.turns or []]
-    answer = quote(case.answer, limit, "answer")
+    quoted (`vlmrl.judge.quote.quote`: at most `limit` characters and, with `tokens`, at most its limit of the
+    judge's tokens; fence look-alikes defused, control tokens guarded) and fenced; a transcript's turns are marked
+    `<role> NONCE:`, a marker no quoted text can write."""
+    texts = {name: quote(getattr(case, name), limit, name, tokens) for name in ("question", "reference")}
+    turns = [(role, quote(text, limit, f"{role} turn", tokens)) for role, text in case.turns or []]
+    answer = quote(case.answer, limit, "answer", tokens)
     nonce = nonce_of(*texts.values(), answer, *(text for _, text in turns))
     if case.turns is not None:  # the whole transcript is capped too: many turns, each within the limit
         answer = cap("\n".join(f"{role} {nonce}: {text}" for role, text in turns), limit, "transcript")
+        answer = tokens.cut(answer, "transcript") if tokens else answer
     body = template.fill({name: fence(name, t, nonce) for name, t in {**texts, "answer": answer}.items()})
     text = f"{body.rstrip()}\n\n{verdict_instruction(nonce, low, high, case.turns is not None)}"
     return [Message(Role.USER, [*case.images, TextPart(text)])]

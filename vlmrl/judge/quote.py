@@ -3,7 +3,8 @@
 Each field (the question, the reference, the answer or each turn of a transcript) goes through `quote`:
 1. `cap`: at most `limit` characters, cut from the middle with a line in parentheses saying how many went (no
    bracket: the line cannot open or close a fence), so a server that truncates long prompts from the left cannot
-   lose the opening fences and the rubric;
+   lose the opening fences and the rubric; where the judge's tokenizer is known (`TokenCap`), also at most its
+   `limit` tokens, cut the same way;
 2. `defuse_fences`: a run that a reader could take for a fence line (`[answer`, `[/answer`, `［/answer`,
    `[/ans<U+200D>wer`, `[∕answer`, a closer without the nonce, an opener left unclosed) has its opening bracket
    replaced by `(`;
@@ -21,6 +22,8 @@ import hashlib
 import re
 import unicodedata
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from vlmrl.tokens.base import JOINER  # the builders' control-token guard uses the same character
 
@@ -98,10 +101,30 @@ def cap(text: str, limit: int, what: str) -> str:
     return cut_middle(text, limit, lambda n: f"(... {n} characters of the {what} cut ...)")
 
 
-def quote(text: str, limit: int, what: str) -> str:
-    """`text` as a judge prompt quotes it: capped, fence look-alikes defused, control tokens guarded (module
-    docstring)."""
-    return guard_control(defuse_fences(cap(text, limit, what)))
+@dataclass(frozen=True)
+class TokenCap:
+    """A field's cap in tokens where the judge's tokenizer is known (a transformers judge): `limit` tokens of
+    `tokenizer` (an HF tokenizer; special-token text counted as the tokenizer parses it)."""
+
+    tokenizer: Any
+    limit: int
+
+    def cut(self, text: str, what: str) -> str:
+        """`text` when it has at most `limit` tokens, else the text of its first and last `limit // 2` tokens around
+        the line `(... N tokens of the <what> cut ...)` (no bracket, like `cap`'s)."""
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) <= self.limit:
+            return text
+        half = self.limit // 2
+        head, tail = self.tokenizer.decode(ids[:half]), self.tokenizer.decode(ids[-half:])
+        return f"{head}\n(... {len(ids) - 2 * half} tokens of the {what} cut ...)\n{tail}"
+
+
+def quote(text: str, limit: int, what: str, tokens: TokenCap | None = None) -> str:
+    """`text` as a judge prompt quotes it: capped (in characters, then in `tokens` where given), fence look-alikes
+    defused, control tokens guarded (module docstring)."""
+    text = cap(text, limit, what)
+    return guard_control(defuse_fences(tokens.cut(text, what) if tokens else text))
 
 
 def nonce_of(*texts: str) -> str:

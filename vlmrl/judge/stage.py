@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from vlmrl.config.schema import Config, RewardConfig
 from vlmrl.judge.clients import JudgeClient, JudgeError, one_line
 from vlmrl.judge.prompt import JudgeTemplate, case_of, judge_messages, last_line, parse_verdict
-from vlmrl.judge.quote import cut_middle
+from vlmrl.judge.quote import TokenCap, cut_middle
 from vlmrl.registry import JUDGE_CLIENTS
 from vlmrl.rollout.skipped_rows import prompt_too_long
 from vlmrl.types import Judgement, Message, Task, Trajectory
@@ -96,7 +96,11 @@ class Judge:
     def prompt(self, traj: Trajectory, reference: str) -> list[Message]:
         """The judge's prompt for one episode (`vlmrl.judge.prompt.judge_messages`)."""
         case = case_of(traj, reference, self.cfg.shows, self.cfg.images)
-        return judge_messages(self.template, case, self.cfg.min_score, self.cfg.max_score, self.cfg.max_field_chars)
+        tokenizer, limit = self.client.tokenizer, self.cfg.max_field_tokens
+        tokens = TokenCap(tokenizer, limit) if tokenizer is not None and limit else None
+        return judge_messages(
+            self.template, case, self.cfg.min_score, self.cfg.max_score, self.cfg.max_field_chars, tokens
+        )
 
     def score(self, trajs: list[Trajectory], tasks: list[Task]) -> JudgeRound:
         """Judge every episode that sampled a turn (concurrently, bounded); set its `judgement` and its reward
