@@ -18,8 +18,9 @@ controllers), each worker starts inside its own cgroup:
 
 `controllers()` says once which of the two work here; `new_cgroup(caps)` makes one (None where neither can be made),
 `WorkerCgroup.wrap(argv)` is the command line that enters it before the worker starts, `oom_kills()` tells an
-OOM kill from other deaths, `remove()` deletes it once empty. Folders left by a trainer that died are removed by the
-next one (`vlmrl-tools-<pid>-<n>`, pid no longer running).
+OOM kill from other deaths, `remove()` deletes it once empty. Folders left by a trainer that died are removed by its
+reaper (`vlmrl.tools.cgroup_reaper`, started with its first cgroup: it sees the trainer's end through a pipe, an OOM
+kill included) and, should that have died too, by the next trainer (`vlmrl-tools-<pid>-<n>`, pid no longer running).
 """
 
 from __future__ import annotations
@@ -33,10 +34,12 @@ import subprocess
 import time
 from dataclasses import dataclass
 
-PREFIX = "vlmrl-tools-"
+from vlmrl.tools.cgroup_reaper import PREFIX, start_reaper
+
 CONTROLLERS = ("pids", "memory")
 _COUNTER = itertools.count()
 _LEFT: set[str] = set()  # this process's cgroup folders that were still busy when removed: retried later
+_REAPERS: dict[int, subprocess.Popen] = {}  # by the pid that made the folders (a forked child starts its own)
 
 
 @dataclass(frozen=True)
@@ -183,6 +186,8 @@ def new_cgroup(caps: Caps, only: tuple[str, ...] = CONTROLLERS) -> WorkerCgroup 
                 _rmdir(folder, 0)
             continue
         folders[controller] = folder
+    if folders and os.getpid() not in _REAPERS:
+        _REAPERS[os.getpid()] = start_reaper(list(dict.fromkeys(roots().values())))
     return WorkerCgroup(folders) if folders else None
 
 
