@@ -113,3 +113,22 @@ def test_an_estimator_and_an_engine_from_outside_the_package_run_a_step(tmp_path
     assert [t["advantage"] for t in trajs] == [t["reward"] - 0.5 for t in trajs]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1] and metrics[0]["loss"] != 0.0
+
+
+def test_a_name_registered_twice_by_two_definitions_is_one_line_naming_both():
+    from vlmrl.registry import Registry
+
+    def first(cfg, trajs) -> None: ...
+
+    def second(cfg, trajs) -> None: ...
+
+    reg: Registry = Registry("algorithm.advantage", ())
+    reg.add("mine", first)
+    assert reg.add("mine", first) is first  # the same definition again (its module imported twice): kept
+    with pytest.raises(ValueError) as err:
+        reg.add("mine", second)
+    here = f"{__name__}.test_a_name_registered_twice_by_two_definitions_is_one_line_naming_both.<locals>"
+    assert str(err.value) == (
+        f"algorithm.advantage: 'mine' is registered twice, by {here}.first and by {here}.second: rename one"
+    )
+    assert reg.get("mine") is first

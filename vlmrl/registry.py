@@ -30,6 +30,17 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
+def origin(entry: object) -> str:
+    """Where `entry` is defined, as `module.qualname`: its own for a function or class, else that of the first
+    function or class among its attributes (a spec wrapping a factory), else its type's."""
+    candidates = [entry, *vars(entry).values()] if hasattr(entry, "__dict__") else [entry]
+    for item in candidates:
+        module, name = getattr(item, "__module__", None), getattr(item, "__qualname__", None)
+        if isinstance(module, str) and isinstance(name, str):
+            return f"{module}.{name}"
+    return f"{type(entry).__module__}.{type(entry).__qualname__} instance"
+
+
 class Registry(Generic[T]):
     """Named entries of one kind. key: the config key that names an entry (for errors); builtins: the modules that
     register the built-in entries, imported on the first lookup."""
@@ -41,9 +52,16 @@ class Registry(Generic[T]):
         self._loaded = False
 
     def add(self, name: str, entry: T) -> T:
-        """Register `entry` under `name` (a later registration under the same name replaces it). Returns `entry`."""
+        """Register `entry` under `name`. Returns `entry`. The same definition registered again (its module imported
+        twice, or reloaded) replaces it; raises ValueError naming both definitions (`origin`) when another one
+        already holds the name, and for a name that is empty or holds ':'."""
         if not name or ":" in name:
             raise ValueError(f"{self.key}: {name!r} is not a registry name (no ':' and not empty)")
+        held = self._entries.get(name)
+        if held is not None and origin(held) != origin(entry):
+            raise ValueError(
+                f"{self.key}: {name!r} is registered twice, by {origin(held)} and by {origin(entry)}: rename one"
+            )
         self._entries[name] = entry
         return entry
 

@@ -78,6 +78,20 @@ def test_example_env_by_target_with_its_own_keys(monkeypatch, tmp_path):
     assert r1.done and r1.correct and r1.reward == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize("target", ["examples.shapes.env:ShapesEnv", "examples.shapes.env.ShapesEnv"])
+def test_both_import_path_forms_build_the_environment(monkeypatch, target):
+    """`env._target_` by `pkg.mod:Class` (the documented plug-in form) and by the dotted path build the same class;
+    the factory pickles (it crosses to tool workers and rollout threads)."""
+    import pickle
+
+    monkeypatch.chdir(ROOT)
+    overrides = [o for o in EXAMPLE if not o.startswith("env._target_=")] + [f"env._target_={target}"]
+    factory = make_env_factory(load(None, overrides).env)
+    from examples.shapes.env import ShapesEnv
+
+    assert type(factory()) is ShapesEnv and type(pickle.loads(pickle.dumps(factory))()) is ShapesEnv
+
+
 def from_yaml_text(text: str, tmp_path: Path) -> object:
     """`from_yaml` of a run folder's config.yaml holding `text`."""
     path = tmp_path / "config.yaml"

@@ -33,60 +33,28 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, cast
 
 import torch
 
+from vlmrl.checks.gpu_bench import (  # noqa: F401 - Row, Skip, same_digests: also this module's names
+    BF16_TOL,
+    DIAGRAMS,
+    KV_GB,
+    ROOT,
+    SYNC_BUCKET_MB,
+    TEMPERATURE,
+    Bench,
+    Row,
+    Skip,
+    run_row,
+    same_digests,
+)
+from vlmrl.checks.gpu_memory import memory_row
+from vlmrl.checks.gpu_scale import DEFAULT_SCALE_CONFIG, scale_row
 from vlmrl.errors import ShmRoomError
 from vlmrl.rollout.vllm.memory import release_cached_memory
-
-ROOT = Path(__file__).resolve().parents[1]
-DIAGRAMS = ROOT / "assets" / "data" / "geometry3k" / "images"
-TEMPERATURE = 0.7
-BF16_TOL = 0.15  # max |Δ logprob| bf16 vs fp32 (a tiny random model: logprobs near -ln(151936) = -11.9)
-KV_GB = 1.0
-SYNC_BUCKET_MB = 4  # several buckets even for the tiny model: the digests row checks a bucketed transfer
-
-
-class Skip(Exception):
-    """A row that does not apply here (not a failure)."""
-
-
-@dataclass
-class Row:
-    """One check: ok True/False, None when skipped; `detail` one line; seconds of wall time."""
-
-    check: str
-    ok: bool | None
-    detail: str
-    seconds: float
-
-
-@dataclass
-class Bench:
-    """What the rows share: the device, the processor and token builder, the two-image prompt, the GPU model."""
-
-    device: str
-    dtype: torch.dtype
-    processor: Any
-    builder: Any
-    prompt: Any  # EnginePrompt: the two-image user turn, ready for generation
-    model: torch.nn.Module  # the policy the engines sync from, on `device` in `dtype`
-    base: dict[str, torch.Tensor]  # its initial weights (each route starts from them)
-    digests: dict[str, dict[str, str]] = field(default_factory=dict)
-
-
-def run_row(name: str, fn: Callable[[], str]) -> Row:
-    """`fn()`'s detail as a passing row; Skip -> skipped; any other exception -> a failing row naming it."""
-    t0 = time.perf_counter()
-    try:
-        return Row(name, True, fn(), time.perf_counter() - t0)
-    except Skip as skip:
-        return Row(name, None, str(skip), time.perf_counter() - t0)
-    except Exception as exc:  # a check's failure is a row, never a crash of the whole check
-        return Row(name, False, f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}", time.perf_counter() - t0)
 
 
 def cuda_row(b: Bench) -> str:
@@ -203,19 +171,6 @@ def route_row(b: Bench, route: str) -> str:
 
 def digests_row(b: Bench) -> str:
     return same_digests(b.digests)
-
-
-def same_digests(digests: dict[str, dict[str, str]]) -> str:
-    """One line saying every route's vLLM parameter digests ({route: {parameter: digest}}) equal the file route's.
-    Raises RuntimeError when fewer than two routes (or no file route) ran, or naming a route whose digests differ."""
-    if "file" not in digests or len(digests) < 2:
-        raise RuntimeError(f"too few routes ran to compare digests: {sorted(digests)}")
-    ref = digests["file"]
-    for route, sums in digests.items():
-        wrong = [k for k in ref if sums.get(k) != ref[k]]
-        if wrong or len(sums) != len(ref):
-            raise RuntimeError(f"{route}: {len(wrong)} of {len(ref)} digests differ from the file route's: {wrong[:3]}")
-    return f"{len(ref)} parameter digests equal across {', '.join(sorted(digests))}"
 
 
 def sleep_row(b: Bench) -> str:
@@ -381,9 +336,6 @@ def checks(
 ) -> list[tuple[str, Callable[[], str]]]:
     """The rows to run, in order; `scale_config`: the `vllm scale` and `memory` rows' model config (None: the 3B
     one); `memory_recipe` and `gpu_gib`: the `memory` row's recipe and emulated GPU size (None: the GPU's own)."""
-    from vlmrl.checks.gpu_memory import memory_row
-    from vlmrl.checks.gpu_scale import DEFAULT_SCALE_CONFIG, scale_row
-
     rows: list[tuple[str, Callable[[], str]]] = [
         ("cuda", lambda: cuda_row(b)),
         ("trainer bf16", lambda: trainer_row(b)),
@@ -478,7 +430,5 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if any(r.ok is False for r in rows) else 0
 
 
-if __name__ == "__main__":  # main of the imported module: gpu_scale's rows raise its Skip, not a `__main__` copy's
-    from vlmrl.checks import gpu
-
-    sys.exit(gpu.main())
+if __name__ == "__main__":
+    sys.exit(main())

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from vlmrl.checks.gpu import Bench, Skip
+from vlmrl.checks.gpu_bench import Bench, Skip
 from vlmrl.rollout.vllm.memory import release_cached_memory
 from vlmrl.train.memory_plan import GIB, VLLM_ASLEEP_GIB, Kind, Phase
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from vlmrl.checks.gpu import KV_GB, Bench, Skip, same_digests
+from vlmrl.checks.gpu_bench import KV_GB, Bench, Skip, same_digests
 from vlmrl.rollout.vllm.memory import release_cached_memory
 
 DEFAULT_SCALE_CONFIG = Path(__file__).resolve().parents[1] / "assets" / "scale" / "qwen2_5_vl_3b"

@@ -29,12 +29,13 @@ __all__ = ["Environment", "StepResult", "check_plugins", "env_config", "make_env
 
 
 def make_env_factory(env_cfg: EnvConfig | Mapping[str, Any]) -> Callable[[], Environment]:
-    """A picklable zero-argument factory of fresh environments: `hydra.utils.instantiate` of `env._target_` with
+    """A picklable zero-argument factory of fresh environments: `hydra.utils.instantiate` of the class `env._target_`
+    names (`env_class`: either import path form, `pkg.mod:Class` or `pkg.mod.Class`, or a registered name) with
     `_partial_=True`, given the typed config. Raises ConfigError for a bad target, key or value."""
     from hydra.utils import instantiate
 
     cfg = env_config(env_cfg)
-    return instantiate({"_target_": cfg._target_, "_partial_": True}, cfg)
+    return instantiate({"_target_": env_class(cfg._target_), "_partial_": True}, cfg)
 
 
 def load_env_tasks(
