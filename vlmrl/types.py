@@ -221,6 +221,9 @@ class EndReason(str, Enum):
     # the row's prompt alone fills rollout.max_context_tokens: no turn sampled, the row is skipped
     # (`vlmrl.rollout.skipped_rows`)
     PROMPT_TOO_LONG = "prompt_too_long"
+    # the environment's step raised (e.g. a reward function): the turn's reward is NaN, so the episode leaves its
+    # GRPO group and is counted (`vlmrl.runs.resume.split_unusable`), never a 0 and never the end of the run
+    ENV_ERROR = "env_error"
 
 
 # Conventional per-turn metric keys, the one place they are defined: what an environment reports for a graded turn

@@ -179,3 +179,31 @@ def test_exports_concat_and_individual(setup):
         n_placeholders = int((sample.input_ids == builder.image_token_id).sum())
         assert n_placeholders == int(sample.vision.image_grid_thw.prod(-1).sum()) // 4
     assert ExportConfig().style is ExportStyle.concat
+
+
+def test_an_environment_that_raises_costs_its_episode_not_the_run(setup, caplog):
+    """A step that raises (a reward function dividing by zero) ends that episode with `env_error` and a NaN turn
+    reward, so it leaves its GRPO group and is counted; its group's other episode and the run go on."""
+    import math
+
+    from vlmrl.envs import env_config
+    from vlmrl.runs.resume import split_unusable
+
+    env_cfg, tasks, builder = setup
+    cls = type(make_env_factory(env_cfg)())
+
+    class Raising(cls):  # type: ignore[misc, valid-type]
+        def step(self, assistant_text, turn, last_turn):
+            if "boom" in assistant_text:
+                raise ZeroDivisionError("division by zero")
+            return super().step(assistant_text, turn, last_turn)
+
+    typed = env_config(env_cfg)
+    engine = ScriptedEngine(builder.tokenizer, ["boom", f"\\boxed{{{tasks[0].meta['answer_value']}}}"])
+    limits = EpisodeLimits(max_turns=3, max_context_tokens=4096, turn_discount=0.9)
+    runner = EpisodeRunner(builder, engine, lambda: Raising(typed), limits, SamplingParams(max_new_tokens=32))
+    a, b = runner.run([tasks[0]], group_size=2)
+    assert a.end_reason == "env_error" and len(a.turns) == 1 and math.isnan(a.turns[0].reward)
+    assert b.end_reason == "env_done" and b.reward == pytest.approx(1.0)
+    assert split_unusable([a, b])[0] == [b]
+    assert "Raising.step raised (ZeroDivisionError: division by zero); the episode is excluded" in caplog.text

@@ -288,7 +288,20 @@ class EpisodeRunner:
         assert gen is not None and self.batcher is not None
         turn = len(ep.turns)
         last = turn + 1 >= self.limits.max_turns
-        result = await self.batcher.offload(ep.env.step, gen.text, turn, last)
+        try:
+            result = await self.batcher.offload(ep.env.step, gen.text, turn, last)
+        except Exception as err:  # noqa: BLE001 - a reward function or environment that raises costs its episode
+            why = " ".join(f"{type(err).__name__}: {err}".split())[:300]
+            log.warning(
+                "task %s turn %d: %s.step raised (%s); the episode is excluded",
+                ep.task.id,
+                turn,
+                type(ep.env).__name__,
+                why,
+            )
+            ep.turns.append(Turn(gen, float("nan"), {}))
+            self._end(ep, EndReason.ENV_ERROR)
+            return
         ep.turns.append(Turn(gen, result.reward, dict(result.metrics)))
         if result.done or last or not result.messages:
             self._end(ep, EndReason.MAX_TURNS if last and not result.correct else EndReason.ENV_DONE)
