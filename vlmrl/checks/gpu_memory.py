@@ -82,6 +82,7 @@ def memory_row(b: Bench, scale_config: Path, recipe: str = "geometry3k", gpu_gib
     ballast = torch.empty(max(total - gpu, 0), dtype=torch.uint8, device="cuda")
     awake = rp.vllm.awake if rp.vllm else 0
     asleep = min(awake, int(VLLM_ASLEEP_GIB * GIB)) if rp.vllm and rp.vllm.sleeps else awake
+    model = trainer = None
     try:
         orders.put(awake)
         assert answers.get(timeout=120) == "ok", f"vLLM's share ({awake / GIB:.1f} GiB) did not fit at the start"
@@ -89,7 +90,7 @@ def memory_row(b: Bench, scale_config: Path, recipe: str = "geometry3k", gpu_gib
         algorithm = dataclasses.replace(cfg.algorithm, rollout_correction="off")
         settings = TrainerSettings.from_config(cfg.trainer, algorithm, cfg.rollout.temperature)
         trainer = GRPOTrainer(model, settings, family=cfg.model.family)
-        samples = _samples(151_000, rp.trainer.tokens, ROWS_PER_STEP, 0)
+        samples = _samples(min(rp.size.vocab, 151_643), rp.trainer.tokens, ROWS_PER_STEP, 0)  # below Qwen's specials
         peaks, wakes = [], []
         for _ in range(STEPS):
             orders.put(asleep)
@@ -103,7 +104,7 @@ def memory_row(b: Bench, scale_config: Path, recipe: str = "geometry3k", gpu_gib
     finally:
         orders.put(None)
         child.join(timeout=60)
-        del ballast
+        del ballast, model, trainer  # the rows after this one get the GPU back
         release_cached_memory()
     trainer_side = (Kind.state, Kind.activation)  # what this process's torch allocator counts
     planned = max(rp.plan.peak(p, trainer_side) for p in (Phase.backward, Phase.step)) / GIB
