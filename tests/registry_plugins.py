@@ -6,24 +6,21 @@ names them by one config line each: `algorithm.advantage=registry_plugins:reward
 from __future__ import annotations
 
 from vlmrl.rollout.engines import register_engine, transformers_engine
-from vlmrl.train.advantages import episode_advantages, register_advantage
+from vlmrl.train.advantages import Advantages, episode_advantages, register_advantage
 
 BUILT: list[str] = []  # the `rollout.engine` value of every engine the counting factory built
 
 
 @register_advantage("reward_minus_half")
-def reward_minus_half(cfg, trajs) -> None:
+def reward_minus_half(cfg, trajs) -> Advantages:
     """advantage = reward - 0.5, no group statistics (a value GRPO never gives for a group of equal rewards)."""
-    for t in trajs:
-        t.advantage = t.reward - 0.5
+    return Advantages([t.reward - 0.5 for t in trajs])
 
 
 @register_advantage("negated_episode")
-def negated_episode(cfg, trajs) -> None:
+def negated_episode(cfg, trajs) -> Advantages:
     """GRPO's `episode` advantages with their sign flipped: a run that learns with `episode` must not learn with it."""
-    episode_advantages(cfg, trajs)
-    for t in trajs:
-        t.advantage = -t.advantage
+    return Advantages([-a for a in episode_advantages(cfg, trajs).episode])
 
 
 @register_engine("counting", shares_policy_module=True, needs_rollout_correction=False)

@@ -10,9 +10,10 @@ from conftest import GEOMETRY3K
 
 from vlmrl.config import ConfigError, ExportStyle, load
 from vlmrl.export import to_samples
+from vlmrl.train.advantages import AdvantageEstimator, Advantages, assign_advantages
 from vlmrl.train.dynamic_sampling import sample_until_full, split_groups
 from vlmrl.train.overlong import apply_soft_penalty, length_penalty, overlong_metrics
-from vlmrl.train.turn_advantages import assign_turn_advantages, reward_to_go, turn_advantages
+from vlmrl.train.turn_advantages import reward_to_go, trajectory_turn_advantages, turn_advantages
 from vlmrl.types import Generation, StopReason, Task, TokenSeq, Trajectory, Turn
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is deprecated.*:FutureWarning")
@@ -94,14 +95,32 @@ def test_turn_advantages_by_hand():
 def test_turn_advantages_reach_individual_samples():
     a = _traj([(2, StopReason.EOS, 0.1), (2, StopReason.EOS, 1.0)])
     b = _traj([(2, StopReason.EOS, 0.0)])
-    assign_turn_advantages([a, b], gamma=0.5, scale_by_std=False)
+    out = trajectory_turn_advantages([a, b], gamma=0.5, scale_by_std=False)
+    assert (a.advantage, a.turn_advantages, b.turn_advantages) == (0.0, [], [])  # pure: nothing written
+    estimator = AdvantageEstimator("turn", lambda cfg, trajs: out, per_turn=True)
+    assign_advantages(estimator, None, [a, b])  # type: ignore[arg-type]
     samples = to_samples([a, b], ExportStyle.individual, image_token_id=999)
     assert [s.advantage for s in samples] == pytest.approx([0.05, 19 / 30, -11 / 30])
     assert a.advantage == pytest.approx(0.05)  # the trajectory's advantage is its first turn's
     # the overlong penalty goes into its own turn's reward: A's turn 1 gets -0.2 -> R = {0.1, 0.8, 0.0}, mean 0.3,
     # r~ A = [-0.2, 0.5], B = [-0.3]; A_0 = -0.2 + 0.5 * 0.5 = 0.05, A_1 = 0.5
-    assign_turn_advantages([a, b], gamma=0.5, scale_by_std=False, penalties=[[0.0, -0.2], [0.0]])
-    assert a.turn_advantages == pytest.approx([0.05, 0.5]) and b.turn_advantages == pytest.approx([-0.3])
+    out = trajectory_turn_advantages([a, b], gamma=0.5, scale_by_std=False, penalties=[[0.0, -0.2], [0.0]])
+    assert out.turns[0] == pytest.approx([0.05, 0.5]) and out.turns[1] == pytest.approx([-0.3])
+
+
+def test_an_estimator_that_writes_instead_of_returning_is_one_line_naming_it():
+    """Estimators are pure: one that returns None (the old in-place form) or the wrong count is a TypeError naming
+    it, and nothing is written."""
+    a, b = _traj([(2, StopReason.EOS, 0.1)]), _traj([(2, StopReason.EOS, 0.0)])
+
+    def in_place(cfg, trajs):
+        for t in trajs:
+            t.reward += 0.0
+
+    for fn, needle in [(in_place, "returned NoneType"), (lambda c, t: Advantages([1.0]), "1 advantages for 2")]:
+        with pytest.raises(TypeError, match=needle) as err:
+            assign_advantages(AdvantageEstimator("mine", fn), None, [a, b])  # type: ignore[arg-type]
+        assert str(err.value).startswith("advantage estimator 'mine' (") and (a.advantage, b.advantage) == (0.0, 0.0)
 
 
 def test_turn_advantages_need_individual_export():

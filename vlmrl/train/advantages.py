@@ -2,9 +2,11 @@
 GRPO's group advantages (pure Python, no torch): `group_advantages`, the `episode` estimator. The `turn` estimator
 (per-turn reward-to-go) is in `vlmrl.train.turn_advantages`.
 
-An estimator is one function `assign(cfg, trajectories)` that writes `Trajectory.advantage` (and, for a per-turn
-estimator, `Trajectory.turn_advantages`, one per assistant turn) for one step's trajectories, decorated with
-`@register_advantage(name)`. A new estimator is its own module plus one config line
+An estimator is one pure function `estimate(cfg, trajectories) -> Advantages`: it reads one step's trajectories (their
+rewards, GRPO groups, turns) and returns their advantages (and, for a per-turn estimator, one per assistant turn)
+without changing anything, as verl's estimators are functions of arrays (`verl/trainer/ppo/core_algos.py`);
+`assign_advantages` checks what it returns and writes it onto the trajectories. It is decorated with
+`@register_advantage(name)`; a new estimator is its own module plus one config line
 `algorithm.advantage=package.module:name`.
 """
 
@@ -16,34 +18,64 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from vlmrl.registry import ADVANTAGE_ESTIMATORS
+from vlmrl.registry import ADVANTAGE_ESTIMATORS, origin
 
 if TYPE_CHECKING:
     from vlmrl.config import Config
     from vlmrl.types import Trajectory
 
-AssignFn = Callable[["Config", "list[Trajectory]"], None]
+
+@dataclass(frozen=True)
+class Advantages:
+    """One step's advantages in the order of its trajectories: `episode` [N], and for a per-turn estimator `turns`
+    [N][turns of episode i] (the episode's advantage is then usually its first turn's)."""
+
+    episode: list[float]
+    turns: list[list[float]] | None = None
+
+
+EstimateFn = Callable[["Config", "Sequence[Trajectory]"], Advantages]
 
 
 @dataclass(frozen=True)
 class AdvantageEstimator:
-    """A registered advantage estimator. assign: writes the advantages of one step's trajectories (all GRPO groups
-    of this rank); per_turn: it writes one advantage per assistant turn (`Trajectory.turn_advantages`), which only
+    """A registered advantage estimator. estimate: the advantages of one step's trajectories (all GRPO groups of this
+    rank), without side effects; per_turn: it gives one advantage per assistant turn, which only
     `export.style=individual` (one sample per turn) can train on."""
 
     name: str
-    assign: AssignFn
+    estimate: EstimateFn
     per_turn: bool = False
 
 
-def register_advantage(name: str, *, per_turn: bool = False) -> Callable[[AssignFn], AssignFn]:
-    """Decorator: register `fn(cfg, trajectories)` as the advantage estimator `name` (see `AdvantageEstimator`)."""
+def register_advantage(name: str, *, per_turn: bool = False) -> Callable[[EstimateFn], EstimateFn]:
+    """Decorator: register `fn(cfg, trajectories) -> Advantages` as the advantage estimator `name` (see
+    `AdvantageEstimator`)."""
 
-    def deco(fn: AssignFn) -> AssignFn:
-        ADVANTAGE_ESTIMATORS.add(name, AdvantageEstimator(name=name, assign=fn, per_turn=per_turn))
+    def deco(fn: EstimateFn) -> EstimateFn:
+        ADVANTAGE_ESTIMATORS.add(name, AdvantageEstimator(name=name, estimate=fn, per_turn=per_turn))
         return fn
 
     return deco
+
+
+def assign_advantages(estimator: AdvantageEstimator, cfg: Config, trajs: list[Trajectory]) -> None:
+    """Write `estimator`'s advantages onto `trajs` (`Trajectory.advantage`, and `turn_advantages` for a per-turn
+    estimator). Raises TypeError naming the estimator when it returns anything but an `Advantages` with one finite
+    advantage per trajectory (and, per turn, one per turn of each)."""
+    out = estimator.estimate(cfg, trajs)
+    where = f"advantage estimator {estimator.name!r} ({origin(estimator)})"
+    if not isinstance(out, Advantages):
+        raise TypeError(f"{where} returned {type(out).__name__}; it must return Advantages (estimators are pure)")
+    if len(out.episode) != len(trajs):
+        raise TypeError(f"{where} returned {len(out.episode)} advantages for {len(trajs)} trajectories")
+    turns = out.turns
+    if estimator.per_turn and (turns is None or [len(t) for t in turns] != [len(t.turns) for t in trajs]):
+        raise TypeError(f"{where} is per turn but did not return one advantage per turn of each trajectory")
+    for i, traj in enumerate(trajs):
+        traj.advantage = float(out.episode[i])
+        if turns is not None:
+            traj.turn_advantages = [float(a) for a in turns[i]]
 
 
 def group_advantages(
@@ -74,11 +106,8 @@ def group_advantages(
 
 
 @register_advantage("episode")
-def episode_advantages(cfg: Config, trajs: list[Trajectory]) -> None:
+def episode_advantages(cfg: Config, trajs: Sequence[Trajectory]) -> Advantages:
     """GRPO: one advantage per trajectory, its reward normalised within its group (`group_advantages`, with
     `algorithm.scale_by_std`)."""
-    advs = group_advantages(
-        [t.reward for t in trajs], [t.group for t in trajs], scale_by_std=cfg.algorithm.scale_by_std
-    )
-    for traj, adv in zip(trajs, advs):
-        traj.advantage = adv
+    rewards, groups = [t.reward for t in trajs], [t.group for t in trajs]
+    return Advantages(group_advantages(rewards, groups, scale_by_std=cfg.algorithm.scale_by_std))

@@ -27,6 +27,7 @@ from vlmrl.rewards import REWARD_BOUND
 from vlmrl.rollout.skipped_rows import SkippedRow, prompt_too_long
 from vlmrl.runs.resume import nonfinite_episodes, split_unusable
 from vlmrl.tokens.base import PrefixMode, TokenBuilder
+from vlmrl.train.advantages import assign_advantages
 from vlmrl.train.dynamic_sampling import SampledBatch
 from vlmrl.types import Sample, Trajectory
 
@@ -58,8 +59,8 @@ def export_style(requested: ExportStyle, builder: TokenBuilder, keep_images: int
 
 def assign_step_advantages(cfg: Config, trajs: list[Trajectory]) -> None:
     """The advantages of `algorithm.advantage` (a registered estimator, `vlmrl.registry.ADVANTAGE_ESTIMATORS`),
-    written onto the trajectories."""
-    ADVANTAGE_ESTIMATORS.get(cfg.algorithm.advantage).assign(cfg, trajs)
+    written onto the trajectories (`assign_advantages`)."""
+    assign_advantages(ADVANTAGE_ESTIMATORS.get(cfg.algorithm.advantage), cfg, trajs)
 
 
 def step_samples(

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from vlmrl.train import overlong
-from vlmrl.train.advantages import group_advantages, register_advantage
+from vlmrl.train.advantages import Advantages, group_advantages, register_advantage
 from vlmrl.types import Trajectory
 
 if TYPE_CHECKING:
@@ -55,23 +55,21 @@ def turn_advantages(
     return out
 
 
-def assign_turn_advantages(
-    trajs: list[Trajectory], gamma: float, scale_by_std: bool, penalties: list[list[float]] | None = None
-) -> None:
-    """Write `turn_advantages` (and `advantage` = the first turn's) onto the trajectories. penalties: per-turn
+def trajectory_turn_advantages(
+    trajs: Sequence[Trajectory], gamma: float, scale_by_std: bool, penalties: list[list[float]] | None = None
+) -> Advantages:
+    """The trajectories' `turn_advantages` (and each episode's advantage = its first turn's). penalties: per-turn
     overlong penalties added to the turn rewards (`vlmrl.train.overlong.apply_soft_penalty`), or None."""
     rewards = [
         [t.reward + (penalties[i][k] if penalties else 0.0) for k, t in enumerate(traj.turns)]
         for i, traj in enumerate(trajs)
     ]
     advs = turn_advantages(rewards, [t.group for t in trajs], gamma, scale_by_std)
-    for traj, adv in zip(trajs, advs):
-        traj.turn_advantages = adv
-        traj.advantage = adv[0] if adv else 0.0
+    return Advantages([adv[0] if adv else 0.0 for adv in advs], advs)
 
 
 @register_advantage("turn", per_turn=True)
-def turn_estimator(cfg: Config, trajs: list[Trajectory]) -> None:
+def turn_estimator(cfg: Config, trajs: Sequence[Trajectory]) -> Advantages:
     """`algorithm.advantage=turn`: each turn's discounted (`algorithm.turn_discount`) reward-to-go of the group's
     normalised turn rewards, each turn's overlong penalty (`algorithm.overlong_buffer` > 0) added to its reward."""
     alg = cfg.algorithm
@@ -83,4 +81,4 @@ def turn_estimator(cfg: Config, trajs: list[Trajectory]) -> None:
         if alg.overlong_buffer
         else None
     )
-    assign_turn_advantages(trajs, alg.turn_discount, alg.scale_by_std, pens)
+    return trajectory_turn_advantages(trajs, alg.turn_discount, alg.scale_by_std, pens)
