@@ -14,3 +14,9 @@ class ShmRoomError(ConfigError):
 class MemoryPlanError(ConfigError):
     """A run whose GPU memory plan (`vlmrl.train.memory_plan`) does not fit its GPU; the message is one line naming
     the phase, its peak, the GPU's memory and the knobs that lower it."""
+
+
+def error_line(err: BaseException) -> str:
+    """`err` as `Type: message` on one line (whitespace runs collapsed), at most 300 characters: how a failure that
+    becomes data (a failed judgement, an excluded episode) names its cause."""
+    return f"{type(err).__name__}: {' '.join(str(err).split())}"[:300]

@@ -113,9 +113,8 @@ def load(
         raise ConfigError(one_line(exc)) from exc
     validate_config(cfg, training)
     configure = ROLLOUT_ENGINES.get(cfg.rollout.engine).configure
-    if (
-        configure is not None and configure_engine
-    ):  # e.g. vllm: the weight-sync route and sleep mode this machine takes, in config.yaml
+    # e.g. vllm: the weight-sync route and sleep mode this machine takes, in config.yaml
+    if configure is not None and configure_engine:
         configure(cfg)
     return cfg
 

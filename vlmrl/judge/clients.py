@@ -32,7 +32,7 @@ from typing import Any, Callable
 from PIL import Image
 
 from vlmrl.config.schema import JudgeConfig, ModelConfig, RolloutConfig
-from vlmrl.errors import ConfigError
+from vlmrl.errors import ConfigError, error_line
 from vlmrl.registry import JUDGE_CLIENTS
 from vlmrl.types import ImagePart, Message, Role, TextPart
 
@@ -110,11 +110,6 @@ def _shape(value: Any) -> str:
     return f"{type(value).__name__} {' '.join(repr(value).split())[:80]}"
 
 
-def one_line(err: BaseException) -> str:
-    """`err` as `Type: message` on one line (whitespace runs collapsed), at most 300 characters."""
-    return f"{type(err).__name__}: {' '.join(str(err).split())}"[:300]
-
-
 REPLY_BYTES = 8 << 20  # the largest reply body read from a judge server (a completion of max_tokens is a few KB)
 
 
@@ -157,7 +152,7 @@ async def _cap_body(response: Any) -> None:
 def _failure(err: BaseException) -> str:
     """An openai error on one line, with the exception it wraps (a connection error's cause: a capped body)."""
     cause = err.__cause__
-    return f"{one_line(err)} ({one_line(cause)})"[:300] if cause is not None else one_line(err)
+    return f"{error_line(err)} ({error_line(cause)})"[:300] if cause is not None else error_line(err)
 
 
 class OpenAIJudge(JudgeClient):
@@ -206,7 +201,7 @@ class OpenAIJudge(JudgeClient):
         except openai.OpenAIError as err:
             raise JudgeError(_failure(err)) from None
         except Exception as err:  # noqa: BLE001 - a body the client cannot read (truncated, too deep) is a failed judgement
-            raise JudgeError(f"unreadable reply ({one_line(err)})") from None
+            raise JudgeError(f"unreadable reply ({error_line(err)})") from None
         return reply_text(reply)
 
     def check(self, images: bool) -> None:
@@ -288,7 +283,7 @@ class TransformersJudge(JudgeClient):
                 with self.engine.session():
                     ((gen,),) = self.engine.generate([seq.prompt()], 1, params)
             except Exception as err:  # noqa: BLE001 - a judgement that cannot run is a failed judgement
-                raise JudgeError(one_line(err)) from None
+                raise JudgeError(error_line(err)) from None
         return gen.text
 
 

@@ -20,7 +20,8 @@ import time
 from dataclasses import dataclass
 
 from vlmrl.config.schema import Config, RewardConfig
-from vlmrl.judge.clients import JudgeClient, JudgeError, one_line
+from vlmrl.errors import error_line
+from vlmrl.judge.clients import JudgeClient, JudgeError
 from vlmrl.judge.prompt import JudgeTemplate, case_of, judge_messages, last_line, parse_verdict
 from vlmrl.judge.quote import TokenCap, cut_middle
 from vlmrl.registry import JUDGE_CLIENTS
@@ -150,7 +151,7 @@ class Judge:
             except JudgeError as err:
                 return Judgement(math.nan, "", str(err))
             except Exception as err:  # noqa: BLE001 - a client (a plug-in too) never ends the run: a failed judgement
-                return Judgement(math.nan, "", f"the judge client raised {one_line(err)}"[:300])
+                return Judgement(math.nan, "", f"the judge client raised {error_line(err)}"[:300])
         if not isinstance(reply, str):
             return Judgement(math.nan, "", f"the judge client returned a {type(reply).__name__}, not text")
         score = parse_verdict(reply, self.cfg.min_score, self.cfg.max_score)

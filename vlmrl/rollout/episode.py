@@ -38,6 +38,7 @@ import torch
 
 from vlmrl.data.video import check_shown
 from vlmrl.envs.base import Environment
+from vlmrl.errors import error_line
 from vlmrl.image_fit import fit_messages
 from vlmrl.rewards import episode_reward
 from vlmrl.rollout.batcher import Dispatcher, make_dispatcher
@@ -291,13 +292,12 @@ class EpisodeRunner:
         try:
             result = await self.batcher.offload(ep.env.step, gen.text, turn, last)
         except Exception as err:  # noqa: BLE001 - a reward function or environment that raises costs its episode
-            why = " ".join(f"{type(err).__name__}: {err}".split())[:300]
             log.warning(
                 "task %s turn %d: %s.step raised (%s); the episode is excluded",
                 ep.task.id,
                 turn,
                 type(ep.env).__name__,
-                why,
+                error_line(err),
             )
             ep.turns.append(Turn(gen, float("nan"), {}))
             self._end(ep, EndReason.ENV_ERROR)

@@ -61,8 +61,9 @@ def register_advantage(name: str, *, per_turn: bool = False) -> Callable[[Estima
 
 def assign_advantages(estimator: AdvantageEstimator, cfg: Config, trajs: list[Trajectory]) -> None:
     """Write `estimator`'s advantages onto `trajs` (`Trajectory.advantage`, and `turn_advantages` for a per-turn
-    estimator). Raises TypeError naming the estimator when it returns anything but an `Advantages` with one finite
-    advantage per trajectory (and, per turn, one per turn of each)."""
+    estimator). Raises TypeError naming the estimator when it returns anything but an `Advantages` with one
+    advantage per trajectory (and, per turn, one per turn of each); a non-finite one is the step's to catch
+    (`vlmrl.runs.resume.nonfinite_episodes`)."""
     out = estimator.estimate(cfg, trajs)
     where = f"advantage estimator {estimator.name!r} ({origin(estimator)})"
     if not isinstance(out, Advantages):

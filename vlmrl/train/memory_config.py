@@ -21,7 +21,7 @@ from vlmrl.train.memory_plan import (
     check_fits,
     plan_memory,
 )
-from vlmrl.train.settings import TrainerSettings, load_deepspeed_config
+from vlmrl.train.settings import TrainerSettings, load_deepspeed_config, offload_device
 
 
 @dataclass(frozen=True)
@@ -42,10 +42,9 @@ def trainer_of(cfg: Config, size: ModelSize, ranks: int) -> Trainer:
     settings = TrainerSettings.from_config(cfg.trainer, algorithm, cfg.rollout.temperature)
     settings = dataclasses.replace(settings, dtype="bf16" if size.dtype_bytes == 2 else "fp32")
     ds = load_deepspeed_config(settings, ranks, "cuda")
-    zero = ds["zero_optimization"]
-    offload = str((zero.get("offload_optimizer") or {}).get("device", "none"))
     tokens = settings.max_tokens_per_micro_batch or settings.micro_batch_size * cfg.rollout.max_context_tokens
-    return Trainer(int(zero["stage"]), ranks, offload, tokens, settings.gradient_checkpointing)
+    stage = int(ds["zero_optimization"]["stage"])
+    return Trainer(stage, ranks, offload_device(ds), tokens, settings.gradient_checkpointing)
 
 
 def vllm_share(cfg: Config, size: ModelSize, gpu_bytes: int, ranks: int) -> VLLMShare | None:

@@ -225,7 +225,7 @@ def plan_memory(size: ModelSize, trainer: Trainer, vllm: VLLMShare | None, gpu_b
     return MemoryPlan(gpu_bytes, tuple(line for line in lines if line.size > 0))
 
 
-def lowering_knobs(plan: MemoryPlan, phase: Phase, trainer: Trainer, vllm: VLLMShare | None) -> list[str]:
+def lowering_knobs(phase: Phase, trainer: Trainer, vllm: VLLMShare | None) -> list[str]:
     """The config keys that lower `phase`'s peak, given what is already set."""
     knobs = [] if trainer.offload == "cpu" else ["trainer.offload_optimizer=cpu"]
     if phase is Phase.rollout and vllm is not None:
@@ -247,7 +247,7 @@ def check_fits(plan: MemoryPlan, trainer: Trainer, vllm: VLLMShare | None, where
     phase, peak = plan.worst()
     if peak <= plan.gpu_bytes:
         return
-    knobs = ", ".join(lowering_knobs(plan, phase, trainer, vllm))
+    knobs = ", ".join(lowering_knobs(phase, trainer, vllm))
     see = f" ({where})" if where else ""
     raise MemoryPlanError(
         f"memory plan: the {phase.value} phase needs {peak / GIB:.3g} GiB on a GPU of {plan.gpu_bytes / GIB:.3g} "

@@ -116,12 +116,16 @@ def effective_zero_stage(cfg: TrainerSettings, ds: dict[str, Any], world: int, u
     """
     zero = ds.get("zero_optimization", {})
     stage = int(zero.get("stage", cfg.zero_stage))
-    offload = any(
-        str((zero.get(k) or {}).get("device", "none")) != "none" for k in ("offload_optimizer", "offload_param")
-    )
+    offload = any(offload_device(ds, k) != "none" for k in ("offload_optimizer", "offload_param"))
     if world > 1 or offload or user_stage or cfg.partition_one_rank:
         return stage
     return min(stage, 1 if cfg.dtype == "bf16" else 0)
+
+
+def offload_device(ds: dict[str, Any], what: str = "offload_optimizer") -> str:
+    """The device ("none", "cpu", "nvme") of the DeepSpeed config `ds`'s `zero_optimization.<what>` section
+    (`offload_optimizer` or `offload_param`); "none" without one."""
+    return str((ds.get("zero_optimization", {}).get(what) or {}).get("device", "none"))
 
 
 def with_fused_adam(ds: dict[str, Any], device_type: str) -> dict[str, Any]:
