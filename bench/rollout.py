@@ -152,7 +152,7 @@ def build(engine_name: str, model, processor, episodes: int, turns: int, max_new
         builder,
         recording,
         make_env_factory(env_cfg),
-        EpisodeLimits(turns, 8192, 0.95),
+        EpisodeLimits(turns, 8192),
         SamplingParams(max_new_tokens=max_new),
     )
     trajs = runner.run(tasks, GROUP, seed=0)

@@ -3,17 +3,24 @@
 - `extract_boxed` / `math_equal`: read the last `\\boxed{...}` of a reply; compare answers with math-verify.
   (Geometry3K's multiple-choice grading lives with its environment: `vlmrl.envs.geometry3k.grading`; GRPO's group
   advantages with the trainer's maths: `vlmrl.train.advantages`.)
-- `episode_reward`: max over turns of r_t * gamma**t (AReaL #931).
-- `usable_reward`: the bound a reward must respect to be trained on (`REWARD_BOUND`).
+- `call_reward_func`: one trl-style reward function called on a batch of completions, its scores checked.
+- The rules of the reward stage (`vlmrl.reward.stage`): `episode_reward` (max over turns of r_t * gamma**t, AReaL
+  #931), `length_penalty` (DAPO's soft overlong penalty), `usable_reward` (the bound a reward must respect to be
+  trained on, `REWARD_BOUND`).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
+from vlmrl.config.schema_reward import CompletionFormat, RewardSpec
+from vlmrl.errors import ConfigError, error_line
 from vlmrl.types import CORRECT, FORMATTED, PARSE_FAIL
 
 MAX_ANSWER_CHARS = 256  # longer boxed contents are not handed to math-verify (UNPARSABLE)
@@ -179,3 +186,119 @@ def word_turn(text: str, answer: str) -> tuple[float, dict[str, float], str]:
     formatted, correct = bool(said), bool(said) and said == answer
     metrics = {CORRECT: float(correct), FORMATTED: float(formatted), PARSE_FAIL: float(not formatted)}
     return 0.9 * correct + 0.1 * formatted, metrics, said
+
+
+def length_penalty(length: int, max_len: int, buffer: int, factor: float = 1.0) -> float:
+    """DAPO's soft overlong penalty (Yu et al. 2025, "DAPO", eq. 13) times `factor` (verl's
+    `overlong_buffer.penalty_factor`); 0.0 when buffer <= 0 (off). Units: tokens; L_max = max_len, L_cache = buffer:
+
+        0                                    if length <= L_max - L_cache
+        ((L_max - L_cache) - length) / L_cache   if L_max - L_cache < length <= L_max
+        -1                                   if length > L_max
+    """
+    if buffer <= 0:
+        return 0.0
+    expected = max_len - buffer
+    if length <= expected:
+        return 0.0
+    if length <= max_len:
+        return factor * (expected - length) / buffer
+    return -factor
+
+
+RewardFunc = Callable[..., Sequence[float | None]]
+RESERVED_KWARGS = ("prompts", "completions", "completion_ids")  # a dataset column of one of these names is not passed
+
+
+class RewardFuncError(Exception):
+    """A reward function that raised or returned something other than one score per completion (one line naming
+    it)."""
+
+
+@dataclass
+class RewardBatch:
+    """What trl's `reward_funcs` get for n completions: completions and prompts (texts), completion_ids (the sampled
+    token ids, [n][tokens]), columns (each dataset column, and `ground_truth`, as a list of n values)."""
+
+    completions: list[str]
+    prompts: list[str]
+    completion_ids: list[list[int]] = field(default_factory=list)
+    columns: dict[str, list[Any]] = field(default_factory=dict)
+
+    def kwargs(self, form: CompletionFormat) -> dict[str, Any]:
+        """The keyword arguments, in trl's standard format (texts) or its conversational one (prompts and
+        completions as message lists: `[{"role": "assistant", "content": text}]`)."""
+        prompts: list[Any] = list(self.prompts)
+        completions: list[Any] = list(self.completions)
+        if form is CompletionFormat.conversational:
+            prompts = [[{"role": "user", "content": p}] for p in self.prompts]
+            completions = [[{"role": "assistant", "content": c}] for c in self.completions]
+        cols = {k: v for k, v in self.columns.items() if k not in RESERVED_KWARGS}
+        ids = self.completion_ids or [[] for _ in self.completions]
+        return {**cols, "prompts": prompts, "completions": completions, "completion_ids": ids}
+
+
+def call_reward_func(fn: RewardFunc, path: str, batch: RewardBatch, form: CompletionFormat) -> list[float]:
+    """[len(batch.completions)] the scores of `fn` (`path`: how it is named) on the batch, in trl's signature
+    `fn(prompts, completions, completion_ids, **columns) -> list[float | None]`; None ("not applicable") is 0.0.
+    Raises RewardFuncError (one line naming `path`) when fn raises, or returns anything but one number or None per
+    completion."""
+    n = len(batch.completions)
+    try:
+        out = fn(**batch.kwargs(form))
+    except Exception as err:  # noqa: BLE001 - a user's function may raise anything: its episodes are excluded
+        raise RewardFuncError(f"reward function {path} raised {error_line(err)}"[:300]) from err
+    if isinstance(out, (str, bytes)) or not isinstance(out, Sequence) or len(out) != n:
+        got = f"{len(out)} scores" if isinstance(out, Sequence) and not isinstance(out, (str, bytes)) else repr(out)
+        raise RewardFuncError(f"reward function {path} returned {got[:80]} for {n} completions")
+    scores = []
+    for value in out:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            try:
+                value = float(value)  # numpy and torch scalars
+            except (TypeError, ValueError):
+                raise RewardFuncError(
+                    f"reward function {path} returned a {type(value).__name__} score; expected a number or None"
+                ) from None
+        scores.append(0.0 if value is None else float(value))
+    return scores
+
+
+@dataclass(frozen=True)
+class LoadedRewardFunc:
+    """A `RewardSpec` with its function imported."""
+
+    fn: RewardFunc
+    path: str
+    weight: float
+    form: CompletionFormat
+
+    def __call__(self, batch: RewardBatch) -> list[float]:
+        """The unweighted scores of the batch (`call_reward_func`; raises RewardFuncError)."""
+        return call_reward_func(self.fn, self.path, batch, self.form)
+
+
+def load_reward_funcs(specs: Sequence[RewardSpec], key: str) -> list[LoadedRewardFunc]:
+    """Each spec's function imported (`key`: the config list they come from, e.g. `reward.funcs`). Raises
+    ConfigError naming `key[i].fn` for one that cannot be imported, is not callable, or takes no `completions`
+    keyword (trl's signature: `fn(completions, **kwargs)`)."""
+    from vlmrl.config.compose import import_path
+
+    out = []
+    for i, spec in enumerate(specs):
+        where = f"{key}[{i}].fn"
+        fn = import_path(spec.fn, where)
+        if not callable(fn):
+            raise ConfigError(f"{where}: {spec.fn!r} is not callable")
+        try:
+            params = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):  # a builtin without a signature: taken as it is
+            params = None
+        if params is not None and not any(
+            p.kind is p.VAR_KEYWORD or (p.name == "completions" and p.kind is not p.POSITIONAL_ONLY) for p in params
+        ):
+            raise ConfigError(
+                f"{where}: {spec.fn!r} takes no `completions` keyword; expected fn(completions, **kwargs)"
+            )
+        out.append(LoadedRewardFunc(fn, spec.fn, float(spec.weight), CompletionFormat(spec.completions)))
+    return out

@@ -22,10 +22,10 @@ from vlmrl.config import AlgorithmConfig, Config, ExportStyle, to_yaml
 from vlmrl.data.row_videos import row_videos
 from vlmrl.envs import check_plugins, load_env_tasks
 from vlmrl.evaluation.during_training import EvalSetup, eval_during_training
-from vlmrl.judge import Judge, JudgeRound
 from vlmrl.modeling.adapters import prepare_policy
 from vlmrl.modeling.loading import load_policy
 from vlmrl.registry import ROLLOUT_ENGINES
+from vlmrl.reward import RewardRound, RewardStage, usable_episode
 from vlmrl.rollout import engine_video_refusal
 from vlmrl.rollout.engine import derive_seed
 from vlmrl.rollout.episode import EpisodeRunner
@@ -47,7 +47,6 @@ from vlmrl.runs.resume import (
     TrainingInterrupted,
     plan_resume,
     record_resume,
-    usable_episode,
 )
 from vlmrl.runs.trackers import make_loggers
 from vlmrl.seeding import set_seed
@@ -77,23 +76,21 @@ def prompts_at(tasks: list[Task], start: int, batch_size: int, rank: int, world:
 
 def sample_step(job: "Job", step: int, position: int) -> SampledBatch:
     """The step's rollouts from the data position `position`: one round of trainer.batch_size prompts, or DAPO
-    dynamic sampling rounds (vlmrl.train.dynamic_sampling); the soft overlong penalty is added to the rewards. Each
-    trajectory records the version of the weights that sampled it (`job.sampler_version`)."""
+    dynamic sampling rounds (vlmrl.train.dynamic_sampling); each round is scored by the reward stage
+    (`vlmrl.reward.stage`). Each trajectory records the version of the weights that sampled it
+    (`job.sampler_version`)."""
     cfg, trainer, alg, size = job.cfg, job.trainer, job.cfg.algorithm, job.cfg.trainer.batch_size
     t0, version = time.perf_counter(), job.sampler_version
-    judged = JudgeRound()
+    scored = RewardRound()
 
     def one_round(start: int) -> tuple[list[Task], list[Trajectory]]:
-        nonlocal judged
+        nonlocal scored
         batch = prompts_at(job.tasks, start, size, trainer.rank, trainer.world_size)
         # request seeds derive from (seed, step, rank[, round], task, sample, turn): the same whatever the batching
         rnd = (start - position) // size
         seed = derive_seed(cfg.seed, step, trainer.rank, *((rnd,) if rnd else ()))
         trajs = job.runner.run(batch, alg.group_size, seed=seed)
-        if job.judge is not None:  # reward = env_weight * env reward + weight * judge score (NaN: failed)
-            judged = judged.add(job.judge.score(trajs, batch))
-        if alg.overlong_buffer:
-            overlong.apply_soft_penalty(trajs, cfg.rollout.max_new_tokens, alg.overlong_buffer, alg.overlong_penalty)
+        scored = scored.add(job.rewards.score(trajs, batch))  # every reward of the round, once
         return batch, trajs
 
     if not alg.dynamic_sampling:
@@ -104,9 +101,8 @@ def sample_step(job: "Job", step: int, position: int) -> SampledBatch:
         sampled = sample_until_full(one_round, position, size, alg.max_sampling_rounds, gather, trainer.rank)
     for traj in sampled.generated:
         traj.policy_version = version
-    rewards = judged.metrics() if job.judge is not None else {}
     return dataclasses.replace(
-        sampled, policy_version=version, rollout_s=time.perf_counter() - t0, reward_metrics=rewards
+        sampled, policy_version=version, rollout_s=time.perf_counter() - t0, reward_metrics=scored.metrics()
     )
 
 
@@ -137,15 +133,7 @@ def publish_weights(job: "Job", step: int, changed: bool = True) -> dict:
 def option_metrics(cfg: Config, sampled: SampledBatch) -> dict[str, float]:
     """Per-rank metrics of the algorithm options on the step's rollouts (overlong penalty / filtering)."""
     alg = cfg.algorithm
-    pens = (
-        [
-            overlong.turn_penalties(t, cfg.rollout.max_new_tokens, alg.overlong_buffer, alg.overlong_penalty)
-            for t in sampled.generated
-        ]
-        if alg.overlong_buffer
-        else None
-    )
-    return overlong.overlong_metrics(sampled.generated, pens, alg.overlong_filter)
+    return overlong.overlong_metrics(sampled.generated, bool(alg.overlong_buffer), alg.overlong_filter)
 
 
 def trainer_algorithm(cfg: Config) -> AlgorithmConfig:
@@ -182,7 +170,7 @@ class Job:
     prefetch: Prefetcher | None = None
     behaviour: BehaviourWeights | None = None
     sampler_version: int = 0
-    judge: Judge | None = None  # reward.judge (vlmrl.judge): scores each round's episodes
+    rewards: RewardStage = field(default_factory=RewardStage)  # scores each round's episodes (vlmrl.reward.stage)
 
 
 def build_job(cfg: Config, plan: ResumePlan | None = None) -> Job:
@@ -193,9 +181,8 @@ def build_job(cfg: Config, plan: ResumePlan | None = None) -> Job:
     when the data split has no usable row.
     """
     set_seed(cfg.seed)  # python, numpy and torch RNGs (vlmrl.seeding)
-    judge = Judge.from_config(cfg)  # a bad template, or a judge server not there, fails before any model loads
-    if judge is not None:
-        judge.check()
+    rewards = RewardStage.from_config(cfg)  # a bad reward function or judge template fails before any model loads
+    rewards.check()  # the judge server is there
     check_run_memory(cfg)  # a plan that cannot fit the GPU stops here, before the run folder and the model
     main_rank = int(os.environ.get("RANK", "0")) == 0  # known before torch.distributed starts
     keep_until = None if plan is None or plan.fresh else plan.step
@@ -227,8 +214,7 @@ def build_job(cfg: Config, plan: ResumePlan | None = None) -> Job:
     tasks = load_env_tasks(cfg.env, cfg.data, videos)
     if not tasks:
         raise ValueError(f"no usable rows in {cfg.data.path} (split {cfg.data.split})")
-    if judge is not None:  # the judge takes the tasks' images: before any rollout
-        judge.check(tasks)
+    rewards.check(tasks)  # the judge takes the tasks' images: before any rollout
     if cfg.data.shuffle_seed is not None:  # null: the data's own order
         random.Random(cfg.data.shuffle_seed).shuffle(tasks)
     if files:  # only now: a start that failed above leaves no config.yaml to block the corrected rerun
@@ -246,7 +232,7 @@ def build_job(cfg: Config, plan: ResumePlan | None = None) -> Job:
         processor,
         behaviour=behaviour,
         prefetch=Prefetcher() if off_policy else None,
-        judge=judge,
+        rewards=rewards,
     )
     job.guard.max_in_row = cfg.trainer.max_bad_steps
     return job
@@ -302,7 +288,7 @@ def run_step(job: Job, step: int) -> dict:
     row["step"] = step
     if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
         if job.evaluation is None:
-            job.evaluation = EvalSetup(cfg, trainer, job.runner, job.builder, job.processor, job.files)
+            job.evaluation = EvalSetup(cfg, trainer, job.runner, job.builder, job.processor, job.files, job.rewards)
         row.update(eval_during_training(job.evaluation, step))  # eval/* metrics: the eval split with the policy
     records = [r for part in trainer.gather(mine) for r in part]
     if job.files:
@@ -352,7 +338,15 @@ def merge_rollout_rows(rows: list[dict]) -> dict:
     keys = sorted({k for r in rows for k in r})
     out = {}
     for key in keys:
-        if key in ("episodes", "samples", "rollout_tokens_per_s", "judge_calls", "judge_retries", "judge_failures"):
+        if key in (
+            "episodes",
+            "samples",
+            "rollout_tokens_per_s",
+            "judge_calls",
+            "judge_retries",
+            "judge_failures",
+            "reward_func_failures",
+        ):
             out[key] = sum(r.get(key, 0.0) for r in rows)
         elif key in ("rollout_s", "judge_s") or key.endswith("_max_s"):
             out[key] = max(r.get(key, 0.0) for r in rows)

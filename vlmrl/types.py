@@ -222,7 +222,7 @@ class EndReason(str, Enum):
     # (`vlmrl.rollout.skipped_rows`)
     PROMPT_TOO_LONG = "prompt_too_long"
     # the environment's step raised (e.g. a reward function): the turn's reward is NaN, so the episode leaves its
-    # GRPO group and is counted (`vlmrl.runs.resume.split_unusable`), never a 0 and never the end of the run
+    # GRPO group and is counted (`vlmrl.reward.stage.split_unusable`), never a 0 and never the end of the run
     ENV_ERROR = "env_error"
 
 
@@ -669,6 +669,57 @@ class Judgement:
         return {"score": self.score, "reply": self.reply, "error": self.error}
 
 
+@dataclass(frozen=True)
+class TurnReward:
+    """The reward of one assistant turn (`vlmrl.reward.stage`): env, the environment's rule reward (NaN when its step
+    raised; 0 for a tool turn); funcs, each `reward.funcs` function's unweighted score by its import path (NaN when
+    the function failed; empty for a tool turn, which is not scored); total, r_t = env + sum_i w_i * funcs[i] (0 for
+    a tool turn); penalty, the turn's overlong penalty (0 when `algorithm.overlong_buffer` is 0)."""
+
+    env: float
+    total: float
+    funcs: tuple[tuple[str, float], ...] = ()
+    penalty: float = 0.0
+
+    def to_json(self) -> dict:
+        return {"env": self.env, "funcs": dict(self.funcs), "total": self.total, "penalty": self.penalty}
+
+
+@dataclass(frozen=True)
+class RewardBreakdown:
+    """How an episode's reward was made (`vlmrl.reward.stage`), frozen: nothing changes it afterwards.
+
+    turns: one `TurnReward` per assistant turn; discounted: max_t r_t * gamma**t over the answer turns (0 with none);
+    judge: the judge's score in [0, 1] (NaN when it failed; None without a judge); total: env_weight * discounted
+    + judge_weight * judge + penalty (the episode's reward); penalty: the turns' overlong penalties summed;
+    unusable: why the reward cannot be trained on ("" when it can), e.g. a reward function that raised."""
+
+    turns: tuple[TurnReward, ...]
+    discounted: float
+    total: float
+    env_weight: float = 1.0
+    judge: float | None = None
+    judge_weight: float = 0.0
+    penalty: float = 0.0
+    unusable: str = ""
+
+    @property
+    def usable(self) -> bool:
+        return not self.unusable
+
+    def to_json(self) -> dict:
+        """The `reward_breakdown` object of a `trajectories.jsonl` line (`vlmrl.runs.record`)."""
+        return {
+            "turns": [t.to_json() for t in self.turns],
+            "discounted": self.discounted,
+            "env_weight": self.env_weight,
+            **({"judge": self.judge, "judge_weight": self.judge_weight} if self.judge is not None else {}),
+            "penalty": self.penalty,
+            "total": self.total,
+            "unusable": self.unusable,
+        }
+
+
 @dataclass
 class Trajectory:
     """One episode: its messages, its continuous tokens, per-turn rewards and the final (turn-discounted) reward."""
@@ -690,6 +741,7 @@ class Trajectory:
     turn_views: list[int] = field(default_factory=list)
     keep_images: int | None = None  # the window's size (None: no window)
     judgement: Judgement | None = None  # reward.judge's verdict (`reward` then includes its score)
+    breakdown: RewardBreakdown | None = None  # how `reward` was made (`vlmrl.reward.stage`); None before scoring
 
     def turn_tokens(self, turn: int) -> TokenSeq:
         """The token sequence turn `turn` was sampled in: its view, or `tokens` (no window, or the last view)."""

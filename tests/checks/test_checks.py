@@ -183,7 +183,7 @@ def _write_run(out: Path, model, processor, builder=None):
         builder,
         engine,
         make_env_factory(cfg.env),
-        EpisodeLimits(2, 4096, 0.95),
+        EpisodeLimits(2, 4096),
         SamplingParams(10, cfg.rollout.temperature, 1.0, [], seed=0),
     )
     trajs = runner_.run(tasks, 2)

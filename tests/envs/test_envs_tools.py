@@ -14,6 +14,7 @@ from PIL import Image
 from vlmrl.config import ConfigError, DataConfig, ExportStyle, load
 from vlmrl.envs import load_env_tasks, make_env_factory
 from vlmrl.export import count_images, to_samples
+from vlmrl.reward import RewardStage
 from vlmrl.rollout.engine import Engine, SamplingParams
 from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner
 from vlmrl.rollout.tool_setup import tool_setup
@@ -48,9 +49,11 @@ class RecordingEngine(Engine):
 
 def run(builder, factory, tasks, replies, max_turns, runtime=None, group_size=1, budget=8192):
     engine = RecordingEngine(builder.tokenizer, replies)
-    limits = EpisodeLimits(max_turns=max_turns, max_context_tokens=budget, turn_discount=0.95)
+    limits = EpisodeLimits(max_turns=max_turns, max_context_tokens=budget)
     runner = EpisodeRunner(builder, engine, factory, limits, SamplingParams(max_new_tokens=64), tools=runtime)
-    return runner.run(tasks, group_size), engine
+    trajs = runner.run(tasks, group_size)
+    RewardStage(turn_discount=0.95).score(trajs, tasks)
+    return trajs, engine
 
 
 def check_alignment(builder, traj):

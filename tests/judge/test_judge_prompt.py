@@ -267,7 +267,7 @@ def test_a_field_is_capped_in_the_judges_tokens_where_they_are_known(qwen25_proc
             return "Score: 0"
 
     reward = RewardConfig()
-    judge = Judge(reward, Local(), JudgeTemplate.load(None))
+    judge = Judge(reward.judge, Local(), JudgeTemplate.load(None))
     assert reply in judge.prompt(traj, "red")[0].content[-1].text
     judge.client.tokenizer = tokenizer
     text = judge.prompt(traj, "red")[0].content[-1].text

@@ -99,3 +99,17 @@ def test_train_with_the_in_process_judge(tmp_path):
     assert (row["judge_calls"], row["judge_failures"], row["excluded_episodes"], row["skipped"]) == (6, 6, 6, 1)
     for rec in _lines(out / "trajectories.jsonl"):
         assert rec["judge"]["score"] is None and rec["judge"]["error"].startswith("no verdict: the last line is")
+
+
+def test_generate_scores_with_the_judge(tmp_path):
+    """`vlmrl generate` scores with the run's reward stage, the judge included (the same combination as training)."""
+    from vlmrl.evaluation.generate import generate
+
+    out = tmp_path / "gen"
+    with GraderServer() as server:
+        generate(_cfg(out, server.url, "data.eval_limit=2"))
+    records = _lines(out / "trajectories.jsonl")
+    assert len(records) == 6 and server.completions == 7  # the start-up probe, then each of the 2 x 3 episodes
+    for rec in records:
+        assert rec["reward"] == pytest.approx(0.2 * rec["turn_rewards"][0] + 0.8 * rec["judge"]["score"])
+        assert rec["reward_breakdown"]["judge"] == rec["judge"]["score"] and rec["reward_breakdown"]["unusable"] == ""

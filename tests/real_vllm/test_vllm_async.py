@@ -130,7 +130,7 @@ def run_with_delays(engine, builder, delays: list[float]):
         return SlowSumEnv(delays[k], k, log, lock)
 
     sampling = SamplingParams(max_new_tokens=10, temperature=TEMPERATURE, seed=11)
-    runner = EpisodeRunner(builder, engine, factory, EpisodeLimits(2, 512, 0.95), sampling)
+    runner = EpisodeRunner(builder, engine, factory, EpisodeLimits(2, 512), sampling)
     trajs = runner.run(make_tasks(2), group_size=4)
     firsts = list(dict.fromkeys(log))  # first step of each episode, in completion order
     return trajs, firsts, runner.batcher

@@ -166,7 +166,7 @@ def test_colocated_episode_loop_zero3_sync(processor, builder, colocate_engine):
     assert engine.last_sync_metrics[METRIC] < TOL
     try:
         sampling = SamplingParams(max_new_tokens=10, temperature=TEMPERATURE, seed=11)
-        runner = EpisodeRunner(builder, engine, SumEnv, EpisodeLimits(2, 512, 0.95), sampling)
+        runner = EpisodeRunner(builder, engine, SumEnv, EpisodeLimits(2, 512), sampling)
         t0 = time.perf_counter()
         trajs = runner.run(make_tasks(2), group_size=4)
         print(f"episode loop (2 tasks x 4, up to 2 turns) in {time.perf_counter() - t0:.1f} s")
@@ -243,7 +243,7 @@ def test_server_mode_generate_and_sync(served_model, processor, builder):
         builder,
         engine,
         SumEnv,
-        EpisodeLimits(2, 512, 0.95),
+        EpisodeLimits(2, 512),
         SamplingParams(max_new_tokens=10, temperature=TEMPERATURE, seed=3),
     )
     trajs = runner.run(make_tasks(2), group_size=4)

@@ -18,13 +18,14 @@ from vlmrl.judge import Judge
 from vlmrl.judge.clients import OpenAIJudge
 from vlmrl.judge.prompt import JudgeTemplate, parse_verdict
 from vlmrl.modeling.loading import load_processor
+from vlmrl.reward import RewardStage
 
 VERDICT = {"structured_outputs": {"regex": "Score: (10|[0-9])"}}
 
 
 def _judge(url: str, **fields) -> Judge:
     reward = judge_config(url + "/v1", model="policy", max_tokens=8, timeout_s=120.0, **fields)
-    return Judge(reward, OpenAIJudge(reward.judge), JudgeTemplate.load(None))
+    return Judge(reward.judge, OpenAIJudge(reward.judge), JudgeTemplate.load(None))
 
 
 def test_a_served_vlm_judges_a_step_with_its_images(tmp_path):
@@ -40,9 +41,9 @@ def test_a_served_vlm_judges_a_step_with_its_images(tmp_path):
             for g, t in enumerate(tasks)
             for w in ("red", "blue")
         ]
-        stats = held.score(trajs, tasks)
+        stats = RewardStage(env_weight=0.2, judge=held).score(trajs, tasks).judge
         free = [episode(t, "\\boxed{red}", 1.0, g) for g, t in enumerate(tasks)]
-        free_stats = _judge(url).score(free, tasks)
+        free_stats = RewardStage(env_weight=0.2, judge=_judge(url)).score(free, tasks).judge
     assert stats.requests == 8 and stats.failures == 0
     for t in trajs:
         score = parse_verdict(t.judgement.reply, 0, 10)

@@ -211,7 +211,7 @@ def run_episodes(s, env=None, task=None, max_context: int = 1024) -> list:
         s.builder,
         s.engine,
         env or FeedbackImageEnv,
-        EpisodeLimits(2, max_context, 0.95),
+        EpisodeLimits(2, max_context),
         SamplingParams(max_new_tokens=8, temperature=TEMPERATURE, seed=3),
     )
     return runner.run([task or two_image_task()], group_size=2)
@@ -414,7 +414,7 @@ def test_prefix_and_encoder_caches_encode_each_image_once(setup):
         setup.builder,
         setup.engine,
         NewDiagramEnv,
-        EpisodeLimits(4, 1024, 0.95),
+        EpisodeLimits(4, 1024),
         SamplingParams(max_new_tokens=4, temperature=TEMPERATURE, seed=5),
     )
     first = ImagePart(small_diagram(NEW_DIAGRAMS[0]), "2405.png")

@@ -171,7 +171,7 @@ def test_episodes_reproducible_whatever_the_batching(setup, qwen25_policy):
             builder,
             eng,
             make_env_factory(env_cfg),
-            EpisodeLimits(2, 4096, 0.9),
+            EpisodeLimits(2, 4096),
             SamplingParams(max_new_tokens=6, temperature=0.9),
         )
         trajs = runner.run(tasks, group_size=2, seed=seed)

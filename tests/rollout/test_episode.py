@@ -10,6 +10,7 @@ from conftest import GEOMETRY3K
 from vlmrl.config import DataConfig, EnvConfig, ExportConfig, ExportStyle
 from vlmrl.envs import load_env_tasks, make_env_factory
 from vlmrl.export import count_images, to_samples
+from vlmrl.reward import RewardStage
 from vlmrl.rollout.engine import Engine, SamplingParams
 from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner
 from vlmrl.tokens import get_builder
@@ -47,7 +48,7 @@ def setup(qwen25_processor):
 def _runner(setup, replies, max_turns=3, budget=4096):
     env_cfg, tasks, builder = setup
     engine = ScriptedEngine(builder.tokenizer, replies)
-    limits = EpisodeLimits(max_turns=max_turns, max_context_tokens=budget, turn_discount=0.9)
+    limits = EpisodeLimits(max_turns=max_turns, max_context_tokens=budget)
     return EpisodeRunner(builder, engine, make_env_factory(env_cfg), limits, SamplingParams(max_new_tokens=32)), engine
 
 
@@ -58,6 +59,7 @@ def test_retry_with_feedback_and_discounted_reward(setup, qwen25_processor):
     wrong, right = f"I think \\boxed{{{wrong}}}", f"So it is \\boxed{{{right}}}"
     runner, engine = _runner(setup, [wrong, right, "no box here", wrong])
     trajs = runner.run([task], group_size=2)
+    RewardStage(turn_discount=0.9).score(trajs, [task])  # the episode reward: max_t r_t * 0.9**t
     # turn 0: one engine call for the whole group (n=2); later turns one call per episode
     assert engine.calls[0][1] == 2 and all(c[1] == 1 for c in engine.calls[1:])
     a, b = trajs
@@ -83,6 +85,7 @@ def test_discounted_reward_when_right_later(setup):
     value = tasks[0].meta["answer_value"]
     runner, _ = _runner(setup, [f"\\boxed{{{wrong}}}", f"\\boxed{{{value}}}"])
     (traj,) = runner.run([tasks[0]], group_size=1)
+    RewardStage(turn_discount=0.9).score([traj], tasks[:1])
     assert [t.correct for t in traj.turns] == [False, True]
     assert traj.reward == pytest.approx(max(0.1, 1.0 * 0.9))
 
@@ -187,7 +190,7 @@ def test_an_environment_that_raises_costs_its_episode_not_the_run(setup, caplog)
     import math
 
     from vlmrl.envs import env_config
-    from vlmrl.runs.resume import split_unusable
+    from vlmrl.reward import split_unusable
 
     env_cfg, tasks, builder = setup
     cls = type(make_env_factory(env_cfg)())
@@ -200,10 +203,12 @@ def test_an_environment_that_raises_costs_its_episode_not_the_run(setup, caplog)
 
     typed = env_config(env_cfg)
     engine = ScriptedEngine(builder.tokenizer, ["boom", f"\\boxed{{{tasks[0].meta['answer_value']}}}"])
-    limits = EpisodeLimits(max_turns=3, max_context_tokens=4096, turn_discount=0.9)
+    limits = EpisodeLimits(max_turns=3, max_context_tokens=4096)
     runner = EpisodeRunner(builder, engine, lambda: Raising(typed), limits, SamplingParams(max_new_tokens=32))
     a, b = runner.run([tasks[0]], group_size=2)
+    RewardStage(turn_discount=0.9).score([a, b], tasks[:1])
     assert a.end_reason == "env_error" and len(a.turns) == 1 and math.isnan(a.turns[0].reward)
+    assert a.breakdown.unusable == "the environment's step raised"  # type: ignore[union-attr]
     assert b.end_reason == "env_done" and b.reward == pytest.approx(1.0)
     assert split_unusable([a, b])[0] == [b]
     assert "Raising.step raised (ZeroDivisionError: division by zero); the episode is excluded" in caplog.text

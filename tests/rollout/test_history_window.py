@@ -106,7 +106,7 @@ def run_episode(family: str, processors, turns: int = 6):
         builder,
         engine,
         lambda: FramesEnv(per_step, tools),
-        EpisodeLimits(turns, 100_000, 1.0, keep_images=keep),
+        EpisodeLimits(turns, 100_000, keep_images=keep),
         SamplingParams(max_new_tokens=64),
         tools=runtime,
     )
@@ -203,7 +203,7 @@ def run_episode_with(builder, family, processors, view_pixels: bool = True):
         builder,
         engine,
         lambda: FramesEnv(per_step, tools),
-        EpisodeLimits(6, 100_000, 1.0, keep_images=keep, view_pixels=view_pixels),
+        EpisodeLimits(6, 100_000, keep_images=keep, view_pixels=view_pixels),
         SamplingParams(max_new_tokens=64),
     )
     (traj,) = runner.run([Task("t0", [], "")], group_size=1, seed=0)
@@ -416,7 +416,7 @@ def test_a_video_counts_as_one_item_of_the_window_and_leaves_it_as_a_stub(proces
     builder = get_builder("qwen2_5_vl", processor)
     replies = [f"Step {t}: go right." for t in range(6)]
     engine = ScriptedVideoEngine(processor.tokenizer, builder.close_turn_id, replies)
-    limits = EpisodeLimits(6, 100_000, 1.0, keep_images=2)
+    limits = EpisodeLimits(6, 100_000, keep_images=2)
     runner = EpisodeRunner(builder, engine, ClipsEnv, limits, SamplingParams(max_new_tokens=64))
     (traj,) = runner.run([Task("t0", [], "")], group_size=1, seed=0)
     sampled = [list(t.generation.token_ids) for t in traj.turns]

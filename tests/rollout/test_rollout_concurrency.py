@@ -107,7 +107,7 @@ def builder(qwen25_processor):
 
 def _runner(builder, clock, turns=3, wait=0.05):
     engine = SlowEngine(builder.tokenizer, clock)
-    limits = EpisodeLimits(max_turns=turns, max_context_tokens=4096, turn_discount=0.9)
+    limits = EpisodeLimits(max_turns=turns, max_context_tokens=4096)
     return EpisodeRunner(
         builder, engine, make_env(clock), limits, SamplingParams(max_new_tokens=16), batch_wait_s=wait
     ), engine
@@ -170,7 +170,7 @@ def test_engine_error_reaches_the_caller(builder):
         def generate_batch(self, requests):
             raise RuntimeError("engine fell over")
 
-    limits = EpisodeLimits(max_turns=2, max_context_tokens=4096, turn_discount=0.9)
+    limits = EpisodeLimits(max_turns=2, max_context_tokens=4096)
     runner = EpisodeRunner(builder, Broken(builder.tokenizer, Clock()), make_env(Clock()), limits, SamplingParams())
     with pytest.raises(RuntimeError, match="engine fell over"):
         runner.run(_tasks("a", "b"), group_size=2)

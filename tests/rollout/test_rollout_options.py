@@ -10,9 +10,11 @@ from conftest import GEOMETRY3K
 
 from vlmrl.config import ConfigError, ExportStyle, load
 from vlmrl.export import to_samples
+from vlmrl.reward.stage import Overlong, RewardStage
+from vlmrl.rewards import length_penalty
 from vlmrl.train.advantages import AdvantageEstimator, Advantages, assign_advantages
 from vlmrl.train.dynamic_sampling import sample_until_full, split_groups
-from vlmrl.train.overlong import apply_soft_penalty, length_penalty, overlong_metrics
+from vlmrl.train.overlong import overlong_metrics
 from vlmrl.train.turn_advantages import reward_to_go, trajectory_turn_advantages, turn_advantages
 from vlmrl.types import Generation, StopReason, Task, TokenSeq, Trajectory, Turn
 
@@ -45,14 +47,13 @@ def test_soft_overlong_penalty_dapo_eq13():
     """DAPO (Yu et al. 2025) eq. (13), L_max = 20, L_cache = 4: 0 up to 16 tokens, then (16 - |y|) / 4, -1 beyond."""
     assert [length_penalty(n, 20, 4) for n in (10, 16, 17, 18, 20, 21)] == [0.0, 0.0, -0.25, -0.5, -1.0, -1.0]
     assert length_penalty(18, 20, 4, factor=0.5) == -0.25 and length_penalty(20, 20, 0) == 0.0  # factor; off
-    # episode reward += sum of its turns' penalties: turns of 17 and 20 tokens -> -0.25 - 1.0; one of 10 -> 0
-    trajs = [
-        _traj([(17, StopReason.EOS, 0.0), (20, StopReason.LENGTH, 0.9)], reward=0.855),
-        _traj([(10, StopReason.EOS, 1.0)], reward=1.0),
-    ]
-    pens = apply_soft_penalty(trajs, 20, 4, 1.0)
+    # episode reward = max_t r_t * 0.95**t + its turns' penalties: turns of 17 and 20 tokens -> 0.9 * 0.95 - 0.25 - 1.0;
+    # one of 10 -> 1.0
+    trajs = [_traj([(17, StopReason.EOS, 0.0), (20, StopReason.LENGTH, 0.9)]), _traj([(10, StopReason.EOS, 1.0)])]
+    RewardStage(turn_discount=0.95, overlong=Overlong(20, 4, 1.0)).score(trajs, [])
+    pens = [[t.penalty for t in traj.breakdown.turns] for traj in trajs]  # type: ignore[union-attr]
     assert pens == [[-0.25, -1.0], [0.0]] and [t.reward for t in trajs] == pytest.approx([0.855 - 1.25, 1.0])
-    assert overlong_metrics(trajs, pens, filtered=False) == {"overlong_penalty_mean": pytest.approx(-1.25 / 2)}
+    assert overlong_metrics(trajs, True, filtered=False) == {"overlong_penalty_mean": pytest.approx(-1.25 / 2)}
 
 
 def test_overlong_filter_masks_only_truncated_turns():
@@ -66,7 +67,7 @@ def test_overlong_filter_masks_only_truncated_turns():
     first, second = to_samples([traj], ExportStyle.individual, image_token_id=999, mask_truncated=True)
     assert first.loss_mask.sum() == 0 and second.loss_mask.tolist() == [0, 0, 0, 0, 0, 0, 1, 1]
     # 3 of the 5 sampled tokens were masked
-    assert overlong_metrics([traj], None, filtered=True) == {"overlong_masked_frac": pytest.approx(3 / 5)}
+    assert overlong_metrics([traj], False, filtered=True) == {"overlong_masked_frac": pytest.approx(3 / 5)}
 
 
 # ------------------------------------------------------------------------------------------- per-turn advantages
@@ -102,9 +103,12 @@ def test_turn_advantages_reach_individual_samples():
     samples = to_samples([a, b], ExportStyle.individual, image_token_id=999)
     assert [s.advantage for s in samples] == pytest.approx([0.05, 19 / 30, -11 / 30])
     assert a.advantage == pytest.approx(0.05)  # the trajectory's advantage is its first turn's
-    # the overlong penalty goes into its own turn's reward: A's turn 1 gets -0.2 -> R = {0.1, 0.8, 0.0}, mean 0.3,
-    # r~ A = [-0.2, 0.5], B = [-0.3]; A_0 = -0.2 + 0.5 * 0.5 = 0.05, A_1 = 0.5
-    out = trajectory_turn_advantages([a, b], gamma=0.5, scale_by_std=False, penalties=[[0.0, -0.2], [0.0]])
+    # the overlong penalty goes into its own turn's reward: A's 3-token turn 1 gets (2 - 3) / 1 * 0.2 = -0.2 (L_max 3,
+    # L_cache 1, factor 0.2), the 2-token turns none -> R = {0.1, 0.8, 0.0}, mean 0.3, r~ A = [-0.2, 0.5], B = [-0.3];
+    # A_0 = -0.2 + 0.5 * 0.5 = 0.05, A_1 = 0.5
+    a, b = _traj([(2, StopReason.EOS, 0.1), (3, StopReason.EOS, 1.0)]), _traj([(2, StopReason.EOS, 0.0)])
+    RewardStage(turn_discount=0.5, overlong=Overlong(3, 1, 0.2)).score([a, b], [])
+    out = trajectory_turn_advantages([a, b], gamma=0.5, scale_by_std=False)
     assert out.turns[0] == pytest.approx([0.05, 0.5]) and out.turns[1] == pytest.approx([-0.3])
 
 

@@ -35,7 +35,7 @@ def rollout(family: str, model, processor, cache: bool, per_step: int, keep: int
         builder,
         engine,
         lambda: env(per_step),
-        EpisodeLimits(TURNS, 100_000, 1.0, keep_images=keep, view_pixels=spill is None),
+        EpisodeLimits(TURNS, 100_000, keep_images=keep, view_pixels=spill is None),
         SamplingParams(max_new_tokens=6, temperature=0.7, top_p=0.9),
         spill=spill,
     )
@@ -149,7 +149,7 @@ def test_cached_videos_give_the_same_samples_and_encode_each_video_once(family, 
             cache,
             video_token_id=builder.video_token_id,
         )
-        limits = EpisodeLimits(TURNS, 100_000, 1.0)
+        limits = EpisodeLimits(TURNS, 100_000)
         runner = EpisodeRunner(builder, engine, ClipsEnv, limits, SamplingParams(6, temperature=0.7, top_p=0.9))
         items = []
         hook = model.model.visual.register_forward_hook(

@@ -22,6 +22,7 @@ from cli_inprocess import vlmrl  # tests/ is on sys.path (pytest's rootdir-relat
 from conftest import GEOMETRY3K
 
 from vlmrl.config import load
+from vlmrl.reward import split_unusable
 from vlmrl.runs import checkpoint
 from vlmrl.runs.files import RunFiles, RunFolderError, truncate_after
 from vlmrl.runs.resume import (
@@ -30,7 +31,6 @@ from vlmrl.runs.resume import (
     config_changes,
     nonfinite_episodes,
     plan_resume,
-    split_unusable,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is deprecated.*:FutureWarning")

@@ -22,6 +22,7 @@ from vlmrl.config import ExportStyle, load, to_yaml
 from vlmrl.envs import load_env_tasks, make_env_factory
 from vlmrl.export import to_samples
 from vlmrl.modeling.loading import load_policy
+from vlmrl.reward import RewardStage
 from vlmrl.rollout.engine import Engine, SamplingParams
 from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner
 from vlmrl.rollout.tool_setup import tool_setup
@@ -78,11 +79,12 @@ def main(out: Path) -> None:
         builder,
         Scripted(builder.tokenizer, builder.close_turn_id, replies),
         tooling.env_factory,
-        EpisodeLimits(4, cfg.rollout.max_context_tokens, cfg.algorithm.turn_discount),
+        EpisodeLimits(4, cfg.rollout.max_context_tokens),
         SamplingParams(max_new_tokens=64),
         tools=tooling.runtime,
     )
     (traj,) = runner.run([task], group_size=1)
+    RewardStage.from_config(cfg).score([traj], [task])
     (sample,) = to_samples([traj], ExportStyle.concat, builder.image_token_id)
     with torch.no_grad():  # teacher-forced rollout logprobs of the config model
         lp = sequence_logprobs(model.eval(), sample, cfg.rollout.temperature, only_masked=True)

@@ -147,7 +147,7 @@ def test_the_transformers_engine_samples_with_videos_as_the_trainer_scores_them(
     VideoFeedback.video = read_video(bar, lambda meta: [0, 3, 4, 7])
     prompt = read_video(bar, processor_sampling(processor.video_processor, fps=2))
     task = Task("v", [Message(Role.USER, [VideoPart(prompt), TextPart("What moves?")])], "")
-    limits = EpisodeLimits(max_turns=2, max_context_tokens=1024, turn_discount=1.0)
+    limits = EpisodeLimits(max_turns=2, max_context_tokens=1024)
     params = SamplingParams(max_new_tokens=6, temperature=TEMPERATURE, seed=3)
     trajs = EpisodeRunner(builder, engine, VideoFeedback, limits, params).run([task], group_size=2)
     for traj in trajs:

@@ -45,7 +45,7 @@ def _episode(processors, tool, call: str, budget: int = 1024, video_token: str |
     engine = ScriptedVideoEngine(processor.tokenizer, builder.close_turn_id, [call, "It moves right: \\boxed{right}"])
     runtime = ToolRuntime(get_parser("qwen2_5_vl"), ToolLimits(timeout_s=60.0, max_tool_response_tokens=budget))
     env = type("Env", (AskEnv,), {"TOOL": staticmethod(tool)})
-    limits, sampling = EpisodeLimits(3, 100_000, 1.0), SamplingParams(max_new_tokens=64)
+    limits, sampling = EpisodeLimits(3, 100_000), SamplingParams(max_new_tokens=64)
     runner = EpisodeRunner(builder, engine, env, limits, sampling, tools=runtime)
     try:
         (traj,) = runner.run([Task("t0", [], "")], group_size=1, seed=0)

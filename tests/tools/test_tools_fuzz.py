@@ -211,7 +211,7 @@ def loop(qwen25_processor):
         builder,
         engine,
         FuzzEnv,
-        EpisodeLimits(LOOP_TURNS, 1 << 20, 0.95),
+        EpisodeLimits(LOOP_TURNS, 1 << 20),
         SamplingParams(max_new_tokens=64),
         tools=runtime,
     )

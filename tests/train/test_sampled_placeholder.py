@@ -151,7 +151,7 @@ def test_an_episode_goes_on_after_a_sampled_placeholder_and_trains(qwen25_proces
     (task,) = load_env_tasks(env_cfg, DataConfig(path=str(GEOMETRY3K), split="test", limit=1))
     reply = "I see <|vision_start|><|image_pad|><|vision_end|> so \\boxed{-1}"
     engine = _Scripted(builder.tokenizer, [reply, "\\boxed{-2}"])
-    limits = EpisodeLimits(max_turns=2, max_context_tokens=4096, turn_discount=1.0)
+    limits = EpisodeLimits(max_turns=2, max_context_tokens=4096)
     runner = EpisodeRunner(builder, engine, make_env_factory(env_cfg), limits, SamplingParams(max_new_tokens=32))
     (traj,) = runner.run([task], group_size=1)
     assert len(traj.turns) == 2 and traj.end_reason == "max_turns"

@@ -14,9 +14,11 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from vlmrl.config.knob import knob
+from vlmrl.config.schema_reward import CompletionFormat as CompletionFormat
 from vlmrl.config.schema_reward import JudgeConfig as JudgeConfig
 from vlmrl.config.schema_reward import JudgeShows as JudgeShows
 from vlmrl.config.schema_reward import RewardConfig as RewardConfig
+from vlmrl.config.schema_reward import RewardSpec as RewardSpec
 from vlmrl.config.schema_rollout import RolloutConfig as RolloutConfig  # re-exported: one schema module to import
 from vlmrl.config.schema_rollout import ToolsConfig as ToolsConfig
 from vlmrl.config.schema_rollout import VLLMConfig as VLLMConfig

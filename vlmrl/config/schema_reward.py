@@ -1,11 +1,12 @@
-"""The reward section of the config schema: `reward` (how the environment's rule reward and a judge model's score
-combine) and `reward.judge` (re-exported by `vlmrl.config.schema`)."""
+"""The reward section of the config schema: `reward` (how the environment's rule reward, the reward functions and a
+judge model's score combine, `vlmrl.reward.stage`), `reward.judge`, and `RewardSpec` (one weighted trl-style reward
+function, in `reward.funcs` and in a generic environment's `env.rewards`); re-exported by `vlmrl.config.schema`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from vlmrl.config.knob import knob
 
@@ -15,6 +16,30 @@ class JudgeShows(str, Enum):
 
     final = "final"  # the last assistant reply
     transcript = "transcript"  # every turn after the prompt: replies, tool results, observations (images as text)
+
+
+class CompletionFormat(str, Enum):
+    """How a reward function gets the completions and prompts (trl's two dataset formats)."""
+
+    standard = "standard"  # texts: completions[i] is the reply, prompts[i] the prompt's text
+    conversational = "conversational"  # messages: completions[i] = [{"role": "assistant", "content": reply}]
+
+
+@dataclass
+class RewardSpec:
+    """One weighted trl-style reward function: `fn` is an import path ("pkg.mod:func"), `weight` its factor in the
+    sum, `completions` the format it takes."""
+
+    fn: str = knob(
+        "vlmrl.envs.reward_funcs:boxed_accuracy",
+        'A trl-style reward function by import path, "pkg.module:function".',
+    )
+    weight: float = knob(1.0, "The function's factor in the weighted sum.")
+    completions: CompletionFormat = knob(
+        CompletionFormat.standard,
+        "standard: completions and prompts as texts; conversational: as message lists, as trl passes them for a "
+        "conversational dataset (e.g. trl.rewards.accuracy_reward).",
+    )
 
 
 @dataclass
@@ -81,8 +106,17 @@ class JudgeConfig:
 
 @dataclass
 class RewardConfig:
-    """`reward`: the episode reward = env_weight * the environment's reward + judge.weight * the judge's score. A
-    failed judgement (after its retries) is NaN: the episode leaves its GRPO group and is counted."""
+    """`reward` (`vlmrl.reward.stage`): r_t = the environment's reward + sum_i funcs[i].weight * score_i per answer
+    turn; the episode's reward = env_weight * max_t r_t * gamma**t + judge.weight * the judge's score + the overlong
+    penalties. A reward function or judgement that fails is NaN: the episode leaves its GRPO group and is counted."""
 
-    env_weight: float = knob(1.0, "The environment's (rule) reward's factor in the episode reward.")
+    env_weight: float = knob(
+        1.0,
+        "The factor of the turn-discounted rule reward (the environment's and reward.funcs') in the episode reward.",
+    )
+    funcs: List[RewardSpec] = knob(
+        help="trl-style reward functions called once per rollout round on every answer turn of it (batched), each "
+        "adding weight * score to the turn's reward; []: none.",
+        factory=list,
+    )
     judge: JudgeConfig = knob(help="A judge model's score (reward.judge.client; null: none).", factory=JudgeConfig)

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 from vlmrl.config import EnvConfig
 from vlmrl.config.knob import knob
+from vlmrl.config.schema_reward import RewardSpec
 from vlmrl.envs.base import Environment, StepResult, register_env, with_system_prompt
-from vlmrl.envs.reward_funcs import RewardSpec, load_reward_funcs, weighted_reward
+from vlmrl.rewards import RewardBatch, load_reward_funcs
 from vlmrl.types import CORRECT, FORMATTED, Message, Role, Task
 
 DEFAULT_FEEDBACK = "Your answer is not correct. Please try again and put your final answer in \\boxed{}."
@@ -60,7 +61,7 @@ class MultiTurnEnv(Environment[MultiTurnConfig]):
 
     def __init__(self, cfg: MultiTurnConfig | None = None) -> None:
         self.cfg = cfg or self.config_class()
-        self.funcs = load_reward_funcs(self.cfg.rewards)
+        self.funcs = load_reward_funcs(self.cfg.rewards, "env.rewards")
         self.task: Task | None = None
         self.scores: list[dict[str, float]] = []
 
@@ -68,12 +69,13 @@ class MultiTurnEnv(Environment[MultiTurnConfig]):
         self.task, self.scores = task, []
         return with_system_prompt(task, self.cfg.system_prompt)
 
-    def reward_kwargs(self) -> dict:
-        """The reward functions' keyword arguments: dataset columns, `ground_truth` and `prompts` (1-lists)."""
+    def reward_batch(self, reply: str) -> RewardBatch:
+        """The reward functions' batch of one reply: its prompt's text, the dataset columns and `ground_truth`."""
         assert self.task is not None
         cols = dict(self.task.meta.get("columns") or {})
         prompt = "\n".join(m.text_content for m in self.task.messages)
-        return {**{k: [v] for k, v in cols.items()}, "ground_truth": [self.task.answer], "prompts": [prompt]}
+        columns = {**{k: [v] for k, v in cols.items()}, "ground_truth": [self.task.answer]}
+        return RewardBatch([reply], [prompt], columns=columns)
 
     def feedback(self, reward: float, turns_left: int) -> Message:
         text = self.cfg.feedback.replace("{reward}", f"{reward:.2f}").replace("{turns_left}", str(turns_left))
@@ -82,8 +84,10 @@ class MultiTurnEnv(Environment[MultiTurnConfig]):
     def step(self, assistant_text: str, turn: int, last_turn: bool) -> StepResult:
         if self.task is None:
             raise RuntimeError(f"{type(self).__name__}.step called before reset")
-        reward, scores = weighted_reward(self.funcs, assistant_text, self.reward_kwargs())
+        batch = self.reward_batch(assistant_text)
+        scores = {f.path: f(batch)[0] for f in self.funcs}  # a function that fails raises: the episode is excluded
         self.scores.append(scores)
+        reward = sum(f.weight * scores[f.path] for f in self.funcs)
         correct = reward >= self.cfg.success_threshold - 1e-9  # 0.9 + 0.1 may round below 1.0
         turns_left = self.cfg.max_turns - (turn + 1)
         done = correct or last_turn or turns_left <= 0

@@ -1,5 +1,6 @@
 """Plug-ins by import path, beside the environments: the environment class named by `env._target_` (and its own
-typed config), reward functions (`env.rewards[i].fn`) and tools (`tools.functions`, `tools.environment`).
+typed config), reward functions (`env.rewards[i].fn`, `reward.funcs[i].fn`)
+and tools (`tools.functions`, `tools.environment`).
 
 Import paths are `package.module:Name` or `package.module.Name` (Hydra's `_target_` form, resolved by
 `vlmrl.config.compose.import_path`). `vlmrl.config.load` types `env` by its target's `config_class`;
@@ -19,6 +20,7 @@ from omegaconf import OmegaConf
 from vlmrl.config import Config, EnvConfig, env_target
 from vlmrl.config.compose import env_node, import_path, not_an_environment, one_line
 from vlmrl.config.validate import ConfigError
+from vlmrl.rewards import load_reward_funcs
 
 if TYPE_CHECKING:
     from vlmrl.envs.base import Environment
@@ -55,10 +57,8 @@ def check_plugins(cfg: Config) -> None:
     Called where a config is loaded for a run (`vlmrl.cli`) and at the start of train / sft / generate, before
     any model loads."""
     env_class(cfg.env._target_)
-    for i, spec in enumerate(getattr(cfg.env, "rewards", None) or []):
-        fn = import_path(spec.fn, f"env.rewards[{i}].fn")
-        if not callable(fn):
-            raise ConfigError(f"env.rewards[{i}].fn: {spec.fn!r} is not callable")
+    load_reward_funcs(getattr(cfg.env, "rewards", None) or [], "env.rewards")
+    load_reward_funcs(cfg.reward.funcs, "reward.funcs")
     for i, path in enumerate(cfg.tools.functions):
         if not callable(import_path(path, f"tools.functions[{i}]")):
             raise ConfigError(f"tools.functions[{i}]: {path!r} is not callable")

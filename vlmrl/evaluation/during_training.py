@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from vlmrl.config import Config
@@ -13,6 +13,7 @@ from vlmrl.evaluation.metrics import _summary
 from vlmrl.evaluation.report.run_data import EVAL_TRAJECTORIES
 from vlmrl.evaluation.rollouts import chunks, eval_data_cfg, rollout_records
 from vlmrl.registry import ROLLOUT_ENGINES
+from vlmrl.reward import RewardStage
 from vlmrl.runs.jsonl import read_jsonl, write_jsonl_atomic
 
 if TYPE_CHECKING:
@@ -41,8 +42,8 @@ class PolicyHolder(Protocol):
 
 @dataclass
 class EvalSetup:
-    """What `eval_during_training` uses of the run: its config, trainer, episode runner, token builder, processor and
-    run files (None: nothing is written); tasks: the eval split, loaded at the first call and kept."""
+    """What `eval_during_training` uses of the run: its config, trainer, episode runner, token builder, processor, run
+    files (None: nothing is written) and reward stage; tasks: the eval split, loaded at the first call and kept."""
 
     cfg: Config
     trainer: PolicyHolder
@@ -50,6 +51,7 @@ class EvalSetup:
     builder: TokenBuilder
     processor: Any
     files: RunFiles | None
+    rewards: RewardStage = field(default_factory=RewardStage)
     tasks: list[Task] | None = None
 
 
@@ -91,7 +93,7 @@ def eval_during_training(setup: EvalSetup, step: int) -> dict[str, float]:
                 cfg.rollout, lambda: contextlib.nullcontext(module), setup.processor, setup.builder
             )
         for batch in chunks(mine, cfg.trainer.batch_size):
-            part, dt = rollout_records(runner, batch, samples, step)
+            part, dt = rollout_records(runner, setup.rewards, batch, samples, step)
             recs += part
             seconds += dt
     parts = trainer.gather((recs, seconds))

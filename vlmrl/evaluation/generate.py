@@ -84,14 +84,18 @@ def _generate(cfg: Config, console: Any) -> GenerateResult:
 
     from vlmrl.envs import load_env_tasks
     from vlmrl.modeling.loading import load_policy
+    from vlmrl.reward import RewardStage
     from vlmrl.runs.progress import StepProgress
     from vlmrl.runs.trackers import make_loggers
     from vlmrl.seeding import set_seed
 
     console = console or Console()
     samples = cfg.algorithm.group_size
+    rewards = RewardStage.from_config(cfg)  # reward functions and judge: a bad one fails before any model loads
+    rewards.check()
     files = GenerateFiles(cfg.logging.output_dir, cfg.logging.overwrite, to_yaml(cfg), samples)
     tasks = load_env_tasks(cfg.env, eval_data_cfg(cfg.data), _row_videos(cfg))
+    rewards.check(tasks)
     plan = files.plan(tasks, cfg.trainer.batch_size)
     todo = [p for _, missing in plan.steps for p in missing]
     if plan.done:
@@ -123,7 +127,7 @@ def _generate(cfg: Config, console: Any) -> GenerateResult:
                 if missing:
                     set_seed(cfg.seed + step - 1)  # per chunk: a redone chunk samples as it did uninterrupted
                     chunk = [tasks[p] for p in missing]
-                    recs, dt = rollout_records(runner, chunk, samples, step, missing, ImageStore(files.dir))
+                    recs, dt = rollout_records(runner, rewards, chunk, samples, step, missing, ImageStore(files.dir))
                     files.append(files.trajectories, [r.to_json() for r in recs])
                 records += _for_metrics(recs)
                 end = min(step * max(cfg.trainer.batch_size, 1), len(tasks))

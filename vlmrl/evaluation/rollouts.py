@@ -1,6 +1,6 @@
 """Eval-only rollouts with a plain module (no trainer): the eval split's data config, the runner, and the records
-(`vlmrl.runs.record.TrajectoryRecord`, with each episode's sample index) `vlmrl generate` and `trainer.eval_every`
-write."""
+(`vlmrl.runs.record.TrajectoryRecord`, with each episode's sample index, scored by the reward stage) `vlmrl
+generate` and `trainer.eval_every` write."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import time
 from typing import Any, Callable, Iterable
 
 from vlmrl.config import Config, DataConfig
+from vlmrl.reward import RewardStage
 from vlmrl.rollout.skipped_rows import skipped_rows
 from vlmrl.runs.record import TrajectoryRecord
 from vlmrl.types import ImagePart, Task
@@ -37,19 +38,22 @@ def chunks(items: list, size: int) -> Iterable[list]:
 
 def rollout_records(
     runner: Any,
+    rewards: RewardStage,
     tasks: list[Task],
     samples: int,
     step: int,
     rows: list[int] | None = None,
     image_ref: Callable[[ImagePart], str] | None = None,
 ) -> tuple[list[TrajectoryRecord], float]:
-    """Run `samples` episodes of every task; returns (records in task order, each with its `sample` index within
-    its problem, wall seconds). rows: each task's position in the eval task list, recorded as `row` (`vlmrl
+    """Run `samples` episodes of every task and score them (`rewards`, the run's reward stage: reward functions and
+    judge included); returns (records in task order, each with its `sample` index within its problem, wall
+    seconds, rollouts and scoring). rows: each task's position in the eval task list, recorded as `row` (`vlmrl
     generate` keys problems by it: ids may repeat); image_ref: how records name images (`ImageStore`: a file under
     the run folder for each image that has none; default its `ref`). A task whose prompt does not fit is logged once
     (`runner.skipped_log`) and recorded with its episodes' end reason `prompt_too_long` (no turn: unsolved)."""
     t0 = time.perf_counter()
     trajs = runner.run(tasks, samples)
+    rewards.score(trajs, tasks)
     seconds = time.perf_counter() - t0
     runner.skipped_log.report(skipped_rows(trajs))
     recs = [TrajectoryRecord.from_trajectory(traj, step, image_ref) for traj in trajs]

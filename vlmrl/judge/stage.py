@@ -1,11 +1,11 @@
-"""The judge stage of a step: every finished episode of the round is judged concurrently, its reward becomes
-`reward.env_weight * the environment's reward + reward.judge.weight * the judge's score`.
+"""The judge of a rollout round: every finished episode is judged concurrently; the reward stage
+(`vlmrl.reward.stage`) adds `reward.judge.weight * the judge's score` to its reward.
 
 Bounded and batched: all of a round's judgements are submitted at once, at most `reward.judge.max_in_flight` in
 flight (an asyncio semaphore), so a server with continuous batching (vLLM) sees them together. Never a silent 0: a
 judgement that fails (after the client's retries: a timeout, a connection error, an HTTP error, a reply whose last
 line is not a verdict, no reply within `reward.judge.deadline_s` in all, or none before the step's judging reaches
-`reward.judge.step_deadline_s`) scores NaN, so its episode leaves its GRPO group (`vlmrl.runs.resume.split_unusable`)
+`reward.judge.step_deadline_s`) scores NaN, so its episode leaves its GRPO group (`vlmrl.reward.stage.split_unusable`)
 and is counted in the step's `excluded_episodes` and `judge_failures`; a step whose judgements all fail skips its
 update and counts toward `trainer.max_bad_steps`. The same design as verl's reward loop (judge after rollout,
 requests concurrent) and NeMo-Gym's masking of failed judgements, rather than scoring them 0 (trl #6427).
@@ -19,7 +19,7 @@ import math
 import time
 from dataclasses import dataclass
 
-from vlmrl.config.schema import Config, RewardConfig
+from vlmrl.config.schema import Config, JudgeConfig
 from vlmrl.errors import error_line
 from vlmrl.judge.clients import JudgeClient, JudgeError
 from vlmrl.judge.prompt import JudgeTemplate, case_of, judge_messages, last_line, parse_verdict
@@ -72,10 +72,10 @@ class JudgeRound:
 
 
 class Judge:
-    """The judge stage (`reward.judge`): `score(trajectories, tasks)` sets each episode's `judgement` and reward."""
+    """The judge (`reward.judge`): `verdicts(trajectories, tasks)` gives each episode's `Judgement`."""
 
-    def __init__(self, reward: RewardConfig, client: JudgeClient, template: JudgeTemplate):
-        self.reward, self.cfg, self.client, self.template = reward, reward.judge, client, template
+    def __init__(self, cfg: JudgeConfig, client: JudgeClient, template: JudgeTemplate):
+        self.cfg, self.client, self.template = cfg, client, template
 
     @classmethod
     def from_config(cls, cfg: Config) -> "Judge | None":
@@ -86,7 +86,7 @@ class Judge:
             return None
         template = JudgeTemplate.load(judge.template)
         spec = JUDGE_CLIENTS.get(judge.client)
-        return cls(cfg.reward, spec.make(judge, cfg.model), template)
+        return cls(judge, spec.make(judge, cfg.model), template)
 
     def check(self, tasks: list[Task] | None = None) -> None:
         """The start-up check (`JudgeClient.check`; ConfigError): without `tasks`, that the judge is there (before the
@@ -103,21 +103,21 @@ class Judge:
             self.template, case, self.cfg.min_score, self.cfg.max_score, self.cfg.max_field_chars, tokens
         )
 
-    def score(self, trajs: list[Trajectory], tasks: list[Task]) -> JudgeRound:
-        """Judge every episode that sampled a turn (concurrently, bounded); set its `judgement` and its reward
-        (NaN when the judgement failed). Returns the round's counts. Never raises for a failed judgement."""
+    def verdicts(self, trajs: list[Trajectory], tasks: list[Task]) -> tuple[list[Judgement | None], JudgeRound]:
+        """([len(trajs)] each episode's judgement, None for one that sampled no turn; the round's counts): judged
+        concurrently, bounded. A failed judgement has score NaN and says why; never raises for one."""
         answers = {t.id: t.answer for t in tasks}
-        todo = [t for t in trajs if not prompt_too_long(t)]
-        prompts = [self.prompt(t, answers.get(t.task_id, "")) for t in todo]
+        todo = [i for i, t in enumerate(trajs) if not prompt_too_long(t)]
+        prompts = [self.prompt(trajs[i], answers.get(trajs[i].task_id, "")) for i in todo]
         before, t0 = self.client.requests, time.perf_counter()
-        verdicts = asyncio.run(self._all(prompts))
+        judged = asyncio.run(self._all(prompts))
         stats = JudgeRound(time.perf_counter() - t0, self.client.requests - before, len(todo))
-        for traj, judgement in zip(todo, verdicts):
-            traj.judgement = judgement
-            traj.reward = self.reward.env_weight * traj.reward + self.cfg.weight * judgement.score
-        failed = [(t.task_id, j.error) for t, j in zip(todo, verdicts) if math.isnan(j.score)]
+        out: list[Judgement | None] = [None] * len(trajs)
+        for i, judgement in zip(todo, judged):
+            out[i] = judgement
+        failed = [(trajs[i].task_id, j.error) for i, j in zip(todo, judged) if math.isnan(j.score)]
         stats.failures = len(failed)
-        stats.score_sum = sum(j.score for j in verdicts if not math.isnan(j.score))
+        stats.score_sum = sum(j.score for j in judged if not math.isnan(j.score))
         if failed:
             log.warning(
                 "%d of %d judgements failed (their episodes leave their groups); first: task %s: %s",
@@ -125,7 +125,7 @@ class Judge:
                 len(todo),
                 *failed[0],
             )
-        return stats
+        return out, stats
 
     async def _all(self, prompts: list[list[Message]]) -> list[Judgement]:
         """Every prompt's judgement, those not done within `step_deadline_s` failed (their requests cancelled)."""

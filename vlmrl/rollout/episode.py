@@ -40,7 +40,6 @@ from vlmrl.data.video import check_shown
 from vlmrl.envs.base import Environment
 from vlmrl.errors import error_line
 from vlmrl.image_fit import fit_messages
-from vlmrl.rewards import episode_reward
 from vlmrl.rollout.batcher import Dispatcher, make_dispatcher
 from vlmrl.rollout.engine import Engine, GenerateRequest, SamplingParams, derive_seed
 from vlmrl.rollout.history import HistoryWindow, spill_images
@@ -83,13 +82,12 @@ class State(str, Enum):
 @dataclass
 class EpisodeLimits:
     """max_turns: assistant turns per episode; max_context_tokens: the budget for a trajectory's ids (with a window:
-    for each view); turn_discount: gamma in the episode reward max_t r_t * gamma**t; keep_images: the history
+    for each view); keep_images: the history
     window, the last K images shown (`vlmrl.rollout.history`; None: all); view_pixels: False when nothing trains on the
     trajectories (`vlmrl generate`, evaluation): a window's earlier views then drop their pixel_values."""
 
     max_turns: int
     max_context_tokens: int
-    turn_discount: float
     keep_images: int | None = None
     view_pixels: bool = True  # earlier views keep their images' pixel_values for the update (False: grids only)
 
@@ -362,14 +360,12 @@ class EpisodeRunner:
         close = getattr(ep.env, "close", None)  # e.g. ends a tools.environment object's worker process
         if callable(close):
             close()
-        rewards = [t.reward for t in ep.turns if not t.is_tool_turn]
-        return Trajectory(
+        return Trajectory(  # its reward is the reward stage's (`vlmrl.reward.stage`), after the round
             task_id=ep.task.id,
             group=ep.group,
             messages=ep.messages,
             tokens=ep.seq,
             turns=ep.turns,
-            reward=episode_reward(rewards, self.limits.turn_discount) if rewards else 0.0,
             end_reason=ep.end_reason,
             tool_stats=ep.tool_stats,
             views=ep.views,

@@ -38,9 +38,7 @@ def build_runner(
     sampling = SamplingParams(
         cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p, list(cfg.rollout.stop)
     )
-    limits = EpisodeLimits(
-        cfg.env.max_turns, cfg.rollout.max_context_tokens, cfg.algorithm.turn_discount, cfg.env.keep_images, training
-    )
+    limits = EpisodeLimits(cfg.env.max_turns, cfg.rollout.max_context_tokens, cfg.env.keep_images, training)
     runner = EpisodeRunner(
         builder,
         engine,

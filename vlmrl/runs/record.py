@@ -14,6 +14,8 @@ the metrics (`vlmrl.runs.episode_metrics`), the evaluation, the report and the a
               parse_status
     end_reason ("" = none), reward, advantage, policy_version, [turn_advantages], tool_stats
     [judge {score, reply, error}]: reward.judge's verdict (`vlmrl.judge`); score null when it failed
+    [reward_breakdown {turns [{env, funcs {path: score}, total, penalty}], discounted, env_weight, [judge,
+              judge_weight], penalty, total, unusable}]: how the reward was made (`vlmrl.types.RewardBreakdown`)
     [keep_images, views [{input_ids, loss_mask, logprobs, turn_spans, boundary, image_grid_thw}], turn_views]: a
               history window's trajectory (`vlmrl.rollout.history`): the line's own ids are its last view
 
@@ -60,6 +62,13 @@ from vlmrl.types import (
     Trajectory,
     TurnOutcome,
 )
+
+
+def turn_rewards(traj: Trajectory) -> list[float]:
+    """[len(traj.turns)] each turn's r_t: the reward stage's (`TurnReward.total`), else the environment's."""
+    if traj.breakdown is None:
+        return [t.reward for t in traj.turns]
+    return [t.total for t in traj.breakdown.turns]
 
 
 @dataclass
@@ -165,8 +174,8 @@ class TrajectoryRecord:
             boundary=list(seq.boundary),
             image_grid_thw=seq.image_grid_thw.tolist() if seq.image_grid_thw is not None else [],
             turns=[
-                TurnRecord(t.reward, dict(t.metrics), t.generation.stop_reason, list(t.tool_calls), list(t.tool_errors))
-                for t in traj.turns
+                TurnRecord(r, dict(t.metrics), t.generation.stop_reason, list(t.tool_calls), list(t.tool_errors))
+                for t, r in zip(traj.turns, turn_rewards(traj))
             ],
             end_reason=traj.end_reason,
             policy_version=traj.policy_version,
@@ -175,8 +184,18 @@ class TrajectoryRecord:
             keep_images=traj.keep_images,
             views=[_view_json(v) for v in traj.views],
             turn_views=list(traj.turn_views),
-            extra={"judge": traj.judgement.to_json()} if traj.judgement is not None else {},
+            extra={
+                **({"judge": traj.judgement.to_json()} if traj.judgement is not None else {}),
+                **({"reward_breakdown": traj.breakdown.to_json()} if traj.breakdown is not None else {}),
+            },
         )
+
+    @property
+    def breakdown(self) -> dict | None:
+        """The reward stage's breakdown of the episode's reward as written (`vlmrl.types.RewardBreakdown.to_json`;
+        NaN read back as None), or None for a line without one."""
+        value = self.extra.get("reward_breakdown")
+        return value if isinstance(value, dict) else None
 
     def to_json(self) -> dict:
         """The line's JSON object (module doc for the layout; `vlmrl.runs.jsonl` writes NaN as null)."""

@@ -5,9 +5,9 @@
   (unless `resume.allow_config_change=true`) or, for `resume=never`, a non-empty folder (unless overwrite).
 - `StopSignals`: the first SIGINT/SIGTERM asks the loop to stop after the current step (or, in one process, abandons
   the step at once while it is still rolling out, since nothing has changed yet); a second one stops immediately.
-- `split_unusable`: the episodes whose reward is NaN/inf or beyond `vlmrl.rewards.REWARD_BOUND` are excluded from
-  their GRPO group (counted, logged); `nonfinite_episodes`: those with a non-finite advantage (the step's update is
-  skipped, as it is when every episode of the step was excluded); `BadStepGuard`: counts the skipped updates (those,
+- `nonfinite_episodes`: the trained episodes with a non-finite advantage or reward (the step's update is skipped, as it
+  is when every episode of the step was excluded from its group by `vlmrl.reward.stage.split_unusable`);
+  `BadStepGuard`: counts the skipped updates (those,
   and steps with no sample to train on) and says when `trainer.max_bad_steps` of them came in a row.
 """
 
@@ -251,24 +251,14 @@ def episode_ids(trajs: list[Any]) -> list[str]:
     return out
 
 
-def usable_episode(traj: Any) -> bool:
-    """True when the episode's reward and every turn reward are usable (`vlmrl.rewards.usable_reward`)."""
-    return all(usable_reward(r) for r in (traj.reward, *(t.reward for t in traj.turns)))
-
-
-def split_unusable(trajs: list[Any]) -> tuple[list[Any], list[str]]:
-    """(the trajectories to train on, ids of the excluded ones): an episode whose reward or a turn reward is NaN,
-    inf, not a number, or beyond `vlmrl.rewards.REWARD_BOUND` leaves its GRPO group, whose advantages are then
-    computed over the others (a reward function's failure costs one episode, not the step)."""
-    ids = episode_ids(trajs)
-    kept = [t for t in trajs if usable_episode(t)]
-    return kept, [i for t, i in zip(trajs, ids) if not usable_episode(t)]
-
-
 def nonfinite_episodes(trajs: list[Any]) -> list[str]:
     """Ids (`episode_ids`) of the episodes whose advantage is not finite, or whose reward or turn rewards are not
     usable (NaN, inf, or |r| > `vlmrl.rewards.REWARD_BOUND`)."""
-    return [i for t, i in zip(trajs, episode_ids(trajs)) if not (finite(t.advantage) and usable_episode(t))]
+
+    def usable(t: Any) -> bool:
+        return all(usable_reward(r) for r in (t.reward, *(turn.reward for turn in t.turns)))
+
+    return [i for t, i in zip(trajs, episode_ids(trajs)) if not (finite(t.advantage) and usable(t))]
 
 
 NONFINITE, NO_SAMPLE = "non-finite numbers", "no sample to train on"

@@ -5,7 +5,7 @@ exclusion of episodes with unusable rewards from their group, and the samples (`
 - `assign_step_advantages`: the registered estimator `algorithm.advantage` (`vlmrl.registry.ADVANTAGE_ESTIMATORS`).
 - `step_samples`: the episodes of a skipped row (its prompt does not fit, `vlmrl.rollout.skipped_rows`) give no sample
   and take no part in the advantages; episodes whose reward is NaN, inf or beyond `vlmrl.rewards.REWARD_BOUND` leave
-  their GRPO group (`vlmrl.runs.resume.split_unusable`) before the advantages; a rank left with nothing else trains
+  their GRPO group (`vlmrl.reward.stage.split_unusable`) before the advantages; a rank left with nothing else trains
   on them with loss mask 0.
 - `check_step`: over all ranks (one all-gather), the excluded episodes, the skipped rows, and whether the step's update
   is skipped (`StepCheck`).
@@ -23,9 +23,10 @@ import torch
 from vlmrl.config import Config, ExportStyle
 from vlmrl.export import to_samples
 from vlmrl.registry import ADVANTAGE_ESTIMATORS
+from vlmrl.reward import split_unusable
 from vlmrl.rewards import REWARD_BOUND
 from vlmrl.rollout.skipped_rows import SkippedRow, prompt_too_long
-from vlmrl.runs.resume import nonfinite_episodes, split_unusable
+from vlmrl.runs.resume import nonfinite_episodes
 from vlmrl.tokens.base import PrefixMode, TokenBuilder
 from vlmrl.train.advantages import assign_advantages
 from vlmrl.train.dynamic_sampling import SampledBatch
@@ -72,7 +73,7 @@ def step_samples(
     `fill_only`), so its samples get loss mask 0 (collectives still run). The samples are empty when every row of
     this rank was skipped (`check_step` then skips the update on every rank)."""
     live = [t for t in sampled.kept if not prompt_too_long(t)]
-    trajs, excluded = split_unusable(live)
+    trajs, excluded = split_unusable(live)  # the reward stage's verdict (`RewardBreakdown.unusable`)
     assign_step_advantages(cfg, trajs)
     filler = not trajs
     if filler:

@@ -8,9 +8,10 @@ the turn discount gamma (`algorithm.turn_discount`):
     A[i, t]  = sum_{k >= t} gamma**(k - t) * r~[i, k]
 
 std is the sample (n - 1) std as in `train.advantages.group_advantages` (a group whose turn rewards are all equal gets
-0); `algorithm.scale_by_std=false` gives r - mean (Dr. GRPO). r[i, k] is the turn's environment reward (0 for a tool
-turn, which is a step like any other here, and counts in the discount) plus its overlong penalty, if any. With one
-turn per episode this is exactly `group_advantages`.
+0); `algorithm.scale_by_std=false` gives r - mean (Dr. GRPO). r[i, k] is the turn's reward of the reward stage
+(`vlmrl.types.TurnReward`: the environment's and the reward functions', 0 for a tool turn, which is a step like any
+other here and counts in the discount) plus its overlong penalty, if any. With one turn per episode this is exactly
+`group_advantages`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from vlmrl.train import overlong
 from vlmrl.train.advantages import Advantages, group_advantages, register_advantage
 from vlmrl.types import Trajectory
 
@@ -55,16 +55,18 @@ def turn_advantages(
     return out
 
 
-def trajectory_turn_advantages(
-    trajs: Sequence[Trajectory], gamma: float, scale_by_std: bool, penalties: list[list[float]] | None = None
-) -> Advantages:
-    """The trajectories' `turn_advantages` (and each episode's advantage = its first turn's). penalties: per-turn
-    overlong penalties added to the turn rewards (`vlmrl.train.overlong.apply_soft_penalty`), or None."""
-    rewards = [
-        [t.reward + (penalties[i][k] if penalties else 0.0) for k, t in enumerate(traj.turns)]
-        for i, traj in enumerate(trajs)
-    ]
-    advs = turn_advantages(rewards, [t.group for t in trajs], gamma, scale_by_std)
+def step_rewards(traj: Trajectory) -> list[float]:
+    """[len(traj.turns)] r_t + penalty_t of each turn, from the reward stage's breakdown (`vlmrl.reward.stage`); a
+    trajectory the stage did not score (e.g. built by hand): its turns' rewards."""
+    if traj.breakdown is None:
+        return [t.reward for t in traj.turns]
+    return [t.total + t.penalty for t in traj.breakdown.turns]
+
+
+def trajectory_turn_advantages(trajs: Sequence[Trajectory], gamma: float, scale_by_std: bool) -> Advantages:
+    """The trajectories' `turn_advantages` (and each episode's advantage = its first turn's) from their turn rewards
+    (`step_rewards`)."""
+    advs = turn_advantages([step_rewards(t) for t in trajs], [t.group for t in trajs], gamma, scale_by_std)
     return Advantages([adv[0] if adv else 0.0 for adv in advs], advs)
 
 
@@ -72,13 +74,4 @@ def trajectory_turn_advantages(
 def turn_estimator(cfg: Config, trajs: Sequence[Trajectory]) -> Advantages:
     """`algorithm.advantage=turn`: each turn's discounted (`algorithm.turn_discount`) reward-to-go of the group's
     normalised turn rewards, each turn's overlong penalty (`algorithm.overlong_buffer` > 0) added to its reward."""
-    alg = cfg.algorithm
-    pens = (
-        [
-            overlong.turn_penalties(t, cfg.rollout.max_new_tokens, alg.overlong_buffer, alg.overlong_penalty)
-            for t in trajs
-        ]
-        if alg.overlong_buffer
-        else None
-    )
-    return trajectory_turn_advantages(trajs, alg.turn_discount, alg.scale_by_std, pens)
+    return trajectory_turn_advantages(trajs, cfg.algorithm.turn_discount, cfg.algorithm.scale_by_std)

@@ -192,13 +192,45 @@ def _video_html(ref: str, inline: Any, note: str = "", files: list[str] | None =
     return f'<figure class="video">{strip}<figcaption>{cap}</figcaption></figure>'
 
 
+def _num(value: object) -> str:
+    return f"{value:.3g}" if isinstance(value, (int, float)) else "NaN"
+
+
+def _turn_breakdown(rec: TrajectoryRecord, a: int) -> list[str]:
+    """Badges of how turn `a`'s reward was made (the record's `reward_breakdown`): the environment's reward, each
+    reward function's score, the overlong penalty; none for a record without a breakdown."""
+    turns = (rec.breakdown or {}).get("turns") or []
+    if a >= len(turns) or not isinstance(turns[a], dict):
+        return []
+    part = turns[a]
+    funcs = part.get("funcs") or {}
+    if not funcs and not part.get("penalty"):
+        return []  # the turn's reward is the environment's
+    bits = [f'<span class="badge">env {_num(part.get("env"))}</span>']
+    bits += [f'<span class="badge">{_esc(str(k).rpartition(":")[2])}: {_num(v)}</span>' for k, v in funcs.items()]
+    if part.get("penalty"):
+        bits.append(f'<span class="badge bad">overlong {_num(part["penalty"])}</span>')
+    return bits
+
+
+def _episode_breakdown(rec: TrajectoryRecord) -> str:
+    """Badges of the episode's reward parts: the judge's score and weight, why the reward is unusable."""
+    bd = rec.breakdown or {}
+    bits = ""
+    if "judge" in bd:
+        bits += f'<span class="badge">judge {_num(bd["judge"])} × {_num(bd.get("judge_weight"))}</span>'
+    if bd.get("unusable"):
+        bits += f'<span class="badge bad">excluded: {_esc(str(bd["unusable"]))}</span>'
+    return bits
+
+
 def _turn_info(rec: TrajectoryRecord, a: int) -> str:
     """The badge line of assistant turn `a`: reward, correct, parse status, stop reason, format, tool calls, and the
     other metrics the environment reported."""
     if a >= len(rec.turns):
         return ""
     turn = rec.turns[a]
-    bits = [f'<span class="badge">reward {turn.reward:.3g}</span>']
+    bits = [f'<span class="badge">reward {turn.reward:.3g}</span>', *_turn_breakdown(rec, a)]
     if not turn.is_tool_turn:
         ok = turn.correct
         bits.append(f'<span class="badge {"ok" if ok else "bad"}">{"correct" if ok else "wrong"}</span>')
@@ -307,6 +339,7 @@ def trajectory_html(rec: TrajectoryRecord, idx: int, section: str, inline, text_
         f'<span class="badge {"ok" if correct else "bad"}">{"correct" if correct else "wrong"}</span>'
         f'<span class="badge">{len(rec.turns)} turn(s)</span>'
         f'<span class="badge">end: {_esc(_end(rec))}</span>'
+        f"{_episode_breakdown(rec)}"
     )
     stats = rec.tool_stats
     if stats.calls:
