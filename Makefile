@@ -205,4 +205,5 @@ bench: setup
 	$(BIN)/python bench/token_building.py
 	$(BIN)/python bench/rollout.py
 	$(BIN)/python bench/pixel_memory.py
+	$(BIN)/python bench/judge_overlap.py
 	$(MALLOC_ENV) $(BIN)/python bench/update.py

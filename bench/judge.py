@@ -2,7 +2,7 @@
 
     (b) the floor: ONE `/v1/completions` request holding the same N judge prompts (each rendered with the judge's
         chat template, as the chat endpoint renders it), the same budget, temperature 0
-    (j) vlmrl's judge stage: `Judge.score` of N episodes (`/v1/chat/completions`, one request per episode, at most
+    (j) vlmrl's judge stage: `Judge.verdicts` of N episodes (`/v1/chat/completions`, one request per episode, at most
         `reward.judge.max_in_flight` = N in flight), wall time including the prompts and their parsing
     (s) the same stage one request at a time (max_in_flight 1): what judging episode by episode costs
     (i) (j) with each episode's Geometry3K diagram sent to the judge (PNG data URLs; (b) has no image counterpart:
@@ -62,7 +62,7 @@ def _judge(url: str, n: int, tokens: int, images: bool, in_flight: int) -> Judge
         max_in_flight=in_flight,
         extra_body=fixed,
     )
-    return Judge(reward, OpenAIJudge(reward.judge), JudgeTemplate.load(None))
+    return Judge(reward.judge, OpenAIJudge(reward.judge), JudgeTemplate.load(None))
 
 
 @contextlib.contextmanager
@@ -152,12 +152,14 @@ def main(
             ]
             rows = {
                 "(b) one batched request": lambda: _batched(url, rendered, tokens),
-                "(j) judge stage": lambda: text_judge.score(trajs(), tasks).seconds,
-                "(s) one at a time": lambda: _judge(url, episodes, tokens, False, 1).score(trajs(), tasks).seconds,
-                "(i) judge stage, images": lambda: (
-                    _judge(url, episodes, tokens, True, episodes).score(trajs(), tasks).seconds
+                "(j) judge stage": lambda: text_judge.verdicts(trajs(), tasks)[1].seconds,
+                "(s) one at a time": lambda: (
+                    _judge(url, episodes, tokens, False, 1).verdicts(trajs(), tasks)[1].seconds
                 ),
-                "(q) judge stage, quoting off": _unquoted(lambda: text_judge.score(trajs(), tasks).seconds),
+                "(i) judge stage, images": lambda: (
+                    _judge(url, episodes, tokens, True, episodes).verdicts(trajs(), tasks)[1].seconds
+                ),
+                "(q) judge stage, quoting off": _unquoted(lambda: text_judge.verdicts(trajs(), tasks)[1].seconds),
             }
             times: dict[str, list[float]] = {name: [] for name in rows}
             for name, run in rows.items():

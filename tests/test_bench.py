@@ -192,3 +192,16 @@ def test_tool_workers_bench_small(monkeypatch, capsys):
         for what in ("worker start-up", "calculate through the runtime", "geometry3k crop", "tools.environment"):
             line = next(x for x in out.splitlines() if x.startswith(f"[{iso}] {what}"))
             assert float(line.split(": ")[-1].split()[0]) > 0, line
+
+
+@pytest.mark.slow
+def test_judge_overlap_bench_small(capsys):
+    """4 episodes ending over 0.4 s, a judge of 0.2 s a call one at a time (0.8 s of judging): judged as each ends,
+    the round takes well under rollout + judging."""
+    import json
+
+    bench = _load("judge_overlap")
+    bench.main(episodes=4, span_s=0.4, judge_s=0.2, in_flight=1, repeats=1, as_json=True)
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    after, overlapped = rows["(a) rollout, then judging"], rows["(o) judged as each episode ends"]
+    assert rows["floor"] >= 0.75 and overlapped < after - 0.15 and overlapped >= rows["floor"] - 0.05

@@ -89,8 +89,9 @@ def sample_step(job: "Job", step: int, position: int) -> SampledBatch:
         # request seeds derive from (seed, step, rank[, round], task, sample, turn): the same whatever the batching
         rnd = (start - position) // size
         seed = derive_seed(cfg.seed, step, trainer.rank, *((rnd,) if rnd else ()))
-        trajs = job.runner.run(batch, alg.group_size, seed=seed)
-        scored = scored.add(job.rewards.score(trajs, batch))  # every reward of the round, once
+        with job.rewards.open_round(batch) as round_:  # the judge starts on each episode as it ends
+            trajs = job.runner.run(batch, alg.group_size, seed=seed, on_finish=round_.on_finish)
+            scored = scored.add(round_.score(trajs))  # every reward of the round, once
         return batch, trajs
 
     if not alg.dynamic_sampling:

@@ -222,3 +222,37 @@ def test_train_with_a_trl_reward_function(tmp_path):
         rec = json.loads(line)
         (turn,) = rec["reward_breakdown"]["turns"]
         assert turn["funcs"] == {"trl.rewards:think_format_reward": 0.0} and turn["total"] == rec["turn_rewards"][0]
+
+
+def test_the_judge_starts_on_an_episode_as_it_ends_and_a_failed_rollout_cancels_it():
+    """A judge taking 0.4 s a call, one call at a time: episode a is handed over as it ends, the rest of the rollout
+    takes 0.6 s, so at scoring only b's judgement is left (a wait of ~0.4 s, not 0.8). A rollout that raises cancels
+    the judging and stops its thread."""
+    import asyncio
+    import threading
+    import time
+
+    starts: list[float] = []
+
+    class Slow(JudgeClient):
+        async def complete(self, messages, max_tokens):
+            starts.append(time.monotonic())
+            await asyncio.sleep(0.4)
+            return "Score: 10"
+
+    cfg = load("geometry3k_tiny", ["reward.judge.max_in_flight=1"]).reward.judge
+    stage = RewardStage(judge=Judge(cfg, Slow(), JudgeTemplate.load(None)))
+    a, b = _traj("a", 0, [("x", 0.0)]), _traj("a", 0, [("y", 0.0)])
+    with stage.open_round([_task("a", "1")]) as round_:
+        round_.on_finish(a)
+        time.sleep(0.6)  # the rest of the rollout
+        t0 = time.monotonic()
+        scored = round_.score([a, b])
+        waited = time.monotonic() - t0
+    assert starts[0] < t0 < starts[1] and 0.35 < waited < 0.55 and [a.reward, b.reward] == [1.0, 1.0]
+    assert scored.judge is not None and scored.judge.seconds == pytest.approx(waited, abs=0.05)
+    with pytest.raises(RuntimeError, match="engine died"):
+        with stage.open_round([_task("a", "1")]) as round_:
+            round_.on_finish(_traj("a", 0, [("x", 0.0)]))
+            raise RuntimeError("engine died")
+    assert not [t for t in threading.enumerate() if t.name == "vlmrl-judge"]

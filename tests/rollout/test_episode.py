@@ -14,7 +14,7 @@ from vlmrl.reward import RewardStage
 from vlmrl.rollout.engine import Engine, SamplingParams
 from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner
 from vlmrl.tokens import get_builder
-from vlmrl.types import Generation, StopReason
+from vlmrl.types import Generation, StopReason, Trajectory
 
 
 class ScriptedEngine(Engine):
@@ -58,7 +58,9 @@ def test_retry_with_feedback_and_discounted_reward(setup, qwen25_processor):
     wrong, right = _answers(task)
     wrong, right = f"I think \\boxed{{{wrong}}}", f"So it is \\boxed{{{right}}}"
     runner, engine = _runner(setup, [wrong, right, "no box here", wrong])
-    trajs = runner.run([task], group_size=2)
+    ended: list[Trajectory] = []
+    trajs = runner.run([task], group_size=2, on_finish=ended.append)
+    assert ended == trajs[::-1]  # each handed over as it ends (b at turn 0, a after 3 turns); returned in task order
     RewardStage(turn_discount=0.9).score(trajs, [task])  # the episode reward: max_t r_t * 0.9**t
     # turn 0: one engine call for the whole group (n=2); later turns one call per episode
     assert engine.calls[0][1] == 2 and all(c[1] == 1 for c in engine.calls[1:])

@@ -83,7 +83,9 @@ class JudgeConfig:
         "trickles its reply is cut off here); then it fails.",
     )
     step_deadline_s: float = knob(
-        1800.0, "Seconds a step's judging may take in all; the judgements not done by then fail (NaN, counted)."
+        1800.0,
+        "Seconds a rollout round waits for its judgements once its episodes have all ended (each is judged from its "
+        "own end on); the judgements not done by then fail (NaN, counted).",
     )
     max_retries: int = knob(2, "Retries of a failed request (timeout, connection, HTTP 408/409/429/5xx) per episode.")
     max_tokens: int = knob(512, "The judge's reply budget in tokens (its reasoning and the verdict line).")

@@ -52,8 +52,9 @@ def rollout_records(
     the run folder for each image that has none; default its `ref`). A task whose prompt does not fit is logged once
     (`runner.skipped_log`) and recorded with its episodes' end reason `prompt_too_long` (no turn: unsolved)."""
     t0 = time.perf_counter()
-    trajs = runner.run(tasks, samples)
-    rewards.score(trajs, tasks)
+    with rewards.open_round(tasks) as round_:  # the judge starts on each episode as it ends
+        trajs = runner.run(tasks, samples, on_finish=round_.on_finish)
+        round_.score(trajs)
     seconds = time.perf_counter() - t0
     runner.skipped_log.report(skipped_rows(trajs))
     recs = [TrajectoryRecord.from_trajectory(traj, step, image_ref) for traj in trajs]

@@ -1,8 +1,9 @@
-"""The judge of a rollout round: every finished episode is judged concurrently; the reward stage
-(`vlmrl.reward.stage`) adds `reward.judge.weight * the judge's score` to its reward.
+"""The judge of a rollout round: each episode is judged as it ends, while the rest of the round still rolls out
+(`JudgeSession`); the reward stage (`vlmrl.reward.stage`) adds `reward.judge.weight * the judge's score` to its
+reward.
 
-Bounded and batched: all of a round's judgements are submitted at once, at most `reward.judge.max_in_flight` in
-flight (an asyncio semaphore), so a server with continuous batching (vLLM) sees them together. Never a silent 0: a
+Bounded and batched: a round's judgements run concurrently, at most `reward.judge.max_in_flight` in flight (an
+asyncio semaphore), so a server with continuous batching (vLLM) sees them together. Never a silent 0: a
 judgement that fails (after the client's retries: a timeout, a connection error, an HTTP error, a reply whose last
 line is not a verdict, no reply within `reward.judge.deadline_s` in all, or none before the step's judging reaches
 `reward.judge.step_deadline_s`) scores NaN, so its episode leaves its GRPO group (`vlmrl.reward.stage.split_unusable`)
@@ -14,10 +15,13 @@ requests concurrent) and NeMo-Gym's masking of failed judgements, rather than sc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
+import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from vlmrl.config.schema import Config, JudgeConfig
 from vlmrl.errors import error_line
@@ -41,7 +45,8 @@ def stored_reply(reply: str, limit: int = STORED_REPLY_CHARS) -> str:
 
 @dataclass
 class JudgeRound:
-    """One round's judging: seconds (wall clock), requests sent (retries included), judgements asked, failures."""
+    """One round's judging: seconds (wall clock the round waited for its judgements after its rollout), requests
+    sent (retries included), judgements asked, failures."""
 
     seconds: float = 0.0
     requests: int = 0
@@ -103,43 +108,16 @@ class Judge:
             self.template, case, self.cfg.min_score, self.cfg.max_score, self.cfg.max_field_chars, tokens
         )
 
-    def verdicts(self, trajs: list[Trajectory], tasks: list[Task]) -> tuple[list[Judgement | None], JudgeRound]:
-        """([len(trajs)] each episode's judgement, None for one that sampled no turn; the round's counts): judged
-        concurrently, bounded. A failed judgement has score NaN and says why; never raises for one."""
-        answers = {t.id: t.answer for t in tasks}
-        todo = [i for i, t in enumerate(trajs) if not prompt_too_long(t)]
-        prompts = [self.prompt(trajs[i], answers.get(trajs[i].task_id, "")) for i in todo]
-        before, t0 = self.client.requests, time.perf_counter()
-        judged = asyncio.run(self._all(prompts))
-        stats = JudgeRound(time.perf_counter() - t0, self.client.requests - before, len(todo))
-        out: list[Judgement | None] = [None] * len(trajs)
-        for i, judgement in zip(todo, judged):
-            out[i] = judgement
-        failed = [(trajs[i].task_id, j.error) for i, j in zip(todo, judged) if math.isnan(j.score)]
-        stats.failures = len(failed)
-        stats.score_sum = sum(j.score for j in judged if not math.isnan(j.score))
-        if failed:
-            log.warning(
-                "%d of %d judgements failed (their episodes leave their groups); first: task %s: %s",
-                len(failed),
-                len(todo),
-                *failed[0],
-            )
-        return out, stats
+    def open(self, tasks: list[Task]) -> "JudgeSession":
+        """A round's judging, open while its rollout runs: `submit` each episode as it ends, `close` for the
+        verdicts (`JudgeSession`)."""
+        return JudgeSession(self, tasks)
 
-    async def _all(self, prompts: list[list[Message]]) -> list[Judgement]:
-        """Every prompt's judgement, those not done within `step_deadline_s` failed (their requests cancelled)."""
-        if not prompts:
-            return []
-        bound = asyncio.Semaphore(self.cfg.max_in_flight)
-        async with self.client.session():
-            jobs = [asyncio.ensure_future(self._one(bound, p)) for p in prompts]
-            done, pending = await asyncio.wait(jobs, timeout=self.cfg.step_deadline_s)
-            for job in pending:
-                job.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-        late = f"not judged within reward.judge.step_deadline_s={self.cfg.step_deadline_s:g} (the step's judging)"
-        return [job.result() if job in done else Judgement(math.nan, "", late) for job in jobs]
+    def verdicts(self, trajs: list[Trajectory], tasks: list[Task]) -> tuple[list[Judgement | None], JudgeRound]:
+        """([len(trajs)] each episode's judgement, None for one that sampled no turn; the round's counts), all
+        judged now, concurrently and bounded (`JudgeSession`). Never raises for a failed judgement."""
+        session = self.open(tasks)
+        return session.close(trajs)
 
     async def _one(self, bound: asyncio.Semaphore, prompt: list[Message]) -> Judgement:
         async with bound:
@@ -161,3 +139,98 @@ class Judge:
             why = f"no verdict: the last line is {last!r}, not 'Score: k' with k in [{low}, {high}]"
             return Judgement(math.nan, stored_reply(reply), why)
         return Judgement(score, stored_reply(reply))
+
+
+class JudgeSession:
+    """One round's judging, beside its rollout: each finished episode is `submit`ted as it ends and judged at once
+    (at most `reward.judge.max_in_flight` requests in flight), on an event loop of its own in a background thread
+    (with the client's `session`); `close(trajs)` submits the ones not yet submitted, waits at most
+    `reward.judge.step_deadline_s` for what is left, fails the rest (their requests cancelled) and stops the thread.
+    `abort` stops it without verdicts (a rollout that raised)."""
+
+    def __init__(self, judge: Judge, tasks: list[Task]):
+        self.judge, self.answers = judge, {t.id: t.answer for t in tasks}
+        self.jobs: dict[int, asyncio.Task] = {}  # id(trajectory) -> its judgement's task (made on the loop)
+        self.requests0 = judge.client.requests
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="vlmrl-judge", daemon=True)
+        self.thread.start()
+        self.stack = contextlib.AsyncExitStack()
+        self.bound: asyncio.Semaphore | None = None
+        self._run(self._enter())
+
+    def _run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    async def _enter(self) -> None:
+        self.bound = asyncio.Semaphore(self.judge.cfg.max_in_flight)
+        await self.stack.enter_async_context(self.judge.client.session())
+
+    def submit(self, traj: Trajectory) -> None:
+        """Start judging `traj` (an episode that sampled no turn is not judged; a second submit is ignored)."""
+        if prompt_too_long(traj) or id(traj) in self.jobs or self.bound is None:
+            return
+        prompt = self.judge.prompt(traj, self.answers.get(traj.task_id, ""))
+        bound = self.bound
+        self.jobs[id(traj)] = None  # type: ignore[assignment]  # claimed here; the task is made on the loop
+
+        def spawn(key: int = id(traj)) -> None:
+            self.jobs[key] = self.loop.create_task(self.judge._one(bound, prompt))
+
+        self.loop.call_soon_threadsafe(spawn)
+
+    def close(self, trajs: list[Trajectory]) -> tuple[list[Judgement | None], JudgeRound]:
+        """([len(trajs)] each episode's judgement, None for one not judged; the round's counts: `seconds` is the
+        wait here, after the rollout). A failed judgement has score NaN and says why; never raises for one."""
+        for traj in trajs:
+            self.submit(traj)
+        t0 = time.perf_counter()
+        keys = [id(t) for t in trajs if id(t) in self.jobs]
+        try:
+            verdicts = self._run(self._wait(keys))
+        finally:
+            self._stop()
+        stats = JudgeRound(time.perf_counter() - t0, self.judge.client.requests - self.requests0, len(keys))
+        out: list[Judgement | None] = [verdicts.get(id(t)) for t in trajs]
+        failed = [(t.task_id, j.error) for t, j in zip(trajs, out) if j is not None and math.isnan(j.score)]
+        stats.failures = len(failed)
+        stats.score_sum = sum(j.score for j in out if j is not None and not math.isnan(j.score))
+        if failed:
+            log.warning(
+                "%d of %d judgements failed (their episodes leave their groups); first: task %s: %s",
+                len(failed),
+                len(keys),
+                *failed[0],
+            )
+        return out, stats
+
+    async def _wait(self, keys: list[int]) -> dict[int, Judgement]:
+        """The judgements of `keys`, those not done within `step_deadline_s` failed (their requests cancelled)."""
+        cfg = self.judge.cfg
+        jobs = {k: self.jobs[k] for k in keys}
+        done, pending = await asyncio.wait(jobs.values(), timeout=cfg.step_deadline_s) if jobs else (set(), set())
+        for job in pending:
+            job.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        late = f"not judged within reward.judge.step_deadline_s={cfg.step_deadline_s:g} (the step's judging)"
+        return {k: job.result() if job in done else Judgement(math.nan, "", late) for k, job in jobs.items()}
+
+    def abort(self) -> None:
+        """Cancel every judgement and stop the thread (idempotent)."""
+        if self.thread.is_alive():
+            self._stop()
+
+    def _stop(self) -> None:
+        async def cancel_all() -> None:
+            jobs = [j for j in self.jobs.values() if j is not None and not j.done()]
+            for job in jobs:
+                job.cancel()
+            await asyncio.gather(*jobs, return_exceptions=True)
+            await self.stack.aclose()
+
+        try:
+            self._run(cancel_all())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join()
+            self.loop.close()

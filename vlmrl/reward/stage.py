@@ -11,8 +11,9 @@ the trajectory's `breakdown`, `reward` (the breakdown's total) and `judgement`. 
 
 env_t: the environment's rule reward of the turn, given while the episode ran (it may steer the episode: feedback,
 an early end); f_i: each `reward.funcs` function, called once per round on every answer turn of the round in trl's
-batched signature (`vlmrl.rewards.call_reward_func`); judge: the judge's score in [0, 1], the round's judgements
-concurrent and bounded. The per-turn advantages (`algorithm.advantage=turn`) use r_t + penalty_t.
+batched signature (`vlmrl.rewards.call_reward_func`); judge: the judge's score in [0, 1], each episode judged as it
+ends (`open_round`: the judging overlaps the rest of the rollout), concurrent and bounded. The per-turn advantages
+(`algorithm.advantage=turn`) use r_t + penalty_t.
 
 Unusable (`RewardBreakdown.unusable` says why; `split_unusable` takes the episode out of its GRPO group and it is
 counted, never scored 0): its environment's step raised, a reward function failed on the round (raised, or returned
@@ -22,14 +23,16 @@ the wrong number of scores: every episode it scored), its judgement failed, or a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from vlmrl.config.schema import Config
 from vlmrl.judge import Judge, JudgeRound
+from vlmrl.judge.stage import JudgeSession
 from vlmrl.rewards import (
     REWARD_BOUND,
     LoadedRewardFunc,
@@ -124,14 +127,30 @@ class RewardStage:
         if self.judge is not None:
             self.judge.check(tasks)
 
+    @contextlib.contextmanager
+    def open_round(self, tasks: list[Task]) -> Iterator["OpenRound"]:
+        """A round of `tasks` being rolled out: hand each trajectory to `OpenRound.on_finish` as its episode ends
+        (the judge starts on it then, beside the rest of the rollout), then `OpenRound.score` the round. Leaving the
+        block unscored (the rollout raised) cancels the judgements."""
+        session = self.judge.open(tasks) if self.judge is not None else None
+        try:
+            yield OpenRound(self, tasks, session)
+        finally:
+            if session is not None:
+                session.abort()
+
     def score(self, trajs: list[Trajectory], tasks: list[Task]) -> RewardRound:
-        """Score a round: set each trajectory's `breakdown`, `reward` and `judgement`. Never raises for a reward
-        function or judgement that fails (their episodes are unusable, and counted)."""
+        """Score a finished round: set each trajectory's `breakdown`, `reward` and `judgement`. Never raises for a
+        reward function or judgement that fails (their episodes are unusable, and counted)."""
+        with self.open_round(tasks) as round_:
+            return round_.score(trajs)
+
+    def _score(self, trajs: list[Trajectory], tasks: list[Task], session: JudgeSession | None) -> RewardRound:
         scores, failures, per_func = self._func_scores(trajs, tasks)
         verdicts: list[Judgement | None] = [None] * len(trajs)
         judged = None
-        if self.judge is not None:
-            verdicts, judged = self.judge.verdicts(trajs, tasks)
+        if session is not None:
+            verdicts, judged = session.close(trajs)
         for i, traj in enumerate(trajs):
             turn_scores = [scores.get((i, k), ()) for k in range(len(traj.turns))]
             traj.judgement = verdicts[i]
@@ -190,6 +209,22 @@ class RewardStage:
                 log.warning("%s: the %d episodes of the round it scored are excluded", err, len({i for i, _ in where}))
         scores = {ik: tuple((f.path, per_func[f.path][j]) for f in self.funcs) for j, ik in enumerate(where)}
         return scores, failures, per_func
+
+
+class OpenRound:
+    """A round being rolled out (`RewardStage.open_round`)."""
+
+    def __init__(self, stage: RewardStage, tasks: list[Task], session: JudgeSession | None):
+        self.stage, self.tasks, self.session = stage, tasks, session
+
+    def on_finish(self, traj: Trajectory) -> None:
+        """An episode of the round ended: the judge starts on it (nothing else is scored before `score`)."""
+        if self.session is not None:
+            self.session.submit(traj)
+
+    def score(self, trajs: list[Trajectory]) -> RewardRound:
+        """Score the round's trajectories (`RewardStage.score`), waiting for the judgements still running."""
+        return self.stage._score(trajs, self.tasks, self.session)
 
 
 def round_batch(trajs: list[Trajectory], tasks: list[Task], where: list[tuple[int, int]]) -> RewardBatch:

@@ -160,25 +160,38 @@ class EpisodeRunner:
             self._tools = ToolRuntime(get_parser(self.builder.family), tokenizer=tokenizer)
         return self._tools
 
-    def run(self, tasks: list[Task], group_size: int, seed: int | None = None) -> list[Trajectory]:
+    def run(
+        self,
+        tasks: list[Task],
+        group_size: int,
+        seed: int | None = None,
+        on_finish: Callable[[Trajectory], None] | None = None,
+    ) -> list[Trajectory]:
         """All episodes of `tasks` (group_size each), concurrently; returns them in task order.
 
         seed: the run's sampling seed (request seeds derive from it); None: `sampling.seed` if set, else drawn from
-        torch's global RNG (so `torch.manual_seed` and restored RNG states reproduce it). Runs its own event loop
-        (`asyncio.run`); from inside a running loop, await `run_async`.
+        torch's global RNG (so `torch.manual_seed` and restored RNG states reproduce it). on_finish: called with each
+        trajectory as soon as its episode ends, while the others still run (e.g. to judge it meanwhile); it must not
+        block. Runs its own event loop (`asyncio.run`); from inside a running loop, await `run_async`.
         """
         if seed is None:
             seed = self.sampling.seed if self.sampling.seed is not None else int(torch.randint(0, 2**62, ()))
         out: list[Trajectory] = []
 
         async def main() -> None:  # returns None: on exit Python 3.11's asyncio.run formats a repr of the main task,
-            out.extend(await self.run_async(tasks, group_size, seed))  # result included (costly for a rollout)
+            out.extend(await self.run_async(tasks, group_size, seed, on_finish))  # result included (costly)
 
         with self.engine.session():
             asyncio.run(main())
         return out
 
-    async def run_async(self, tasks: list[Task], group_size: int, seed: int) -> list[Trajectory]:
+    async def run_async(
+        self,
+        tasks: list[Task],
+        group_size: int,
+        seed: int,
+        on_finish: Callable[[Trajectory], None] | None = None,
+    ) -> list[Trajectory]:
         """`run` inside a running event loop (the engine session is the caller's)."""
         self._seed = seed
         episodes = [ep for g, task in enumerate(tasks) for ep in self._start(task, g, group_size)]
@@ -191,19 +204,22 @@ class EpisodeRunner:
                     first = asyncio.ensure_future(self._request(group[0], n=len(group)))
                     for ep in group:
                         ep.first = first
-            await asyncio.gather(*(self._run_episode(ep) for ep in episodes))
+            return list(await asyncio.gather(*(self._run_episode(ep, on_finish) for ep in episodes)))
         finally:
             server.cancel()
             await asyncio.gather(server, return_exceptions=True)
-        return [self._finish(ep) for ep in episodes]
 
-    async def _run_episode(self, ep: Episode) -> None:
-        """One episode, state by state, until DONE."""
+    async def _run_episode(self, ep: Episode, on_finish: Callable[[Trajectory], None] | None) -> Trajectory:
+        """One episode, state by state, until DONE; its trajectory (handed to `on_finish` first)."""
         try:
             while ep.state is not State.DONE:
                 await getattr(self, self.handlers[ep.state])(ep)
         finally:
             self.batcher.finish()  # type: ignore[union-attr]
+        traj = self._finish(ep)
+        if on_finish is not None:
+            on_finish(traj)
+        return traj
 
     def _start(self, task: Task, group: int, group_size: int) -> list[Episode]:
         """Build the task's prompt once and give each of the group's episodes its own copy; a prompt that fills
