@@ -20,7 +20,8 @@ Failure modes (`mode`): grade (above), garbage (a reply without a verdict), dela
 a request holding an image), raw (HTTP 200 with the bytes `raw` under the content type `raw_type`, whatever they are:
 a malformed reply), silent (every request, the model list too, held open and never answered). `trickle_s`: every
 reply's body is sent a byte at a time, one each `trickle_s` seconds; `headers`: more headers on every reply
-(`Retry-After`, `Content-Encoding`). `reader`: exact or lookalike (above). `stop_after`: the server shuts down after
+(`Retry-After`, `Content-Encoding`). A request asking for `logprobs` (a yes/no verdict) gets one token and its top
+candidates (`first_token_candidates`). `reader`: exact or lookalike (above). `stop_after`: the server shuts down after
 answering that many completions (killed mid-step). It records every request's prompt text, images and the largest
 number of completions in flight at once.
 """
@@ -30,6 +31,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import math
 import re
 import threading
 import time
@@ -109,6 +111,16 @@ def grade(prompt: str, reader: str = "exact") -> str:
     return f"The answer {'matches' if right else 'does not match'} the reference.\nScore: {10 if right else 0}"
 
 
+def first_token_candidates(answer: str, garbage: bool) -> list[tuple[str, float]]:
+    """A yes/no judge's first-token candidates [(token, logprob)] for the grade `answer` (its `Score: 10` or not):
+    right: "yes" 0.7 and " Yes" 0.2, "no" 0.1; wrong: "no" 0.8, "yes" 0.2; garbage: neither word."""
+    if garbage:
+        return [("Looks", math.log(0.6)), ("I", math.log(0.4))]
+    if answer.endswith("Score: 10"):
+        return [("yes", math.log(0.7)), (" Yes", math.log(0.2)), ("no", math.log(0.1))]
+    return [("no", math.log(0.8)), ("yes", math.log(0.2))]
+
+
 class _QuietServer(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 256  # socketserver's 5 would hold a step's connections back (TCP retries after 1 s)
@@ -184,12 +196,26 @@ class GraderServer:
         if self.mode == "delay":
             time.sleep(self.delay_s)
         answer = "Looks fine to me." if self.mode == "garbage" else grade(text, self.reader)
+        choice: dict = {"index": 0, "message": {"role": "assistant", "content": answer}, "finish_reason": "stop"}
+        if body.get("logprobs"):  # a yes/no verdict: the first token's top candidates
+            top = first_token_candidates(answer, self.mode == "garbage")
+            choice["message"]["content"] = top[0][0]
+            choice["logprobs"] = {
+                "content": [
+                    {
+                        "token": top[0][0],
+                        "logprob": top[0][1],
+                        "bytes": None,
+                        "top_logprobs": [{"token": t, "logprob": lp, "bytes": None} for t, lp in top],
+                    }
+                ]
+            }
         return 200, {
             "id": f"cmpl-{n}",
             "object": "chat.completion",
             "created": 0,
             "model": body.get("model", MODEL),
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": answer}, "finish_reason": "stop"}],
+            "choices": [choice],
             "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
         }
 

@@ -260,3 +260,26 @@ def test_startup_checks_are_one_line():
         with pytest.raises(ConfigError, match=f"reward.judge.model='{MODEL}' at .* refused an image .*images=false"):
             make_judge(judge_config(server.url)).check([task()])
         make_judge(judge_config(server.url, images=False)).check([task()])
+
+
+def test_a_yes_no_verdict_is_p_yes_of_the_first_token_and_needs_a_client_that_gives_it():
+    from vlmrl.config import Verdict, load
+
+    tasks, trajs = step(2)
+    with GraderServer() as server:
+        stats = score(judge_config(server.url, verdict=Verdict.yes_no), trajs, tasks)
+    # first-token candidates (grader_server.first_token_candidates): right: yes 0.7 + " Yes" 0.2 against no 0.1 ->
+    # 0.9; wrong: yes 0.2 against no 0.8 -> 0.2; reward 0.2 x env (1 or 0.1) + 0.8 x P(yes)
+    assert [t.judgement.score for t in trajs] == pytest.approx([0.9, 0.2] * 2) and stats.failures == 0
+    assert [t.reward for t in trajs] == pytest.approx([0.2 + 0.8 * 0.9, 0.02 + 0.8 * 0.2] * 2)
+    assert server.prompts[0].endswith(
+        'Answer with one word only, "yes" if the response is correct and "no" if it is not.'
+    )
+    tasks, trajs = step(1)
+    with GraderServer(mode="garbage") as server:
+        score(judge_config(server.url, verdict=Verdict.yes_no), trajs, tasks)
+    assert all(math.isnan(t.reward) for t in trajs)
+    assert trajs[0].judgement.error == "neither yes nor no among the judge's top first tokens ('Looks', 'I')"
+    extra = ["reward.judge.client=transformers", "reward.judge.model=tiny:qwen2_5_vl", "reward.judge.verdict=yes_no"]
+    with pytest.raises(ConfigError, match=r"reward.judge.verdict=yes_no reads .*client=transformers does not give"):
+        Judge.from_config(load("geometry3k_tiny", extra))  # before the judge model loads

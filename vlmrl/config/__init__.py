@@ -40,6 +40,7 @@ from vlmrl.config.schema import (
     SftConfig,
     ToolsConfig,
     TrainerConfig,
+    Verdict,
     VideoConfig,
     VLLMConfig,
 )
@@ -72,6 +73,7 @@ __all__ = [
     "ResumeMode",
     "RewardConfig",
     "RewardSpec",
+    "Verdict",
     "RolloutConfig",
     "SAMPLE_DATA",
     "SftConfig",

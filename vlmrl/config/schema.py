@@ -19,6 +19,7 @@ from vlmrl.config.schema_reward import JudgeConfig as JudgeConfig
 from vlmrl.config.schema_reward import JudgeShows as JudgeShows
 from vlmrl.config.schema_reward import RewardConfig as RewardConfig
 from vlmrl.config.schema_reward import RewardSpec as RewardSpec
+from vlmrl.config.schema_reward import Verdict as Verdict
 from vlmrl.config.schema_rollout import RolloutConfig as RolloutConfig  # re-exported: one schema module to import
 from vlmrl.config.schema_rollout import ToolsConfig as ToolsConfig
 from vlmrl.config.schema_rollout import VLLMConfig as VLLMConfig

@@ -18,6 +18,13 @@ class JudgeShows(str, Enum):
     transcript = "transcript"  # every turn after the prompt: replies, tool results, observations (images as text)
 
 
+class Verdict(str, Enum):
+    """How the judge's score is read (`reward.judge.verdict`)."""
+
+    score = "score"  # the reply's last line `Score: k`, mapped to [0, 1]
+    yes_no = "yes_no"  # P(yes) / (P(yes) + P(no)) of the judge's first token (its logprobs)
+
+
 class CompletionFormat(str, Enum):
     """How a reward function gets the completions and prompts (trl's two dataset formats)."""
 
@@ -68,6 +75,12 @@ class JudgeConfig:
     )
     shows: JudgeShows = knob(JudgeShows.final, "What the judge grades: final (the last reply) or transcript.")
     images: bool = knob(True, "Send the task's images (and the transcript's) to the judge; false: text only.")
+    verdict: Verdict = knob(
+        Verdict.score,
+        "score: the judge reasons, then ends with `Score: k`; yes_no: it answers one word, yes or no, and the score is "
+        "P(yes) / (P(yes) + P(no)) from its first token's top logprobs (client=openai: a server that returns them, "
+        "as vLLM does).",
+    )
     min_score: int = knob(0, "The lowest verdict `Score: k` the judge may give (scored 0).")
     max_score: int = knob(10, "The highest verdict (scored 1); k is mapped linearly to [0, 1].")
     weight: float = knob(1.0, "The judge score's factor in the episode reward.")

@@ -21,6 +21,7 @@ import base64
 import contextlib
 import functools
 import io
+import math
 import os
 import sys
 import threading
@@ -61,12 +62,36 @@ class JudgeClient(ABC):
     async def complete(self, messages: list[Message], max_tokens: int) -> str:
         """The judge's reply to `messages` (greedy, at most max_tokens); raises JudgeError."""
 
+    async def yes_no(self, messages: list[Message]) -> float:
+        """P(yes) / (P(yes) + P(no)) of the judge's first reply token (`reward.judge.verdict=yes_no`); raises
+        JudgeError. Default: this client gives no token probabilities."""
+        raise JudgeError(f"{type(self).__name__} gives no token probabilities (reward.judge.verdict=yes_no)")
+
 
 @dataclass(frozen=True)
 class JudgeClientSpec:
-    """A registered judge client: `make(judge config, the policy's model config)`."""
+    """A registered judge client: `make(judge config, the policy's model config)`; token_probabilities: its clients
+    implement `JudgeClient.yes_no` (`reward.judge.verdict=yes_no` is refused at start-up otherwise)."""
 
     make: Callable[[JudgeConfig, ModelConfig], JudgeClient]
+    token_probabilities: bool = False
+
+
+TOP_LOGPROBS = 20  # first-token candidates asked of a server for a yes/no verdict
+
+
+def yes_probability(top: list[tuple[str, float]]) -> float:
+    """P(yes) / (P(yes) + P(no)) from a token's top candidates [(token, logprob)]: each candidate whose text,
+    stripped and lower-cased, is "yes" (or "no") adds its probability. Raises JudgeError when neither is there."""
+    p = {"yes": 0.0, "no": 0.0}
+    for token, logprob in top:
+        word = str(token).strip().lower()
+        if word in p and math.isfinite(float(logprob)):
+            p[word] += math.exp(float(logprob))
+    if p["yes"] + p["no"] <= 0.0:
+        shown = ", ".join(repr(t) for t, _ in top[:5])
+        raise JudgeError(f"neither yes nor no among the judge's top first tokens ({shown})")
+    return p["yes"] / (p["yes"] + p["no"])
 
 
 def data_url(image: Image.Image) -> str:
@@ -204,6 +229,27 @@ class OpenAIJudge(JudgeClient):
             raise JudgeError(f"unreadable reply ({error_line(err)})") from None
         return reply_text(reply)
 
+    async def yes_no(self, messages: list[Message]) -> float:
+        import openai
+
+        try:
+            reply = await self._client.chat.completions.create(
+                model=self.cfg.model,
+                messages=openai_messages(messages),
+                temperature=0.0,
+                max_tokens=1,
+                logprobs=True,
+                top_logprobs=TOP_LOGPROBS,
+                extra_body=dict(self.cfg.extra_body) or None,
+            )
+            first = reply.choices[0].logprobs.content[0]
+            top = [(c.token, c.logprob) for c in first.top_logprobs] or [(first.token, first.logprob)]
+        except openai.OpenAIError as err:
+            raise JudgeError(_failure(err)) from None
+        except Exception as err:  # noqa: BLE001 - a reply without logprobs, or unreadable: a failed judgement
+            raise JudgeError(f"no first-token logprobs in the reply ({error_line(err)})") from None
+        return yes_probability(top)
+
     def check(self, images: bool) -> None:
         """The server answers at `url`, serves `model`, and (images) takes an image: one request each, no retry, each
         within `timeout_s` in all (a server that trickles its reply is cut off)."""
@@ -287,5 +333,5 @@ class TransformersJudge(JudgeClient):
         return gen.text
 
 
-JUDGE_CLIENTS.add("openai", JudgeClientSpec(lambda cfg, model: OpenAIJudge(cfg)))
+JUDGE_CLIENTS.add("openai", JudgeClientSpec(lambda cfg, model: OpenAIJudge(cfg), token_probabilities=True))
 JUDGE_CLIENTS.add("transformers", JudgeClientSpec(TransformersJudge))

@@ -23,8 +23,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from vlmrl.config.schema import Config, JudgeConfig
-from vlmrl.errors import error_line
+from vlmrl.config.schema import Config, JudgeConfig, Verdict
+from vlmrl.errors import ConfigError, error_line
 from vlmrl.judge.clients import JudgeClient, JudgeError
 from vlmrl.judge.prompt import JudgeTemplate, case_of, judge_messages, last_line, parse_verdict
 from vlmrl.judge.quote import TokenCap, cut_middle
@@ -91,6 +91,11 @@ class Judge:
             return None
         template = JudgeTemplate.load(judge.template)
         spec = JUDGE_CLIENTS.get(judge.client)
+        if judge.verdict is Verdict.yes_no and not spec.token_probabilities:
+            raise ConfigError(
+                f"reward.judge.verdict=yes_no reads the judge's token probabilities, which reward.judge.client="
+                f"{judge.client} does not give: use client=openai (a vLLM server), or verdict=score"
+            )
         return cls(judge, spec.make(judge, cfg.model), template)
 
     def check(self, tasks: list[Task] | None = None) -> None:
@@ -104,9 +109,8 @@ class Judge:
         case = case_of(traj, reference, self.cfg.shows, self.cfg.images)
         tokenizer, limit = self.client.tokenizer, self.cfg.max_field_tokens
         tokens = TokenCap(tokenizer, limit) if tokenizer is not None and limit else None
-        return judge_messages(
-            self.template, case, self.cfg.min_score, self.cfg.max_score, self.cfg.max_field_chars, tokens
-        )
+        low, high, yes_no = self.cfg.min_score, self.cfg.max_score, self.cfg.verdict is Verdict.yes_no
+        return judge_messages(self.template, case, low, high, self.cfg.max_field_chars, tokens, yes_no)
 
     def open(self, tasks: list[Task]) -> "JudgeSession":
         """A round's judging, open while its rollout runs: `submit` each episode as it ends, `close` for the
@@ -122,6 +126,9 @@ class Judge:
     async def _one(self, bound: asyncio.Semaphore, prompt: list[Message]) -> Judgement:
         async with bound:
             try:
+                if self.cfg.verdict is Verdict.yes_no:
+                    p = await asyncio.wait_for(self.client.yes_no(prompt), self.cfg.deadline_s)
+                    return Judgement(float(p), f"P(yes) = {float(p):.6f}")
                 reply = await asyncio.wait_for(self.client.complete(prompt, self.cfg.max_tokens), self.cfg.deadline_s)
             except asyncio.TimeoutError:
                 why = f"no judgement within reward.judge.deadline_s={self.cfg.deadline_s:g} (its requests and retries)"
