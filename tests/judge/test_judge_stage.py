@@ -283,3 +283,21 @@ def test_a_yes_no_verdict_is_p_yes_of_the_first_token_and_needs_a_client_that_gi
     extra = ["reward.judge.client=transformers", "reward.judge.model=tiny:qwen2_5_vl", "reward.judge.verdict=yes_no"]
     with pytest.raises(ConfigError, match=r"reward.judge.verdict=yes_no reads .*client=transformers does not give"):
         Judge.from_config(load("geometry3k_tiny", extra))  # before the judge model loads
+
+
+def test_the_in_process_judge_batches_the_requests_made_together():
+    """Six judgements asked together: one engine call of six prompts, each reply the one it gets on its own (greedy)."""
+    import asyncio
+
+    from vlmrl.config import load
+    from vlmrl.judge.clients import TransformersJudge
+
+    extra = ["reward.judge.client=transformers", "reward.judge.model=tiny:qwen2_5_vl", "reward.judge.max_tokens=4"]
+    cfg = load("geometry3k_tiny", extra)
+    client = TransformersJudge(cfg.reward.judge, cfg.model)
+    judge = Judge(cfg.reward.judge, client, JudgeTemplate.load(None))
+    tasks, trajs = step(3)
+    verdicts, stats = judge.verdicts(trajs, tasks)
+    assert client.batches == [6] and stats.judged == 6 and stats.requests == 6
+    alone = [asyncio.run(client.complete(judge.prompt(t, tasks[t.group].answer), 4)) for t in trajs]
+    assert client.batches == [6, 1, 1, 1, 1, 1, 1] and [v.reply for v in verdicts] == alone  # type: ignore[union-attr]

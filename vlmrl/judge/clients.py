@@ -8,7 +8,8 @@
   refused: no decompression bomb). The judge stage bounds a judgement's total time (`reward.judge.deadline_s`);
   each start-up check request takes at most `reward.judge.timeout_s` in all.
 - `transformers`: the judge loaded in this process (`vlmrl.modeling.loading.load_policy`) and sampled greedily by the
-  transformers engine through its family's token builder: for tests and CPUs; one request at a time, no timeout.
+  transformers engine through its family's token builder: for tests and CPUs; the requests made together go in one
+  engine call.
 
 A client's `complete` returns the judge's reply text or raises `JudgeError` (one line); `check` is the start-up
 check (reachable, the model served, images taken when the task has them), a one-line ConfigError.
@@ -296,7 +297,12 @@ class _CheckFailed(Exception):
 
 class TransformersJudge(JudgeClient):
     """A judge loaded in this process (`reward.judge.model`, `family`; model.dtype), sampled greedily (top_p
-    1e-9: the most likely token) by the transformers engine, one request at a time."""
+    1e-9: the most likely token) by the transformers engine. Requests made together are batched: within a session
+    one worker takes every request waiting (after BATCH_WAIT_S for more to arrive) into one engine call, in a
+    thread; each caller waits at most `reward.judge.deadline_s` for its reply (a batch already decoding runs to its
+    `max_tokens`)."""
+
+    BATCH_WAIT_S = 0.02
 
     def __init__(self, cfg: JudgeConfig, policy_model: ModelConfig):
         from vlmrl.modeling.loading import load_policy
@@ -313,24 +319,63 @@ class TransformersJudge(JudgeClient):
             RolloutConfig(engine="transformers"), lambda: contextlib.nullcontext(model), processor, self.builder
         )
         self.requests = 0
+        self.batches: list[int] = []  # the size of each engine call (its requests)
         self._lock = threading.Lock()
+        self._queue: asyncio.Queue | None = None
+
+    @contextlib.asynccontextmanager
+    async def session(self) -> AsyncIterator[None]:
+        self._queue = asyncio.Queue()
+        worker = asyncio.ensure_future(self._serve(self._queue))
+        try:
+            yield
+        finally:
+            worker.cancel()
+            await asyncio.gather(worker, return_exceptions=True)
+            self._queue = None
 
     async def complete(self, messages: list[Message], max_tokens: int) -> str:
         self.requests += 1
-        return await asyncio.to_thread(self._generate, messages, max_tokens)
+        if self._queue is None:  # outside a session: on its own
+            return (await asyncio.to_thread(self._generate, [messages], max_tokens))[0]
+        reply: asyncio.Future = asyncio.get_running_loop().create_future()
+        await self._queue.put((messages, max_tokens, reply))
+        return await reply
 
-    def _generate(self, messages: list[Message], max_tokens: int) -> str:
+    async def _serve(self, queue: asyncio.Queue) -> None:
+        """Take what waits (after BATCH_WAIT_S), generate it in one engine call, answer each caller; repeat."""
+        while True:
+            batch = [await queue.get()]
+            await asyncio.sleep(self.BATCH_WAIT_S)
+            while not queue.empty():
+                batch.append(queue.get_nowait())
+            batch = [b for b in batch if not b[2].done()]  # callers past their deadline are gone
+            if not batch:
+                continue
+            try:
+                texts = await asyncio.to_thread(self._generate, [b[0] for b in batch], max(b[1] for b in batch))
+            except JudgeError as err:
+                for *_, reply in batch:
+                    if not reply.done():
+                        reply.set_exception(JudgeError(str(err)))
+                continue
+            for (*_, reply), text in zip(batch, texts):
+                if not reply.done():
+                    reply.set_result(text)
+
+    def _generate(self, conversations: list[list[Message]], max_tokens: int) -> list[str]:
         from vlmrl.rollout.engine import SamplingParams
 
         with self._lock:
             try:
-                seq = self.builder.start(messages)
+                prompts = [self.builder.start(messages).prompt() for messages in conversations]
                 params = SamplingParams(max_new_tokens=max_tokens, temperature=1.0, top_p=1e-9, seed=0)
                 with self.engine.session():
-                    ((gen,),) = self.engine.generate([seq.prompt()], 1, params)
+                    out = self.engine.generate(prompts, 1, params)
             except Exception as err:  # noqa: BLE001 - a judgement that cannot run is a failed judgement
                 raise JudgeError(error_line(err)) from None
-        return gen.text
+        self.batches.append(len(prompts))
+        return [gens[0].text for gens in out]
 
 
 JUDGE_CLIENTS.add("openai", JudgeClientSpec(lambda cfg, model: OpenAIJudge(cfg), token_probabilities=True))
