@@ -15,7 +15,7 @@ from typing import cast
 from PIL import Image
 
 from vlmrl.config import DataConfig, EnvConfig
-from vlmrl.envs.base import Environment, StepResult, register_env
+from vlmrl.envs.base import Environment, Generated, StepResult, register_env
 from vlmrl.rewards import extract_boxed
 from vlmrl.types import CORRECT, FORMATTED, PARSE_FAIL, ImagePart, Message, Role, Task, TextPart
 
@@ -71,14 +71,11 @@ class ColorSquareConfig(EnvConfig):
 
 
 @register_env("color_square")
-class ColorSquareEnv(Environment[ColorSquareConfig]):
+class ColorSquareEnv(Generated, Environment[ColorSquareConfig]):
     """Two questions, one image each (one if `max_turns` is 1)."""
 
     config_class = ColorSquareConfig
-
-    @classmethod
-    def make_tasks(cls, cfg: ColorSquareConfig, data_cfg: DataConfig) -> list[Task]:
-        return make_tasks(cfg, data_cfg)
+    tasks_of = staticmethod(make_tasks)
 
     def __init__(self, cfg: ColorSquareConfig | None = None) -> None:
         self.max_turns = max(1, min(2, (cfg or ColorSquareConfig()).max_turns))

@@ -17,11 +17,12 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 from PIL import Image
 
 from vlmrl.config import DataConfig, EnvConfig
-from vlmrl.envs.base import PromptEnv, StepResult, register_env
+from vlmrl.envs.base import Generated, PromptEnv, StepResult, register_env
 from vlmrl.rewards import word_turn
 from vlmrl.types import CORRECT, ImagePart, Message, Role, Task, TextPart
 
@@ -92,19 +93,12 @@ class ColorsConfig(EnvConfig):
 
 
 @register_env("colors")
-class ColorsEnv(PromptEnv[ColorsConfig]):
+class ColorsEnv(Generated, PromptEnv[ColorsConfig]):
     """One square; a wrong answer with turns left gets FEEDBACK and another try."""
 
     config_class = ColorsConfig
-
-    @classmethod
-    def make_tasks(cls, cfg: ColorsConfig, data_cfg: DataConfig) -> list[Task]:
-        return make_tasks(cfg, data_cfg)
-
-    @classmethod
-    def make_demos(cls, cfg: ColorsConfig, count: int, seed: int = 0) -> list[list[Message]]:
-        """Demonstrations for `vlmrl sft` with sft.demos=env (see the module-level `make_demos`)."""
-        return make_demos(cfg, count, seed)
+    tasks_of = staticmethod(make_tasks)
+    demos_of: ClassVar[Callable[..., list[list[Message]]] | None] = staticmethod(make_demos)  # guess's differs
 
     def __init__(self, cfg: ColorsConfig | None = None) -> None:
         self.max_turns = (cfg or ColorsConfig()).max_turns

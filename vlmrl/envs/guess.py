@@ -76,15 +76,8 @@ class GuessEnv(ColorsEnv):
     (`ColorsEnv`'s grading), and each turn reports `shown`: the answer is one of the two colours."""
 
     config_class = GuessConfig
-
-    @classmethod
-    def make_tasks(cls, cfg: ColorsConfig, data_cfg: DataConfig) -> list[Task]:
-        return make_tasks(cfg, data_cfg)
-
-    @classmethod
-    def make_demos(cls, cfg: ColorsConfig, count: int, seed: int = 0) -> list[list[Message]]:
-        """Demonstrations for `vlmrl sft` with sft.demos=env (see the module-level `make_demos`)."""
-        return make_demos(cfg, count, seed)
+    tasks_of = staticmethod(make_tasks)
+    demos_of = staticmethod(make_demos)
 
     def __init__(self, cfg: ColorsConfig | None = None) -> None:
         super().__init__(cfg or GuessConfig())

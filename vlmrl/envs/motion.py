@@ -33,7 +33,7 @@ import numpy as np
 
 from vlmrl.config import DataConfig, EnvConfig
 from vlmrl.config.knob import knob
-from vlmrl.envs.base import HELD_OUT, PromptEnv, StepResult, register_env, split_seed_base
+from vlmrl.envs.base import HELD_OUT, Generated, PromptEnv, StepResult, register_env, split_seed_base
 from vlmrl.rewards import extract_boxed, word_turn
 from vlmrl.types import FORMATTED, PARSE_FAIL, Message, Role, Task, TextPart, Video, VideoPart
 
@@ -127,19 +127,12 @@ def _observation(seed: int, direction: str, cfg: MotionConfig) -> Message:
 
 
 @register_env("motion")
-class MotionEnv(PromptEnv[MotionConfig]):
+class MotionEnv(Generated, PromptEnv[MotionConfig]):
     """One clip, one answer: left or right; the clip in the prompt or returned after the first reply."""
 
     config_class = MotionConfig
-
-    @classmethod
-    def make_tasks(cls, cfg: MotionConfig, data_cfg: DataConfig) -> list[Task]:
-        return make_tasks(cfg, data_cfg)
-
-    @classmethod
-    def make_demos(cls, cfg: MotionConfig, count: int, seed: int = 0) -> list[list[Message]]:
-        """Demonstrations for `vlmrl sft` with sft.demos=env (see the module-level `make_demos`)."""
-        return make_demos(cfg, count, seed)
+    tasks_of = staticmethod(make_tasks)
+    demos_of = staticmethod(make_demos)
 
     def __init__(self, cfg: MotionConfig | None = None) -> None:
         """Raises ValueError for env.clip=observation with env.max_turns < 2."""

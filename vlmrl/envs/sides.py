@@ -18,7 +18,7 @@ from PIL import Image, ImageDraw
 
 from vlmrl.config import DataConfig, EnvConfig
 from vlmrl.config.knob import knob
-from vlmrl.envs.base import HELD_OUT, PromptEnv, StepResult, register_env, split_seed_base
+from vlmrl.envs.base import HELD_OUT, Generated, PromptEnv, StepResult, register_env, split_seed_base
 from vlmrl.rewards import word_turn
 from vlmrl.types import ImagePart, Message, Role, Task, TextPart
 
@@ -94,19 +94,12 @@ def make_demos(env_cfg: SidesConfig, count: int, seed: int = 0) -> list[list[Mes
 
 
 @register_env("sides")
-class SidesEnv(PromptEnv[SidesConfig]):
+class SidesEnv(Generated, PromptEnv[SidesConfig]):
     """One canvas, one answer: left or right."""
 
     config_class = SidesConfig
-
-    @classmethod
-    def make_tasks(cls, cfg: SidesConfig, data_cfg: DataConfig) -> list[Task]:
-        return make_tasks(cfg, data_cfg)
-
-    @classmethod
-    def make_demos(cls, cfg: SidesConfig, count: int, seed: int = 0) -> list[list[Message]]:
-        """Demonstrations for `vlmrl sft` with sft.demos=env (see the module-level `make_demos`)."""
-        return make_demos(cfg, count, seed)
+    tasks_of = staticmethod(make_tasks)
+    demos_of = staticmethod(make_demos)
 
     def __init__(self, cfg: SidesConfig | None = None) -> None:
         """One turn, graded on the boxed side (the config's sizes are the tasks')."""
