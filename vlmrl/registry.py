@@ -3,10 +3,13 @@
 decorated function or class in its own module, with what the rest of the code needs to know about it as attributes
 of the entry.
 
-A registry imports the modules that register its built-in entries (`builtins`, by module name) on its first lookup,
-so the config layer validates a name without importing the modules above it at import time. A name of the form
-`package.module:name` imports `package.module` first (an entry registered outside vlmrl, named by one config line).
-An unknown name is a one-line `ConfigError` listing what is registered. The pattern is verl's
+Each registry lives beside the type of its entries (`ADVANTAGE_ESTIMATORS` in `vlmrl.train.advantages`, `ENVIRONMENTS`
+in `vlmrl.envs.base`, ...: `HOMES`); this module holds the `Registry` class and `registry_for(key)`, which finds a
+registry by the config key it serves through its module's name, so the config layer below them validates a name
+without importing them at import time, and nothing here imports a module above it, not even for its types. A
+registry imports the modules that register its built-in entries (`builtins`, by module name) on its first lookup. A
+name of the form `package.module:name` imports `package.module` first (an entry registered outside vlmrl, named by
+one config line). An unknown name is a one-line `ConfigError` listing what is registered. The pattern is verl's
 `register_adv_est`/`register_policy_loss` (verl/trainer/ppo/core_algos.py).
 """
 
@@ -14,18 +17,10 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from vlmrl.errors import ConfigError
 from vlmrl.plugins import ImportFailed, import_module
-
-if TYPE_CHECKING:
-    from vlmrl.envs.base import Environment
-    from vlmrl.judge.clients import JudgeClientSpec
-    from vlmrl.rollout.engines import EngineSpec
-    from vlmrl.rollout.vllm.routes import WeightSyncRoute
-    from vlmrl.train.advantages import AdvantageEstimator
-    from vlmrl.train.loss_agg import LossAggregation
 
 T = TypeVar("T")
 
@@ -95,27 +90,26 @@ class Registry(Generic[T]):
                 importlib.import_module(module)
 
 
-ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry(
-    "algorithm.advantage", ("vlmrl.train.advantages", "vlmrl.train.turn_advantages")
-)
-LOSS_AGGREGATIONS: Registry[LossAggregation] = Registry("algorithm.loss_agg", ("vlmrl.train.loss_agg",))
-ROLLOUT_ENGINES: Registry[EngineSpec] = Registry("rollout.engine", ("vlmrl.rollout.engines",))
-WEIGHT_SYNC_ROUTES: Registry[WeightSyncRoute] = Registry("rollout.vllm.weight_sync", ("vlmrl.rollout.vllm.routes",))
-JUDGE_CLIENTS: Registry[JudgeClientSpec] = Registry("reward.judge.client", ("vlmrl.judge.clients",))
-ENVIRONMENTS: Registry[type[Environment]] = Registry(
-    "env._target_",
-    tuple(
-        f"vlmrl.envs.{m}"
-        for m in (
-            "geometry3k",
-            "geometry3k_tools",
-            "frozenlake",
-            "color_square",
-            "colors",
-            "guess",
-            "sides",
-            "motion",
-            "generic",
-        )
-    ),
-)
+# config key -> (the module that defines its registry, the registry's name there)
+HOMES: dict[str, tuple[str, str]] = {
+    "algorithm.advantage": ("vlmrl.train.advantages", "ADVANTAGE_ESTIMATORS"),
+    "algorithm.loss_agg": ("vlmrl.train.loss_agg", "LOSS_AGGREGATIONS"),
+    "rollout.engine": ("vlmrl.rollout.engines", "ROLLOUT_ENGINES"),
+    "rollout.vllm.weight_sync": ("vlmrl.rollout.vllm.routes", "WEIGHT_SYNC_ROUTES"),
+    "reward.judge.client": ("vlmrl.judge.clients", "JUDGE_CLIENTS"),
+    "env._target_": ("vlmrl.envs.base", "ENVIRONMENTS"),
+}
+
+
+def registry_for(key: str) -> Registry[Any]:
+    """The registry of config key `key` (`HOMES`), its module imported by name. Raises KeyError for another key."""
+    module, name = HOMES[key]
+    return getattr(importlib.import_module(module), name)
+
+
+def __getattr__(name: str) -> Registry[Any]:
+    """`vlmrl.registry.ROLLOUT_ENGINES` and the other registries by their names, as earlier versions had them here."""
+    for key, (_, attr) in HOMES.items():
+        if attr == name:
+            return registry_for(key)
+    raise AttributeError(f"module 'vlmrl.registry' has no attribute {name!r}")

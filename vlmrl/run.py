@@ -24,10 +24,10 @@ from vlmrl.envs import check_plugins, load_env_tasks
 from vlmrl.evaluation.during_training import EvalSetup, eval_during_training
 from vlmrl.modeling.adapters import prepare_policy
 from vlmrl.modeling.loading import load_policy
-from vlmrl.registry import ROLLOUT_ENGINES
 from vlmrl.reward import RewardRound, RewardStage, usable_episode
 from vlmrl.rollout import engine_video_refusal
 from vlmrl.rollout.engine import derive_seed
+from vlmrl.rollout.engines import ROLLOUT_ENGINES
 from vlmrl.rollout.episode import EpisodeRunner
 from vlmrl.rollout.runner import build_runner
 from vlmrl.rollout.skipped_rows import prompt_too_long, skipped_rows

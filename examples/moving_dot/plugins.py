@@ -9,8 +9,7 @@ reward.judge.client=examples.moving_dot.plugins:keyword reward.judge.model=keywo
 
 from __future__ import annotations
 
-from vlmrl.judge.clients import JudgeClient, JudgeClientSpec
-from vlmrl.registry import JUDGE_CLIENTS
+from vlmrl.judge.clients import JUDGE_CLIENTS, JudgeClient, JudgeClientSpec
 from vlmrl.rollout.engines import register_engine, transformers_engine
 from vlmrl.train.advantages import Advantages, register_advantage
 

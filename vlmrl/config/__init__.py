@@ -51,7 +51,7 @@ from vlmrl.config.validate import (
     validate_config,
 )
 from vlmrl.config.yaml_guard import check_yaml_file
-from vlmrl.registry import ROLLOUT_ENGINES
+from vlmrl.registry import registry_for
 
 __all__ = [
     "ASSETS",
@@ -118,7 +118,7 @@ def load(
     except Exception as exc:  # omegaconf raises many types; all become one clear line
         raise ConfigError(one_line(exc)) from exc
     validate_config(cfg, training)
-    configure = ROLLOUT_ENGINES.get(cfg.rollout.engine).configure
+    configure = registry_for("rollout.engine").get(cfg.rollout.engine).configure
     # e.g. vllm: the weight-sync route and sleep mode this machine takes, in config.yaml
     if configure is not None and configure_engine:
         configure(cfg)

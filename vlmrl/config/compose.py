@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from vlmrl.config.validate import ConfigError, moved_key_message
 from vlmrl.config.yaml_guard import check_yaml_file
 from vlmrl.plugins import ImportFailed, import_module
-from vlmrl.registry import ENVIRONMENTS
+from vlmrl.registry import registry_for
 
 ROOT = Path(os.environ.get("VLMRL_ROOT", Path(__file__).resolve().parents[2]))  # holds conf/ and recipes/
 
@@ -143,9 +143,9 @@ def env_node(target: str, env_raw: Mapping[str, Any]) -> DictConfig:
     """`env_raw` (a config node) merged into the structured config of the class at `target` (its `config_class`, a
     dataclass), `_target_` set to the class's import path: unknown keys and wrong types are ConfigErrors naming
     `env.<key>`. target: an import path (`package.module:Class` or `package.module.Class`) or a name registered in
-    `vlmrl.registry.ENVIRONMENTS` (e.g. `colors`)."""
+    `vlmrl.envs.base.ENVIRONMENTS` (e.g. `colors`)."""
     if isinstance(target, str) and target and "." not in target and ":" not in target:
-        registered = ENVIRONMENTS.get(target)  # a registered name (vlmrl.registry), not an import path
+        registered = registry_for("env._target_").get(target)  # a registered name (vlmrl.registry), not an import path
         target = f"{registered.__module__}.{registered.__qualname__}"
     cls = import_path(target, "env._target_")
     config_class = getattr(cls, "config_class", None)

@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 
 from vlmrl.config.compose import ROOT
 from vlmrl.config.schema import ASSETS, Config, EnvConfig
-from vlmrl.registry import ENVIRONMENTS
+from vlmrl.registry import registry_for
 
 HEADER = """# Configuration reference
 
@@ -74,13 +74,14 @@ def sections(cls: type = Config, prefix: str = "") -> Iterator[tuple[str, type]]
 
 
 def shipped_environments() -> list[tuple[type, type]]:
-    """(environment class, its config class) for every registered environment (`vlmrl.registry.ENVIRONMENTS`, whose
+    """(environment class, its config class) for every registered environment (`vlmrl.envs.base.ENVIRONMENTS`, whose
     built-ins it imports by module name: the config layer itself never imports the environments,
     tests/config/test_config_imports.py) that declares its own `config_class` (an `EnvConfig` subclass), in module
     order."""
     found: list[tuple[type, type]] = []
-    for name in ENVIRONMENTS.names():
-        cls = ENVIRONMENTS.get(name)
+    environments = registry_for("env._target_")
+    for name in environments.names():
+        cls = environments.get(name)
         config_class = vars(cls).get("config_class")
         if isinstance(config_class, type) and issubclass(config_class, EnvConfig) and config_class is not EnvConfig:
             if (cls, config_class) not in found:

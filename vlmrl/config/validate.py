@@ -19,13 +19,7 @@ if TYPE_CHECKING:
 
 
 from vlmrl.errors import ConfigError
-from vlmrl.registry import (
-    ADVANTAGE_ESTIMATORS,
-    JUDGE_CLIENTS,
-    LOSS_AGGREGATIONS,
-    ROLLOUT_ENGINES,
-    WEIGHT_SYNC_ROUTES,
-)
+from vlmrl.registry import registry_for
 
 __all__ = ["ConfigError"]  # defined in vlmrl.errors; imported from here by earlier code
 log = logging.getLogger("vlmrl.config")
@@ -56,9 +50,9 @@ def validate_config(cfg: Config, training: bool = True) -> None:
     """Raise ConfigError (one line naming the key) for the first failing check of `cfg`; training: False for
     `vlmrl generate` (which allows algorithm.group_size=1)."""
     # each choice is a registered name (an unknown one: a ConfigError listing the registered names)
-    ROLLOUT_ENGINES.get(cfg.rollout.engine)
-    LOSS_AGGREGATIONS.get(cfg.algorithm.loss_agg)
-    ADVANTAGE_ESTIMATORS.get(cfg.algorithm.advantage)
+    registry_for("rollout.engine").get(cfg.rollout.engine)
+    registry_for("algorithm.loss_agg").get(cfg.algorithm.loss_agg)
+    registry_for("algorithm.advantage").get(cfg.algorithm.advantage)
     group_ok = cfg.algorithm.group_size >= (2 if training else 1)
     checks = [
         (cfg.env.max_turns >= 1, "env.max_turns must be >= 1"),
@@ -106,7 +100,8 @@ def validate_config(cfg: Config, training: bool = True) -> None:
         (cfg.algorithm.overlong_penalty >= 0.0, "algorithm.overlong_penalty must be >= 0"),
         (cfg.algorithm.max_sampling_rounds >= 1, "algorithm.max_sampling_rounds must be >= 1"),
         (
-            not ADVANTAGE_ESTIMATORS.get(cfg.algorithm.advantage).per_turn or cfg.export.style.value == "individual",
+            not registry_for("algorithm.advantage").get(cfg.algorithm.advantage).per_turn
+            or cfg.export.style.value == "individual",
             f"algorithm.advantage={cfg.algorithm.advantage} writes one advantage per turn: it needs "
             "export.style=individual (one sample per turn)",
         ),
@@ -131,7 +126,7 @@ def _reward_checks(cfg: Config) -> list[tuple[bool, str]]:
     r, j = cfg.reward, cfg.reward.judge
     if j.client is None:
         return [(_fin(r.env_weight), "reward.env_weight must be finite")]
-    JUDGE_CLIENTS.get(j.client)
+    registry_for("reward.judge.client").get(j.client)
     return [
         (_fin(r.env_weight) and _fin(j.weight), "reward.env_weight and reward.judge.weight must be finite"),
         (j.min_score < j.max_score, "reward.judge.min_score must be below reward.judge.max_score"),
@@ -146,7 +141,7 @@ def _reward_checks(cfg: Config) -> list[tuple[bool, str]]:
         (j.client != "openai" or bool(j.url), "reward.judge.client=openai needs reward.judge.url"),
         (bool(j.model), f"reward.judge.client={j.client} needs reward.judge.model"),
         (
-            not ADVANTAGE_ESTIMATORS.get(cfg.algorithm.advantage).per_turn,
+            not registry_for("algorithm.advantage").get(cfg.algorithm.advantage).per_turn,
             f"reward.judge scores whole episodes: algorithm.advantage={cfg.algorithm.advantage} (per turn) cannot use "
             "it",
         ),
@@ -259,7 +254,7 @@ def _vllm_checks(v: VLLMConfig) -> list[tuple[bool, str]]:
     """The checks of `rollout.vllm` (the only place they are made; `check_vllm_config` raises on the first). An
     unregistered `weight_sync` (other than auto) raises here, listing the registered routes."""
     if v.weight_sync != "auto":
-        WEIGHT_SYNC_ROUTES.get(v.weight_sync)
+        registry_for("rollout.vllm.weight_sync").get(v.weight_sync)
     return [
         (v.mode in ("colocate", "server"), f"rollout.vllm.mode={v.mode!r} must be colocate or server"),
         (
@@ -313,8 +308,8 @@ def vllm_runs_as(v: VLLMConfig, ranks: int) -> str:
 def _default_route(runs: str, cuda: bool) -> str:
     """The route `weight_sync=auto` takes for vLLM running as `runs` with or without CUDA (the registered route whose
     `default_for` holds the pair; file if none)."""
-    names = WEIGHT_SYNC_ROUTES.names()
-    return next((n for n in names if (runs, cuda) in WEIGHT_SYNC_ROUTES.get(n).default_for), "file")
+    routes = registry_for("rollout.vllm.weight_sync")
+    return next((n for n in routes.names() if (runs, cuda) in routes.get(n).default_for), "file")
 
 
 def resolve_weight_sync(v: VLLMConfig, *, cuda: bool, ranks: int) -> str:
@@ -326,12 +321,12 @@ def resolve_weight_sync(v: VLLMConfig, *, cuda: bool, ranks: int) -> str:
     on_cpu, default = _default_route(runs, cuda=False), _default_route(runs, cuda)
     route = v.weight_sync if v.weight_sync != "auto" else default
     platform = "CUDA" if cuda else "CPU (no CUDA GPU)"
-    if WEIGHT_SYNC_ROUTES.get(route).needs_cuda and not cuda:
+    if registry_for("rollout.vllm.weight_sync").get(route).needs_cuda and not cuda:
         raise ConfigError(
             f"rollout.vllm.weight_sync={route} needs CUDA GPUs and this machine has none: on CPU use "
             f"weight_sync={on_cpu} (or auto) for {_WHERE[runs]}"
         )
-    if runs not in WEIGHT_SYNC_ROUTES.get(route).runs_with:
+    if runs not in registry_for("rollout.vllm.weight_sync").get(route).runs_with:
         works = " or ".join(f"weight_sync={r}" for r in dict.fromkeys((default, "file")))
         raise ConfigError(
             f"rollout.vllm.weight_sync={route} does not work with {_WHERE[runs]} on {platform}: use {works} "

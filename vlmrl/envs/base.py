@@ -16,7 +16,7 @@ from typing import Callable, ClassVar, Generic, TypeVar
 
 from vlmrl.config import DataConfig, EnvConfig
 from vlmrl.data import Row, task_of
-from vlmrl.registry import ENVIRONMENTS
+from vlmrl.registry import Registry
 from vlmrl.types import CORRECT, Message, Role, Task
 
 
@@ -162,11 +162,17 @@ class Generated:
         return cls.demos_of(cfg, count, seed)
 
 
+BUILTIN_ENVIRONMENTS = ("geometry3k", "geometry3k_tools", "frozenlake", "color_square", "colors", "guess", "sides")
+ENVIRONMENTS: Registry[type[Environment]] = Registry(
+    "env._target_", tuple(f"vlmrl.envs.{m}" for m in (*BUILTIN_ENVIRONMENTS, "motion", "generic"))
+)
+
+
 E = TypeVar("E", bound=type)
 
 
 def register_env(name: str) -> Callable[[E], E]:
-    """Class decorator: register an `Environment` subclass under `name` (`vlmrl.registry.ENVIRONMENTS`), so that
+    """Class decorator: register an `Environment` subclass under `name` (`ENVIRONMENTS`), so that
     `env._target_=name` selects it as its import path does (an environment outside vlmrl is named by its import
     path, `env._target_=package.module:Class`, and needs no registration)."""
 

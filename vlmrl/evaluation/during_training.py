@@ -12,8 +12,8 @@ from vlmrl.config import Config
 from vlmrl.evaluation.metrics import _summary
 from vlmrl.evaluation.report.run_data import EVAL_TRAJECTORIES
 from vlmrl.evaluation.rollouts import chunks, eval_data_cfg, rollout_records
-from vlmrl.registry import ROLLOUT_ENGINES
 from vlmrl.reward import RewardStage
+from vlmrl.rollout.engines import ROLLOUT_ENGINES
 from vlmrl.runs.jsonl import read_jsonl, write_jsonl_atomic
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""How a judge model is reached (`reward.judge.client`, registry `vlmrl.registry.JUDGE_CLIENTS`).
+"""How a judge model is reached (`reward.judge.client`, registry `JUDGE_CLIENTS`).
 
 - `openai`: an OpenAI-compatible chat completions server (`vllm serve`, SGLang, a hosted API) through the `openai`
   package's `AsyncOpenAI`: its timeout per read, its retries (exponential backoff, `Retry-After` honoured up to the
@@ -35,7 +35,7 @@ from PIL import Image
 
 from vlmrl.config.schema import JudgeConfig, ModelConfig, RolloutConfig
 from vlmrl.errors import ConfigError, error_line
-from vlmrl.registry import JUDGE_CLIENTS
+from vlmrl.registry import Registry
 from vlmrl.types import ImagePart, Message, Role, TextPart
 
 
@@ -78,6 +78,7 @@ class JudgeClientSpec:
     token_probabilities: bool = False
 
 
+JUDGE_CLIENTS: Registry[JudgeClientSpec] = Registry("reward.judge.client", ("vlmrl.judge.clients",))
 TOP_LOGPROBS = 20  # first-token candidates asked of a server for a yes/no verdict
 
 

@@ -25,10 +25,9 @@ from typing import Any
 
 from vlmrl.config.schema import Config, JudgeConfig, Verdict
 from vlmrl.errors import ConfigError, error_line
-from vlmrl.judge.clients import JudgeClient, JudgeError
+from vlmrl.judge.clients import JUDGE_CLIENTS, JudgeClient, JudgeError
 from vlmrl.judge.prompt import JudgeTemplate, case_of, judge_messages, last_line, parse_verdict
 from vlmrl.judge.quote import TokenCap, cut_middle
-from vlmrl.registry import JUDGE_CLIENTS
 from vlmrl.rollout.skipped_rows import prompt_too_long
 from vlmrl.types import Judgement, Message, Task, Trajectory
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from vlmrl.registry import ROLLOUT_ENGINES
 from vlmrl.rollout.engine import Engine, SamplingParams
+from vlmrl.rollout.engines import ROLLOUT_ENGINES
 
 
 def make_engine(rollout_cfg: Any, policy, processor, builder) -> Engine:

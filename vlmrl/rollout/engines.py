@@ -1,4 +1,4 @@
-"""Rollout engines (`rollout.engine`), registered by name in `vlmrl.registry.ROLLOUT_ENGINES`: `transformers` (the
+"""Rollout engines (`rollout.engine`), registered by name in `ROLLOUT_ENGINES`: `transformers` (the
 trainer's own module, in process) and `vllm` (`vlmrl.rollout.vllm`). Each is one factory decorated with
 `@register_engine(name, ...)`; what the rest of the code needs to know about an engine is an attribute of its
 `EngineSpec`, never a comparison with its name. A new engine is its own module plus one config line
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from vlmrl.config.validate import resolve_vllm_config
-from vlmrl.registry import ROLLOUT_ENGINES
+from vlmrl.registry import Registry
 
 if TYPE_CHECKING:
     from vlmrl.config import Config, RolloutConfig
@@ -44,6 +44,9 @@ class EngineSpec:
     needs_rollout_correction: bool = True
     configure: Optional[Callable[["Config"], None]] = None
     video: Optional[Callable[["RolloutConfig"], Optional[str]]] = None
+
+
+ROLLOUT_ENGINES: Registry[EngineSpec] = Registry("rollout.engine", ("vlmrl.rollout.engines",))
 
 
 def register_engine(

@@ -1,4 +1,4 @@
-"""Advantage estimators (`algorithm.advantage`), registered by name in `vlmrl.registry.ADVANTAGE_ESTIMATORS`, and
+"""Advantage estimators (`algorithm.advantage`), registered by name in `ADVANTAGE_ESTIMATORS`, and
 GRPO's group advantages (pure Python, no torch): `group_advantages`, the `episode` estimator. The `turn` estimator
 (per-turn reward-to-go) is in `vlmrl.train.turn_advantages`.
 
@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from vlmrl.registry import ADVANTAGE_ESTIMATORS, origin
+from vlmrl.registry import Registry, origin
 
 if TYPE_CHECKING:
     from vlmrl.config import Config
@@ -46,6 +46,11 @@ class AdvantageEstimator:
     name: str
     estimate: EstimateFn
     per_turn: bool = False
+
+
+ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry(
+    "algorithm.advantage", ("vlmrl.train.advantages", "vlmrl.train.turn_advantages")
+)
 
 
 def register_advantage(name: str, *, per_turn: bool = False) -> Callable[[EstimateFn], EstimateFn]:

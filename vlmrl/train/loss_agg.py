@@ -1,6 +1,6 @@
 """Loss aggregation: how the per-token losses l[b, t] of one optimizer step add up to the step's loss.
 
-`algorithm.loss_agg`, registered by name (`vlmrl.registry.LOSS_AGGREGATIONS`; names as verl's `loss_agg_mode`,
+`algorithm.loss_agg`, registered by name (`LOSS_AGGREGATIONS`; names as verl's `loss_agg_mode`,
 verl/trainer/ppo/core_algos.py `agg_loss`):
 
     token-mean               loss = sum_{b,t} m l / N_tok                      (DAPO, Yu et al. 2025, sec. 3.3)
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vlmrl.registry import LOSS_AGGREGATIONS
+from vlmrl.registry import Registry
 
 # (mask [B, T] float, num_tokens, num_seqs, norm_len) -> weights [B, T]
 WeightsFn = Callable[[torch.Tensor, float, float, float], torch.Tensor]
@@ -40,6 +40,9 @@ class LossAggregation:
     name: str
     weights: WeightsFn
     uses_norm_len: bool = False
+
+
+LOSS_AGGREGATIONS: Registry[LossAggregation] = Registry("algorithm.loss_agg", ("vlmrl.train.loss_agg",))
 
 
 def register_loss_agg(name: str, *, uses_norm_len: bool = False) -> Callable[[WeightsFn], WeightsFn]:

@@ -26,7 +26,7 @@ from enum import Enum
 
 import torch
 
-from vlmrl.registry import ROLLOUT_ENGINES
+from vlmrl.rollout.engines import ROLLOUT_ENGINES
 
 
 class Correction(str, Enum):

@@ -2,7 +2,8 @@
 exclusion of episodes with unusable rewards from their group, and the samples (`vlmrl.export.to_samples`).
 
 - `export_style`: `concat` needs a prefix-preserving template and no history window, else `individual`.
-- `assign_step_advantages`: the registered estimator `algorithm.advantage` (`vlmrl.registry.ADVANTAGE_ESTIMATORS`).
+- `assign_step_advantages`: the registered estimator `algorithm.advantage`
+  (`vlmrl.train.advantages.ADVANTAGE_ESTIMATORS`).
 - `step_samples`: the episodes of a skipped row (its prompt does not fit, `vlmrl.rollout.skipped_rows`) give no sample
   and take no part in the advantages; episodes whose reward is NaN, inf or beyond `vlmrl.rewards.REWARD_BOUND` leave
   their GRPO group (`vlmrl.reward.stage.split_unusable`) before the advantages; a rank left with nothing else trains
@@ -22,13 +23,12 @@ import torch
 
 from vlmrl.config import Config, ExportStyle
 from vlmrl.export import to_samples
-from vlmrl.registry import ADVANTAGE_ESTIMATORS
 from vlmrl.reward import split_unusable
 from vlmrl.rewards import REWARD_BOUND
 from vlmrl.rollout.skipped_rows import SkippedRow, prompt_too_long
 from vlmrl.runs.resume import nonfinite_episodes
 from vlmrl.tokens.base import PrefixMode, TokenBuilder
-from vlmrl.train.advantages import assign_advantages
+from vlmrl.train.advantages import ADVANTAGE_ESTIMATORS, assign_advantages
 from vlmrl.train.dynamic_sampling import SampledBatch
 from vlmrl.types import Sample, Trajectory
 
@@ -59,7 +59,7 @@ def export_style(requested: ExportStyle, builder: TokenBuilder, keep_images: int
 
 
 def assign_step_advantages(cfg: Config, trajs: list[Trajectory]) -> None:
-    """The advantages of `algorithm.advantage` (a registered estimator, `vlmrl.registry.ADVANTAGE_ESTIMATORS`),
+    """The advantages of `algorithm.advantage` (a registered estimator, `vlmrl.train.advantages.ADVANTAGE_ESTIMATORS`),
     written onto the trajectories (`assign_advantages`)."""
     assign_advantages(ADVANTAGE_ESTIMATORS.get(cfg.algorithm.advantage), cfg, trajs)
 

@@ -55,12 +55,11 @@ import torch
 
 from vlmrl.modeling.adapters import merged_state_dict, save_pretrained_merged
 from vlmrl.modeling.inputs import family_of_model
-from vlmrl.registry import LOSS_AGGREGATIONS
 from vlmrl.train import dist
 from vlmrl.train.dist import all_gather_object, is_main, world_size
 from vlmrl.train.grpo import LossStats, grpo_loss
 from vlmrl.train.logprobs import batch_logprobs, collate, pack
-from vlmrl.train.loss_agg import token_weights
+from vlmrl.train.loss_agg import LOSS_AGGREGATIONS, token_weights
 from vlmrl.train.packing import exchange, micro_batch_groups, start_packing
 from vlmrl.train.rollout_correction import Correction, correction_weights
 from vlmrl.train.settings import (  # noqa: F401 - re-exported

@@ -34,10 +34,10 @@ from typing import Any, Coroutine, Iterator, TypeVar
 import torch
 
 from vlmrl.config import VLLMConfig
-from vlmrl.registry import WEIGHT_SYNC_ROUTES
 from vlmrl.rollout.engine import GenerateRequest
 from vlmrl.rollout.vllm.colocated import ColocatedBackend
 from vlmrl.rollout.vllm.convert import PROMPT_LOGPROBS, TokenIO
+from vlmrl.rollout.vllm.routes import WEIGHT_SYNC_ROUTES
 from vlmrl.rollout.vllm.transfer import AsyncLLMClient, items_source, make_sender, send
 from vlmrl.rollout.vllm.weights import write_items
 from vlmrl.types import EnginePrompt, Generation

@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar, cast
 import torch
 
 from vlmrl.config import VLLMConfig
-from vlmrl.registry import WEIGHT_SYNC_ROUTES
 from vlmrl.rollout.engine import GenerateRequest
 from vlmrl.rollout.vllm.convert import PROMPT_LOGPROBS, TokenIO
 from vlmrl.rollout.vllm.memory import wake_with_room
+from vlmrl.rollout.vllm.routes import WEIGHT_SYNC_ROUTES
 from vlmrl.rollout.vllm.transfer import transfer_engine_kwargs
 from vlmrl.rollout.vllm.weights import full_state_items, write_items, write_weights
 from vlmrl.types import EnginePrompt, Generation

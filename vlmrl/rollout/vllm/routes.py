@@ -1,5 +1,5 @@
 """Weight-sync routes (`rollout.vllm.weight_sync`): how the trainer's weights reach vLLM after each update,
-registered by name in `vlmrl.registry.WEIGHT_SYNC_ROUTES`. What the config checks and the engines need to know about
+registered by name in `WEIGHT_SYNC_ROUTES`. What the config checks and the engines need to know about
 a route is an attribute of its `WeightSyncRoute`: where it works (`runs_with`: how vLLM runs, `needs_cuda`), where
 `auto` picks it (`default_for`), and, for the routes through vLLM's weight-transfer API, the transfer backend and
 the trainer-side init info (`init_info`, one decorated function each). No vllm or torch import here: the config
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
-from vlmrl.registry import WEIGHT_SYNC_ROUTES
+from vlmrl.registry import Registry
 
 if TYPE_CHECKING:
     from vlmrl.config import VLLMConfig
@@ -49,6 +49,9 @@ class WeightSyncRoute:
     worker_extension: Optional[str] = None
     pickled_handles: bool = False
     init_info: Optional[InitInfo] = None
+
+
+WEIGHT_SYNC_ROUTES: Registry[WeightSyncRoute] = Registry("rollout.vllm.weight_sync", ("vlmrl.rollout.vllm.routes",))
 
 
 def register_route(name: str, **attrs: Any) -> Callable[[InitInfo], InitInfo]:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, Coroutine, Iterator
 
 import torch
 
-from vlmrl.registry import WEIGHT_SYNC_ROUTES
+from vlmrl.rollout.vllm.routes import WEIGHT_SYNC_ROUTES
 
 if TYPE_CHECKING:
     from vlmrl.config import VLLMConfig
