@@ -113,3 +113,18 @@ def test_generate_scores_with_the_judge(tmp_path):
     for rec in records:
         assert rec["reward"] == pytest.approx(0.2 * rec["turn_rewards"][0] + 0.8 * rec["judge"]["score"])
         assert rec["reward_breakdown"]["judge"] == rec["judge"]["score"] and rec["reward_breakdown"]["unusable"] == ""
+
+
+def test_eval_during_training_scores_with_the_judge(tmp_path):
+    """`trainer.eval_every`: the eval split's episodes are scored by the run's reward stage, the judge included."""
+    from vlmrl.run import train
+
+    out = tmp_path / "run"
+    with GraderServer() as server:
+        train(_cfg(out, server.url, "trainer.steps=1", "trainer.eval_every=1", "data.eval_limit=2"))
+    (row,) = _lines(out / "metrics.jsonl")
+    evals = _lines(out / "eval_trajectories.jsonl")
+    assert len(evals) == 6 and row["judge_calls"] == 6  # the step's own judgements; the eval's are in its records
+    assert server.completions == 1 + 6 + 6  # the start-up probe, the step's six, the eval's six
+    for rec in evals:
+        assert rec["reward"] == pytest.approx(0.2 * rec["turn_rewards"][0] + 0.8 * rec["judge"]["score"])
