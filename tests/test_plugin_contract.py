@@ -85,3 +85,30 @@ def test_a_wrong_name_is_one_line_before_any_model_loads(tmp_path, override, why
         check_plugins(cfg)
         RewardStage.from_config(cfg)
     assert why in str(err.value) and "\n" not in str(err.value)
+
+
+def test_an_estimator_or_judge_client_of_the_wrong_signature_is_one_line_before_any_model_loads(tmp_path, monkeypatch):
+    (tmp_path / "bad_estimator.py").write_text(
+        "from vlmrl.train.advantages import register_advantage\n\n\n"
+        "@register_advantage('one_arg')\ndef one_arg(cfg):\n    return None\n"
+    )
+    (tmp_path / "bad_judge.py").write_text(
+        "from vlmrl.judge.clients import JUDGE_CLIENTS, JudgeClientSpec\n\n"
+        "JUDGE_CLIENTS.add('nullary', JudgeClientSpec(lambda: None))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cases = [
+        (
+            "algorithm.advantage=bad_estimator:one_arg",
+            "algorithm.advantage 'one_arg' (bad_estimator.one_arg) has the "
+            "signature (cfg): too many positional arguments",
+        ),
+        (
+            "reward.judge.client=bad_judge:nullary",
+            "reward.judge.client 'make' (bad_judge.<lambda>) has the signature (): too many positional arguments",
+        ),
+    ]
+    for override, why in cases:
+        with pytest.raises(ConfigError) as err:
+            _cfg(tmp_path / "run", override)
+        assert why in str(err.value) and "\n" not in str(err.value), str(err.value)

@@ -36,6 +36,22 @@ def origin(entry: object) -> str:
     return f"{type(entry).__module__}.{type(entry).__qualname__} instance"
 
 
+def check_signature(fn: Any, key: str, name: str, *args: Any) -> None:
+    """Raise TypeError (one line naming `key`, `name` and where `fn` is defined) when `fn` cannot be called with
+    `args` positionally: a plug-in of the wrong signature fails when it is registered (its module imported while the
+    config is checked, before any model loads), not at its first call. A callable without a signature passes."""
+    import inspect
+
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(*args)
+    except TypeError as err:
+        raise TypeError(f"{key} {name!r} ({origin(fn)}) has the signature {signature}: {err}") from None
+
+
 class Registry(Generic[T]):
     """Named entries of one kind. key: the config key that names an entry (for errors); builtins: the modules that
     register the built-in entries, imported on the first lookup."""

@@ -35,7 +35,7 @@ from PIL import Image
 
 from vlmrl.config.schema import JudgeConfig, ModelConfig, RolloutConfig
 from vlmrl.errors import ConfigError, error_line
-from vlmrl.registry import Registry
+from vlmrl.registry import Registry, check_signature
 from vlmrl.types import ImagePart, Message, Role, TextPart
 
 
@@ -76,6 +76,9 @@ class JudgeClientSpec:
 
     make: Callable[[JudgeConfig, ModelConfig], JudgeClient]
     token_probabilities: bool = False
+
+    def __post_init__(self) -> None:
+        check_signature(self.make, "reward.judge.client", "make", None, None)  # make(judge_cfg, model_cfg)
 
 
 JUDGE_CLIENTS: Registry[JudgeClientSpec] = Registry("reward.judge.client", ("vlmrl.judge.clients",))

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from vlmrl.registry import Registry, origin
+from vlmrl.registry import Registry, check_signature, origin
 
 if TYPE_CHECKING:
     from vlmrl.config import Config
@@ -58,6 +58,7 @@ def register_advantage(name: str, *, per_turn: bool = False) -> Callable[[Estima
     `AdvantageEstimator`)."""
 
     def deco(fn: EstimateFn) -> EstimateFn:
+        check_signature(fn, "algorithm.advantage", name, None, [])  # fn(cfg, trajectories)
         ADVANTAGE_ESTIMATORS.add(name, AdvantageEstimator(name=name, estimate=fn, per_turn=per_turn))
         return fn
 
