@@ -164,6 +164,16 @@ def usable_reward(value: object) -> bool:
     return math.isfinite(x) and abs(x) <= REWARD_BOUND
 
 
+def rewards_usable(traj: Any) -> bool:
+    """True when a trajectory's reward and every turn's reward are usable numbers (`usable_reward`)."""
+    return all(usable_reward(r) for r in (traj.reward, *(t.reward for t in traj.turns)))
+
+
+def prompt_text(messages: Sequence[Any]) -> str:
+    """The text of a task's prompt messages, one line each (the `prompts` reward functions get)."""
+    return "\n".join(m.text_content for m in messages)
+
+
 def episode_reward(turn_rewards: Sequence[float], gamma: float) -> float:
     """max_t r_t * gamma**t over the turns of an episode (t = 0 for the first turn); 0.0 for no turns.
 

@@ -18,7 +18,7 @@ from vlmrl.config import EnvConfig
 from vlmrl.config.knob import knob
 from vlmrl.config.schema_reward import RewardSpec
 from vlmrl.envs.base import Environment, StepResult, register_env, with_system_prompt
-from vlmrl.rewards import RewardBatch, load_reward_funcs
+from vlmrl.rewards import RewardBatch, load_reward_funcs, prompt_text
 from vlmrl.types import CORRECT, FORMATTED, Message, Role, Task
 
 DEFAULT_FEEDBACK = "Your answer is not correct. Please try again and put your final answer in \\boxed{}."
@@ -73,7 +73,7 @@ class MultiTurnEnv(Environment[MultiTurnConfig]):
         """The reward functions' batch of one reply: its prompt's text, the dataset columns and `ground_truth`."""
         assert self.task is not None
         cols = dict(self.task.meta.get("columns") or {})
-        prompt = "\n".join(m.text_content for m in self.task.messages)
+        prompt = prompt_text(self.task.messages)
         columns = {**{k: [v] for k, v in cols.items()}, "ground_truth": [self.task.answer]}
         return RewardBatch([reply], [prompt], columns=columns)
 

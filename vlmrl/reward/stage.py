@@ -41,6 +41,8 @@ from vlmrl.rewards import (
     episode_reward,
     length_penalty,
     load_reward_funcs,
+    prompt_text,
+    rewards_usable,
     usable_reward,
 )
 from vlmrl.types import EndReason, Judgement, RewardBreakdown, Task, Trajectory, Turn, TurnReward
@@ -238,7 +240,7 @@ def round_batch(trajs: list[Trajectory], tasks: list[Task], where: list[tuple[in
     columns = {k: [c.get(k) for c in cols] for k in names}
     columns["ground_truth"] = [t.answer if t else "" for t in owners]
     gens = [trajs[i].turns[k].generation for i, k in where]
-    prompts = ["\n".join(m.text_content for m in t.messages) if t else "" for t in owners]
+    prompts = [prompt_text(t.messages) if t else "" for t in owners]
     return RewardBatch([g.text for g in gens], prompts, [list(g.token_ids) for g in gens], columns)
 
 
@@ -263,7 +265,7 @@ def usable_episode(traj: Any) -> bool:
     scored by the stage (e.g. an SFT demo) when its reward and turn rewards are usable numbers."""
     if getattr(traj, "breakdown", None) is not None:
         return traj.breakdown.usable
-    return all(usable_reward(r) for r in (traj.reward, *(t.reward for t in traj.turns)))
+    return rewards_usable(traj)
 
 
 def split_unusable(trajs: list[Any]) -> tuple[list[Any], list[str]]:

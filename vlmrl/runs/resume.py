@@ -26,7 +26,7 @@ from typing import Any, Iterator, Sequence, cast
 from omegaconf import OmegaConf
 
 from vlmrl.config import ResumeMode
-from vlmrl.rewards import REWARD_BOUND, usable_reward
+from vlmrl.rewards import REWARD_BOUND, rewards_usable
 from vlmrl.runs import checkpoint
 from vlmrl.runs.files import RunFolderError
 from vlmrl.runs.jsonl import read_jsonl
@@ -255,10 +255,7 @@ def nonfinite_episodes(trajs: list[Any]) -> list[str]:
     """Ids (`episode_ids`) of the episodes whose advantage is not finite, or whose reward or turn rewards are not
     usable (NaN, inf, or |r| > `vlmrl.rewards.REWARD_BOUND`)."""
 
-    def usable(t: Any) -> bool:
-        return all(usable_reward(r) for r in (t.reward, *(turn.reward for turn in t.turns)))
-
-    return [i for t, i in zip(trajs, episode_ids(trajs)) if not (finite(t.advantage) and usable(t))]
+    return [i for t, i in zip(trajs, episode_ids(trajs)) if not (finite(t.advantage) and rewards_usable(t))]
 
 
 NONFINITE, NO_SAMPLE = "non-finite numbers", "no sample to train on"
