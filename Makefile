@@ -38,6 +38,9 @@ $(SETUP_STAMP): pyproject.toml Makefile | $(BIN)/python
 	$(BIN)/pip install -q --no-compile -e '.[dev]'
 	$(BYTECODE_ENV) $(BIN)/python -m vlmrl.modeling compile
 	@# tool isolation (vlmrl/tools/isolation.py): bubblewrap if it can be installed, else tools run with rlimits only
+	@# env=miniwob (vlmrl/envs/web): Debian's Chromium and its driver, where apt can install them (the browser tests
+	@# need them and fail, never skip, without them; other systems: docs/gui-agents.md)
+	-command -v chromium >/dev/null && command -v chromedriver >/dev/null || (apt-get update -qq && apt-get install -y -q chromium chromium-driver) >/dev/null 2>&1 || (sudo -n apt-get update -qq && sudo -n apt-get install -y -q chromium chromium-driver) >/dev/null 2>&1 || echo "chromium and chromium-driver not installed: env=miniwob needs them (docs/gui-agents.md)"
 	-command -v bwrap >/dev/null || (apt-get update -qq && apt-get install -y -q bubblewrap) >/dev/null 2>&1 || (sudo -n apt-get update -qq && sudo -n apt-get install -y -q bubblewrap) >/dev/null 2>&1 || echo "bubblewrap not installed: tool workers get rlimits only"
 	touch $@
 endif

@@ -205,3 +205,16 @@ def test_judge_overlap_bench_small(capsys):
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     after, overlapped = rows["(a) rollout, then judging"], rows["(o) judged as each episode ends"]
     assert rows["floor"] >= 0.75 and overlapped < after - 0.15 and overlapped >= rows["floor"] - 0.05
+
+
+@pytest.mark.slow
+def test_browser_bench_small(capsys):
+    """Every row of the browser bench is timed and each browser's memory measured (a real Chromium)."""
+    import json
+
+    bench = _load("browser")
+    bench.main(repeats=1, browsers=1, as_json=True)
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(out["ms"]) == {"start", "open", "reset", "shot1", "shot2", "act_on", "act_end"}
+    assert all(v > 0 for v in out["ms"].values()) and out["ms"]["start"] > out["ms"]["act_end"]
+    assert len(out["memory_mb"]) == 1 and 30 < out["memory_mb"][0] < 1024

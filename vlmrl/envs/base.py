@@ -17,7 +17,7 @@ from typing import Callable, ClassVar, Generic, TypeVar
 from vlmrl.config import DataConfig, EnvConfig
 from vlmrl.data import Row, task_of
 from vlmrl.registry import Registry
-from vlmrl.types import CORRECT, Message, Role, Task
+from vlmrl.types import CORRECT, Message, Role, Task, ToolCall
 
 
 @dataclass
@@ -122,6 +122,37 @@ class Environment(ABC, Generic[C]):
         return []
 
 
+class ActionEnvironment(Environment[C]):
+    """An environment the model acts on through tool calls that the environment performs itself (a browser, a
+    game): `tools()` describes the actions (their schemas reach the prompt; the runner never runs them in a tool
+    worker), and every reply, the last turn's too, goes to `act` with its parsed calls. Each such turn is graded
+    like an answer turn (its reward counts in the turn discount); the episode ends when `act` says done.
+
+    Before `reset` the runner calls `bind_view(family, presented_size)`: the policy's `model.family` and
+    `presented_size(width, height) -> (width, height)`, the size the processor presents an image at
+    (`TokenBuilder.presented_size`), so that coordinates in the frame the model saw can be mapped back.
+    """
+
+    family: str = ""
+    presented_size: Callable[[int, int], tuple[int, int]] | None = None
+
+    def bind_view(self, family: str, presented_size: Callable[[int, int], tuple[int, int]] | None = None) -> None:
+        """Record the policy's family and its processor's image size rule (called by the runner; by the run's tool
+        set-up with the family alone, to read the action schemas)."""
+        self.family, self.presented_size = family, presented_size
+
+    @abstractmethod
+    def act(self, calls: list[ToolCall], text: str, turn: int, last_turn: bool) -> StepResult:
+        """Perform the reply's parsed `calls` (possibly none, or unparsable ones) and grade turn `turn` (0-based);
+        `text` is the reply, `last_turn` says no further turn is allowed. A call the environment cannot perform is
+        counted in the result's metrics, never raised; raise only when the environment itself failed (the episode
+        is then excluded, `EndReason.ENV_ERROR`)."""
+
+    def step(self, assistant_text: str, turn: int, last_turn: bool) -> StepResult:
+        """A reply graded without its calls (`act` with none)."""
+        return self.act([], assistant_text, turn, last_turn)
+
+
 class PromptEnv(Environment[C]):
     """An environment whose episode starts from its task's messages as they are (a fresh copy each episode); the
     task is `self.task` after `reset`, and `current_task()` for `step`."""
@@ -164,7 +195,7 @@ class Generated:
 
 BUILTIN_ENVIRONMENTS = ("geometry3k", "geometry3k_tools", "frozenlake", "color_square", "colors", "guess", "sides")
 ENVIRONMENTS: Registry[type[Environment]] = Registry(
-    "env._target_", tuple(f"vlmrl.envs.{m}" for m in (*BUILTIN_ENVIRONMENTS, "motion", "generic"))
+    "env._target_", tuple(f"vlmrl.envs.{m}" for m in (*BUILTIN_ENVIRONMENTS, "motion", "generic", "web.miniwob"))
 )
 
 

@@ -3,6 +3,9 @@
     GENERATE --engine--> REPLY --no tool call--> ENV_STEP --env.step--> OBSERVE --builder--> GENERATE ... --> DONE
                                --tool calls---> TOOL --run tools-----> OBSERVE
 
+An `ActionEnvironment` (a browser, a game) performs the calls itself: every reply goes to ENV_STEP, and `env.act`
+gets its parsed calls (the last turn's too) and grades the turn.
+
 REPLY appends the sampled ids and parses tool calls (only when the environment has tools, and not on the last
 allowed turn, whose reply is always graded). TOOL runs them through the `ToolRuntime` (limits, timeouts, failures
 as error messages) and renders the tool messages (loss mask 0); a tool response with images or videos over
@@ -37,7 +40,7 @@ from typing import Callable
 import torch
 
 from vlmrl.data.video import check_shown
-from vlmrl.envs.base import Environment
+from vlmrl.envs.base import ActionEnvironment, Environment
 from vlmrl.errors import error_line
 from vlmrl.image_fit import fit_messages
 from vlmrl.rollout.batcher import Dispatcher, make_dispatcher
@@ -225,6 +228,9 @@ class EpisodeRunner:
         """Build the task's prompt once and give each of the group's episodes its own copy; a prompt that fills
         rollout.max_context_tokens ends them all at once (`EndReason.PROMPT_TOO_LONG`, no turn sampled)."""
         envs = [self.env_factory() for _ in range(group_size)]
+        for env in envs:
+            if isinstance(env, ActionEnvironment):
+                env.bind_view(self.builder.family, self.builder.presented_size)
         messages = self._fit(envs[0].reset(task), task)
         for env in envs[1:]:
             env.reset(task)
@@ -272,8 +278,9 @@ class EpisodeRunner:
             self.builder.add_generation(ep.seq, gen)
         ep.messages.append(Message(Role.ASSISTANT, [TextPart(gen.text)]))
         last = len(ep.turns) + 1 >= self.limits.max_turns
-        ep.calls = self.tools.parse(gen.text) if ep.tools and not last else []
-        ep.state = State.TOOL if ep.calls else State.ENV_STEP
+        acting = isinstance(ep.env, ActionEnvironment)  # its calls are its actions, graded by `act`
+        ep.calls = self.tools.parse(gen.text) if ep.tools and (acting or not last) else []
+        ep.state = State.TOOL if ep.calls and not acting else State.ENV_STEP
 
     async def _on_tool(self, ep: Episode) -> None:
         """TOOL: run the calls (worker thread), render their messages; an over-long image or video response is
@@ -304,7 +311,10 @@ class EpisodeRunner:
         turn = len(ep.turns)
         last = turn + 1 >= self.limits.max_turns
         try:
-            result = await self.batcher.offload(ep.env.step, gen.text, turn, last)
+            if isinstance(ep.env, ActionEnvironment):
+                result = await self.batcher.offload(ep.env.act, ep.calls, gen.text, turn, last)
+            else:
+                result = await self.batcher.offload(ep.env.step, gen.text, turn, last)
         except Exception as err:  # noqa: BLE001 - a reward function or environment that raises costs its episode
             log.warning(
                 "task %s turn %d: %s.step raised (%s); the episode is excluded",

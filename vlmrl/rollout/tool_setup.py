@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmrl.config import Config, ConfigError, DataConfig
-from vlmrl.envs.base import Environment
+from vlmrl.envs.base import ActionEnvironment, Environment
 from vlmrl.envs.tool_env import with_configured_tools
 from vlmrl.tools.isolation import Sandbox, isolation_mode
 from vlmrl.tools.runtime import ToolRuntime
@@ -78,6 +78,8 @@ def tool_setup(cfg: Config, processor: Any, env_factory: Callable[[], Environmen
     sandbox = tools_sandbox(cfg)
     factory = with_configured_tools(env_factory, cfg.tools, sandbox)
     probe = factory()
+    if isinstance(probe, ActionEnvironment):  # its action schemas may depend on the family (the frame of a point)
+        probe.bind_view(cfg.model.family)
     tools = check_unique(as_tool(t) for t in probe.tools())
     getattr(probe, "close", lambda: None)()
     if not tools:

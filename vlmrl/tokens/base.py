@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from vlmrl.tokens.grid import grid_features
+from vlmrl.tokens.grid import grid_features, grid_presented_size
 from vlmrl.types import BoundaryEdit, Generation, Message, Role, TextPart, TokenSeq, VideoInputs, VisionInputs
 
 JOINER = "\u2060"  # WORD JOINER: invisible, its own bytes in every tokenizer here, splits a control string apart
@@ -245,6 +245,17 @@ class TokenBuilder(ABC):
         if not isinstance(merge, int):
             raise NotImplementedError(f"{self.family}: no image feature rule")
         return grid_features(vision, merge)
+
+    def presented_size(self, width: int, height: int) -> tuple[int, int]:
+        """(width, height) in pixels at which the processor presents a `width` x `height` image to the model: the
+        frame its coordinates refer to (`vlmrl.envs.web.frame`). Default: the Qwen-VL grid rule
+        (`vlmrl.tokens.grid.grid_presented_size`) when the image processor has `patch_size` and `merge_size`.
+
+        Raises NotImplementedError for a family without a known rule."""
+        image_processor = getattr(getattr(self, "processor", None), "image_processor", None)
+        if not all(isinstance(getattr(image_processor, k, None), int) for k in ("patch_size", "merge_size")):
+            raise NotImplementedError(f"{self.family}: no rule for the size its processor presents images at")
+        return grid_presented_size(image_processor, width, height)
 
     def vision(self, seq: TokenSeq) -> VisionInputs | None:
         """All images of `seq`, concatenated in the family's layout (what `modeling.model_inputs` takes)."""

@@ -16,6 +16,21 @@ def grid_features(vision: VisionInputs | None, merge_size: int) -> int:
     return int((vision.image_grid_thw.prod(-1) // int(merge_size) ** 2).sum())
 
 
+def grid_presented_size(image_processor: Any, width: int, height: int) -> tuple[int, int]:
+    """(width, height) in pixels that a Qwen-style image processor resizes a `width` x `height` image to: transformers'
+    `smart_resize` (both sides multiples of patch_size * merge_size, the area within the processor's
+    `size.shortest_edge` and `size.longest_edge` pixels, the aspect ratio kept as closely as that allows). The
+    processed image is that size: its `image_grid_thw` is (1, height / patch_size, width / patch_size)."""
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+    size = image_processor.size
+    factor = int(image_processor.patch_size) * int(image_processor.merge_size)
+    h, w = smart_resize(
+        int(height), int(width), factor=factor, min_pixels=int(size.shortest_edge), max_pixels=int(size.longest_edge)
+    )
+    return int(w), int(h)
+
+
 def grid_images(images: list, processor: Any) -> VisionInputs:
     """`images` (not empty) through `processor.image_processor`: pixel_values [sum of t·h·w, C·T·P·P], grid [N, 3]."""
     out = processor.image_processor(images=images, return_tensors="pt")

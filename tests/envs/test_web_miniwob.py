@@ -1,0 +1,222 @@
+"""MiniWoB++ click-color in a real Chromium: the task's own reward and done signal, invalid actions counted inside the
+episode, the page's timer, the same problem for a GRPO group, and whole episodes through the episode loop with the
+real Qwen2.5-VL builder (tool calls parsed from the replies, the click mapped through the processor's resize)."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+from test_episode import ScriptedEngine
+
+from vlmrl.config import DataConfig, ToolsConfig
+from vlmrl.envs import load_env_tasks, make_env_factory
+from vlmrl.envs.web.actions import action_tools
+from vlmrl.envs.web.frame import Coordinates
+from vlmrl.envs.web.miniwob import EnvironmentFailure, MiniWobConfig, MiniWobEnv, click_color_boxes, make_tasks
+from vlmrl.envs.web.pool import close_all
+from vlmrl.rollout.engine import SamplingParams
+from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner
+from vlmrl.tokens import get_builder
+from vlmrl.tools.runtime import ToolRuntime
+from vlmrl.types import EndReason, ToolCall, ToolCallStatus
+
+
+def box_centre(env: MiniWobEnv, right: bool) -> tuple[float, float]:
+    """The CSS centre of the asked-for box (right) or of another box, from the page's DOM."""
+    target, others = click_color_boxes(env.browser)
+    return target if right else others[0]
+
+
+@pytest.fixture(scope="module")
+def builder(qwen25_processor):
+    return get_builder("qwen2_5_vl", qwen25_processor)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def browsers():
+    yield
+    close_all()
+
+
+def episode(builder, cfg: MiniWobConfig, seed_index: int = 0) -> MiniWobEnv:
+    task = make_tasks(cfg, DataConfig(limit=seed_index + 1))[seed_index]
+    env = MiniWobEnv(cfg)
+    env.bind_view("qwen2_5_vl", builder.presented_size)
+    env.reset(task)
+    return env
+
+
+def click_at(env: MiniWobEnv, css: tuple[float, float]) -> ToolCall:
+    x, y = env.frame.from_css(*css)
+    return ToolCall("click", {"x": x, "y": y})
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0])
+def test_right_box_wins_wrong_box_loses(builder, scale):
+    cfg = MiniWobConfig(scale=scale)
+    env = episode(builder, cfg)
+    try:
+        result = env.act([click_at(env, box_centre(env, right=True))], "", 0, False)
+        assert (result.reward, result.done, result.metrics["correct"], result.metrics["task_reward"]) == (1, True, 1, 1)
+    finally:
+        env.close()
+    env = episode(builder, cfg)
+    try:
+        result = env.act([click_at(env, box_centre(env, right=False))], "", 0, False)
+        assert (result.reward, result.done, result.metrics["correct"], result.metrics["task_reward"]) == (
+            0,
+            True,
+            0,
+            -1,
+        )
+    finally:
+        env.close()
+
+
+def test_invalid_actions_are_counted_and_the_episode_goes_on(builder):
+    env = episode(builder, MiniWobConfig(actions_per_turn=2))
+    try:
+        bad = [
+            ToolCall("click", {"x": math.nan, "y": 3}),
+            ToolCall("click", {"x": 10_000, "y": 3}),
+            ToolCall("", {}, status=ToolCallStatus.MALFORMED_JSON, error="not JSON"),
+        ]
+        result = env.act(bad, "", 0, False)
+        assert not result.done and result.reward == 0
+        assert result.metrics["invalid_actions"] == 3 and result.metrics["actions"] == 0
+        assert result.metrics["parse_fail"] == 1 and result.metrics["formatted"] == 0
+        (message,) = result.messages
+        assert "finite" in message.content[0].text and "outside" in message.content[0].text
+        assert message.images[0].size == (160, 210)
+        result = env.act([], "I am not sure.", 1, False)  # no call: told so, the page again
+        assert result.metrics["no_action"] == 1 and "No action" in result.messages[0].content[0].text
+        centre = box_centre(env, right=True)
+        typing = ToolCall("type", {"text": "hi"})
+        result = env.act([typing, typing, click_at(env, centre)], "", 2, False)  # the third: over 2, not performed
+        assert result.metrics["invalid_actions"] == 1 and result.metrics["actions"] == 2 and not result.done
+        assert "only 2 action(s) per turn" in result.messages[0].content[0].text
+        result = env.act([click_at(env, centre), typing], "", 3, False)  # the click ends the task: typing not sent
+        assert result.done and result.reward == 1 and result.metrics["invalid_actions"] == 0
+    finally:
+        env.close()
+
+
+def test_last_turn_ends_unfinished_with_zero(builder):
+    env = episode(builder, MiniWobConfig())
+    try:
+        result = env.act([ToolCall("press", {"key": "Tab"})], "", 3, True)
+        assert result.done and result.reward == 0 and result.metrics["task_reward"] == 0
+    finally:
+        env.close()
+
+
+def test_time_limit_and_time_discount(builder):
+    env = episode(builder, MiniWobConfig(time_limit_s=0.3))
+    try:
+        time.sleep(0.5)
+        result = env.act([click_at(env, (80, 150))], "", 0, False)
+        assert result.done and result.metrics["timed_out"] == 1 and result.metrics["task_reward"] == -1
+        assert result.metrics["actions"] == 0 and result.reward == 0
+    finally:
+        env.close()
+    env = episode(builder, MiniWobConfig(time_limit_s=2.0, reward="time_discounted"))
+    try:
+        time.sleep(0.4)
+        result = env.act([click_at(env, box_centre(env, right=True))], "", 0, False)
+        assert result.metrics["correct"] == 1 and 0.3 < result.reward < 0.85  # 1 - elapsed / 2 s
+    finally:
+        env.close()
+
+
+def test_a_group_sees_the_same_page(builder):
+    cfg = MiniWobConfig()
+    a, b = episode(builder, cfg, 3), episode(builder, cfg, 3)
+    c = episode(builder, cfg, 4)
+    try:
+        shots = [e.browser.screenshot(160, 210).tobytes() for e in (a, b, c)]
+        assert shots[0] == shots[1] and shots[0] != shots[2]
+        assert a.browser is not b.browser  # one browser per concurrent episode
+    finally:
+        for e in (a, b, c):
+            e.close()
+
+
+def test_unknown_task_lists_close_names():
+    with pytest.raises(ValueError, match="no MiniWoB\\+\\+ task 'click-colour'; close names: click-color"):
+        make_tasks(MiniWobConfig(task="click-colour"), DataConfig(limit=2))
+    with pytest.raises(ValueError, match="scale=9"):
+        MiniWobConfig(scale=9)
+
+
+def test_tasks_cycle_and_eval_seeds_are_held_out():
+    cfg = MiniWobConfig(task="click-color, click-button")
+    train = make_tasks(cfg, DataConfig(limit=4, split="train"))
+    test = make_tasks(cfg, DataConfig(limit=4, split="test"))
+    assert [t.meta["task"] for t in train] == ["click-color", "click-button"] * 2
+    assert not {t.meta["seed"] for t in train} & {t.meta["seed"] for t in test}
+
+
+def test_a_browser_that_dies_excludes_its_episode(builder):
+    env = episode(builder, MiniWobConfig())
+    env.browser.kill()
+    with pytest.raises(EnvironmentFailure):
+        env.act([ToolCall("click", {"x": 5, "y": 5})], "", 0, False)
+    assert env.browser is None and env.pool.stats.failures >= 1
+    env.close()
+
+
+def test_episodes_through_the_loop(builder):
+    """Two GRPO groups of 2 through the episode loop with scripted replies in Hermes tool-call format (the right box
+    after invalid calls or none, up to the last turn, or the wrong box); the rewards, the turns and the observation
+    images are the environment's, the loss mask covers only sampled tokens."""
+    cfg = MiniWobConfig(max_turns=3)
+    tasks = load_env_tasks(cfg, DataConfig(limit=2))
+    answers = []
+    for i in range(2):  # where the boxes are on each task's page (the same seed gives the same page)
+        probe = episode(builder, cfg, i)
+        answers.append([probe.frame.from_css(*box_centre(probe, right)) for right in (True, False)])
+        probe.close()
+
+    def call(name, **args):
+        import json
+
+        return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>"
+
+    (r0, w0), (r1, w1) = answers
+    replies = [
+        call("click", x=5000, y=1),  # task 0, sample 0: outside the image, then the right box
+        call("click", x=w0[0], y=w0[1]),  # task 0, sample 1: the wrong box
+        call("click", x=r1[0], y=r1[1]),  # task 1, sample 0: right at once
+        "The box is blue.",  # task 1, sample 1: no call, a click outside, the right box at the last turn
+        call("click", x=r0[0], y=r0[1]),
+        call("click", x=-3, y=r1[1]),
+        call("click", x=r1[0], y=r1[1]),
+    ]
+    schemas = [t.schema for t in action_tools(Coordinates.PIXELS)]  # the chat template gets them, as in a run
+    builder = get_builder("qwen2_5_vl", builder.processor, tools=schemas)
+    engine = ScriptedEngine(builder.tokenizer, replies)
+    runner = EpisodeRunner(
+        builder,
+        engine,
+        make_env_factory(cfg),
+        EpisodeLimits(max_turns=3, max_context_tokens=8192),
+        SamplingParams(max_new_tokens=64, temperature=0.7, top_p=0.9),
+        tools=ToolRuntime.from_config(ToolsConfig(), "qwen2_5_vl", builder.processor),  # as a run's tool set-up
+    )
+    trajectories = runner.run(tasks, group_size=2, seed=3)
+    rewards = [[t.reward for t in traj.turns] for traj in trajectories]
+    assert rewards == [[0.0, 1.0], [0.0], [1.0], [0.0, 0.0, 1.0]]  # the last turn's call is performed too
+    assert [traj.end_reason for traj in trajectories] == [EndReason.ENV_DONE] * 4
+    assert trajectories[0].turns[0].metrics["invalid_actions"] == 1
+    assert trajectories[3].turns[0].metrics["no_action"] == 1
+    first = trajectories[0]
+    system = first.messages[0].content[0].text  # Qwen2.5-VL's template ignores `tools`: they are described here
+    assert '"name": "click"' in system and "in pixels of the latest screenshot" in system
+    assert "# Tools" in builder.tokenizer.decode(first.tokens.ids[:400])
+    assert len(first.tokens.vision.image_grid_thw) == 2  # the first page and the one after the invalid call
+    # 168 x 224 presented pixels = 12 x 16 merged patches per image
+    assert first.tokens.vision.image_grid_thw.tolist() == [[1, 16, 12], [1, 16, 12]]
+    sampled = sum(len(turn.generation.token_ids) for turn in first.turns)
+    assert sum(first.tokens.loss_mask) == sampled
