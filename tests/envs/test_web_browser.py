@@ -33,7 +33,8 @@ document.addEventListener('mousedown', e => window.clicks.push([e.clientX, e.cli
 
 
 def spec(width=160, height=210, scale=1.0, **kw) -> BrowserSpec:
-    return BrowserSpec(width, height, scale, kw.pop("block_network", True), 128, kw.pop("timeout_s", 10.0), **kw)
+    # 30 s: a screenshot on a 2-core machine running the rest of the suite beside it can take seconds
+    return BrowserSpec(width, height, scale, kw.pop("block_network", True), 128, kw.pop("timeout_s", 30.0), **kw)
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +165,7 @@ def test_a_crashed_browser_is_a_failure_not_a_hang():
 
     import psutil
 
-    browser = Browser(spec(timeout_s=5.0)).start()
+    browser = Browser(spec(timeout_s=10.0)).start()
     try:
         for pid in browser.pids():
             if psutil.Process(pid).name().startswith("chrom") and "chromedriver" not in psutil.Process(pid).name():
@@ -172,7 +173,7 @@ def test_a_crashed_browser_is_a_failure_not_a_hang():
         start = time.monotonic()
         with pytest.raises(BrowserFailure):
             browser.js("return 1;")
-        assert time.monotonic() - start < 6
+        assert time.monotonic() - start < 12
     finally:
         browser.kill()
 
@@ -181,7 +182,7 @@ def test_memory_is_capped_and_measured(tmp_path):
     """This machine (as CI's) makes cgroups: a page that allocates past the browser's cap gets a browser process
     killed by the kernel, a BrowserFailure; the trainer lives on. An idle browser's memory is measured."""
     assert "memory" in cgroups.controllers()
-    browser = Browser(spec(memory_mb=600, timeout_s=20.0)).start()
+    browser = Browser(spec(memory_mb=600)).start()
     try:
         assert 50 < browser.memory_mb() < 600
         page = tmp_path / "hog.html"

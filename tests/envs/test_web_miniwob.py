@@ -4,7 +4,9 @@ real Qwen2.5-VL builder (tool calls parsed from the replies, the click mapped th
 
 from __future__ import annotations
 
+import json
 import math
+import re
 import time
 
 import pytest
@@ -13,11 +15,14 @@ from test_episode import ScriptedEngine
 from vlmrl.config import DataConfig, ToolsConfig
 from vlmrl.envs import load_env_tasks, make_env_factory
 from vlmrl.envs.web.actions import action_tools
+from vlmrl.envs.web.browser import BrowserMissing
 from vlmrl.envs.web.frame import Coordinates
 from vlmrl.envs.web.miniwob import EnvironmentFailure, MiniWobConfig, MiniWobEnv, click_color_boxes, make_tasks
 from vlmrl.envs.web.pool import close_all
+from vlmrl.evaluation.report.viewer import messages_html
 from vlmrl.rollout.engine import SamplingParams
 from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner
+from vlmrl.runs.record import TrajectoryRecord
 from vlmrl.tokens import get_builder
 from vlmrl.tools.runtime import ToolRuntime
 from vlmrl.types import EndReason, ToolCall, ToolCallStatus
@@ -60,17 +65,15 @@ def test_right_box_wins_wrong_box_loses(builder, scale):
     try:
         result = env.act([click_at(env, box_centre(env, right=True))], "", 0, False)
         assert (result.reward, result.done, result.metrics["correct"], result.metrics["task_reward"]) == (1, True, 1, 1)
+        assert result.metrics["success_click-color"] == 1
     finally:
         env.close()
     env = episode(builder, cfg)
     try:
         result = env.act([click_at(env, box_centre(env, right=False))], "", 0, False)
-        assert (result.reward, result.done, result.metrics["correct"], result.metrics["task_reward"]) == (
-            0,
-            True,
-            0,
-            -1,
-        )
+        outcome = (result.reward, result.done, result.metrics["correct"], result.metrics["task_reward"])
+        assert outcome == (0, True, 0, -1)
+        assert result.metrics["success_click-color"] == 0  # per task (env_success_click-color in a step's metrics)
     finally:
         env.close()
 
@@ -148,6 +151,8 @@ def test_unknown_task_lists_close_names():
         make_tasks(MiniWobConfig(task="click-colour"), DataConfig(limit=2))
     with pytest.raises(ValueError, match="scale=9"):
         MiniWobConfig(scale=9)
+    with pytest.raises(BrowserMissing, match="no chromium found: install"):  # at start-up, before any model loads
+        make_tasks(MiniWobConfig(chromium="/nonexistent/chromium"), DataConfig(limit=2))
 
 
 def test_tasks_cycle_and_eval_seeds_are_held_out():
@@ -173,39 +178,43 @@ def test_episodes_through_the_loop(builder):
     images are the environment's, the loss mask covers only sampled tokens."""
     cfg = MiniWobConfig(max_turns=3)
     tasks = load_env_tasks(cfg, DataConfig(limit=2))
-    answers = []
+    answers, targets = [], []
     for i in range(2):  # where the boxes are on each task's page (the same seed gives the same page)
         probe = episode(builder, cfg, i)
         answers.append([probe.frame.from_css(*box_centre(probe, right)) for right in (True, False)])
+        targets.append(box_centre(probe, True))
         probe.close()
 
     def call(name, **args):
-        import json
-
         return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>"
 
     (r0, w0), (r1, w1) = answers
-    replies = [
-        call("click", x=5000, y=1),  # task 0, sample 0: outside the image, then the right box
-        call("click", x=w0[0], y=w0[1]),  # task 0, sample 1: the wrong box
-        call("click", x=r1[0], y=r1[1]),  # task 1, sample 0: right at once
-        "The box is blue.",  # task 1, sample 1: no call, a click outside, the right box at the last turn
-        call("click", x=r0[0], y=r0[1]),
-        call("click", x=-3, y=r1[1]),
-        call("click", x=r1[0], y=r1[1]),
+    replies = [  # per task, in request order: one group's episodes at turn 0, then the one still running
+        [
+            call("click", x=5000, y=1),  # sample 0: outside the image, then the right box
+            call("click", x=w0[0], y=w0[1]),  # sample 1: the wrong box
+            call("click", x=r0[0], y=r0[1]),
+        ],
+        [
+            call("click", x=r1[0], y=r1[1]),  # sample 0: right at once
+            "The box is blue.",  # sample 1: no call, a click outside, the right box at the last turn
+            call("click", x=-3, y=r1[1]),
+            call("click", x=r1[0], y=r1[1]),
+        ],
     ]
     schemas = [t.schema for t in action_tools(Coordinates.PIXELS)]  # the chat template gets them, as in a run
     builder = get_builder("qwen2_5_vl", builder.processor, tools=schemas)
-    engine = ScriptedEngine(builder.tokenizer, replies)
-    runner = EpisodeRunner(
-        builder,
-        engine,
-        make_env_factory(cfg),
-        EpisodeLimits(max_turns=3, max_context_tokens=8192),
-        SamplingParams(max_new_tokens=64, temperature=0.7, top_p=0.9),
-        tools=ToolRuntime.from_config(ToolsConfig(), "qwen2_5_vl", builder.processor),  # as a run's tool set-up
-    )
-    trajectories = runner.run(tasks, group_size=2, seed=3)
+    trajectories = []
+    for task, script in zip(tasks, replies):  # one group per run: its requests come in a fixed order
+        runner = EpisodeRunner(
+            builder,
+            ScriptedEngine(builder.tokenizer, script),
+            make_env_factory(cfg),
+            EpisodeLimits(max_turns=3, max_context_tokens=8192),
+            SamplingParams(max_new_tokens=64, temperature=0.7, top_p=0.9),
+            tools=ToolRuntime.from_config(ToolsConfig(), "qwen2_5_vl", builder.processor),  # as a run's set-up
+        )
+        trajectories += runner.run([task], group_size=2, seed=3)
     rewards = [[t.reward for t in traj.turns] for traj in trajectories]
     assert rewards == [[0.0, 1.0], [0.0], [1.0], [0.0, 0.0, 1.0]]  # the last turn's call is performed too
     assert [traj.end_reason for traj in trajectories] == [EndReason.ENV_DONE] * 4
@@ -220,3 +229,12 @@ def test_episodes_through_the_loop(builder):
     assert first.tokens.vision.image_grid_thw.tolist() == [[1, 16, 12], [1, 16, 12]]
     sampled = sum(len(turn.generation.token_ids) for turn in first.turns)
     assert sum(first.tokens.loss_mask) == sampled
+    # the click is recorded where it landed (the box's centre, read from the page, within a CSS pixel) and drawn by
+    # the viewer on the screenshot it was made on (the second: the first turn's call was not performed)
+    record = TrajectoryRecord.from_json(json.loads(json.dumps(TrajectoryRecord.from_trajectory(first, 0).to_json())))
+    assert [len(t.marks) for t in record.turns] == [0, 1]
+    (x, y), (cx, cy) = record.turns[1].marks[0], targets[0]
+    assert abs(x * 160 - cx) <= 1 and abs(y * 210 - cy) <= 1
+    page = messages_html(record, lambda ref: f"data:image/png;base64,{ref}")
+    (clicks,) = re.findall(r'<figure class="clicks">(.*?)</figure>', page)
+    assert f"left:{100 * x:.2f}%;top:{100 * y:.2f}%" in clicks and f'alt="{first.task_id}#1"' in clicks

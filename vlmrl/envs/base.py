@@ -28,13 +28,16 @@ class StepResult:
     messages: what to show the model next if the episode goes on (feedback, observations, tool results);
     metrics: what the environment measured of the turn, as floats: the conventional keys of `vlmrl.types`
     (CORRECT drives accuracy and pass@k, FORMATTED format_rate, PARSE_FAIL parse_fail_rate) where they apply, and any
-    of its own (reported as `env_<key>`, `vlmrl.runs.episode_metrics.episode_metrics`).
+    of its own (reported as `env_<key>`, `vlmrl.runs.episode_metrics.episode_metrics`); marks: points the turn acted
+    at (an `ActionEnvironment`'s clicks), each (x, y) as fractions in [0, 1] of the last image before the turn (the
+    trajectory viewer draws them on it).
     """
 
     reward: float
     done: bool
     messages: list[Message] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
+    marks: list[tuple[float, float]] = field(default_factory=list)
 
     @property
     def correct(self) -> bool:

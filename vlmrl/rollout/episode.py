@@ -326,7 +326,7 @@ class EpisodeRunner:
             ep.turns.append(Turn(gen, float("nan"), {}))
             self._end(ep, EndReason.ENV_ERROR)
             return
-        ep.turns.append(Turn(gen, result.reward, dict(result.metrics)))
+        ep.turns.append(Turn(gen, result.reward, dict(result.metrics), marks=list(result.marks)))
         if result.done or last or not result.messages:
             self._end(ep, EndReason.MAX_TURNS if last and not result.correct else EndReason.ENV_DONE)
         else:

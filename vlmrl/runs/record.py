@@ -10,7 +10,8 @@ the metrics (`vlmrl.runs.episode_metrics`), the evaluation, the report and the a
     turn_spans [[start, end]] (each assistant turn's sampled ids), boundary [{position, token_id, reason}],
     image_grid_thw [[t, h, w]]
     per turn: turn_rewards, turn_metrics ({key: float}, keys in `vlmrl.types`), stop_reasons, tool_calls,
-              tool_errors, and (derived from turn_metrics, for readers older than turn_metrics) correct, formatted,
+              tool_errors, [turn_marks [[x, y]]: an action environment's points, fractions of the turn's last image],
+              and (derived from turn_metrics, for readers older than turn_metrics) correct, formatted,
               parse_status
     end_reason ("" = none), reward, advantage, policy_version, [turn_advantages], tool_stats
     [judge {score, reply, error}]: reward.judge's verdict (`vlmrl.judge`); score null when it failed
@@ -75,13 +76,15 @@ def turn_rewards(traj: Trajectory) -> list[float]:
 class TurnRecord(TurnOutcome):
     """One assistant turn of a record. reward: r_t (before the turn discount; 0 for a tool turn); metrics: what the
     environment reported (`vlmrl.types` conventional keys; empty for a tool turn, which is not graded); tool_calls
-    and tool_errors (the ToolFailure value of each call, "" when it returned a result)."""
+    and tool_errors (the ToolFailure value of each call, "" when it returned a result); marks: where an action
+    environment acted (fractions of the last image before the turn; `vlmrl.envs.base.StepResult.marks`)."""
 
     reward: float
     metrics: dict[str, float]
     stop_reason: StopReason | None  # None: an older record without stop reasons
     tool_calls: list[ToolCall] = field(default_factory=list)
     tool_errors: list[str] = field(default_factory=list)
+    marks: list[tuple[float, float]] = field(default_factory=list)
 
     def legacy_parse_status(self) -> str:
         """The `parse_status` value older readers expect: "ok", "unparsable" (a parse failure of a formatted answer)
@@ -174,7 +177,9 @@ class TrajectoryRecord:
             boundary=list(seq.boundary),
             image_grid_thw=seq.image_grid_thw.tolist() if seq.image_grid_thw is not None else [],
             turns=[
-                TurnRecord(r, dict(t.metrics), t.generation.stop_reason, list(t.tool_calls), list(t.tool_errors))
+                TurnRecord(
+                    r, dict(t.metrics), t.generation.stop_reason, list(t.tool_calls), list(t.tool_errors), list(t.marks)
+                )
                 for t, r in zip(traj.turns, turn_rewards(traj))
             ],
             end_reason=traj.end_reason,
@@ -226,11 +231,15 @@ class TrajectoryRecord:
             "tool_calls": [[c.to_json() for c in t.tool_calls] for t in self.turns],
             "tool_errors": [list(t.tool_errors) for t in self.turns],
             "tool_stats": self.tool_stats.to_json(),
+            **({"turn_marks": [[list(m) for m in t.marks] for t in self.turns]} if self._has_marks() else {}),
             **({"keep_images": self.keep_images} if self.keep_images is not None else {}),
             **({"views": self.views, "turn_views": self.turn_views} if self.views else {}),
         }
         out.update({k: v for k, v in self.extra.items() if k not in out})
         return out
+
+    def _has_marks(self) -> bool:
+        return any(t.marks for t in self.turns)
 
     @classmethod
     def from_json(cls, d: dict, where: str = "record") -> "TrajectoryRecord":
@@ -349,6 +358,7 @@ class _Line(_View):
     stop_reasons: list[Annotated[StopReason | None, _OrNone]] = []
     tool_calls: list[list[_Call]] = []
     tool_errors: list[list[StrictStr]] = []
+    turn_marks: list[list[tuple[_Num, _Num]]] = []
     end_reason: Annotated[EndReason | None, _OrNone] = None
     policy_version: _Count | None = None
     turn_advantages: list[_Num] = []
@@ -399,15 +409,16 @@ def _problem(err: ValidationError, where: str) -> ValueError:
 
 
 _COUNTED = ("turn_metrics", "correct", "parse_status", "turn_rewards", "stop_reasons")  # the first given: the turns
+_OPTIONAL = ("tool_calls", "tool_errors", "turn_marks")  # per-turn lists that may be [] whatever the turns
 
 
 def _turn_count(line: _Line, where: str) -> int:
     """The number of turns; raises ValueError when a given per-turn list has another length (tool lists may be [])."""
-    lists = {k: getattr(line, k) for k in (*_COUNTED, "formatted", "tool_calls", "tool_errors")}
+    lists = {k: getattr(line, k) for k in (*_COUNTED, "formatted", *_OPTIONAL)}
     given = {k: v for k, v in lists.items() if k in line.model_fields_set}
     n = next((len(given[k]) for k in _COUNTED if k in given), 0)
     for name, v in given.items():
-        if len(v) != n and (v or name not in ("tool_calls", "tool_errors")):
+        if len(v) != n and (v or name not in _OPTIONAL):
             raise ValueError(f"{where}: field '{name}' has {len(v)} entries for {n} turns")
     return n
 
@@ -429,4 +440,7 @@ def _turn(line: _Line, i: int) -> TurnRecord:
             FORMATTED: float(formatted),
             PARSE_FAIL: float(status != "ok"),
         }
-    return TurnRecord(at(line.turn_rewards, 0.0), metrics, at(line.stop_reasons, None), calls, at(line.tool_errors, []))
+    marks = [(float(x), float(y)) for x, y in at(line.turn_marks, [])]
+    return TurnRecord(
+        at(line.turn_rewards, 0.0), metrics, at(line.stop_reasons, None), calls, at(line.tool_errors, []), marks
+    )

@@ -70,7 +70,8 @@ class Turn(TurnOutcome):
 
     metrics: what the environment reported for it (`StepResult.metrics`; conventional keys CORRECT, FORMATTED,
     PARSE_FAIL above). A tool turn (`tool_calls` non-empty) is not graded by the environment: reward 0, no metrics;
-    `tool_errors[i]` is the ToolFailure value of call i ("" when it returned a result).
+    `tool_errors[i]` is the ToolFailure value of call i ("" when it returned a result); marks: the points an action
+    environment acted at (`StepResult.marks`: fractions of the last image before the turn).
     """
 
     generation: Generation
@@ -78,6 +79,7 @@ class Turn(TurnOutcome):
     metrics: dict[str, float] = field(default_factory=dict)
     tool_calls: list[ToolCall] = field(default_factory=list)
     tool_errors: list[str] = field(default_factory=list)
+    marks: list[tuple[float, float]] = field(default_factory=list)
 
 
 @dataclass

@@ -31,6 +31,8 @@ from typing import Any, Callable, TypeVar
 
 from PIL import Image
 
+from vlmrl.errors import ConfigError
+
 T = TypeVar("T")
 log = logging.getLogger("vlmrl.envs.web")
 _WARNED: set[str] = set()
@@ -47,8 +49,9 @@ CHROMEDRIVER_NAMES = ("chromedriver",)
 INSTALL_HINT = "install Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)"
 
 
-class BrowserMissing(RuntimeError):
-    """Chromium, its driver or the `web` extra is not installed (one line naming what to install)."""
+class BrowserMissing(ConfigError):
+    """Chromium, its driver or the `web` extra is not installed (one line naming what to install; a `ConfigError`, so
+    the command line reports it as one line, at start-up: `vlmrl.envs.web.miniwob.make_tasks` checks)."""
 
 
 class BrowserFailure(RuntimeError):

@@ -8,7 +8,9 @@ task's own done signal, at the turn limit, or when the page's own timer (`env.ti
 gives -1, "timed out"). The reward of the turn that ends the episode is the task's (`env.reward`: `raw`, or
 `time_discounted`: MiniWoB's raw reward times max(0, 1 - elapsed / time limit)), floored at 0 (MiniWoB's failure is
 -1; the turn discount takes the max over turns, so a failure and an unfinished task both count 0); its signed value is
-the metric `task_reward`. Earlier turns get 0.
+the metric `task_reward`. Earlier turns get 0. The final turn also reports `success_<task>` (1 when the task gave a
+positive raw reward): its mean, `env_success_<task>` in a step's metrics and in `vlmrl generate`'s table, is each
+task's success rate (`accuracy` is the overall one).
 
 A call the page cannot take (unparsable, unknown, bad arguments, a point outside the image, more than
 `env.actions_per_turn`) is not performed and is counted (`invalid_actions`); the episode goes on with a line saying
@@ -34,7 +36,7 @@ from vlmrl.config import DataConfig, EnvConfig
 from vlmrl.config.knob import knob
 from vlmrl.envs.base import ActionEnvironment, StepResult, register_env, split_seed_base
 from vlmrl.envs.web.actions import action_tools, check_action
-from vlmrl.envs.web.browser import Browser, BrowserFailure, BrowserMissing, BrowserSpec
+from vlmrl.envs.web.browser import Browser, BrowserFailure, BrowserMissing, BrowserSpec, find_binaries
 from vlmrl.envs.web.frame import Coordinates, Frame, InvalidAction, coordinates_for
 from vlmrl.envs.web.pool import pool_for
 from vlmrl.types import CORRECT, FORMATTED, PARSE_FAIL, ImagePart, Message, Role, Task, TextPart, ToolCall
@@ -94,7 +96,7 @@ class MiniWobConfig(EnvConfig):
         1024, "The cap on each browser's memory, MB, by a cgroup where one can be made (as tool workers); 0: none."
     )
     action_timeout_s: float = knob(
-        10.0, "The longest one browser command may take; past it the browser is killed and its episode excluded."
+        30.0, "The longest one browser command may take; past it the browser is killed and its episode excluded."
     )
     chromium: str = knob("", "Chromium's path; empty: chromium (or chromium-browser, google-chrome) on PATH.")
     chromedriver: str = knob("", "ChromeDriver's path; empty: chromedriver on PATH.")
@@ -176,8 +178,10 @@ def click_color_boxes(browser: Browser) -> tuple[tuple[float, float], list[tuple
 
 def make_tasks(cfg: MiniWobConfig, data_cfg: DataConfig) -> list[Task]:
     """`data.limit` (default 64) tasks: (name, seed) pairs, names cycling over `env.task`, seeds from the split's
-    base (`split_seed_base`)."""
+    base (`split_seed_base`). Raises ValueError for an unknown task name and BrowserMissing when no browser could start
+    (both one line, at start-up, before any model loads)."""
     names = cfg.task_names()
+    find_binaries(cfg.spec())
     base = split_seed_base(data_cfg)
     tasks = []
     for i in range(data_cfg.limit or 64):
@@ -271,7 +275,7 @@ class MiniWobEnv(ActionEnvironment[MiniWobConfig]):
     def _act(self, calls: list[ToolCall], turn: int, last_turn: bool) -> StepResult:
         assert self.browser is not None and self.frame is not None and self.task is not None
         done, reward, raw, reason = self.browser.js(META)
-        performed, invalid, notes = 0, 0, []
+        performed, invalid, notes, marks = 0, 0, [], []
         todo = [] if done else calls  # the page's timer may have ended the task meanwhile
         for i, call in enumerate(todo):
             if i >= self.cfg.actions_per_turn:
@@ -286,6 +290,8 @@ class MiniWobEnv(ActionEnvironment[MiniWobConfig]):
                 continue
             action.perform(self.browser)
             performed += 1
+            if action.point is not None:  # the CSS pixel's centre, as a fraction of the screenshot (the viewer's dot)
+                marks.append(((action.point[0] + 0.5) / TASK_WIDTH, (action.point[1] + 0.5) / TASK_HEIGHT))
             done, reward, raw, reason = self.browser.js(META)
             if done:
                 break
@@ -301,13 +307,14 @@ class MiniWobEnv(ActionEnvironment[MiniWobConfig]):
             "timed_out": float(bool(done) and reason == "timed out"),
         }
         if done or last_turn:
-            return StepResult(max(0.0, task_reward), True, [], metrics)
+            metrics[f"success_{self.task.meta['task']}"] = metrics[CORRECT]  # per task: its episodes' final turns
+            return StepResult(max(0.0, task_reward), True, [], metrics, marks)
         image = self._observe(self.frame.coordinates)
         lead = "No action was taken: call one of the tools." if not calls else "; ".join(notes) or "Done."
         message = Message(
             Role.USER, [TextPart(lead + " The page now:"), ImagePart(image, f"{self.task.id}#{turn + 1}")]
         )
-        return StepResult(0.0, False, [message], metrics)
+        return StepResult(0.0, False, [message], metrics, marks)
 
     def close(self) -> None:
         """Return the browser to the pool (the next episode resets its page)."""

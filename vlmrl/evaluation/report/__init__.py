@@ -43,6 +43,9 @@ table.metrics th{background:#f4f4f4;position:sticky;top:0}
 pre{white-space:pre-wrap;word-break:break-word;margin:.3em 0;font:12.5px/1.4 ui-monospace,Menlo,Consolas,monospace}
 pre.toolcall{background:#fff3d6;border:1px dashed #c98a1b;padding:.3em}
 figure{display:inline-block;margin:.3em .6em .3em 0}figure img{max-width:256px;border:1px solid #ddd}
+.pin{position:relative;display:inline-block;line-height:0}.pin img{display:block}
+.pin .dot{position:absolute;width:9px;height:9px;margin:-5px 0 0 -5px;border-radius:50%;background:#e0245e;
+border:2px solid #fff}
 figure.video img{margin-right:2px}
 figcaption{font-size:11px;color:#777}.noimg{color:#a33;font-size:12px}
 .badge{display:inline-block;background:#eee;border-radius:3px;padding:0 5px;margin:0 4px 2px 0;font-size:11.5px}

@@ -257,16 +257,32 @@ def _turn_info(rec: TrajectoryRecord, a: int) -> str:
     return f'<div class="info">{" ".join(bits)}</div>{html_calls}'
 
 
+def _clicks_html(rec: TrajectoryRecord, a: int, ref: str, inline: Callable[[str], str | None]) -> str:
+    """Turn `a`'s marks (an action environment's clicks, `TurnRecord.marks`) as dots on the image the turn acted on
+    (the last image before it); "" without marks or that image."""
+    turn_marks = rec.turns[a].marks if a < len(rec.turns) else []
+    uri = inline(ref) if turn_marks and ref else None
+    if uri is None:
+        return ""
+    dots = "".join(f'<span class="dot" style="left:{100 * x:.2f}%;top:{100 * y:.2f}%"></span>' for x, y in turn_marks)
+    where = ", ".join(f"({x:.3f}, {y:.3f})" for x, y in turn_marks)
+    return (
+        f'<figure class="clicks"><div class="pin"><img src="{uri}" alt="{_esc(ref)}">{dots}</div>'
+        f"<figcaption>acted at {_esc(where)} of {_esc(Path(ref).name)}</figcaption></figure>"
+    )
+
+
 def messages_html(rec: TrajectoryRecord, inline: Callable[[str], str | None]) -> str:
     """The conversation; with a history window, each image and video names the turns that saw it and each turn the
     items it saw (`WindowMarks`)."""
-    out, a, item = [], 0, 0
+    out, a, item, last_image = [], 0, 0, ""
     marks = WindowMarks.of(rec)
     for msg in rec.messages:
         role = str(msg.get("role", "?"))
         body = []
         for part in msg.get("content", []):
             kind, ref = part.get("type"), str(part.get("ref", ""))
+            last_image = ref if kind == "image" else last_image
             if kind in MEDIA:
                 note = marks.item_note(item) if marks is not None else ""
                 files = part.get("frames") if isinstance(part.get("frames"), list) else None
@@ -278,7 +294,7 @@ def messages_html(rec: TrajectoryRecord, inline: Callable[[str], str | None]) ->
                 body.append(_text_html(str(part.get("text", "")), role))
         info = ""
         if role == "assistant":
-            info = _turn_info(rec, a)
+            info = _turn_info(rec, a) + _clicks_html(rec, a, last_image, inline)
             if marks is not None:
                 info += f'<div class="info"><span class="badge">{_esc(marks.turn_note(a))}</span></div>'
             label = f"assistant · turn {a + 1}"
