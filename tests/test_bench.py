@@ -1,6 +1,6 @@
 """The benches run (tiny sizes), so they cannot rot: bench/rollout.py, bench/token_building.py, bench/pixel_memory.py,
-bench/update.py (and its --packing mode), bench/spatial_probe.py and bench/tool_workers.py produce their tables with
-every column and sane numbers."""
+bench/update.py (and its --packing mode), bench/spatial_probe.py, bench/tool_workers.py, bench/browser.py and
+bench/gui_rollout.py produce their tables with every column and sane numbers."""
 
 from __future__ import annotations
 
@@ -218,3 +218,18 @@ def test_browser_bench_small(capsys):
     assert set(out["ms"]) == {"start", "open", "reset", "shot1", "shot2", "act_on", "act_end"}
     assert all(v > 0 for v in out["ms"].values()) and out["ms"]["start"] > out["ms"]["act_end"]
     assert len(out["memory_mb"]) == 1 and 30 < out["memory_mb"][0] < 1024
+
+
+@pytest.mark.slow
+@pytest.mark.long  # a policy loaded and four browsers started: 16 s alone on 2 cores, over 20 s beside the suite
+def test_gui_rollout_bench_small(capsys):
+    """The same click-color episodes with real browsers and with a still page sample the same tokens (the bench
+    raises otherwise); the browser costs environment time the still page does not."""
+    import json
+
+    bench = _load("gui_rollout")
+    bench.main(problems=1, turns=2, max_new=4, repeats=1, as_json=True)
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    browser, still = out["(b) browser"], out["(n) still page"]
+    assert browser["tokens_per_s"] > 0 and still["tokens_per_s"] > 0 and out["(b)/(n) wall"] > 0
+    assert browser["env_ms_per_episode"] > still["env_ms_per_episode"] * 2  # screenshots cost; the still page not

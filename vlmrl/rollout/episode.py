@@ -20,6 +20,7 @@ the processor or builder still refuses becomes a counted failure, never an excep
 (`ToolFailure.REJECTED`), an observation's images a text saying why (the turn's `observation_rejected` metric).
 
 Every episode runs as its own coroutine and awaits the engine; episodes never wait for each other's turns. The
+environments' resets run in worker threads, every group's at once, before the first turn. The
 dispatcher (`batcher.make_dispatcher`, by engine type) either sends whatever is pending to a batch engine in one call
 (`EngineBatcher`) or hands each request to a concurrent engine at once (`ConcurrentDispatcher`: vLLM's AsyncLLM or
 server, whose continuous batching then sees every pending episode); environment steps and tool calls run in worker
@@ -197,10 +198,11 @@ class EpisodeRunner:
     ) -> list[Trajectory]:
         """`run` inside a running event loop (the engine session is the caller's)."""
         self._seed = seed
-        episodes = [ep for g, task in enumerate(tasks) for ep in self._start(task, g, group_size)]
-        self.batcher = make_dispatcher(self.engine, len(episodes), self.batch_wait_s)
+        self.batcher = make_dispatcher(self.engine, len(tasks) * group_size, self.batch_wait_s)
         server = asyncio.create_task(self.batcher.serve())
         try:
+            starts = await asyncio.gather(*(self._start(task, g, group_size) for g, task in enumerate(tasks)))
+            episodes = [ep for group in starts for ep in group]
             for g in range(len(tasks)):  # turn 0: one request per group, n = its live episodes
                 group = [ep for ep in episodes[g * group_size : (g + 1) * group_size] if ep.state is State.GENERATE]
                 if group:
@@ -224,16 +226,18 @@ class EpisodeRunner:
             on_finish(traj)
         return traj
 
-    def _start(self, task: Task, group: int, group_size: int) -> list[Episode]:
+    async def _start(self, task: Task, group: int, group_size: int) -> list[Episode]:
         """Build the task's prompt once and give each of the group's episodes its own copy; a prompt that fills
-        rollout.max_context_tokens ends them all at once (`EndReason.PROMPT_TOO_LONG`, no turn sampled)."""
+        rollout.max_context_tokens ends them all at once (`EndReason.PROMPT_TOO_LONG`, no turn sampled). The
+        environments are made here in group order, and reset in worker threads, every group's at once (a browser's
+        reset waits on the browser)."""
+        assert self.batcher is not None
         envs = [self.env_factory() for _ in range(group_size)]
         for env in envs:
             if isinstance(env, ActionEnvironment):
                 env.bind_view(self.builder.family, self.builder.presented_size)
-        messages = self._fit(envs[0].reset(task), task)
-        for env in envs[1:]:
-            env.reset(task)
+        first = await asyncio.gather(*(self.batcher.offload(env.reset, task) for env in envs))
+        messages = self._fit(first[0], task)
         tools = [check_unique(as_tool(t) for t in env.tools()) for env in envs]
         if tools[0]:
             messages = self.tools.prepare_prompt(messages, list(tools[0].values()))
