@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from vlmrl.envs.web.browser import Browser, special_key
@@ -70,10 +72,19 @@ _FRAME_TEXT = {
 }
 
 
+ACTIONS: dict[str, Callable[..., str]] = {
+    "click": click,
+    "type": type_text,
+    "press": press,
+    "scroll": scroll,
+}  # tool name -> its schema function
+_ARGS = {name: tuple(inspect.signature(fn).parameters) for name, fn in ACTIONS.items()}  # each action's arguments
+
+
 def action_tools(coordinates: Coordinates) -> list[Tool]:
     """The four action tools, their point arguments described in the model's frame (`coordinates`)."""
     tools = []
-    for fn, name in ((click, "click"), (type_text, "type"), (press, "press"), (scroll, "scroll")):
+    for name, fn in ACTIONS.items():
         tool = Tool.from_function(fn, name)
         schema = copy.deepcopy(tool.schema)
         props = schema["function"]["parameters"]["properties"]
@@ -103,9 +114,6 @@ class Action:
             browser.press(self.text)
         elif self.kind == "scroll" and self.point is not None:
             browser.scroll(self.point[0], self.point[1], self.dy)
-
-
-_ARGS = {"click": ("x", "y"), "type": ("text",), "press": ("key",), "scroll": ("x", "y", "direction")}
 
 
 def check_action(call: ToolCall, frame: Frame, scroll_px: int) -> Action:

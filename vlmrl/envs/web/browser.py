@@ -204,16 +204,6 @@ class Browser:
             raise BrowserFailure(f"{type(err).__name__}: {first}"[:300]) from err
         return box["value"]
 
-    @property
-    def alive(self) -> bool:
-        """The driver answers (a quick command under the watchdog)."""
-        if self.driver is None:
-            return False
-        try:
-            return self._run(lambda: self.driver.execute_script("return 1;"), timeout_s=5.0) == 1
-        except BrowserFailure:
-            return False
-
     def pids(self) -> list[int]:
         """The driver's and the browser's processes."""
         import psutil

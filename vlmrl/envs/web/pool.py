@@ -15,7 +15,7 @@ import logging
 import os
 import signal
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from vlmrl.envs.web.browser import Browser, BrowserSpec
 
@@ -24,12 +24,10 @@ log = logging.getLogger("vlmrl.envs.web")
 
 @dataclass
 class PoolStats:
-    """started: browsers started; failures: browsers killed after a crash or hang; in_use: handed out now."""
+    """started: browsers started; failures: browsers killed after a crash or hang (each logged with its reason)."""
 
     started: int = 0
     failures: int = 0
-    in_use: int = 0
-    failure_reasons: list[str] = field(default_factory=list)
 
 
 class BrowserPool:
@@ -48,20 +46,17 @@ class BrowserPool:
             browser = self.idle.pop() if self.idle else None
             if browser is not None:
                 self.busy.add(browser)
-                self.stats.in_use = len(self.busy)
                 return browser
         browser = Browser(self.spec).start()
         with self._lock:
             self.stats.started += 1
             self.busy.add(browser)
-            self.stats.in_use = len(self.busy)
         return browser
 
     def release(self, browser: Browser) -> None:
         """Return a browser for the next episode (one that is no longer running is dropped)."""
         with self._lock:
             self.busy.discard(browser)
-            self.stats.in_use = len(self.busy)
             if browser.driver is not None:
                 self.idle.append(browser)
 
@@ -70,9 +65,7 @@ class BrowserPool:
         browser.kill()
         with self._lock:
             self.busy.discard(browser)
-            self.stats.in_use = len(self.busy)
             self.stats.failures += 1
-            self.stats.failure_reasons.append(reason)
         log.warning("browser killed and replaced: %s", reason)
 
     def close(self) -> None:
@@ -80,7 +73,6 @@ class BrowserPool:
         with self._lock:
             browsers = [*self.idle, *self.busy]
             self.idle, self.busy = [], set()
-            self.stats.in_use = 0
         for browser in browsers:
             browser.close()
 
