@@ -36,6 +36,7 @@ setup: $(SETUP_STAMP)
 $(SETUP_STAMP): pyproject.toml Makefile | $(BIN)/python
 	$(BIN)/pip install -q --no-compile torch==2.14.1 torchvision==0.29.1
 	$(BIN)/pip install -q --no-compile -e '.[dev]'
+	$(BIN)/pip install -q --no-compile --no-deps 'openenv-core==0.3.0'
 	$(BYTECODE_ENV) $(BIN)/python -m vlmrl.modeling compile
 	@# tool isolation (vlmrl/tools/isolation.py): bubblewrap if it can be installed, else tools run with rlimits only
 	@# env=miniwob (vlmrl/envs/web): Debian's Chromium and its driver, where apt can install them (the browser tests

@@ -198,7 +198,8 @@ class Generated:
 
 BUILTIN_ENVIRONMENTS = ("geometry3k", "geometry3k_tools", "frozenlake", "color_square", "colors", "guess", "sides")
 ENVIRONMENTS: Registry[type[Environment]] = Registry(
-    "env._target_", tuple(f"vlmrl.envs.{m}" for m in (*BUILTIN_ENVIRONMENTS, "motion", "generic", "web.miniwob"))
+    "env._target_",
+    tuple(f"vlmrl.envs.{m}" for m in (*BUILTIN_ENVIRONMENTS, "motion", "generic", "web.miniwob", "openenv.env")),
 )
 
 

@@ -84,7 +84,8 @@ def tool_setup(cfg: Config, processor: Any, env_factory: Callable[[], Environmen
     getattr(probe, "close", lambda: None)()
     if not tools:
         return ToolSetup(factory, [], None)
-    isolation_mode(sandbox)  # probed and logged once at start (ValueError if bwrap is required but fails)
+    if not isinstance(probe, ActionEnvironment):  # an acting environment performs its calls: no tool worker runs
+        isolation_mode(sandbox)  # probed and logged once at start (ValueError if bwrap is required but fails)
     runtime = ToolRuntime.from_config(cfg.tools, cfg.model.family, processor, sandbox)
     return ToolSetup(factory, [t.schema for t in tools.values()], runtime)
 

@@ -1,0 +1,1 @@
+"""Environments served by OpenEnv, reached by URL (`env=openenv env.url=...`)."""
