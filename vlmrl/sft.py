@@ -9,9 +9,11 @@ user, feedback, images, the template's tokens around turns) loss mask 0, exactly
 `checkpoints/step_<n>/` folder like a training run's and a copy of its `hf/` (weights + processor) at
 `<output_dir>/hf`, which `vlmrl train model.name_or_path=<output_dir>/hf` and `vlmrl generate` load.
 
-Demonstrations (`sft.demos`): `env` = the environment class's `make_demos(env_cfg, sft.num_demos, seed)`;
-otherwise a JSONL file, one conversation per line: {"messages": [{"role": "user", "content": [{"type": "image",
-"ref": "img/0.png"}, {"type": "text", "text": "..."}]}, {"role": "assistant", "content": [{"type": "text", ...}]}]}
+Demonstrations (`sft.demos`): `env` = the environment class's `make_demos(env_cfg, sft.num_demos, seed)`, or, for an
+environment the model acts on through tool calls (`ActionEnvironment`: a browser), `acting_demos`: its episodes'
+first observations with the tool prompt a rollout gets and one format-only action each; otherwise a JSONL file, one
+conversation per line: {"messages": [{"role": "user", "content": [{"type": "image", "ref": "img/0.png"}, {"type":
+"text", "text": "..."}]}, {"role": "assistant", "content": [{"type": "text", ...}]}]}
 (the `messages` format of `trajectories.jsonl`; image paths relative to the file's folder). A video part
 `{"type": "video", "ref": "clip.mp4"}` (a file, a folder of frames, or a list of frame files) is read as a video, with
 the family's frame sampling and `data.video`'s bound, as a dataset row's video; a family or processor that takes no
@@ -34,15 +36,18 @@ from vlmrl.config import Config, to_yaml
 from vlmrl.data import to_rgb
 from vlmrl.data.row_videos import row_videos
 from vlmrl.data.video import BadVideo, NoVideo, RowVideos
-from vlmrl.envs import check_plugins, env_config
+from vlmrl.envs import check_plugins, env_config, load_env_tasks, make_env_factory
+from vlmrl.envs.base import ActionEnvironment
 from vlmrl.envs.plugins import env_class
 from vlmrl.export import to_samples
 from vlmrl.modeling.loading import load_policy
+from vlmrl.rollout.tool_setup import ToolSetup, tool_setup
 from vlmrl.runs import checkpoint
 from vlmrl.runs.files import RunFiles
 from vlmrl.seeding import set_seed
 from vlmrl.tokens import get_builder
 from vlmrl.tokens.base import TokenBuilder
+from vlmrl.tools.spec import as_tool
 from vlmrl.train import dist
 from vlmrl.train.step_batch import export_style
 from vlmrl.train.trainer import GRPOTrainer, TrainerSettings
@@ -76,6 +81,33 @@ def demo_trajectory(builder: TokenBuilder, conv: list[Message], demo_id: str) ->
     if pending:
         raise ValueError(f"demo {demo_id}: ends with a {pending[-1].role.value} message (nothing to learn after it)")
     return Trajectory(task_id=demo_id, group=0, messages=conv, tokens=seq, turns=[], advantage=1.0)
+
+
+def acting_demos(cfg: Config, builder: TokenBuilder, setup: ToolSetup) -> list[list[Message]]:
+    """`sft.num_demos` format demonstrations of an acting environment (`ActionEnvironment.demo_action`): the tasks
+    of `data` in order (their first `sft.num_demos`), each episode's first observation with the run's tool prompt as
+    a rollout gets it, then one action drawn at random (seed `cfg.seed`), written in the tool parser's call format.
+    Raises ValueError where the environment has no demonstrations or an episode could not start."""
+    if setup.runtime is None:
+        raise ValueError(f"sft.demos=env: environment {cfg.env._target_!r} offers no actions to demonstrate")
+    runtime = setup.runtime
+    tasks = load_env_tasks(cfg.env, dataclasses.replace(cfg.data, limit=cfg.sft.num_demos))
+    rng, demos = random.Random(cfg.seed), []
+    for task in tasks:
+        env = setup.env_factory()
+        assert isinstance(env, ActionEnvironment)
+        env.bind_view(cfg.model.family, builder.presented_size)
+        try:
+            messages = env.reset(task)
+            call = env.demo_action(rng)
+            tools = [as_tool(t) for t in env.tools()]
+        finally:
+            getattr(env, "close", lambda: None)()  # a browser goes back to its pool
+        if call is None:
+            raise ValueError(f"sft.demos=env: environment {cfg.env._target_!r} gave no demonstration for {task.id}")
+        reply = Message.text(Role.ASSISTANT, runtime.parser.format_call(call.name, call.arguments))
+        demos.append([*runtime.prepare_prompt(messages, tools), reply])
+    return demos
 
 
 def load_demos(cfg: Config, videos: RowVideos | None = None) -> list[list[Message]]:
@@ -155,10 +187,13 @@ def _sft(cfg: Config) -> Path:
     files = RunFiles(cfg.logging.output_dir, cfg.logging.overwrite) if trainer.is_main else None
     if files:
         files.write_config(to_yaml(cfg))
-    builder = get_builder(cfg.model.family, processor)
+    acting = cfg.sft.demos == "env" and issubclass(env_class(cfg.env._target_), ActionEnvironment)
+    setup = tool_setup(cfg, processor, make_env_factory(cfg.env)) if acting else None
+    builder = get_builder(cfg.model.family, processor, **(setup.builder_kwargs() if setup else {}))
     style = export_style(cfg.export.style, builder)
     videos = row_videos(cfg.model.family, None, processor, cfg.data.video)
-    demos = [demo_trajectory(builder, c, f"demo-{i}") for i, c in enumerate(load_demos(cfg, videos))]
+    convs = acting_demos(cfg, builder, setup) if setup else load_demos(cfg, videos)
+    demos = [demo_trajectory(builder, c, f"demo-{i}") for i, c in enumerate(convs)]
     random.Random(cfg.data.shuffle_seed).shuffle(demos)
     size = cfg.trainer.batch_size
     for step in range(1, cfg.trainer.steps + 1):

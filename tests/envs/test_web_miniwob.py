@@ -4,6 +4,7 @@ real Qwen2.5-VL builder (tool calls parsed from the replies, the click mapped th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -12,17 +13,19 @@ import time
 import pytest
 from test_episode import ScriptedEngine
 
-from vlmrl.config import DataConfig, ToolsConfig
+from vlmrl.config import DataConfig, ToolsConfig, load
 from vlmrl.envs import load_env_tasks, make_env_factory
 from vlmrl.envs.web.actions import action_tools
 from vlmrl.envs.web.browser import BrowserMissing
-from vlmrl.envs.web.frame import Coordinates
+from vlmrl.envs.web.frame import Coordinates, Frame
 from vlmrl.envs.web.miniwob import EnvironmentFailure, MiniWobConfig, MiniWobEnv, click_color_boxes, make_tasks
 from vlmrl.envs.web.pool import close_all
 from vlmrl.evaluation.report.viewer import messages_html
 from vlmrl.rollout.engine import SamplingParams
 from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner
+from vlmrl.rollout.tool_setup import tool_setup
 from vlmrl.runs.record import TrajectoryRecord
+from vlmrl.sft import acting_demos, demo_trajectory
 from vlmrl.tokens import get_builder
 from vlmrl.tools.runtime import ToolRuntime
 from vlmrl.types import EndReason, ToolCall, ToolCallStatus
@@ -238,3 +241,57 @@ def test_episodes_through_the_loop(builder):
     page = messages_html(record, lambda ref: f"data:image/png;base64,{ref}")
     (clicks,) = re.findall(r'<figure class="clicks">(.*?)</figure>', page)
     assert f"left:{100 * x:.2f}%;top:{100 * y:.2f}%" in clicks and f'alt="{first.task_id}#1"' in clicks
+
+
+def test_format_demonstrations_are_the_rollout_prompt_and_a_random_click(builder, tmp_path):
+    """`vlmrl sft` on env=miniwob (`sft.acting_demos`): each demonstration's prompt is token for token the prompt the
+    engine gets at the episode's first turn (tool prompt, screenshot, instruction), its reply one click in the
+    parser's call format at a random point of the task area, the only tokens with loss mask 1."""
+    overrides = ["env=miniwob", "env.task=click-test", "data=generated", "sft.num_demos=3", "env.max_turns=1"]
+    cfg = load(None, [*overrides, f"logging.output_dir={tmp_path}"])
+    setup = tool_setup(cfg, builder.processor, make_env_factory(cfg.env))
+    demo_builder = get_builder("qwen2_5_vl", builder.processor, **setup.builder_kwargs())
+    demos = acting_demos(cfg, demo_builder, setup)
+    tasks = load_env_tasks(cfg.env, dataclasses.replace(cfg.data, limit=3))
+
+    class Recording(ScriptedEngine):
+        def generate(self, prompts, n, params):
+            self.prompts = [list(p.token_ids) for p in prompts]
+            return super().generate(prompts, n, params)
+
+    points = set()
+    for demo, task in zip(demos, tasks):
+        engine = Recording(demo_builder.tokenizer, ["no action"])
+        runner = EpisodeRunner(
+            demo_builder,
+            engine,
+            setup.env_factory,
+            EpisodeLimits(max_turns=1, max_context_tokens=8192),
+            SamplingParams(max_new_tokens=8),
+            tools=setup.runtime,
+        )
+        runner.run([task], group_size=1, seed=0)
+        traj = demo_trajectory(demo_builder, demo, task.id)
+        (start, end), mask = traj.tokens.turn_spans[0], traj.tokens.loss_mask
+        assert traj.tokens.ids[:start] == engine.prompts[0]
+        assert sum(mask[start:end]) == end - start == sum(mask)
+        (call,) = setup.runtime.parse(demo[-1].text_content)
+        assert call.ok and call.name == "click" and set(call.arguments) == {"x", "y"}
+        frame = Frame(160, 210, 168, 224, Coordinates.PIXELS)  # 160x210 CSS px presented as 168x224 (Qwen2.5-VL)
+        col, row = frame.to_css(call.arguments["x"], call.arguments["y"])
+        assert 0 <= col < 160 and 0 <= row < 210
+        points.add((col, row))
+    assert len(points) == 3  # drawn at random, not the task's target
+
+
+def test_the_actions_offered_can_be_narrowed(builder):
+    with pytest.raises(ValueError, match="actions='click,tap': name one or more of click, type, press, scroll"):
+        MiniWobConfig(actions="click,tap")
+    env = episode(builder, MiniWobConfig(actions="click"))
+    try:
+        assert [t.name for t in env.tools()] == ["click"]
+        result = env.act([ToolCall("type", {"text": "hi"})], "", 0, False)
+        assert result.metrics["invalid_actions"] == 1 and not result.done
+        assert "no action named 'type'; actions: click" in result.messages[0].content[0].text
+    finally:
+        env.close()

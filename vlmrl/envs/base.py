@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import random
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar, Generic, TypeVar
@@ -150,6 +151,12 @@ class ActionEnvironment(Environment[C]):
         `text` is the reply, `last_turn` says no further turn is allowed. A call the environment cannot perform is
         counted in the result's metrics, never raised; raise only when the environment itself failed (the episode
         is then excluded, `EndReason.ENV_ERROR`)."""
+
+    def demo_action(self, rng: random.Random) -> ToolCall | None:
+        """A format demonstration for `vlmrl sft` (`sft.demos=env`): one well-formed action on the current
+        observation (after `reset`), drawn with `rng` and independent of the task's answer, so that a warm start
+        teaches the call format and not the task; None where the environment has none."""
+        return None
 
     def step(self, assistant_text: str, turn: int, last_turn: bool) -> StepResult:
         """A reply graded without its calls (`act` with none)."""

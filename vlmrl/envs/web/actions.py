@@ -81,10 +81,13 @@ ACTIONS: dict[str, Callable[..., str]] = {
 _ARGS = {name: tuple(inspect.signature(fn).parameters) for name, fn in ACTIONS.items()}  # each action's arguments
 
 
-def action_tools(coordinates: Coordinates) -> list[Tool]:
-    """The four action tools, their point arguments described in the model's frame (`coordinates`)."""
+def action_tools(coordinates: Coordinates, names: tuple[str, ...] = tuple(ACTIONS)) -> list[Tool]:
+    """The action tools `names` (by default all four, in `ACTIONS`' order), their point arguments described in the
+    model's frame (`coordinates`)."""
     tools = []
     for name, fn in ACTIONS.items():
+        if name not in names:
+            continue
         tool = Tool.from_function(fn, name)
         schema = copy.deepcopy(tool.schema)
         props = schema["function"]["parameters"]["properties"]
@@ -116,13 +119,14 @@ class Action:
             browser.scroll(self.point[0], self.point[1], self.dy)
 
 
-def check_action(call: ToolCall, frame: Frame, scroll_px: int) -> Action:
-    """The action of one parsed call, mapped into CSS pixels through `frame`. Raises InvalidAction."""
+def check_action(call: ToolCall, frame: Frame, scroll_px: int, names: tuple[str, ...] = tuple(ACTIONS)) -> Action:
+    """The action of one parsed call, mapped into CSS pixels through `frame`; `names`: the actions offered. Raises
+    InvalidAction."""
     if not call.ok:
         raise InvalidAction(f"the call did not parse ({call.status.value}): {call.error}"[:200])
-    expected = _ARGS.get(call.name)
+    expected = _ARGS.get(call.name) if call.name in names else None
     if expected is None:
-        raise InvalidAction(f"no action named {call.name[:40]!r}; actions: {', '.join(_ARGS)}")
+        raise InvalidAction(f"no action named {call.name[:40]!r}; actions: {', '.join(names)}")
     args = call.arguments
     missing = [a for a in expected if a not in args]
     extra = [str(a)[:20] for a in args if a not in expected]

@@ -25,6 +25,7 @@ see the same problem, and the eval split's seeds are disjoint from training's.
 from __future__ import annotations
 
 import difflib
+import random
 import time
 from dataclasses import dataclass
 from functools import lru_cache
@@ -35,7 +36,7 @@ from PIL import Image
 from vlmrl.config import DataConfig, EnvConfig
 from vlmrl.config.knob import knob
 from vlmrl.envs.base import ActionEnvironment, StepResult, register_env, split_seed_base
-from vlmrl.envs.web.actions import action_tools, check_action
+from vlmrl.envs.web.actions import ACTIONS, action_tools, check_action
 from vlmrl.envs.web.browser import Browser, BrowserFailure, BrowserMissing, BrowserSpec, find_binaries
 from vlmrl.envs.web.frame import Coordinates, Frame, InvalidAction, coordinates_for
 from vlmrl.envs.web.pool import pool_for
@@ -44,8 +45,7 @@ from vlmrl.types import CORRECT, FORMATTED, PARSE_FAIL, ImagePart, Message, Role
 TASK_WIDTH, TASK_HEIGHT = 160, 210  # MiniWoB's task area in CSS pixels (miniwob.constants.TASK_WIDTH/HEIGHT)
 REWARDS = ("raw", "time_discounted")
 PROMPT = (
-    "You are using a web page; the screenshot shows it. Task: {utterance}\n"
-    "Act with one tool call per turn (click, type, press or scroll)."
+    "You are using a web page; the screenshot shows it. Task: {utterance}\nAct with one tool call per turn ({actions})."
 )
 START = """
 Math.seedrandom(arguments[0]);
@@ -88,6 +88,9 @@ class MiniWobConfig(EnvConfig):
         "Qwen2-VL/Qwen3-VL 0-1000), pixels or relative_1000.",
     )
     scale: float = knob(1.0, "Device pixels per CSS pixel (the screenshot is 160x210 times this), in [0.5, 4].")
+    actions: str = knob(
+        "click,type,press,scroll", "The actions offered as tools, comma-separated (of click, type, press, scroll)."
+    )
     actions_per_turn: int = knob(1, "Tool calls performed per reply (>= 1); more are counted invalid, not performed.")
     scroll_px: int = knob(50, "CSS pixels one scroll call moves (MiniWoB's DEFAULT_SCROLL_AMOUNT).")
     block_network: bool = knob(True, "Refuse every http(s) request of the page (the task files load from disk).")
@@ -119,8 +122,15 @@ class MiniWobConfig(EnvConfig):
             problems.append("time_limit_s, action_timeout_s > 0, heap_mb >= 32, scroll_px >= 1, memory_mb >= 0 needed")
         if self.coordinates not in ("auto", *(c.value for c in Coordinates)):
             problems.append(f"coordinates={self.coordinates!r} must be auto, pixels or relative_1000")
+        unknown = [a for a in self.action_names() if a not in ACTIONS]
+        if unknown or not self.action_names():
+            problems.append(f"actions={self.actions!r}: name one or more of {', '.join(ACTIONS)}")
         if problems:
             raise ValueError("bad miniwob config: " + "; ".join(problems))
+
+    def action_names(self) -> tuple[str, ...]:
+        """`actions` as names, in the order given."""
+        return tuple(a.strip() for a in self.actions.split(",") if a.strip())
 
     def spec(self) -> BrowserSpec:
         """The browsers' spec: the task area as the viewport."""
@@ -214,7 +224,7 @@ class MiniWobEnv(ActionEnvironment[MiniWobConfig]):
         return coordinates_for(self.family, self.cfg.coordinates)
 
     def tools(self) -> list:
-        return action_tools(self.coords)
+        return action_tools(self.coords, self.cfg.action_names())
 
     def reset(self, task: Task) -> list[Message]:
         self.task, self.failure = task, ""
@@ -231,7 +241,16 @@ class MiniWobEnv(ActionEnvironment[MiniWobConfig]):
             self.failure = f"task {task.id}: the page could not be started twice"
             return [*system, Message.text(Role.USER, "The page could not be loaded.")]
         ref = f"{task.id}#0"
-        return [*system, Message(Role.USER, [ImagePart(image, ref), TextPart(PROMPT.format(utterance=utterance))])]
+        return [
+            *system,
+            Message(
+                Role.USER,
+                [
+                    ImagePart(image, ref),
+                    TextPart(PROMPT.format(utterance=utterance, actions=_either(self.cfg.action_names()))),
+                ],
+            ),
+        ]
 
     def _begin(self, task: Task) -> str:
         """Acquire a browser, open the task's page (unless it is open), start a seeded episode; its instruction."""
@@ -262,6 +281,14 @@ class MiniWobEnv(ActionEnvironment[MiniWobConfig]):
             self.pool.discard(self.browser, reason)
             self.browser = None
 
+    def demo_action(self, rng: random.Random) -> ToolCall | None:
+        """A click at a uniformly random CSS pixel of the task area, in the model's frame (a format demonstration:
+        it says nothing of where the task's target is)."""
+        if self.frame is None:
+            return None
+        x, y = self.frame.from_css(rng.randrange(TASK_WIDTH), rng.randrange(TASK_HEIGHT))
+        return ToolCall("click", {"x": x, "y": y})
+
     def act(self, calls: list[ToolCall], text: str, turn: int, last_turn: bool) -> StepResult:
         if self.failure or self.browser is None or self.task is None:
             raise EnvironmentFailure(self.failure or "MiniWobEnv.act before a successful reset")
@@ -283,7 +310,7 @@ class MiniWobEnv(ActionEnvironment[MiniWobConfig]):
                 notes.append(f"only {self.cfg.actions_per_turn} action(s) per turn: the rest were not performed")
                 break
             try:
-                action = check_action(call, self.frame, self.cfg.scroll_px)
+                action = check_action(call, self.frame, self.cfg.scroll_px, self.cfg.action_names())
             except InvalidAction as err:
                 invalid += 1
                 notes.append(f"{call.name or 'call'}: {err}")
@@ -321,3 +348,8 @@ class MiniWobEnv(ActionEnvironment[MiniWobConfig]):
         if self.browser is not None:
             self.pool.release(self.browser)
             self.browser = None
+
+
+def _either(names: tuple[str, ...]) -> str:
+    """'click', 'click or type', 'click, type or press'."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
