@@ -295,3 +295,44 @@ def test_the_actions_offered_can_be_narrowed(builder):
         assert "no action named 'type'; actions: click" in result.messages[0].content[0].text
     finally:
         env.close()
+
+
+def test_element_actions_click_by_the_listed_number(builder):
+    """click-test-2 with `env.actions=click_element`: the listing's numbers are MiniWoB's own refs (read back from the
+    page's DOM), a click on button ONE's number wins and is marked at its box's centre, TWO's loses, and numbers that
+    are not listed are invalid actions."""
+    cfg = MiniWobConfig(task="click-test-2", actions="click_element", max_turns=3)
+    task = make_tasks(cfg, DataConfig(limit=1))[0]
+    env = MiniWobEnv(cfg)
+    env.bind_view("qwen2_5_vl", builder.presented_size)
+    try:
+        (message,) = env.reset(task)
+        one, two = (
+            int(env.browser.js(f"return document.getElementById('{i}').dataset.wob_ref;"))
+            for i in ("subbtn", "subbtn2")
+        )
+        listing = message.content[-1].text
+        assert f'[{one}] button#subbtn "ONE"' in listing and f'[{two}] button#subbtn2 "TWO"' in listing
+        assert [t.name for t in env.tools()] == ["click_element"]
+        bad = [ToolCall("click_element", {"ref": r}) for r in (999, True, one + 0.5, "one")]
+        bad.append(ToolCall("click", {"x": 1, "y": 1}))
+        result = env.act(bad, "", 0, False)
+        assert result.metrics["invalid_actions"] == 5 and result.metrics["actions"] == 0 and not result.done
+        assert "no element 999" in result.messages[0].content[0].text
+        assert f'[{one}] button#subbtn "ONE"' in result.messages[0].content[-1].text  # listed again
+        result = env.act([ToolCall("click_element", {"ref": one})], "", 1, False)
+        assert (result.reward, result.done, result.metrics["correct"]) == (1, True, 1)
+        rect = "var b = document.getElementById('subbtn').getBoundingClientRect();"
+        left, top, width, height = env.browser.js(rect + " return [b.left, b.top, b.width, b.height];")
+        ((x, y),) = result.marks
+        assert abs(x * 160 - (left + width / 2)) <= 1 and abs(y * 210 - (top + height / 2)) <= 1
+    finally:
+        env.close()
+    env = MiniWobEnv(cfg)
+    env.bind_view("qwen2_5_vl", builder.presented_size)
+    try:
+        env.reset(task)
+        result = env.act([ToolCall("click_element", {"ref": two})], "", 0, False)
+        assert (result.reward, result.done, result.metrics["task_reward"]) == (0, True, -1)
+    finally:
+        env.close()

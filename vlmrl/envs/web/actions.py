@@ -5,6 +5,7 @@ command in CSS pixels. The environment performs them itself (`vlmrl.envs.base.Ac
     type(text)             keystrokes into the focused element
     press(key)             one key: a character, or Enter, Tab, Backspace, Escape, ArrowUp, ...
     scroll(x, y, direction)  the mouse wheel at a point, `direction` up or down, `scroll_px` CSS pixels
+    click_element(ref)     (an option) a click on an element of the page's element list (`vlmrl.envs.web.elements`)
 
 Points are in the frame of the image the model saw (`vlmrl.envs.web.frame`). Every way a call can be wrong (did not
 parse, unknown name, missing, extra, non-numeric, NaN or huge arguments, a point outside the image, text too long)
@@ -20,7 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from vlmrl.envs.web.browser import Browser, special_key
-from vlmrl.envs.web.frame import Coordinates, Frame, InvalidAction
+from vlmrl.envs.web.elements import CLICK, Element
+from vlmrl.envs.web.frame import Coordinates, Frame, InvalidAction, as_number
 from vlmrl.tools.spec import Tool
 from vlmrl.types import ToolCall
 
@@ -66,6 +68,15 @@ def scroll(x: float, y: float, direction: str) -> str:
     return ""
 
 
+def click_element(ref: int) -> str:
+    """Click a page element by its number in the latest element list.
+
+    Args:
+        ref: The element's number, as listed.
+    """
+    return ""
+
+
 _FRAME_TEXT = {
     Coordinates.PIXELS: "in pixels of the latest screenshot as you see it, from its top-left corner",
     Coordinates.RELATIVE_1000: "from 0 to 1000 across the latest screenshot, from its top-left corner",
@@ -77,13 +88,15 @@ ACTIONS: dict[str, Callable[..., str]] = {
     "type": type_text,
     "press": press,
     "scroll": scroll,
+    "click_element": click_element,
 }  # tool name -> its schema function
+DEFAULT_ACTIONS = ("click", "type", "press", "scroll")  # click_element: an option (vlmrl.envs.web.elements)
 _ARGS = {name: tuple(inspect.signature(fn).parameters) for name, fn in ACTIONS.items()}  # each action's arguments
 
 
-def action_tools(coordinates: Coordinates, names: tuple[str, ...] = tuple(ACTIONS)) -> list[Tool]:
-    """The action tools `names` (by default all four, in `ACTIONS`' order), their point arguments described in the
-    model's frame (`coordinates`)."""
+def action_tools(coordinates: Coordinates, names: tuple[str, ...] = DEFAULT_ACTIONS) -> list[Tool]:
+    """The action tools `names` (by default the four pointer and key actions), in `ACTIONS`' order, their point
+    arguments described in the model's frame (`coordinates`)."""
     tools = []
     for name, fn in ACTIONS.items():
         if name not in names:
@@ -106,6 +119,7 @@ class Action:
     point: tuple[int, int] | None = None
     text: str = ""
     dy: int = 0
+    ref: int | None = None
 
     def perform(self, browser: Browser) -> None:
         """Send it to the browser. Raises BrowserFailure."""
@@ -117,11 +131,21 @@ class Action:
             browser.press(self.text)
         elif self.kind == "scroll" and self.point is not None:
             browser.scroll(self.point[0], self.point[1], self.dy)
+        elif self.kind == "click_element":
+            result = browser.js(CLICK, self.ref)
+            if result is not True:  # MiniWoB's elementClick returns the error's message
+                raise InvalidAction(f"element {self.ref} could not be clicked: {str(result)[:80]}")
 
 
-def check_action(call: ToolCall, frame: Frame, scroll_px: int, names: tuple[str, ...] = tuple(ACTIONS)) -> Action:
-    """The action of one parsed call, mapped into CSS pixels through `frame`; `names`: the actions offered. Raises
-    InvalidAction."""
+def check_action(
+    call: ToolCall,
+    frame: Frame,
+    scroll_px: int,
+    names: tuple[str, ...] = DEFAULT_ACTIONS,
+    elements: dict[int, Element] | None = None,
+) -> Action:
+    """The action of one parsed call, mapped into CSS pixels through `frame`; `names`: the actions offered;
+    `elements`: the latest element list by ref (for click_element). Raises InvalidAction."""
     if not call.ok:
         raise InvalidAction(f"the call did not parse ({call.status.value}): {call.error}"[:200])
     expected = _ARGS.get(call.name) if call.name in names else None
@@ -136,6 +160,13 @@ def check_action(call: ToolCall, frame: Frame, scroll_px: int, names: tuple[str,
             + (f"; missing {', '.join(missing)}" if missing else "")
             + (f"; unexpected {', '.join(extra)}" if extra else "")
         )
+    if call.name == "click_element":
+        ref = as_number(args["ref"], "ref")
+        element = (elements or {}).get(int(ref)) if ref == int(ref) else None
+        if element is None:
+            raise InvalidAction(f"no element {str(ref)[:20]} in the latest element list")
+        x, y = element.centre
+        return Action("click_element", point=(int(x), int(y)), ref=int(ref))
     if call.name == "type":
         text = args["text"]
         if not isinstance(text, str) or not text or len(text) > MAX_TEXT:

@@ -36,11 +36,12 @@ from PIL import Image
 from vlmrl.config import DataConfig, EnvConfig
 from vlmrl.config.knob import knob
 from vlmrl.envs.base import ActionEnvironment, StepResult, register_env, split_seed_base
-from vlmrl.envs.web.actions import ACTIONS, action_tools, check_action
+from vlmrl.envs.web.actions import ACTIONS, DEFAULT_ACTIONS, action_tools, check_action
 from vlmrl.envs.web.browser import Browser, BrowserFailure, BrowserMissing, BrowserSpec, find_binaries
+from vlmrl.envs.web.elements import Element, elements_text, page_elements
 from vlmrl.envs.web.frame import Coordinates, Frame, InvalidAction, coordinates_for
 from vlmrl.envs.web.pool import pool_for
-from vlmrl.types import CORRECT, FORMATTED, PARSE_FAIL, ImagePart, Message, Role, Task, TextPart, ToolCall
+from vlmrl.types import CORRECT, FORMATTED, PARSE_FAIL, ImagePart, Message, Part, Role, Task, TextPart, ToolCall
 
 TASK_WIDTH, TASK_HEIGHT = 160, 210  # MiniWoB's task area in CSS pixels (miniwob.constants.TASK_WIDTH/HEIGHT)
 REWARDS = ("raw", "time_discounted")
@@ -89,7 +90,9 @@ class MiniWobConfig(EnvConfig):
     )
     scale: float = knob(1.0, "Device pixels per CSS pixel (the screenshot is 160x210 times this), in [0.5, 4].")
     actions: str = knob(
-        "click,type,press,scroll", "The actions offered as tools, comma-separated (of click, type, press, scroll)."
+        ",".join(DEFAULT_ACTIONS),
+        "The actions offered as tools, comma-separated: click, type, press, scroll, and click_element (each "
+        "observation then lists the page's elements by number).",
     )
     actions_per_turn: int = knob(1, "Tool calls performed per reply (>= 1); more are counted invalid, not performed.")
     scroll_px: int = knob(50, "CSS pixels one scroll call moves (MiniWoB's DEFAULT_SCROLL_AMOUNT).")
@@ -217,6 +220,7 @@ class MiniWobEnv(ActionEnvironment[MiniWobConfig]):
         self.browser: Browser | None = None
         self.task: Task | None = None
         self.frame: Frame | None = None
+        self.elements: dict[int, Element] = {}
         self.failure = ""
 
     @property
@@ -240,17 +244,8 @@ class MiniWobEnv(ActionEnvironment[MiniWobConfig]):
         else:
             self.failure = f"task {task.id}: the page could not be started twice"
             return [*system, Message.text(Role.USER, "The page could not be loaded.")]
-        ref = f"{task.id}#0"
-        return [
-            *system,
-            Message(
-                Role.USER,
-                [
-                    ImagePart(image, ref),
-                    TextPart(PROMPT.format(utterance=utterance, actions=_either(self.cfg.action_names()))),
-                ],
-            ),
-        ]
+        text = PROMPT.format(utterance=utterance, actions=_either(self.cfg.action_names())) + self._listing()
+        return [*system, Message(Role.USER, [ImagePart(image, f"{task.id}#0"), TextPart(text)])]
 
     def _begin(self, task: Task) -> str:
         """Acquire a browser, open the task's page (unless it is open), start a seeded episode; its instruction."""
@@ -274,7 +269,15 @@ class MiniWobEnv(ActionEnvironment[MiniWobConfig]):
         image = self.browser.screenshot(TASK_WIDTH, TASK_HEIGHT)
         shown = self.presented_size(*image.size) if self.presented_size is not None else image.size
         self.frame = Frame(TASK_WIDTH, TASK_HEIGHT, shown[0], shown[1], coords)
+        if "click_element" in self.cfg.action_names():
+            self.elements = {e.ref: e for e in page_elements(self.browser)}
         return image
+
+    def _listing(self) -> str:
+        """The element list after the latest screenshot ('' unless click_element is offered)."""
+        if "click_element" not in self.cfg.action_names():
+            return ""
+        return "\n" + elements_text(list(self.elements.values()))
 
     def _drop(self, reason: str) -> None:
         if self.browser is not None:
@@ -310,12 +313,13 @@ class MiniWobEnv(ActionEnvironment[MiniWobConfig]):
                 notes.append(f"only {self.cfg.actions_per_turn} action(s) per turn: the rest were not performed")
                 break
             try:
-                action = check_action(call, self.frame, self.cfg.scroll_px, self.cfg.action_names())
+                names = self.cfg.action_names()
+                action = check_action(call, self.frame, self.cfg.scroll_px, names, self.elements)
+                action.perform(self.browser)
             except InvalidAction as err:
                 invalid += 1
                 notes.append(f"{call.name or 'call'}: {err}")
                 continue
-            action.perform(self.browser)
             performed += 1
             if action.point is not None:  # the CSS pixel's centre, as a fraction of the screenshot (the viewer's dot)
                 marks.append(((action.point[0] + 0.5) / TASK_WIDTH, (action.point[1] + 0.5) / TASK_HEIGHT))
@@ -338,9 +342,11 @@ class MiniWobEnv(ActionEnvironment[MiniWobConfig]):
             return StepResult(max(0.0, task_reward), True, [], metrics, marks)
         image = self._observe(self.frame.coordinates)
         lead = "No action was taken: call one of the tools." if not calls else "; ".join(notes) or "Done."
-        message = Message(
-            Role.USER, [TextPart(lead + " The page now:"), ImagePart(image, f"{self.task.id}#{turn + 1}")]
-        )
+        parts: list[Part] = [TextPart(lead + " The page now:"), ImagePart(image, f"{self.task.id}#{turn + 1}")]
+        listing = self._listing()
+        if listing:
+            parts.append(TextPart(listing.lstrip("\n")))
+        message = Message(Role.USER, parts)
         return StepResult(0.0, False, [message], metrics, marks)
 
     def close(self) -> None:
