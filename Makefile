@@ -57,6 +57,7 @@ setup-gpu:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[vllm,dev]'
+	$(BIN)/pip install -q --no-deps 'openenv-core==0.3.0'
 	touch $(GPU_STAMP)
 
 # The first command on a GPU machine (after `make setup-gpu fixtures`): CUDA and bf16, trainer vs vLLM logprobs with

@@ -1,6 +1,6 @@
 """The benches run (tiny sizes), so they cannot rot: bench/rollout.py, bench/token_building.py, bench/pixel_memory.py,
-bench/update.py (and its --packing mode), bench/spatial_probe.py, bench/tool_workers.py, bench/browser.py and
-bench/gui_rollout.py produce their tables with every column and sane numbers."""
+bench/update.py (and its --packing mode), bench/spatial_probe.py, bench/tool_workers.py, bench/browser.py,
+bench/gui_rollout.py and bench/click_probe.py produce their tables with every column and sane numbers."""
 
 from __future__ import annotations
 
@@ -233,3 +233,17 @@ def test_gui_rollout_bench_small(capsys):
     browser, still = out["(b) browser"], out["(n) still page"]
     assert browser["tokens_per_s"] > 0 and still["tokens_per_s"] > 0 and out["(b)/(n) wall"] > 0
     assert browser["env_ms_per_episode"] > still["env_ms_per_episode"] * 2  # screenshots cost; the still page not
+
+
+@pytest.mark.slow
+def test_click_probe_bench_small(capsys):
+    """bench/click_probe.py on a few real click-color screenshots: each is labelled with the named box's place (one
+    of four, every class in range), the model trains and scores the held-out ones every step."""
+    bench = _load("click_probe")
+    bench.main(
+        ["--task", "click-color", "--label", "box", "--train", "4", "--test", "4", "--steps", "2", "--every", "1"]
+    )
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("4 + 4 screenshots") and lines[1].split() == ["step", "loss", "held-out", "s/step"]
+    rows = [[float(v) for v in line.split()] for line in lines[2:]]
+    assert [r[0] for r in rows] == [1, 2] and all(r[1] > 0 and 0 <= r[2] <= 1 and r[3] > 0 for r in rows)
