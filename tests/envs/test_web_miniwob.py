@@ -246,7 +246,8 @@ def test_episodes_through_the_loop(builder):
 def test_format_demonstrations_are_the_rollout_prompt_and_a_random_click(builder, tmp_path):
     """`vlmrl sft` on env=miniwob (`sft.acting_demos`): each demonstration's prompt is token for token the prompt the
     engine gets at the episode's first turn (tool prompt, screenshot, instruction), its reply one click in the
-    parser's call format at a random point of the task area, the only tokens with loss mask 1."""
+    parser's call format on one of the page's elements (click-test has one: the button, read from the DOM), the only
+    tokens with loss mask 1."""
     overrides = ["env=miniwob", "env.task=click-test", "data=generated", "sft.num_demos=3", "env.max_turns=1"]
     cfg = load(None, [*overrides, f"logging.output_dir={tmp_path}"])
     setup = tool_setup(cfg, builder.processor, make_env_factory(cfg.env))
@@ -279,9 +280,15 @@ def test_format_demonstrations_are_the_rollout_prompt_and_a_random_click(builder
         assert call.ok and call.name == "click" and set(call.arguments) == {"x", "y"}
         frame = Frame(160, 210, 168, 224, Coordinates.PIXELS)  # 160x210 CSS px presented as 168x224 (Qwen2.5-VL)
         col, row = frame.to_css(call.arguments["x"], call.arguments["y"])
-        assert 0 <= col < 160 and 0 <= row < 210
+        env = setup.env_factory()
+        env.bind_view("qwen2_5_vl", demo_builder.presented_size)
+        env.reset(task)
+        rect = "var b = document.getElementById('subbtn').getBoundingClientRect();"
+        left, top, width, height = env.browser.js(rect + " return [b.left, b.top, b.width, b.height];")
+        env.close()
+        assert left <= col < left + width and top <= row < top + height  # on the button
         points.add((col, row))
-    assert len(points) == 3  # drawn at random, not the task's target
+    assert len(points) == 3  # a button of its own per seed
 
 
 def test_the_actions_offered_can_be_narrowed(builder):

@@ -285,11 +285,16 @@ class MiniWobEnv(ActionEnvironment[MiniWobConfig]):
             self.browser = None
 
     def demo_action(self, rng: random.Random) -> ToolCall | None:
-        """A click at a uniformly random CSS pixel of the task area, in the model's frame (a format demonstration:
-        it says nothing of where the task's target is)."""
-        if self.frame is None:
+        """A click, in the model's frame, at the centre of one of the page's elements (MiniWoB's own list,
+        `vlmrl.envs.web.elements`) drawn at random, or at a random point where none lies in the task area: a format
+        demonstration that clicks something on the page, never chosen by the task's answer."""
+        if self.frame is None or self.browser is None:
             return None
-        x, y = self.frame.from_css(rng.randrange(TASK_WIDTH), rng.randrange(TASK_HEIGHT))
+        inside = [
+            e.centre for e in page_elements(self.browser) if e.centre[0] < TASK_WIDTH and e.centre[1] < TASK_HEIGHT
+        ]
+        col, row = rng.choice(inside) if inside else (rng.randrange(TASK_WIDTH), rng.randrange(TASK_HEIGHT))
+        x, y = self.frame.from_css(int(col), int(row))
         return ToolCall("click", {"x": x, "y": y})
 
     def act(self, calls: list[ToolCall], text: str, turn: int, last_turn: bool) -> StepResult:
