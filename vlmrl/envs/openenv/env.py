@@ -27,7 +27,7 @@ import json
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any
 
 from vlmrl.config import DataConfig, EnvConfig
@@ -142,9 +142,9 @@ class OpenEnvEnv(ActionEnvironment[OpenEnvConfig]):
         self.failure = ""
         self.rewards: list[float] = []
 
-    @property
+    @cached_property
     def tool(self) -> Tool:
-        """The server's action as a tool (its schema read once per process)."""
+        """The server's action as a tool (its schema read once per process, the tool built once per episode)."""
         return action_tool(server_schemas(self.cfg.http_url, self.cfg.timeout_s)["action"], self.cfg.tool_name)
 
     def tools(self) -> list:

@@ -244,7 +244,8 @@ class MiniWobEnv(ActionEnvironment[MiniWobConfig]):
         else:
             self.failure = f"task {task.id}: the page could not be started twice"
             return [*system, Message.text(Role.USER, "The page could not be loaded.")]
-        text = PROMPT.format(utterance=utterance, actions=_either(self.cfg.action_names())) + self._listing()
+        prompt = PROMPT.format(utterance=utterance, actions=_either(self.cfg.action_names()))
+        text = "\n".join(t for t in (prompt, self._listing()) if t)
         return [*system, Message(Role.USER, [ImagePart(image, f"{task.id}#0"), TextPart(text)])]
 
     def _begin(self, task: Task) -> str:
@@ -277,7 +278,7 @@ class MiniWobEnv(ActionEnvironment[MiniWobConfig]):
         """The element list after the latest screenshot ('' unless click_element is offered)."""
         if "click_element" not in self.cfg.action_names():
             return ""
-        return "\n" + elements_text(list(self.elements.values()))
+        return elements_text(list(self.elements.values()))
 
     def _drop(self, reason: str) -> None:
         if self.browser is not None:
@@ -350,7 +351,7 @@ class MiniWobEnv(ActionEnvironment[MiniWobConfig]):
         parts: list[Part] = [TextPart(lead + " The page now:"), ImagePart(image, f"{self.task.id}#{turn + 1}")]
         listing = self._listing()
         if listing:
-            parts.append(TextPart(listing.lstrip("\n")))
+            parts.append(TextPart(listing))
         message = Message(Role.USER, parts)
         return StepResult(0.0, False, [message], metrics, marks)
 
