@@ -6,6 +6,7 @@ tasks -> [per step] episodes (engine <-> builder <-> env) -> rewards -> GRPO adv
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import logging
 import os
@@ -54,6 +55,7 @@ from vlmrl.tokens.base import TokenBuilder
 from vlmrl.train import dist, loss_agg, overlong, rollout_correction
 from vlmrl.train.async_rollout import BehaviourWeights, Prefetcher, staleness, staleness_metrics
 from vlmrl.train.dynamic_sampling import SampledBatch, sample_until_full
+from vlmrl.train.group_stream import GroupStream, partial
 from vlmrl.train.memory_config import check_run_memory
 from vlmrl.train.step_batch import check_step, export_style, step_samples
 from vlmrl.train.trainer import GRPOTrainer, TrainerSettings
@@ -110,10 +112,46 @@ def sample_step(job: "Job", step: int, position: int) -> SampledBatch:
 def next_batch(job: "Job", step: int) -> SampledBatch:
     """Step `step`'s rollouts: the batch prefetched during the last update (algorithm.off_policy_steps=1), else
     sampled now (a stop signal meanwhile abandons the step: StepAbandoned)."""
+    if job.stream is not None:
+        return stream_batch(job, step)
     if job.prefetch is not None and job.prefetch.pending:
         return job.prefetch.take()
     with job.stop.abandonable(job.trainer.world_size == 1):  # a stop signal here drops the step: nothing changed yet
         return sample_step(job, step, job.position)
+
+
+def stream_batch(job: "Job", step: int) -> SampledBatch:
+    """Step `step`'s groups from the continuous stream (algorithm.max_staleness): the next trainer.batch_size
+    finished groups at most max_staleness versions older than the trainer's (waits for them; a stop signal meanwhile
+    abandons the step), scored now, numbered 0..B-1 as the step's GRPO groups. `job.position` and
+    `job.consumed_beyond` follow the stream (`GroupStream.state`)."""
+    assert job.stream is not None
+    with job.stop.abandonable(True):
+        taken = job.stream.take(step - 1)
+    trajs: list[Trajectory] = []
+    for g, group in enumerate(taken.groups):
+        for traj in group.trajectories:
+            traj.group = g
+        trajs += group.trajectories
+    tasks = [g.task for g in taken.groups]
+    scored = job.rewards.score(trajs, tasks)
+    state = job.stream.state()
+    job.position, job.consumed_beyond = state["prompts_done"], state["prompts_consumed_beyond"]
+    job.stream_metrics = {
+        "off_policy/dropped_groups": float(taken.dropped),
+        "off_policy/partial_fraction": sum(partial(t) for t in trajs) / max(len(trajs), 1),
+        "off_policy/groups_in_flight": float(job.stream.in_flight),
+        "rollout_wait_s": taken.wait_s,
+    }
+    return SampledBatch(
+        trajs,
+        trajs,
+        tasks,
+        prompts=len(taken.groups) + taken.dropped,
+        policy_version=min((g.version for g in taken.groups), default=step - 1),
+        rollout_s=taken.period_s,
+        reward_metrics=scored.metrics(),
+    )
 
 
 def publish_weights(job: "Job", step: int, changed: bool = True) -> dict:
@@ -131,6 +169,16 @@ def publish_weights(job: "Job", step: int, changed: bool = True) -> dict:
     return sync
 
 
+def publish_to_stream(job: "Job", step: int, changed: bool) -> dict:
+    """After step `step` with continuous rollouts: the behaviour copy gets the trainer's weights between two engine
+    calls (if they `changed`) and the stream's version becomes `step`; the episodes in flight continue with them."""
+    assert job.stream is not None and job.behaviour is not None
+    behaviour, policy = job.behaviour, job.trainer.policy
+    job.stream.publish((lambda: behaviour.publish(policy)) if changed else (lambda: None), step)
+    job.sampler_version = step
+    return {}
+
+
 def option_metrics(cfg: Config, sampled: SampledBatch) -> dict[str, float]:
     """Per-rank metrics of the algorithm options on the step's rollouts (overlong penalty / filtering)."""
     alg = cfg.algorithm
@@ -144,7 +192,7 @@ def trainer_algorithm(cfg: Config) -> AlgorithmConfig:
     return dataclasses.replace(
         alg,
         rollout_correction=rollout_correction.resolve(
-            alg.rollout_correction, cfg.rollout.engine, alg.off_policy_steps
+            alg.rollout_correction, cfg.rollout.engine, alg.off_policy_steps or alg.max_staleness
         ).value,
         loss_agg_norm=loss_agg.constant_length(alg.loss_agg_norm, cfg.rollout.max_new_tokens, cfg.env.max_turns),
     )
@@ -171,6 +219,11 @@ class Job:
     prefetch: Prefetcher | None = None
     behaviour: BehaviourWeights | None = None
     sampler_version: int = 0
+    # continuous rollouts (algorithm.max_staleness, vlmrl.train.group_stream): started after resuming; the data
+    # positions beyond `position` already consumed (groups finish out of order)
+    stream: GroupStream | None = None
+    consumed_beyond: list[int] = field(default_factory=list)
+    stream_metrics: dict[str, float] = field(default_factory=dict)  # the last step's `off_policy/*` of the stream
     rewards: RewardStage = field(default_factory=RewardStage)  # scores each round's episodes (vlmrl.reward.stage)
 
 
@@ -191,7 +244,7 @@ def build_job(cfg: Config, plan: ResumePlan | None = None) -> Job:
     files = RunFiles(cfg.logging.output_dir, cfg.logging.overwrite, keep_until, needed) if main_rank else None
     model, processor = load_policy(cfg.model)
     model = prepare_policy(model, cfg.model)  # model.lora / freeze_vision_tower / freeze_projector
-    off_policy = cfg.algorithm.off_policy_steps > 0
+    off_policy = cfg.algorithm.off_policy_steps > 0 or cfg.algorithm.max_staleness > 0
     shares_module = ROLLOUT_ENGINES.get(cfg.rollout.engine).shares_policy_module  # samples with the trainer's module
     behaviour = BehaviourWeights(model) if off_policy and shares_module else None
     settings = TrainerSettings.from_config(cfg.trainer, trainer_algorithm(cfg), cfg.rollout.temperature)
@@ -232,7 +285,7 @@ def build_job(cfg: Config, plan: ResumePlan | None = None) -> Job:
         files,
         processor,
         behaviour=behaviour,
-        prefetch=Prefetcher() if off_policy else None,
+        prefetch=Prefetcher() if cfg.algorithm.off_policy_steps else None,
         rewards=rewards,
     )
     job.guard.max_in_row = cfg.trainer.max_bad_steps
@@ -245,7 +298,11 @@ def run_step(job: Job, step: int) -> dict:
     t0 = time.perf_counter()
     sampled = next_batch(job, step)
     t_wait = time.perf_counter() - t0
-    stale = staleness([sampled.policy_version], step - 1, cfg.algorithm.off_policy_steps)  # StaleSampleError
+    stale = (  # StaleSampleError past the bound
+        staleness([t.policy_version for t in sampled.generated], step - 1, cfg.algorithm.max_staleness)
+        if job.stream is not None
+        else staleness([sampled.policy_version], step - 1, cfg.algorithm.off_policy_steps)
+    )
     trajs, samples, filler, excluded = step_samples(
         cfg, job.style, job.builder.image_token_id, sampled, job.builder.video_token_id
     )
@@ -260,16 +317,25 @@ def run_step(job: Job, step: int) -> dict:
     if job.prefetch is None:
         job.runner.engine.sleep_for_update()  # vLLM on CUDA (rollout.vllm.sleep): its memory is the update's
     stats = trainer.train_step(samples) if check.update else None  # every rank alike (`check_step`)
-    job.position += sampled.prompts  # the next step's prompts follow the ones this step consumed
+    if job.stream is None:
+        job.position += sampled.prompts  # the next step's prompts follow the ones this step consumed
+    t_idle = t_wait  # the trainer waiting for samples: sampling now, taking the stream's groups, or the prefetch
     if job.prefetch is not None:
+        t1 = time.perf_counter()
         job.prefetch.wait()  # the sampler's weights change only between its batches
-    sync = publish_weights(job, step, changed=stats is not None)  # vLLM: push weights + stale-head check
+        t_idle += time.perf_counter() - t1
+    if job.stream is not None:  # the episodes in flight go on with the new weights
+        sync = publish_to_stream(job, step, changed=stats is not None)
+    else:
+        sync = publish_weights(job, step, changed=stats is not None)  # vLLM: push weights + stale-head check
     skipped = job.guard.check(
         step, check.bad, stats, [t.id for t in sampled.tasks], check.empty_ranks, trainer.world_size
     )
     mine, rollout = rollout_metrics(job, step, sampled, samples)
     if job.prefetch is not None:
         rollout.update(rollout_wait_s=t_wait, **staleness_metrics(stale))
+    if job.stream is not None:
+        rollout.update(**job.stream_metrics, **staleness_metrics(stale, histogram=cfg.algorithm.max_staleness))
     rollout = merge_rollout_rows(trainer.gather(rollout))  # StepStats are already global; rollouts are per rank
     dynamic = sampled.metrics() if cfg.algorithm.dynamic_sampling else {}
     row = {
@@ -284,13 +350,15 @@ def run_step(job: Job, step: int) -> dict:
         "excluded_episodes": len(check.excluded),
         "skipped_rows": len(check.skipped),
         "ranks_without_samples": len(check.empty_ranks),
+        "trainer_idle_s": t_idle,
         "step_s": time.perf_counter() - t0,
     }
     row["step"] = step
     if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
         if job.evaluation is None:
             job.evaluation = EvalSetup(cfg, trainer, job.runner, job.builder, job.processor, job.files, job.rewards)
-        row.update(eval_during_training(job.evaluation, step))  # eval/* metrics: the eval split with the policy
+        with job.stream.weights_lock if job.stream is not None else contextlib.nullcontext():  # the stream waits
+            row.update(eval_during_training(job.evaluation, step))  # eval/* metrics: the eval split with the policy
     records = [r for part in trainer.gather(mine) for r in part]
     if job.files:
         job.files.append(job.files.trajectories, [r.to_json() for r in records])
@@ -362,7 +430,15 @@ def save(job: Job, step: int) -> Path:
     cfg = job.cfg
     state = {
         "step": step,  # the next step is step + 1, whose prompts start at data.prompts_done
-        "data": {"prompts_done": job.position, "num_tasks": len(job.tasks)},  # the next step starts there
+        "data": {  # the next step starts there (continuous rollouts: skipping the positions consumed beyond it)
+            "prompts_done": job.position,
+            "num_tasks": len(job.tasks),
+            **(
+                {"prompts_consumed_beyond": list(job.consumed_beyond), "groups_pending": job.stream.pending}
+                if job.stream is not None
+                else {}
+            ),
+        },
         **job.guard.state(),
         "world_size": job.trainer.world_size,
         "reference_model": "frozen initial policy, rebuilt from model.name_or_path" if cfg.algorithm.kl_coef else None,
@@ -395,6 +471,10 @@ def resume(job: Job, plan: ResumePlan) -> int:
     # is sampled again, by the checkpoint's weights
     publish_weights(job, plan.step)
     job.position = int(state.get("data", {}).get("prompts_done", plan.step * job.cfg.trainer.batch_size))
+    job.consumed_beyond = [int(p) for p in state.get("data", {}).get("prompts_consumed_beyond", [])]
+    pending = int(state.get("data", {}).get("groups_pending", 0))
+    if pending:  # continuous rollouts: what was sampled but not trained is not in the checkpoint
+        log.info("%d group(s) started but not trained when %s was saved are sampled again", pending, plan.checkpoint)
     num_tasks = state.get("data", {}).get("num_tasks")
     if num_tasks is not None and num_tasks != len(job.tasks):
         log.warning(
@@ -442,14 +522,34 @@ def train(cfg: Config, console: Console | None = None) -> Path:
         dist.shutdown()
 
 
+def start_stream(job: Job, done: int) -> GroupStream:
+    """The continuous rollouts of a run that trained `done` steps, from its data position (algorithm.max_staleness,
+    `vlmrl.train.group_stream`), started."""
+    cfg = job.cfg
+    stream = GroupStream(
+        copy.copy(job.runner),  # its own dispatcher: an evaluation during training runs the job's runner
+        job.tasks,
+        cfg.algorithm.group_size,
+        cfg.trainer.batch_size,
+        cfg.algorithm.max_staleness,
+        cfg.seed,
+        done=done,
+        start=job.position,
+        skip=tuple(job.consumed_beyond),
+    )
+    stream.start()
+    return stream
+
+
 @contextlib.contextmanager
-def _closing(prefetch: Prefetcher | None):
-    """Never leave a sampler thread running: wait for a pending prefetch when the loop ends or raises."""
+def _closing(sampler: Prefetcher | GroupStream | None):
+    """Never leave a sampler thread running: wait for a pending prefetch, or the stream's groups in flight, when the
+    loop ends or raises."""
     try:
         yield
     finally:
-        if prefetch is not None:
-            prefetch.close()
+        if sampler is not None:
+            sampler.close()
 
 
 def _train(cfg: Config, console: Console) -> Path:
@@ -463,9 +563,12 @@ def _train(cfg: Config, console: Console) -> Path:
     job = build_job(cfg, plan)
     done = resume(job, plan)
     show = job.files is not None and cfg.logging.progress
+    if cfg.algorithm.max_staleness:
+        job.stream = start_stream(job, done)
     with (
         job.stop,
         _closing(job.prefetch),
+        _closing(job.stream),
         make_loggers(cfg, enabled=job.files is not None, resume=not plan.fresh) as loggers,
         StepProgress(console, steps, done, enabled=show) as progress,
     ):  # a plain line per step off a terminal

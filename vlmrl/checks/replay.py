@@ -89,6 +89,7 @@ class Recorded:
     stand_in_images: int = 0  # images whose ref was not a file (same-size stand-ins)
     generations: list[list[int]] | None = None  # each turn's sampled ids as the engine returned them (in memory)
     policy_version: int | None = None  # sampled by checkpoints/step_<v>/hf (None: a run from before it was recorded)
+    turn_versions: list[int] = field(default_factory=list)  # per turn, when recorded (continuous rollouts)
     # a history window's trajectory (`vlmrl.checks.views.split_views` makes one Recorded per view of it)
     keep_images: int | None = None
     views: list[ViewTokens] = field(default_factory=list)  # the earlier views; the fields above are the last one
@@ -170,6 +171,7 @@ class Recorded:
             None,
             stand_ins,
             policy_version=rec.policy_version,
+            turn_versions=list(rec.turn_policy_versions),
             keep_images=rec.keep_images,
             views=[ViewTokens.from_json(v) for v in rec.views],
             turn_views=list(rec.turn_views),

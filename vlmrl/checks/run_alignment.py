@@ -178,28 +178,44 @@ def _score(
     sources: dict[str, int],
 ) -> None:
     """Rescore `rec`'s sampled tokens with the weights that sampled them into `res` (and `total`; `sources` counts
-    the weights used), or note in `res.logprob_note` why they are skipped."""
+    the weights used), or note in `res.logprob_note` why they are skipped. A record with a version per turn
+    (`turn_versions`, continuous rollouts: a trajectory in flight across an update) has each turn rescored with its
+    own version's weights."""
     version = rec.policy_version if rec.policy_version is not None else rec.step - 1
-    key, why = policies.source(version)
+    per_turn = rec.turn_versions if len(rec.turn_versions) == len(rec.turn_spans) and not rec.views else []
+    versions = sorted(set(per_turn)) or [version]
+    missing = [why for key, why in map(policies.source, versions) if key is None]
     if seq is None:
         res.logprob_note = "skipped: re-render failed"
     elif rec.stand_in_images:
         res.logprob_note = f"skipped: {rec.stand_in_images} image(s) not on disk"
-    elif key is None:
-        res.logprob_note = f"skipped: {why}"
+    elif missing:
+        res.logprob_note = f"skipped: {missing[0]}"
     else:
-        model = policies.get(version)
         if rec.video is None:  # a record's videos: those the replay rendered
             rec = dataclasses.replace(rec, video=seq.videos_before(len(seq.ids)))
-        d = logprob_deltas(
-            model, rec, _vision_of(builder, seq), builder.image_token_id, temperature, builder.video_token_id
-        )
         one = LogprobStats()
-        one.add(d)
-        total.add(d)
+        for v in versions:
+            part = _turns_of(rec, [t for t, tv in enumerate(per_turn) if tv == v]) if per_turn else rec
+            vision = _vision_of(builder, seq)
+            d = logprob_deltas(
+                policies.get(v), part, vision, builder.image_token_id, temperature, builder.video_token_id
+            )
+            one.add(d)
+            total.add(d)
+            why = policies.source(v)[1]
+            sources[why] = sources.get(why, 0) + 1
         res.max_abs_dlogprob, res.mean_dlogprob, res.mismatch_kl = one.max_abs, one.mean_d, one.kl
-        res.logprob_note = why
-        sources[why] = sources.get(why, 0) + 1
+        res.logprob_note = ", ".join(policies.source(v)[1] for v in versions)
+
+
+def _turns_of(rec: Recorded, turns: list[int]) -> Recorded:
+    """`rec` with the loss mask kept on the sampled tokens of `turns` only (indices into `rec.turn_spans`)."""
+    keep = [0] * len(rec.loss_mask)
+    for t in turns:
+        start, end = rec.turn_spans[t]
+        keep[start:end] = [1] * (end - start)
+    return dataclasses.replace(rec, loss_mask=[m if k else 0 for m, k in zip(rec.loss_mask, keep)])
 
 
 def _open_run(run: Path):

@@ -201,8 +201,8 @@ class AlgorithmConfig:
     scale_by_std: bool = knob(True, "Divide the group-centred rewards by the group's std; false: r - mean (Dr. GRPO).")
     rollout_correction: str = knob(
         "auto",
-        "Rollout/trainer mismatch correction (vlmrl/train/rollout_correction.py): auto (tis with rollout.engine=vllm "
-        "or off_policy_steps=1, else off), off, tis, mis or tis+mis.",
+        "Rollout/trainer mismatch correction (vlmrl/train/rollout_correction.py): auto (tis with rollout.engine=vllm, "
+        "off_policy_steps=1 or max_staleness >= 1, else off), off, tis, mis or tis+mis.",
     )
     tis_cap: float = knob(2.0, "TIS: the truncation cap C of the token importance ratio (>= 1).")
     mis_low: float = knob(0.5, "MIS: sequences whose geometric-mean ratio is below this are masked out.")
@@ -241,6 +241,12 @@ class AlgorithmConfig:
         0,
         "0: synchronous; 1: step k+1's batch is sampled by the pre-update weights while step k updates (one-step "
         "off-policy, vlmrl/train/async_rollout.py).",
+    )
+    max_staleness: int = knob(
+        0,
+        "0: synchronous (or off_policy_steps); k >= 1: continuous rollouts (vlmrl/train/group_stream.py): groups are "
+        "sampled without pause, weights reach episodes in flight after each update, and a step trains the next "
+        "finished groups at most k policy versions old (older ones are dropped and counted).",
     )
 
 

@@ -210,6 +210,7 @@ def _range_checks(cfg: Config) -> list[tuple[bool, str]]:
             "algorithm.off_policy_steps=1 with "
             "algorithm.dynamic_sampling needs one rank (its sampling rounds are collective)",
         ),
+        *_staleness_checks(cfg, world),
         (tr.steps >= 1, "trainer.steps must be >= 1"),
         (
             tr.batch_size >= world,
@@ -248,6 +249,31 @@ def _range_checks(cfg: Config) -> list[tuple[bool, str]]:
 
 
 _LOGPROBS_MODES = ("auto", "processed_logprobs", "raw_logprobs")
+
+
+def _staleness_checks(cfg: Config, world: int) -> list[tuple[bool, str]]:
+    """The checks of `algorithm.max_staleness` (continuous rollouts, `vlmrl.train.group_stream`): what runs them."""
+    a, k = cfg.algorithm, cfg.algorithm.max_staleness
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        return [(False, f"algorithm.max_staleness={k!r} must be an integer >= 0 (0: synchronous)")]
+    if not k:
+        return []
+    return [
+        (
+            not a.off_policy_steps,
+            "algorithm.max_staleness and algorithm.off_policy_steps=1 are two off-policy modes: set one of them",
+        ),
+        (not a.dynamic_sampling, "algorithm.max_staleness does not run with algorithm.dynamic_sampling yet"),
+        (
+            cfg.rollout.engine == "transformers",
+            f"algorithm.max_staleness needs rollout.engine=transformers (its sampler takes new weights between two "
+            f"engine calls); with rollout.engine={cfg.rollout.engine} use algorithm.off_policy_steps=1",
+        ),
+        (
+            world == 1,
+            f"algorithm.max_staleness runs on one rank (WORLD_SIZE={world}): use algorithm.off_policy_steps=1",
+        ),
+    ]
 
 
 def _vllm_checks(v: VLLMConfig) -> list[tuple[bool, str]]:

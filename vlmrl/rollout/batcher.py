@@ -45,6 +45,9 @@ class Dispatcher(ABC):
     def finish(self, episodes: int = 1) -> None:
         """`episodes` episodes ended: they will not ask for another turn."""
 
+    def join(self, episodes: int) -> None:
+        """`episodes` more episodes will ask for turns (continuous rollouts start groups while others run)."""
+
     async def serve(self) -> None:
         """Background work while the episodes run, until cancelled (default: none)."""
         await asyncio.Event().wait()
@@ -114,6 +117,11 @@ class EngineBatcher(Dispatcher):
     def finish(self, episodes: int = 1) -> None:
         """`episodes` episodes ended: they will not ask for another turn."""
         self.live -= episodes
+        self._changed.set()
+
+    def join(self, episodes: int) -> None:
+        """`episodes` more episodes will ask for turns (counted live until each `finish`)."""
+        self.live += episodes
         self._changed.set()
 
     async def serve(self) -> None:

@@ -99,6 +99,10 @@ class Engine(ABC):
     def wake_up(self) -> None:
         """Undo `sleep_for_update` without new weights (a step whose update was skipped). Default: nothing."""
 
+    def weights_changed(self) -> None:
+        """The policy's weights changed inside a session (continuous rollouts publish between two engine calls):
+        drop what was computed with the old ones. Default: nothing."""
+
     def sync_weights(self) -> dict[str, float]:
         """Make the engine use the trainer's current weights (collective under ZeRO-3); returns sync metrics.
 

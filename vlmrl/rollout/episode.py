@@ -101,6 +101,7 @@ class Episode:
     task: Task
     group: int
     sample: int  # index within the GRPO group
+    seed: int  # the run's sampling seed: each request's seed derives from it (`_request`)
     env: Environment
     seq: TokenSeq
     messages: list[Message]
@@ -152,7 +153,6 @@ class EpisodeRunner:
             State.OBSERVE: "_on_observe",
         }
         self.batcher: Dispatcher | None = None  # the current run's (its statistics stay readable afterwards)
-        self._seed = 0
         # rows whose prompt does not fit end at once (`EndReason.PROMPT_TOO_LONG`); whoever runs the runner reports
         # them here, one line per row for the runner's life (the training loop: once over all ranks)
         self.skipped_log = SkippedRowLog(limits.max_context_tokens)
@@ -197,22 +197,32 @@ class EpisodeRunner:
         on_finish: Callable[[Trajectory], None] | None = None,
     ) -> list[Trajectory]:
         """`run` inside a running event loop (the engine session is the caller's)."""
-        self._seed = seed
         self.batcher = make_dispatcher(self.engine, len(tasks) * group_size, self.batch_wait_s)
         server = asyncio.create_task(self.batcher.serve())
         try:
-            starts = await asyncio.gather(*(self._start(task, g, group_size) for g, task in enumerate(tasks)))
-            episodes = [ep for group in starts for ep in group]
-            for g in range(len(tasks)):  # turn 0: one request per group, n = its live episodes
-                group = [ep for ep in episodes[g * group_size : (g + 1) * group_size] if ep.state is State.GENERATE]
-                if group:
-                    first = asyncio.ensure_future(self._request(group[0], n=len(group)))
-                    for ep in group:
-                        ep.first = first
-            return list(await asyncio.gather(*(self._run_episode(ep, on_finish) for ep in episodes)))
+            return await self.run_groups(tasks, group_size, seed, on_finish)
         finally:
             server.cancel()
             await asyncio.gather(server, return_exceptions=True)
+
+    async def run_groups(
+        self,
+        tasks: list[Task],
+        group_size: int,
+        seed: int,
+        on_finish: Callable[[Trajectory], None] | None = None,
+    ) -> list[Trajectory]:
+        """The episodes of `tasks` on the dispatcher already serving (`self.batcher`, whose live count includes
+        them); in task order. Several calls may run at once on one dispatcher (continuous rollouts)."""
+        starts = await asyncio.gather(*(self._start(task, g, group_size, seed) for g, task in enumerate(tasks)))
+        episodes = [ep for group in starts for ep in group]
+        for g in range(len(tasks)):  # turn 0: one request per group, n = its live episodes
+            group = [ep for ep in episodes[g * group_size : (g + 1) * group_size] if ep.state is State.GENERATE]
+            if group:
+                first = asyncio.ensure_future(self._request(group[0], n=len(group)))
+                for ep in group:
+                    ep.first = first
+        return list(await asyncio.gather(*(self._run_episode(ep, on_finish) for ep in episodes)))
 
     async def _run_episode(self, ep: Episode, on_finish: Callable[[Trajectory], None] | None) -> Trajectory:
         """One episode, state by state, until DONE; its trajectory (handed to `on_finish` first)."""
@@ -226,7 +236,7 @@ class EpisodeRunner:
             on_finish(traj)
         return traj
 
-    async def _start(self, task: Task, group: int, group_size: int) -> list[Episode]:
+    async def _start(self, task: Task, group: int, group_size: int, seed: int) -> list[Episode]:
         """Build the task's prompt once and give each of the group's episodes its own copy; a prompt that fills
         rollout.max_context_tokens ends them all at once (`EndReason.PROMPT_TOO_LONG`, no turn sampled). The
         environments are made here in group order, and reset in worker threads, every group's at once (a browser's
@@ -245,7 +255,7 @@ class EpisodeRunner:
         window = HistoryWindow(self.builder, keep) if keep is not None else None
         seq = window.start(messages) if window is not None else self.builder.start(messages)
         episodes = [
-            Episode(task, group, k, env, seq.fork(), list(messages), tools=t, window=window and window.copy())
+            Episode(task, group, k, seed, env, seq.fork(), list(messages), tools=t, window=window and window.copy())
             for k, (env, t) in enumerate(zip(envs, tools))
         ]
         if len(seq.ids) >= self.limits.max_context_tokens:  # the row is skipped (vlmrl.rollout.skipped_rows)
@@ -257,7 +267,7 @@ class EpisodeRunner:
         """n samples of the episode's current prompt, within its token budget, seeded by (task, sample, turn)."""
         turn = len(ep.turns)
         budget = self.limits.max_context_tokens - len(ep.seq.ids)
-        seed = derive_seed(self._seed, ep.task.id, ep.group, "group" if n > 1 else ep.sample, turn)
+        seed = derive_seed(ep.seed, ep.task.id, ep.group, "group" if n > 1 else ep.sample, turn)
         params = dataclasses.replace(self.sampling, max_new_tokens=min(self.sampling.max_new_tokens, budget), seed=seed)
         request = GenerateRequest(ep.seq.prompt(), n, params)
         return await self.batcher.generate(request, episodes=n, order=(ep.group, ep.sample))  # type: ignore[union-attr]

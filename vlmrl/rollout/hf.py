@@ -86,6 +86,11 @@ class TransformersEngine(Engine):
             finally:
                 self._module, self._vision = None, None
 
+    def weights_changed(self) -> None:
+        """A new vision cache: the images' encoder outputs were computed with the old weights."""
+        if self._vision is not None:
+            self._vision = VisionCache()
+
     def generate(self, prompts: list[EnginePrompt], n: int, params: SamplingParams) -> list[list[Generation]]:
         """n samples of each prompt; prompt i gets seed `params.seed + i` (None: drawn from torch's global RNG)."""
         seeds = [None if params.seed is None else params.seed + i for i in range(len(prompts))]

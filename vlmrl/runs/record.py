@@ -13,7 +13,8 @@ the metrics (`vlmrl.runs.episode_metrics`), the evaluation, the report and the a
               tool_errors, [turn_marks [[x, y]]: an action environment's points, fractions of the turn's last image],
               and (derived from turn_metrics, for readers older than turn_metrics) correct, formatted,
               parse_status
-    end_reason ("" = none), reward, advantage, policy_version, [turn_advantages], tool_stats
+    end_reason ("" = none), reward, advantage, policy_version, [turn_advantages], tool_stats,
+    [turn_policy_versions]: per turn, the weights that sampled it (continuous rollouts; policy_version: the oldest)
     [judge {score, reply, error}]: reward.judge's verdict (`vlmrl.judge`); score null when it failed
     [reward_breakdown {turns [{env, funcs {path: score}, total, penalty}], discounted, env_weight, [judge,
               judge_weight], penalty, total, unusable}]: how the reward was made (`vlmrl.types.RewardBreakdown`)
@@ -120,6 +121,7 @@ class TrajectoryRecord:
     turns: list[TurnRecord] = field(default_factory=list)
     end_reason: EndReason | None = None
     policy_version: int | None = None
+    turn_policy_versions: list[int] = field(default_factory=list)  # per turn, when the sampler recorded it
     turn_advantages: list[float] = field(default_factory=list)
     tool_stats: ToolStats = field(default_factory=ToolStats)
     sample: int | None = None
@@ -184,6 +186,7 @@ class TrajectoryRecord:
             ],
             end_reason=traj.end_reason,
             policy_version=traj.policy_version,
+            turn_policy_versions=_turn_versions(traj),
             turn_advantages=list(traj.turn_advantages),
             tool_stats=traj.tool_stats,
             keep_images=traj.keep_images,
@@ -228,6 +231,7 @@ class TrajectoryRecord:
             "advantage": self.advantage,
             **({"policy_version": self.policy_version} if self.policy_version is not None else {}),
             **({"turn_advantages": self.turn_advantages} if self.turn_advantages else {}),
+            **({"turn_policy_versions": self.turn_policy_versions} if self.turn_policy_versions else {}),
             "tool_calls": [[c.to_json() for c in t.tool_calls] for t in self.turns],
             "tool_errors": [list(t.tool_errors) for t in self.turns],
             "tool_stats": self.tool_stats.to_json(),
@@ -361,6 +365,7 @@ class _Line(_View):
     turn_marks: list[list[tuple[_Num, _Num]]] = []
     end_reason: Annotated[EndReason | None, _OrNone] = None
     policy_version: _Count | None = None
+    turn_policy_versions: list[_Count] = []
     turn_advantages: list[_Num] = []
     tool_stats: ToolStats = Field(default_factory=ToolStats)
     keep_images: Annotated[StrictInt, Field(ge=1)] | None = None
@@ -378,7 +383,7 @@ class _Line(_View):
 # the record's fields that are the line's values as read
 _AS_READ = (
     "step task_id group reward advantage input_ids loss_mask logprobs turn_spans image_grid_thw end_reason "
-    "policy_version turn_advantages tool_stats sample row keep_images turn_views".split()
+    "policy_version turn_policy_versions turn_advantages tool_stats sample row keep_images turn_views".split()
 )
 
 
@@ -409,7 +414,18 @@ def _problem(err: ValidationError, where: str) -> ValueError:
 
 
 _COUNTED = ("turn_metrics", "correct", "parse_status", "turn_rewards", "stop_reasons")  # the first given: the turns
-_OPTIONAL = ("tool_calls", "tool_errors", "turn_marks")  # per-turn lists that may be [] whatever the turns
+_OPTIONAL = (
+    "tool_calls",
+    "tool_errors",
+    "turn_marks",
+    "turn_policy_versions",
+)  # per turn, may be [] whatever the turns
+
+
+def _turn_versions(traj: Trajectory) -> list[int]:
+    """Each turn's `Generation.policy_version` when every turn has one, else []."""
+    versions = [t.generation.policy_version for t in traj.turns]
+    return [v for v in versions if v is not None] if versions and None not in versions else []
 
 
 def _turn_count(line: _Line, where: str) -> int:

@@ -56,11 +56,15 @@ def staleness(versions: Sequence[int], current: int, bound: int) -> list[int]:
     return out
 
 
-def staleness_metrics(stale: Sequence[int]) -> dict[str, float]:
-    """`off_policy/staleness_mean` and `off_policy/staleness_max` (training steps) of a step's samples; {} if none."""
+def staleness_metrics(stale: Sequence[int], histogram: int = 0) -> dict[str, float]:
+    """`off_policy/staleness_mean` and `off_policy/staleness_max` (training steps) of a step's samples; {} if none.
+    histogram: k > 0 adds `off_policy/staleness_<s>`, the fraction of samples of staleness s, for s = 0..k."""
     if not stale:
         return {}
-    return {"off_policy/staleness_mean": sum(stale) / len(stale), "off_policy/staleness_max": float(max(stale))}
+    out = {"off_policy/staleness_mean": sum(stale) / len(stale), "off_policy/staleness_max": float(max(stale))}
+    for s in range(histogram + 1 if histogram else 0):
+        out[f"off_policy/staleness_{s}"] = sum(x == s for x in stale) / len(stale)
+    return out
 
 
 class BehaviourWeights:

@@ -37,16 +37,15 @@ class Correction(str, Enum):
     tis_mis = "tis+mis"
 
 
-def resolve(mode: Correction | str, engine: str, off_policy_steps: int = 0) -> Correction:
+def resolve(mode: Correction | str, engine: str, off_policy: int = 0) -> Correction:
     """`auto` -> tis for an engine whose logprobs come from another implementation of the policy (the registered
-    engine's `needs_rollout_correction`: vllm) or off-policy rollouts (`algorithm.off_policy_steps`
-    > 0: the behaviour policy is an older version of the weights), off otherwise; other modes unchanged."""
+    engine's `needs_rollout_correction`: vllm) or off-policy rollouts (`off_policy` > 0: `algorithm.off_policy_steps`
+    or `max_staleness`; the behaviour policy is an older version of the weights), off otherwise; other modes
+    unchanged."""
     mode = Correction(mode)
     if mode is Correction.auto:
         return (
-            Correction.tis
-            if ROLLOUT_ENGINES.get(engine).needs_rollout_correction or off_policy_steps > 0
-            else Correction.off
+            Correction.tis if ROLLOUT_ENGINES.get(engine).needs_rollout_correction or off_policy > 0 else Correction.off
         )
     return mode
 

@@ -31,12 +31,15 @@ class Generation:
     token_ids: [N] the sampled ids, verbatim (including the EOS id when the model emitted it).
     logprobs: [N] log p(token) under the sampling policy (logits / temperature), natural log.
     text: the decoded ids, for parsing and display only (never re-encoded).
+    policy_version: the weights that sampled it, as the step whose end they are (0: the initial policy), when the
+    sampler records it per turn (continuous rollouts, `vlmrl.train.group_stream`); None otherwise.
     """
 
     token_ids: list[int]
     logprobs: list[float]
     stop_reason: StopReason
     text: str
+    policy_version: int | None = None
 
 
 @dataclass

@@ -225,8 +225,8 @@ def _episode_breakdown(rec: TrajectoryRecord) -> str:
 
 
 def _turn_info(rec: TrajectoryRecord, a: int) -> str:
-    """The badge line of assistant turn `a`: reward, correct, parse status, stop reason, format, tool calls, and the
-    other metrics the environment reported."""
+    """The badge line of assistant turn `a`: reward, correct, parse status, stop reason, format, tool calls, the
+    other metrics the environment reported, and the policy version that sampled it (when recorded per turn)."""
     if a >= len(rec.turns):
         return ""
     turn = rec.turns[a]
@@ -245,6 +245,8 @@ def _turn_info(rec: TrajectoryRecord, a: int) -> str:
     if a < len(rec.turn_spans):
         start, end = rec.turn_spans[a]
         bits.append(f'<span class="badge">{end - start} tokens</span>')
+    if a < len(rec.turn_policy_versions):  # continuous rollouts: the weights that sampled the turn
+        bits.append(f'<span class="badge">policy v{rec.turn_policy_versions[a]}</span>')
     html_calls = ""
     for i, call in enumerate(turn.tool_calls):
         err = (turn.tool_errors[i] if i < len(turn.tool_errors) else "") or call.error

@@ -1,0 +1,291 @@
+"""Continuous rollouts with a staleness bound (`algorithm.max_staleness = k >= 1`): GRPO groups are sampled without
+pause in a background thread while the trainer updates, and each step trains the next `trainer.batch_size` finished
+groups that are at most k policy versions old.
+
+The rules, after AReaL (Fu et al. 2025, "AReaL: A Large-Scale Asynchronous Reinforcement Learning System for
+Language Reasoning", sections 4-5; its `max_head_offpolicyness` eta):
+- Admission: with the sampler's weights at version v (the end of step v; 0: the initial policy) and `done` steps
+  trained when the stream began, a new group starts only while `started - dropped < (v - done + k + 1) * B`
+  (B = groups per step): the groups meant for step s are started by weights at least s - 1 - k. Nothing waits for
+  the slowest episode: a group starts as soon as one ends, within that bound.
+- Partial rollouts: the trainer's weights go to the sampler after each update without waiting for the episodes in
+  flight (`publish`, between two engine calls, never during one). Each engine call stamps the version that sampled
+  it on every generation (`Generation.policy_version`): a turn is sampled by one version, an episode in flight
+  across an update has turns of two or more (a partial rollout). The engine's behaviour logprobs are kept per token,
+  so the loss's importance ratio is against the weights that sampled each token (decoupled PPO, AReaL's eq. 5: the
+  proximal policy is the trainer's weights before the update; `algorithm.rollout_correction` TIS/MIS per token).
+- Staleness: a group's version is its oldest turn's; trained in step s (whose update starts from version s - 1), its
+  staleness is s - 1 - version. A group over k when the trainer takes it is dropped and counted, never trained.
+- Data: group j samples the prompt at data position p (task `tasks[p % len(tasks)]`), positions in order, skipping
+  those a resumed run already consumed; `state()` is what a checkpoint records to resume without training a prompt
+  twice or losing one: the first position not consumed (trained or dropped) and the consumed ones beyond it. Groups
+  in flight at a crash are sampled again after resuming.
+
+One rank, the transformers engine with its own copy of the weights (`BehaviourWeights`); the stream's thread runs
+its own event loop with one dispatcher for all groups (`EngineBatcher.join` as each starts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from vlmrl.rollout.batcher import make_dispatcher
+from vlmrl.rollout.engine import Engine, GenerateRequest, SamplingParams, derive_seed, per_prompt_requests
+from vlmrl.rollout.episode import EpisodeRunner
+from vlmrl.types import EnginePrompt, Generation, Task, Trajectory
+
+
+@dataclass
+class Group:
+    """A finished GRPO group: its data `position`, task, trajectories (group_size), and the sampler's version when
+    it started (the version of a group whose episodes sampled no turn)."""
+
+    position: int
+    task: Task
+    trajectories: list[Trajectory]
+    started_version: int
+
+    @property
+    def version(self) -> int:
+        """The oldest version that sampled any of its turns."""
+        return min((v for t in self.trajectories for v in turn_versions(t)), default=self.started_version)
+
+
+def turn_versions(traj: Trajectory) -> list[int]:
+    """The policy version of each sampled turn of `traj` that recorded one."""
+    return [t.generation.policy_version for t in traj.turns if t.generation.policy_version is not None]
+
+
+def partial(traj: Trajectory) -> bool:
+    """True when weights of more than one version sampled `traj`'s turns (it was in flight across an update)."""
+    return len(set(turn_versions(traj))) > 1
+
+
+@dataclass
+class Taken:
+    """What one `GroupStream.take` returned: the groups to train (finish order), the groups dropped as too stale
+    meanwhile, the seconds the trainer waited, and the seconds since the previous take returned (or since the
+    stream started): the period in which these groups were sampled."""
+
+    groups: list[Group]
+    dropped: int
+    wait_s: float
+    period_s: float
+
+
+class _Versioned(Engine):
+    """The engine as the stream's dispatcher calls it: each batched call holds the weights lock (weights are
+    published between calls) and stamps the sampler's version on every generation it returns."""
+
+    def __init__(self, engine: Engine, stream: "GroupStream"):
+        self.engine, self.stream = engine, stream
+
+    def generate(self, prompts: list[EnginePrompt], n: int, params: SamplingParams) -> list[list[Generation]]:
+        return self.generate_batch(per_prompt_requests(prompts, n, params))
+
+    def generate_batch(self, requests: list[GenerateRequest]) -> list[list[Generation]]:
+        with self.stream.weights_lock:
+            version = self.stream.version
+            out = self.engine.generate_batch(requests)
+        for gens in out:
+            for gen in gens:
+                gen.policy_version = version
+        return out
+
+
+class GroupStream:
+    """GRPO groups sampled continuously in a background thread (module docstring).
+
+    runner: the episode runner (its engine a batch `Engine` sampling the behaviour copy of the weights); tasks: the
+    (shuffled) task list; per_step: groups per training step (trainer.batch_size); max_staleness: k >= 1; seed: the
+    run's seed; done: steps already trained (resume); start: the first data position not consumed; skip: positions
+    beyond it already consumed. Call `start()` once, `take()` once per step, `publish()` after each update,
+    `close()` at the end (waits for the groups in flight and drops them).
+    """
+
+    def __init__(
+        self,
+        runner: EpisodeRunner,
+        tasks: list[Task],
+        group_size: int,
+        per_step: int,
+        max_staleness: int,
+        seed: int,
+        done: int = 0,
+        start: int = 0,
+        skip: tuple[int, ...] = (),
+    ):
+        if max_staleness < 1:
+            raise ValueError(f"max_staleness must be >= 1 for a stream, got {max_staleness}")
+        self.runner, self.tasks, self.group_size, self.per_step = runner, tasks, group_size, per_step
+        self.k, self.seed, self.done = max_staleness, seed, done
+        self.version = done  # the sampler's weights: those of the end of step `version`
+        self.weights_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._finished: deque[Group] = deque()
+        self._consumed = set(skip)
+        self._frontier = start  # the first position not consumed
+        self._next = start  # the next position to start
+        self._started = self._dropped = self._in_flight = 0
+        self._error: BaseException | None = None
+        self._closing = False
+        self._last_take = 0.0
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+
+    # ------------------------------------------------------------------------------------------------ trainer side
+
+    def start(self) -> None:
+        """Start sampling in the background thread."""
+        self._last_take = time.perf_counter()
+        self._thread = threading.Thread(target=self._run, name="vlmrl-stream", daemon=True)
+        self._thread.start()
+
+    def take(self, current: int) -> Taken:
+        """The next `per_step` finished groups whose staleness `current - version` is <= k, in finish order (waits
+        for them); older ones are dropped (their positions consumed) and counted. `current`: the trainer's version
+        (the step about to train - 1). Re-raises an error of the sampling thread."""
+        t0 = time.perf_counter()
+        out: list[Group] = []
+        dropped = 0
+        with self._cond:
+            while len(out) < self.per_step:
+                self._cond.wait_for(lambda: bool(self._finished) or self._error is not None)
+                if self._error is not None:
+                    raise self._error
+                group = self._finished.popleft()
+                self._consume(group.position)
+                if current - group.version > self.k:
+                    dropped += 1
+                else:
+                    out.append(group)
+            self._dropped += dropped
+        self._poke()
+        now = time.perf_counter()
+        period, self._last_take = now - self._last_take, now
+        return Taken(out, dropped, now - t0, period)
+
+    def publish(self, copy_weights: Callable[[], None], version: int) -> None:
+        """Give the sampler new weights: `copy_weights()` runs between two engine calls (never during one), then the
+        engine drops what it computed with the old ones (`Engine.weights_changed`); the groups in flight continue
+        with them. `version`: the step whose end they are."""
+        with self.weights_lock:
+            copy_weights()
+            self.runner.engine.weights_changed()  # e.g. the transformers engine's vision cache
+            self.version = version
+        self._poke()
+
+    def state(self) -> dict:
+        """What a checkpoint records to resume the data without repeating or losing a prompt: `prompts_done` (the
+        first position not consumed) and `prompts_consumed_beyond` (consumed positions after it)."""
+        with self._cond:
+            beyond = sorted(p for p in self._consumed if p >= self._frontier)
+            return {"prompts_done": self._frontier, "prompts_consumed_beyond": beyond}
+
+    @property
+    def in_flight(self) -> int:
+        """Groups started and not finished."""
+        return self._in_flight
+
+    @property
+    def pending(self) -> int:
+        """Groups started and not taken yet (in flight, or finished and waiting): a resumed run samples them again."""
+        with self._cond:
+            return self._in_flight + len(self._finished)
+
+    def close(self) -> None:
+        """Stop admitting groups, wait for those in flight (their results are dropped) and end the thread."""
+        self._closing = True
+        self._poke()
+        if self._thread is not None:
+            self._thread.join()
+
+    # ---------------------------------------------------------------------------------------------- sampling side
+
+    def _consume(self, position: int) -> None:
+        self._consumed.add(position)
+        while self._frontier in self._consumed:
+            self._consumed.discard(self._frontier)
+            self._frontier += 1
+
+    def _poke(self) -> None:
+        """Wake the admission loop (from any thread)."""
+        if self._loop is not None and self._wake is not None:
+            with contextlib.suppress(RuntimeError):  # the loop already closed
+                self._loop.call_soon_threadsafe(self._wake.set)
+
+    def _admit(self) -> bool:
+        """AReaL's bound: groups to be trained (started - dropped) < (version - done + k + 1) * per_step."""
+        return self._started - self._dropped < (self.version - self.done + self.k + 1) * self.per_step
+
+    def _run(self) -> None:
+        try:
+            with self.runner.engine.session():
+                asyncio.run(self._main())
+        except BaseException as err:  # noqa: BLE001 - handed to the trainer's next take()
+            with self._cond:
+                self._error = err
+                self._cond.notify_all()
+
+    async def _main(self) -> None:
+        self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
+        # a worker thread for every episode that may be in flight: each may be in a blocking env step or tool call
+        # (a browser, a judge) at once; asyncio's default pool (cpu_count + 4 threads) would queue the rest
+        episodes = (self.k + 1) * self.per_step * self.group_size
+        self._loop.set_default_executor(ThreadPoolExecutor(episodes + 4, thread_name_prefix="vlmrl-stream-env"))
+        runner = self.runner
+        runner.batcher = make_dispatcher(_Versioned(runner.engine, self), 0, runner.batch_wait_s)
+        server = asyncio.create_task(runner.batcher.serve())
+        groups: set[asyncio.Task] = set()
+        try:
+            while not self._closing:
+                if self._admit():
+                    position = self._next_position()
+                    task = asyncio.create_task(self._group(position))
+                    groups.add(task)
+                    task.add_done_callback(groups.discard)
+                    continue
+                self._wake.clear()
+                await self._wake.wait()
+            await asyncio.gather(*groups)
+        finally:
+            for task in groups:
+                task.cancel()
+            server.cancel()
+            await asyncio.gather(server, *groups, return_exceptions=True)
+
+    def _next_position(self) -> int:
+        with self._cond:
+            while self._next in self._consumed:
+                self._next += 1
+            position, self._next = self._next, self._next + 1
+            self._started += 1
+            self._in_flight += 1
+        return position
+
+    async def _group(self, position: int) -> None:
+        task = self.tasks[position % len(self.tasks)]
+        version = self.version
+        assert self.runner.batcher is not None
+        self.runner.batcher.join(self.group_size)
+        try:
+            trajs = await self.runner.run_groups([task], self.group_size, derive_seed(self.seed, "stream", position))
+        except BaseException as err:
+            with self._cond:
+                self._error = self._error or err
+                self._cond.notify_all()
+            raise
+        for traj in trajs:
+            traj.policy_version = min(turn_versions(traj), default=version)
+        with self._cond:
+            self._in_flight -= 1
+            self._finished.append(Group(position, task, trajs, version))
+            self._cond.notify_all()
