@@ -202,3 +202,37 @@ def test_turns_sampled_before_and_after_an_update_match_their_own_weights(tmp_pa
     wrong = verify_run(out)
     print(f"oldest version only: max|dlogprob| {wrong.max_abs_dlogprob:.3g}")
     assert wrong.max_abs_dlogprob > 1e-2
+
+
+@pytest.mark.slow
+@pytest.mark.long  # ~30 s: a continuous-rollouts `vlmrl train` process killed mid-run, then its resume
+def test_a_continuous_run_killed_with_9_resumes_with_each_prompt_trained_once(tmp_path):
+    from test_resume import _lines, _rows, _run, _start, _wait_for  # tests/runs (pytest's rootdir-relative import)
+
+    from vlmrl.checks.run_alignment import verify_run
+
+    stream = ("algorithm.max_staleness=2", "trainer.lr=1e-3", "trainer.keep_last=20", "data.limit=16")
+    out, root = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    proc = _start(out, *stream)
+    _wait_for(proc, lambda: (root / "latest").is_file() and (root / "latest").read_text().strip() == "step_3")
+    time.sleep(0.05)
+    proc.kill()
+    proc.communicate()
+    killed, latest = _rows(out), (root / "latest").read_text().strip()
+    state = json.loads((root / latest / "state.json").read_text())["data"]
+    print(f"kill -9: metrics rows {killed}, latest={latest}, data state {state}")
+    assert 3 <= len(killed) < 6 and state["groups_pending"] >= 1  # groups were in flight: sampled again
+
+    proc = _run(out, *stream)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "sampled again" in proc.stderr + proc.stdout
+    rows = _lines(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 7))  # each step once
+    trajs = _lines(out / "trajectories.jsonl")
+    assert sorted(r["step"] for r in trajs) == sorted(list(range(1, 7)) * 2)  # batch_size 1 x group 2, once
+    tasks = {r["step"]: r["task_id"] for r in trajs}  # a step's two episodes share its one prompt
+    assert len(set(tasks.values())) == 6, tasks  # 16 prompts: none trained twice
+    assert max(r["off_policy/staleness_max"] for r in rows) <= 2.0
+    sys.path.insert(0, str(ROOT / "tests"))  # the run's env._target_ (resume_envs) must import
+    report = verify_run(out)
+    assert report.ok and report.max_abs_dlogprob <= 1e-4, report.notes
