@@ -107,7 +107,7 @@ class GroupStream:
     (shuffled) task list; per_step: groups per training step (trainer.batch_size); max_staleness: k >= 1; seed: the
     run's seed; done: steps already trained (resume); start: the first data position not consumed; skip: positions
     beyond it already consumed. Call `start()` once, `take()` once per step, `publish()` after each update,
-    `close()` at the end (waits for the groups in flight and drops them).
+    `close()` at the end (cancels the groups in flight).
     """
 
     def __init__(
@@ -202,7 +202,8 @@ class GroupStream:
             return self._in_flight + len(self._finished)
 
     def close(self) -> None:
-        """Stop admitting groups, wait for those in flight (their results are dropped) and end the thread."""
+        """Stop admitting groups, cancel those in flight (an engine call or env step under way ends first) and end
+        the thread."""
         self._closing = True
         self._poke()
         if self._thread is not None:
@@ -255,8 +256,7 @@ class GroupStream:
                     continue
                 self._wake.clear()
                 await self._wake.wait()
-            await asyncio.gather(*groups)
-        finally:
+        finally:  # closing: the groups in flight are cancelled (nothing trains on them)
             for task in groups:
                 task.cancel()
             server.cancel()
@@ -278,7 +278,7 @@ class GroupStream:
         self.runner.batcher.join(self.group_size)
         try:
             trajs = await self.runner.run_groups([task], self.group_size, derive_seed(self.seed, "stream", position))
-        except BaseException as err:
+        except Exception as err:  # the engine failed (an environment's failure costs its episode only)
             with self._cond:
                 self._error = self._error or err
                 self._cond.notify_all()
