@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "scripts" / "train_test_env.py"
 STEPS = 6
 # timings and the step's wall-clock rates differ between runs; everything else must be equal
-TIMING = {"step_s", "rollout_s", "rollout_tokens_per_s", "time_s"}
+TIMING = {"step_s", "rollout_s", "rollout_tokens_per_s", "time_s", "trainer_idle_s"}
 
 
 def _args(out: Path, *extra: str) -> list[str]:
