@@ -32,7 +32,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*is deprecated.*:FutureWarning"
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "scripts" / "train_test_env.py"
-SPEED = {"rollout_s", "tokens_per_s", "step_s", "rollout_tokens_per_s", "trainer_idle_s"}  # wall-clock rates: differ between runs
+# wall-clock rates and times: differ between runs
+SPEED = {"rollout_s", "tokens_per_s", "step_s", "rollout_tokens_per_s", "trainer_idle_s"}
 
 
 def _env() -> dict:
