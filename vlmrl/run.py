@@ -543,8 +543,8 @@ def start_stream(job: Job, done: int) -> GroupStream:
 
 @contextlib.contextmanager
 def _closing(sampler: Prefetcher | GroupStream | None):
-    """Never leave a sampler thread running: wait for a pending prefetch, or the stream's groups in flight, when the
-    loop ends or raises."""
+    """Never leave a sampler thread running: wait for a pending prefetch, or cancel the stream's groups in flight,
+    when the loop ends or raises."""
     try:
         yield
     finally:

@@ -194,10 +194,9 @@ def _score(
     else:
         if rec.video is None:  # a record's videos: those the replay rendered
             rec = dataclasses.replace(rec, video=seq.videos_before(len(seq.ids)))
-        one = LogprobStats()
+        one, vision, notes = LogprobStats(), _vision_of(builder, seq), []
         for v in versions:
             part = _turns_of(rec, [t for t, tv in enumerate(per_turn) if tv == v]) if per_turn else rec
-            vision = _vision_of(builder, seq)
             d = logprob_deltas(
                 policies.get(v), part, vision, builder.image_token_id, temperature, builder.video_token_id
             )
@@ -205,8 +204,9 @@ def _score(
             total.add(d)
             why = policies.source(v)[1]
             sources[why] = sources.get(why, 0) + 1
+            notes.append(why)
         res.max_abs_dlogprob, res.mean_dlogprob, res.mismatch_kl = one.max_abs, one.mean_d, one.kl
-        res.logprob_note = ", ".join(policies.source(v)[1] for v in versions)
+        res.logprob_note = ", ".join(notes)
 
 
 def _turns_of(rec: Recorded, turns: list[int]) -> Recorded:
