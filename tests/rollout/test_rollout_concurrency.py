@@ -174,3 +174,41 @@ def test_engine_error_reaches_the_caller(builder):
     runner = EpisodeRunner(builder, Broken(builder.tokenizer, Clock()), make_env(Clock()), limits, SamplingParams())
     with pytest.raises(RuntimeError, match="engine fell over"):
         runner.run(_tasks("a", "b"), group_size=2)
+
+
+def test_a_request_is_sent_when_the_last_busy_episode_starts_slow_work():
+    """One episode asks for a turn while the other is still busy on the event loop; that one then starts a long
+    env step (offloaded). The request goes to the engine after max_wait_s, not when the env step ends: entering
+    offloaded work wakes the batcher as leaving it does."""
+    import asyncio
+
+    from vlmrl.rollout.batcher import EngineBatcher
+    from vlmrl.rollout.engine import GenerateRequest
+    from vlmrl.types import EnginePrompt
+
+    class Instant(Engine):
+        def generate(self, prompts, n, params):
+            raise AssertionError("batched calls only")
+
+        def generate_batch(self, requests):
+            return [[Generation([1], [-0.1], StopReason.EOS, "x")] * r.n for r in requests]
+
+    gate = threading.Event()
+
+    async def main() -> float:
+        batcher = EngineBatcher(Instant(), live=2, max_wait_s=0.05)
+        server = asyncio.create_task(batcher.serve())
+        t0 = time.perf_counter()
+        asked = asyncio.create_task(batcher.generate(GenerateRequest(EnginePrompt([1, 2], []), 1, SamplingParams())))
+        await asyncio.sleep(0.1)  # the batcher now waits for the busy episode
+        slow = asyncio.create_task(batcher.offload(gate.wait, 30))
+        try:
+            await asyncio.wait_for(asked, 10)
+            return time.perf_counter() - t0
+        finally:
+            gate.set()
+            await slow
+            server.cancel()
+            await asyncio.gather(server, return_exceptions=True)
+
+    assert asyncio.run(main()) < 5

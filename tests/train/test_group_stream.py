@@ -2,13 +2,18 @@
 "Continuous rollouts").
 
 Unit tests of the admission rule, the drops and the data state (numbers derived by hand from AReaL's bound); the
-config's refusals; then a real run killed with -9 and resumed (long tier).
+config's refusals; then a real run of the tiny Qwen2.5-VL on Geometry3K prompts, in this process, whose episodes of
+two tasks are held between their two turns while the trainer updates (tests/stream_envs.py): their second turns are
+sampled by newer weights than their first, and the trainer's forward with each turn's own checkpoint
+(`checkpoints/step_<v>/hf`, `verify_run`) reproduces every recorded behaviour logprob, while the trajectory's oldest
+version alone does not.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -103,6 +108,100 @@ def test_continuous_rollouts_turn_the_rollout_correction_on():
 
 
 # ------------------------------------------------------------------------------------------ a real run
+
+
+def _run_held(out: Path) -> None:
+    """Three steps of `train` (batch 2 x group 2, max_staleness 1) in this process, driven step by step as
+    `vlmrl.run._train` does: the groups at data positions 4 and 5 (started after the first update) are held after
+    their first turn until step 2's update is done; those at 6 and 7 until the end."""
+    import stream_envs
+
+    from vlmrl.run import build_job, run_step, save, start_stream
+    from vlmrl.train import dist
+
+    cfg = load(
+        "geometry3k_tiny",
+        [
+            f"data.path={GEOMETRY3K}",
+            "data.limit=8",
+            "trainer.steps=3",
+            "trainer.batch_size=2",
+            "algorithm.group_size=2",
+            "algorithm.max_staleness=1",
+            "rollout.max_new_tokens=8",
+            "env.max_turns=2",
+            "env._target_=stream_envs.HeldEnv",
+            "trainer.lr=1e-3",
+            "trainer.align_every=0",
+            "trainer.keep_last=0",  # every step's weights stay for verify_run
+            f"logging.output_dir={out}",
+            "logging.progress=false",
+        ],
+    )
+    job = build_job(cfg)
+    first, second = threading.Event(), threading.Event()
+    held = [job.tasks[p].id for p in (4, 5)]
+    stream_envs.HOLD.clear()
+    stream_envs.ARRIVED.clear()
+    stream_envs.HOLD.update({held[0]: first, held[1]: first, job.tasks[6].id: second, job.tasks[7].id: second})
+    job.stream = start_stream(job, 0)
+    try:
+        for step in (1, 2, 3):
+            if step == 2:  # positions 4 and 5 sampled their first turn by version 1 and wait in the env
+                deadline = time.monotonic() + 120
+                while sum(t in held for t in stream_envs.ARRIVED) < 4:
+                    assert time.monotonic() < deadline, "the held episodes never reached their env step"
+                    time.sleep(0.02)
+            run_step(job, step)
+            save(job, step)
+            if step == 2:
+                first.set()  # their second turn: sampled by version 2
+    finally:
+        first.set()
+        second.set()
+        job.stream.close()
+        dist.shutdown()
+
+
+@pytest.mark.slow
+def test_turns_sampled_before_and_after_an_update_match_their_own_weights(tmp_path, monkeypatch):
+    from vlmrl.checks.run_alignment import verify_run
+
+    monkeypatch.syspath_prepend(str(ROOT / "tests"))
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    out = tmp_path / "run"
+    _run_held(out)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
+    said = [(r["step"], r["task_id"], r.get("turn_policy_versions"), r["end_reason"]) for r in records]
+    assert [r["off_policy/staleness_max"] for r in rows] == [0.0, 1.0, 1.0], said
+    assert [r["off_policy/partial_fraction"] for r in rows] == [0.0, 0.0, 1.0], said
+    last = [r for r in records if r["step"] == 3]
+    assert len(last) == 4 and all(r["turn_policy_versions"] == [1, 2] for r in last), [
+        r.get("turn_policy_versions") for r in last
+    ]
+    assert all(r["policy_version"] == 1 for r in last)  # the oldest
+    assert {tuple(r["turn_policy_versions"]) for r in records if r["step"] < 3} == {(0, 0)}
+
+    sys.path.insert(0, str(ROOT / "tests"))  # the run's env._target_ (stream_envs) must import
+    report = verify_run(out)
+    print(f"each turn's weights: max|dlogprob| {report.max_abs_dlogprob:.3g} over {report.n_tokens} tokens")
+    assert report.ok and report.max_abs_dlogprob <= 1e-4, report.notes
+    assert report.n_tokens == sum(sum(r["loss_mask"]) for r in records)  # every sampled token rescored
+
+    from vlmrl.evaluation.report import build_report
+
+    page = build_report(out, tmp_path / "report").index.read_text(encoding="utf-8")
+    assert all(f"policy v{v}</span>" in page for v in (0, 1, 2))  # the viewer's badge on each turn
+
+    # the trajectory's oldest version for every turn does not fit the second turns of step 3
+    path = out / "trajectories.jsonl"
+    path.write_text(
+        "".join(json.dumps({k: v for k, v in r.items() if k != "turn_policy_versions"}) + "\n" for r in records)
+    )
+    wrong = verify_run(out)
+    print(f"oldest version only: max|dlogprob| {wrong.max_abs_dlogprob:.3g}")
+    assert wrong.max_abs_dlogprob > 1e-2
 
 
 @pytest.mark.slow

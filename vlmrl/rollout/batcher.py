@@ -106,8 +106,10 @@ class EngineBatcher(Dispatcher):
         return await future
 
     async def offload(self, fn: Callable[..., T], *args: Any) -> T:
-        """fn(*args) in a worker thread (asyncio's default executor), counted as offloaded work."""
+        """fn(*args) in a worker thread (asyncio's default executor), counted as offloaded work. Entering it wakes the
+        serving task as leaving it does: the last busy episode starting a long env step makes a pending batch ready."""
         self._offloaded += 1
+        self._changed.set()
         try:
             return await super().offload(fn, *args)
         finally:
