@@ -18,7 +18,9 @@ bound but not the training one over steps 31-40): docs/results.md, "Spatial lear
 The fastest run that learns through the whole pipeline, so `make test` keeps it (the other learning runs are marked
 `learning`: `make test-learning`). Its counterpart, in `make test-learning`, is the same run with the advantage's sign
 flipped (`registry_plugins:negated_episode`, GRPO's group advantages negated): it must not learn, so the assertions
-above fail on it (docs/results.md, "Spatial learning test", has its curve).
+above fail on it (docs/results.md, "Spatial learning test", has its curve). `make test-learning` also runs it with
+continuous rollouts (`algorithm.max_staleness` 1 and 4: the same thresholds in the same 40 steps) and, at 4, its
+sign-flipped counterpart.
 """
 
 from __future__ import annotations
@@ -38,11 +40,17 @@ CHANCE, LEARNED = 0.65, 0.85  # at most CHANCE at the start (chance is 1/2), at 
 
 def _sides_curves(tmp_path, *train: str) -> tuple[list[tuple[int, float]], list[float], str]:
     """(held-out curve, training accuracy per step, both as text) of the sides run, `train` overrides added."""
+    held, acc, said, _ = _sides_run(tmp_path, *train)
+    return held, acc, said
+
+
+def _sides_run(tmp_path, *train: str) -> tuple[list[tuple[int, float]], list[float], str, list[dict]]:
+    """`_sides_curves` and the run's step rows."""
     rows = step_rows(sft_then_train(tmp_path, "sides_sft_tiny", "sides_tiny", STEPS, LARGE, (*EVALS, *train)))
     held, acc = held_out_curve(rows), [r["accuracy"] for r in rows]
     said = f"held-out {held}; training per step {' '.join(f'{a:.2f}' for a in acc)}"
     assert len(held) == STEPS // EVAL_EVERY and len(acc) == STEPS, said
-    return held, acc, said
+    return held, acc, said, rows
 
 
 def _learned(held: list[tuple[int, float]], acc: list[float]) -> bool:
@@ -65,3 +73,26 @@ def test_sides_with_the_advantage_sign_flipped_does_not_learn(tmp_path):
     held, acc, said = _sides_curves(tmp_path, "algorithm.advantage=registry_plugins:negated_episode")
     assert not _learned(held, acc), f"learned with the advantage's sign flipped: {said}"
     assert held[-1][1] < LEARNED and sum(acc[-10:]) / 10 < LEARNED, said  # neither curve ends learned
+
+
+@pytest.mark.slow
+@pytest.mark.learning
+@pytest.mark.parametrize("k", [1, 4])
+def test_sides_recipe_learns_with_continuous_rollouts(tmp_path, k):
+    """`algorithm.max_staleness=k` (vlmrl/train/group_stream.py): the same run, thresholds and 40 steps. Here the
+    sampler outruns the update, so from step k + 1 on the steps train samples k versions old (asserted for most of
+    them): the training accuracy of the last 10 steps is that of policies k versions behind the held-out score's."""
+    held, acc, said, rows = _sides_run(tmp_path, f"algorithm.max_staleness={k}")
+    stale = [r["off_policy/staleness_max"] for r in rows]
+    assert max(stale) == k and stale.count(k) >= 3 * (STEPS - k) // 4, stale  # the stream ran at its bound
+    assert _learned(held, acc), f"did not learn with max_staleness={k}: {said}"
+
+
+@pytest.mark.slow
+@pytest.mark.learning
+def test_sides_with_continuous_rollouts_and_the_advantage_sign_flipped_does_not_learn(tmp_path):
+    held, acc, said = _sides_curves(
+        tmp_path, "algorithm.max_staleness=4", "algorithm.advantage=registry_plugins:negated_episode"
+    )
+    assert not _learned(held, acc), f"learned with the advantage's sign flipped: {said}"
+    assert held[-1][1] < LEARNED and sum(acc[-10:]) / 10 < LEARNED, said
