@@ -55,7 +55,7 @@ from vlmrl.tokens.base import TokenBuilder
 from vlmrl.train import dist, loss_agg, overlong, rollout_correction
 from vlmrl.train.async_rollout import BehaviourWeights, Prefetcher, staleness, staleness_metrics
 from vlmrl.train.dynamic_sampling import SampledBatch, sample_until_full
-from vlmrl.train.group_stream import GroupStream, partial
+from vlmrl.train.group_stream import GroupStream, merge_states, partial
 from vlmrl.train.memory_config import check_run_memory
 from vlmrl.train.step_batch import check_step, export_style, step_samples
 from vlmrl.train.trainer import GRPOTrainer, TrainerSettings
@@ -122,11 +122,12 @@ def next_batch(job: "Job", step: int) -> SampledBatch:
 
 def stream_batch(job: "Job", step: int) -> SampledBatch:
     """Step `step`'s groups from the continuous stream (algorithm.max_staleness): the next trainer.batch_size
-    finished groups at most max_staleness versions older than the trainer's (waits for them; a stop signal meanwhile
-    abandons the step), scored now, numbered 0..B-1 as the step's GRPO groups. `job.position` and
-    `job.consumed_beyond` follow the stream (`GroupStream.state`)."""
+    finished groups at most max_staleness versions older than the trainer's (this rank's share, batch_size / world:
+    waits for them; on one rank a stop signal meanwhile abandons the step), scored now, numbered as the step's GRPO
+    groups. `job.position` and `job.consumed_beyond` follow the ranks' streams (`merge_states`; collective)."""
     assert job.stream is not None
-    with job.stop.abandonable(True):
+    trainer = job.trainer
+    with job.stop.abandonable(trainer.world_size == 1):
         taken = job.stream.take(step - 1)
     trajs: list[Trajectory] = []
     for g, group in enumerate(taken.groups):
@@ -135,7 +136,7 @@ def stream_batch(job: "Job", step: int) -> SampledBatch:
         trajs += group.trajectories
     tasks = [g.task for g in taken.groups]
     scored = job.rewards.score(trajs, tasks)
-    state = job.stream.state()
+    state = merge_states(trainer.gather(job.stream.state()), trainer.world_size)
     job.position, job.consumed_beyond = state["prompts_done"], state["prompts_consumed_beyond"]
     job.stream_metrics = {
         "off_policy/dropped_groups": float(taken.dropped),
@@ -434,7 +435,10 @@ def save(job: Job, step: int) -> Path:
             "prompts_done": job.position,
             "num_tasks": len(job.tasks),
             **(
-                {"prompts_consumed_beyond": list(job.consumed_beyond), "groups_pending": job.stream.pending}
+                {
+                    "prompts_consumed_beyond": list(job.consumed_beyond),
+                    "groups_pending": sum(job.trainer.gather(job.stream.pending)),  # every rank saves
+                }
                 if job.stream is not None
                 else {}
             ),
@@ -524,18 +528,20 @@ def train(cfg: Config, console: Console | None = None) -> Path:
 
 def start_stream(job: Job, done: int) -> GroupStream:
     """The continuous rollouts of a run that trained `done` steps, from its data position (algorithm.max_staleness,
-    `vlmrl.train.group_stream`), started."""
-    cfg = job.cfg
+    `vlmrl.train.group_stream`), started; each rank its own (batch_size / world groups a step)."""
+    cfg, trainer = job.cfg, job.trainer
     stream = GroupStream(
         copy.copy(job.runner),  # its own dispatcher: an evaluation during training runs the job's runner
         job.tasks,
         cfg.algorithm.group_size,
-        cfg.trainer.batch_size,
+        cfg.trainer.batch_size // trainer.world_size,
         cfg.algorithm.max_staleness,
         cfg.seed,
         done=done,
         start=job.position,
         skip=tuple(job.consumed_beyond),
+        rank=trainer.rank,
+        world=trainer.world_size,
     )
     stream.start()
     return stream

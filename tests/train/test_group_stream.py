@@ -12,6 +12,8 @@ version alone does not.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import threading
 import time
@@ -22,7 +24,7 @@ from typing import Any, cast
 import pytest
 
 from vlmrl.config import ConfigError, load
-from vlmrl.train.group_stream import Group, GroupStream, partial, turn_versions
+from vlmrl.train.group_stream import Group, GroupStream, merge_states, partial, turn_versions
 from vlmrl.types import Generation, StopReason, Task, TokenSeq, Trajectory, Turn
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is deprecated.*:FutureWarning")
@@ -31,9 +33,12 @@ ROOT = Path(__file__).resolve().parents[2]
 GEOMETRY3K = ROOT / "vlmrl" / "assets" / "data" / "geometry3k"
 
 
-def _stream(per_step: int, k: int, done: int = 0, start: int = 0, skip: tuple[int, ...] = ()) -> GroupStream:
+def _stream(
+    per_step: int, k: int, done: int = 0, start: int = 0, skip: tuple[int, ...] = (), rank: int = 0, world: int = 1
+) -> GroupStream:
     tasks = [Task(str(i), [], "") for i in range(20)]
-    return GroupStream(cast(Any, SimpleNamespace()), tasks, 2, per_step, k, seed=0, done=done, start=start, skip=skip)
+    runner = cast(Any, SimpleNamespace())
+    return GroupStream(runner, tasks, 2, per_step, k, seed=0, done=done, start=start, skip=skip, rank=rank, world=world)
 
 
 def _traj(*versions: int | None) -> Trajectory:
@@ -73,6 +78,27 @@ def test_take_drops_groups_past_the_bound_and_the_state_resumes_the_data():
     assert [resumed._next_position() for _ in range(3)] == [5, 7, 8]
 
 
+def test_ranks_sample_their_own_positions_and_their_states_merge_into_the_runs():
+    """Two ranks: rank r samples the positions p % 2 == r, from the run's first position not consumed, skipping
+    those consumed beyond it; the checkpoint's state is the first position no rank consumed and every consumed one
+    after it."""
+    r0, r1 = _stream(per_step=1, k=1, rank=0, world=2), _stream(per_step=1, k=1, rank=1, world=2)
+    assert [r0._next_position() for _ in range(3)] == [0, 2, 4]
+    assert [r1._next_position() for _ in range(2)] == [1, 3]
+    for stream, positions in ((r0, (0, 4, 2)), (r1, (3,))):  # rank 0 took 0, 2 and 4; rank 1 only 3 (1 in flight)
+        for p in positions:
+            stream._finished.append(Group(p, stream.tasks[p], [], 0))
+        stream.take(current=0) if stream is r1 else [stream.take(current=0) for _ in positions]
+    assert r0.state() == {"prompts_done": 6, "prompts_consumed_beyond": []}
+    assert r1.state() == {"prompts_done": 1, "prompts_consumed_beyond": [3]}
+    merged = merge_states([r0.state(), r1.state()], world=2)
+    assert merged == {"prompts_done": 1, "prompts_consumed_beyond": [2, 3, 4]}
+    # resumed from it: rank 0 goes on at 6, rank 1 samples 1 again, then 5
+    skip = tuple(merged["prompts_consumed_beyond"])
+    a, b = (_stream(per_step=1, k=1, start=1, skip=skip, rank=r, world=2) for r in (0, 1))
+    assert [a._next_position() for _ in range(2)] == [6, 8] and [b._next_position() for _ in range(2)] == [1, 5]
+
+
 def test_a_groups_version_is_its_oldest_turns():
     mixed, fresh = _traj(1, 2), _traj(2, 2)
     assert turn_versions(mixed) == [1, 2] and partial(mixed) and not partial(fresh)
@@ -94,9 +120,11 @@ def test_an_error_of_the_sampler_is_raised_by_take():
         (["algorithm.max_staleness=1", "algorithm.off_policy_steps=1"], "two off-policy modes"),
         (["algorithm.max_staleness=2", "algorithm.dynamic_sampling=true"], "dynamic_sampling"),
         (["algorithm.max_staleness=1", "rollout=vllm"], "use algorithm.off_policy_steps=1"),
+        (["algorithm.max_staleness=1", "trainer.batch_size=3"], r"trainer.batch_size \(3\) divisible by .*=2"),
     ],
 )
-def test_settings_that_cannot_run_continuously_are_one_line(overrides, needle):
+def test_settings_that_cannot_run_continuously_are_one_line(overrides, needle, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match=needle):
         load("geometry3k_tiny", overrides)
 
@@ -233,6 +261,38 @@ def test_a_continuous_run_killed_with_9_resumes_with_each_prompt_trained_once(tm
     tasks = {r["step"]: r["task_id"] for r in trajs}  # a step's two episodes share its one prompt
     assert len(set(tasks.values())) == 6, tasks  # 16 prompts: none trained twice
     assert max(r["off_policy/staleness_max"] for r in rows) <= 2.0
+    sys.path.insert(0, str(ROOT / "tests"))  # the run's env._target_ (resume_envs) must import
+    report = verify_run(out)
+    assert report.ok and report.max_abs_dlogprob <= 1e-4, report.notes
+
+
+@pytest.mark.slow
+@pytest.mark.long  # ~40 s: torchrun launches two ranks, each with its own imports, DeepSpeed engine and stream
+def test_two_ranks_each_run_a_stream_and_train_each_prompt_once(tmp_path):
+    """`torchrun --nproc_per_node 2` with algorithm.max_staleness=1: each rank samples its own positions (p % 2 ==
+    rank) and trains one group a step; every prompt is trained once, the checkpoint's data state counts every
+    position consumed, and each turn's behaviour logprobs are those of its own version's weights."""
+    from test_resume import _args, _lines  # tests/runs (pytest's rootdir-relative import)
+
+    from vlmrl.checks.run_alignment import verify_run
+
+    out = tmp_path / "run"
+    extra = ("algorithm.max_staleness=1", "trainer.batch_size=2", "trainer.steps=4", "trainer.lr=1e-3")
+    args = _args(out, "data.limit=16", "trainer.keep_last=20", *extra)
+    dist_vars = ("MASTER_PORT", "MASTER_ADDR", "RANK", "LOCAL_RANK", "WORLD_SIZE")
+    env = {**{k: v for k, v in os.environ.items() if k not in dist_vars}, "DS_ACCELERATOR": "cpu"}
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    script = ROOT / "tests" / "scripts" / "train_test_env.py"
+    proc = subprocess.run([*launcher, str(script), *args], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows, trajs = _lines(out / "metrics.jsonl"), _lines(out / "trajectories.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(r["episodes"] == 4 for r in rows)
+    assert max(r["off_policy/staleness_max"] for r in rows) <= 1.0
+    groups = {(r["step"], r["task_id"]) for r in trajs}  # a step's group per rank: 2 episodes of one prompt
+    assert len(trajs) == 16 and len(groups) == 8 and len({t for _, t in groups}) == 8, sorted(groups)
+    state = json.loads((out / "checkpoints" / "step_4" / "state.json").read_text())["data"]
+    dropped = sum(r["off_policy/dropped_groups"] for r in rows)
+    assert state["prompts_done"] + len(state["prompts_consumed_beyond"]) == 8 + dropped, state
     sys.path.insert(0, str(ROOT / "tests"))  # the run's env._target_ (resume_envs) must import
     report = verify_run(out)
     assert report.ok and report.max_abs_dlogprob <= 1e-4, report.notes

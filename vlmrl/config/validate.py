@@ -270,8 +270,9 @@ def _staleness_checks(cfg: Config, world: int) -> list[tuple[bool, str]]:
             f"engine calls); with rollout.engine={cfg.rollout.engine} use algorithm.off_policy_steps=1",
         ),
         (
-            world == 1,
-            f"algorithm.max_staleness runs on one rank (WORLD_SIZE={world}): use algorithm.off_policy_steps=1",
+            cfg.trainer.batch_size % world == 0,
+            f"algorithm.max_staleness needs trainer.batch_size ({cfg.trainer.batch_size}) divisible by the number of "
+            f"ranks (WORLD_SIZE={world}): each rank samples and trains batch_size / WORLD_SIZE groups a step",
         ),
     ]
 

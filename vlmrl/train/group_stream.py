@@ -20,9 +20,12 @@ Language Reasoning", sections 4-5; its `max_head_offpolicyness` eta):
   those a resumed run already consumed; `state()` is what a checkpoint records to resume without training a prompt
   twice or losing one: the first position not consumed (trained or dropped) and the consumed ones beyond it. Groups
   in flight at a crash are sampled again after resuming.
+- Ranks: with `world` ranks each runs its own stream over the positions p with p % world == rank (the synchronous
+  loop's split of a step's prompts, `vlmrl.run.prompts_at`, when batch_size % world == 0) and trains batch_size /
+  world groups a step; `merge_states` joins the ranks' states into the run's.
 
-One rank, the transformers engine with its own copy of the weights (`BehaviourWeights`); the stream's thread runs
-its own event loop with one dispatcher for all groups (`EngineBatcher.join` as each starts).
+The transformers engine with its own copy of the weights (`BehaviourWeights`); the stream's thread runs its own
+event loop with one dispatcher for all groups (`EngineBatcher.join` as each starts).
 """
 
 from __future__ import annotations
@@ -56,6 +59,18 @@ class Group:
     def version(self) -> int:
         """The oldest version that sampled any of its turns."""
         return min((v for t in self.trajectories for v in turn_versions(t)), default=self.started_version)
+
+
+def merge_states(states: list[dict], world: int) -> dict:
+    """The run's data state from its ranks' `GroupStream.state()` (rank r's in `states[r]`, positions p % world ==
+    r): `prompts_done` is the first position any rank has not consumed, `prompts_consumed_beyond` every position
+    consumed after it (a rank further on has consumed all of its positions below its own `prompts_done`)."""
+    done = min(s["prompts_done"] for s in states)
+    beyond: set[int] = set()
+    for rank, state in enumerate(states):
+        beyond.update(p for p in range(done, state["prompts_done"]) if p % world == rank)
+        beyond.update(state["prompts_consumed_beyond"])
+    return {"prompts_done": done, "prompts_consumed_beyond": sorted(beyond)}
 
 
 def turn_versions(traj: Trajectory) -> list[int]:
@@ -104,10 +119,11 @@ class GroupStream:
     """GRPO groups sampled continuously in a background thread (module docstring).
 
     runner: the episode runner (its engine a batch `Engine` sampling the behaviour copy of the weights); tasks: the
-    (shuffled) task list; per_step: groups per training step (trainer.batch_size); max_staleness: k >= 1; seed: the
-    run's seed; done: steps already trained (resume); start: the first data position not consumed; skip: positions
-    beyond it already consumed. Call `start()` once, `take()` once per step, `publish()` after each update,
-    `close()` at the end (cancels the groups in flight).
+    (shuffled) task list; per_step: this rank's groups per training step (trainer.batch_size / world); max_staleness:
+    k >= 1; seed: the run's seed; done: steps already trained (resume); start: the first data position not consumed;
+    skip: positions beyond it already consumed; rank, world: this rank samples the positions p % world == rank.
+    Call `start()` once, `take()` once per step, `publish()` after each update, `close()` at the end (cancels the
+    groups in flight).
     """
 
     def __init__(
@@ -121,16 +137,22 @@ class GroupStream:
         done: int = 0,
         start: int = 0,
         skip: tuple[int, ...] = (),
+        rank: int = 0,
+        world: int = 1,
     ):
         if max_staleness < 1:
             raise ValueError(f"max_staleness must be >= 1 for a stream, got {max_staleness}")
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is not one of {world} ranks")
+        self.rank, self.world = rank, world
+        start += (rank - start) % world  # this rank's first position
         self.runner, self.tasks, self.group_size, self.per_step = runner, tasks, group_size, per_step
         self.k, self.seed, self.done = max_staleness, seed, done
         self.version = done  # the sampler's weights: those of the end of step `version`
         self.weights_lock = threading.Lock()
         self._cond = threading.Condition()
         self._finished: deque[Group] = deque()
-        self._consumed = set(skip)
+        self._consumed = {p for p in skip if p % world == rank}
         self._frontier = start  # the first position not consumed
         self._next = start  # the next position to start
         self._started = self._dropped = self._in_flight = 0
@@ -184,8 +206,9 @@ class GroupStream:
         self._poke()
 
     def state(self) -> dict:
-        """What a checkpoint records to resume the data without repeating or losing a prompt: `prompts_done` (the
-        first position not consumed) and `prompts_consumed_beyond` (consumed positions after it)."""
+        """What a checkpoint records to resume this rank's data without repeating or losing a prompt: `prompts_done`
+        (its first position not consumed) and `prompts_consumed_beyond` (its consumed positions after it); several
+        ranks' states: `merge_states`."""
         with self._cond:
             beyond = sorted(p for p in self._consumed if p >= self._frontier)
             return {"prompts_done": self._frontier, "prompts_consumed_beyond": beyond}
@@ -215,7 +238,7 @@ class GroupStream:
         self._consumed.add(position)
         while self._frontier in self._consumed:
             self._consumed.discard(self._frontier)
-            self._frontier += 1
+            self._frontier += self.world
 
     def _poke(self) -> None:
         """Wake the admission loop (from any thread)."""
@@ -265,8 +288,8 @@ class GroupStream:
     def _next_position(self) -> int:
         with self._cond:
             while self._next in self._consumed:
-                self._next += 1
-            position, self._next = self._next, self._next + 1
+                self._next += self.world
+            position, self._next = self._next, self._next + self.world
             self._started += 1
             self._in_flight += 1
         return position
