@@ -171,13 +171,21 @@ def publish_weights(job: "Job", step: int, changed: bool = True) -> dict:
 
 
 def publish_to_stream(job: "Job", step: int, changed: bool) -> dict:
-    """After step `step` with continuous rollouts: the behaviour copy gets the trainer's weights between two engine
-    calls (if they `changed`) and the stream's version becomes `step`; the episodes in flight continue with them."""
-    assert job.stream is not None and job.behaviour is not None
-    behaviour, policy = job.behaviour, job.trainer.policy
-    job.stream.publish((lambda: behaviour.publish(policy)) if changed else (lambda: None), step)
+    """After step `step` with continuous rollouts: the sampler gets the trainer's weights between two engine calls
+    (if they `changed`: the behaviour copy of the transformers engine, vLLM's `sync_weights`, whose metrics are
+    returned) and the stream's version becomes `step`; the episodes in flight continue with them."""
+    assert job.stream is not None
+    behaviour, policy, engine = job.behaviour, job.trainer.policy, job.runner.engine
+    sync: dict = {}
+
+    def copy_weights() -> None:
+        if behaviour is not None:
+            behaviour.publish(policy)
+        sync.update(engine.sync_weights())
+
+    job.stream.publish(copy_weights if changed else (lambda: None), step)
     job.sampler_version = step
-    return {}
+    return sync
 
 
 def option_metrics(cfg: Config, sampled: SampledBatch) -> dict[str, float]:
@@ -315,7 +323,7 @@ def run_step(job: Job, step: int) -> dict:
         job.runner.skipped_log.report(check.skipped)
     if job.prefetch is not None and step < cfg.trainer.steps:  # step + 1 is sampled during this update
         job.prefetch.start(lambda: sample_step(job, step + 1, job.position + sampled.prompts))
-    if job.prefetch is None:
+    if job.prefetch is None and job.stream is None:
         job.runner.engine.sleep_for_update()  # vLLM on CUDA (rollout.vllm.sleep): its memory is the update's
     stats = trainer.train_step(samples) if check.update else None  # every rank alike (`check_step`)
     if job.stream is None:

@@ -18,7 +18,9 @@ diagrams, fp32. The reference is always the trainer's own forward (`sequence_log
 - a 4-turn episode with a new image every turn: vLLM's prefix and encoder caches run the vision encoder once per
   distinct image (4, counted inside vLLM's worker; 20 without caches);
 - `vlmrl train rollout=vllm` with images, end to end (DeepSpeed ZeRO-2 trainer + colocated vLLM), off-policy here;
-  its 2-step on-policy run is `make gpu-check`'s row on CPU (tests/real_vllm/test_gpu_check_cpu.py).
+  its 2-step on-policy run is `make gpu-check`'s row on CPU (tests/real_vllm/test_gpu_check_cpu.py);
+- continuous rollouts (`algorithm.max_staleness=1`) through vLLM's server: weights pushed between requests while
+  groups are in flight, every turn's logprobs those of its own version's checkpoint.
 """
 
 from __future__ import annotations
@@ -184,6 +186,46 @@ def test_async_train_with_vllm_and_images(tmp_path):
     wrong = verify_run(out)
     print(f"step - 1 weights: max|dlogprob| {wrong.max_abs_dlogprob:.3g}")
     assert wrong.max_abs_dlogprob > 1e-2
+
+
+@pytest.mark.slow
+def test_continuous_rollouts_through_vllms_server(tmp_path):
+    """`algorithm.max_staleness=1` with vLLM's server (`rollout.vllm.mode=server`, a `ConcurrentEngine`; colocated
+    `AsyncLLM` takes the same path): groups are sampled while the trainer updates, the weights are pushed between
+    requests (`publish` holds new ones back and waits for those in flight), and each turn records the version that
+    sampled it. Two-turn episodes (tests/stream_envs.py, nothing held): every recorded vLLM logprob matches the
+    trainer's forward with its own turn's checkpoint to TOL."""
+    from vlmrl.checks.run_alignment import verify_run
+
+    directory = tmp_path / "served"
+    tiny_qwen25_vl_head32(seed=2).save_pretrained(directory)  # other weights than the trainer's: pushed at start
+    load_processor("qwen2_5_vl", "tiny:qwen2_5_vl").save_pretrained(directory)
+    with vllm_server(directory, max_model_len=1024) as url:
+        out = train_with_vllm(
+            tmp_path,
+            "trainer.steps=3",
+            "algorithm.max_staleness=1",
+            "trainer.lr=1e-3",
+            "trainer.save_every=1",
+            "trainer.keep_last=0",
+            "env.max_turns=2",
+            "env._target_=stream_envs.HeldEnv",
+            "rollout.vllm.mode=server",
+            f"rollout.vllm.url={url}",
+            f"rollout.vllm.sync_dir={directory / 'sync'}",
+        )
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and max(r["off_policy/staleness_max"] for r in rows) <= 1.0
+    assert all(r[METRIC] <= TOL for r in rows)  # each push checked against the trainer
+    records = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
+    versions = sorted({v for r in records for v in r["turn_policy_versions"]})
+    print(f"stream through vLLM's server: turn versions {versions}")
+    assert versions[-1] >= 1  # turns sampled by pushed weights
+    sys.path.insert(0, str(ROOT / "tests"))  # stream_envs, named by the run's config
+    report = verify_run(out)
+    print(f"max|dlogprob| {report.max_abs_dlogprob:.3g} over {report.n_tokens} tokens; {report.notes}")
+    assert report.ok and report.n_tokens == sum(sum(r["loss_mask"]) for r in records)
+    assert report.max_abs_dlogprob <= TOL
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,7 @@ def _stream(
     per_step: int, k: int, done: int = 0, start: int = 0, skip: tuple[int, ...] = (), rank: int = 0, world: int = 1
 ) -> GroupStream:
     tasks = [Task(str(i), [], "") for i in range(20)]
-    runner = cast(Any, SimpleNamespace())
+    runner = cast(Any, SimpleNamespace(engine=None))
     return GroupStream(runner, tasks, 2, per_step, k, seed=0, done=done, start=start, skip=skip, rank=rank, world=world)
 
 
@@ -99,6 +99,54 @@ def test_ranks_sample_their_own_positions_and_their_states_merge_into_the_runs()
     assert [a._next_position() for _ in range(2)] == [6, 8] and [b._next_position() for _ in range(2)] == [1, 5]
 
 
+def test_a_concurrent_engines_weights_change_between_its_requests():
+    """vLLM's engines serve each request as it comes (`ConcurrentEngine`): `publish` holds new requests back, waits
+    for the one in flight (it keeps the version that sampled it), changes the weights, then lets the held request
+    through with the new version."""
+    import asyncio
+
+    from vlmrl.rollout.engine import ConcurrentEngine, GenerateRequest, SamplingParams
+    from vlmrl.train.group_stream import _VersionedConcurrent
+    from vlmrl.types import EnginePrompt
+
+    class Slow(ConcurrentEngine):
+        started: list[int] = []
+
+        async def agenerate(self, request):
+            self.started.append(stream.version)
+            await asyncio.sleep(0.3)
+            return [Generation([1], [-0.1], StopReason.EOS, "x")]
+
+    stream = _stream(per_step=1, k=1)
+    engine = Slow()
+    stream.runner.engine, stream._concurrent = engine, True
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    stream._loop = loop
+    versioned = _VersionedConcurrent(engine, stream)
+    request = GenerateRequest(EnginePrompt([1, 2], []), 1, SamplingParams())
+    try:
+        first = asyncio.run_coroutine_threadsafe(versioned.agenerate(request), loop)
+        time.sleep(0.05)  # in flight
+        seen = {}
+
+        def copy_weights():
+            seen["first done"], seen["in flight"] = first.done(), stream._requests
+            seen["held"] = asyncio.run_coroutine_threadsafe(versioned.agenerate(request), loop)
+            time.sleep(0.1)
+            seen["started meanwhile"] = len(engine.started) - 1
+
+        stream.publish(copy_weights, 1)
+        assert seen["first done"] and seen["in flight"] == 0 and seen["started meanwhile"] == 0
+        assert first.result(5)[0].policy_version == 0 and seen["held"].result(5)[0].policy_version == 1
+        assert engine.started == [0, 1]
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
+
+
 def test_a_groups_version_is_its_oldest_turns():
     mixed, fresh = _traj(1, 2), _traj(2, 2)
     assert turn_versions(mixed) == [1, 2] and partial(mixed) and not partial(fresh)
@@ -119,7 +167,7 @@ def test_an_error_of_the_sampler_is_raised_by_take():
         (["algorithm.max_staleness=-1"], "algorithm.max_staleness=-1 must be an integer >= 0"),
         (["algorithm.max_staleness=1", "algorithm.off_policy_steps=1"], "two off-policy modes"),
         (["algorithm.max_staleness=2", "algorithm.dynamic_sampling=true"], "dynamic_sampling"),
-        (["algorithm.max_staleness=1", "rollout=vllm"], "use algorithm.off_policy_steps=1"),
+        (["algorithm.max_staleness=1", "rollout=vllm"], "not vllm.LLM in the trainer process"),  # 2 ranks: sync
         (["algorithm.max_staleness=1", "trainer.batch_size=3"], r"trainer.batch_size \(3\) divisible by .*=2"),
     ],
 )

@@ -265,9 +265,15 @@ def _staleness_checks(cfg: Config, world: int) -> list[tuple[bool, str]]:
         ),
         (not a.dynamic_sampling, "algorithm.max_staleness does not run with algorithm.dynamic_sampling yet"),
         (
-            cfg.rollout.engine == "transformers",
-            f"algorithm.max_staleness needs rollout.engine=transformers (its sampler takes new weights between two "
-            f"engine calls); with rollout.engine={cfg.rollout.engine} use algorithm.off_policy_steps=1",
+            cfg.rollout.engine in ("transformers", "vllm"),
+            f"algorithm.max_staleness needs rollout.engine=transformers or vllm (its sampler takes new weights "
+            f"between two engine calls); with rollout.engine={cfg.rollout.engine} use algorithm.off_policy_steps=1",
+        ),
+        (
+            cfg.rollout.engine != "vllm" or vllm_runs_as(cfg.rollout.vllm, world) != "sync",
+            "algorithm.max_staleness with vLLM needs an engine that serves requests as they come: "
+            "rollout.vllm.mode=server, or colocate_engine=async (one rank); not vllm.LLM in the trainer process "
+            "(colocate_engine=sync, the default with several ranks)",
         ),
         (
             cfg.trainer.batch_size % world == 0,
@@ -378,8 +384,8 @@ def resolve_sleep(v: VLLMConfig, *, cuda: bool, ranks: int, off_policy_steps: in
         raise ConfigError("rollout.vllm.sleep=true is for a colocated engine: the server manages its own memory")
     if v.sleep and off_policy_steps:
         raise ConfigError(
-            "rollout.vllm.sleep=true cannot hold with algorithm.off_policy_steps>0: vLLM samples the next batch "
-            "during the update (use sleep=false or null)"
+            "rollout.vllm.sleep=true cannot hold with off-policy rollouts (algorithm.off_policy_steps or "
+            "max_staleness > 0): vLLM samples during the update (use sleep=false or null)"
         )
     return bool(v.sleep)
 
@@ -392,7 +398,8 @@ def resolve_vllm_config(cfg: Config) -> None:
     v, cuda, ranks = cfg.rollout.vllm, torch.cuda.is_available(), int(os.environ.get("WORLD_SIZE", "1"))
     check_vllm_config(v)
     v.weight_sync = resolve_weight_sync(v, cuda=cuda, ranks=ranks)
-    v.sleep = resolve_sleep(v, cuda=cuda, ranks=ranks, off_policy_steps=cfg.algorithm.off_policy_steps)
+    off_policy = cfg.algorithm.off_policy_steps or cfg.algorithm.max_staleness  # vLLM samples during the update
+    v.sleep = resolve_sleep(v, cuda=cuda, ranks=ranks, off_policy_steps=off_policy)
 
 
 def check_vllm_config(v: VLLMConfig) -> None:

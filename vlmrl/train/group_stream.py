@@ -24,8 +24,11 @@ Language Reasoning", sections 4-5; its `max_head_offpolicyness` eta):
   loop's split of a step's prompts, `vlmrl.run.prompts_at`, when batch_size % world == 0) and trains batch_size /
   world groups a step; `merge_states` joins the ranks' states into the run's.
 
-The transformers engine with its own copy of the weights (`BehaviourWeights`); the stream's thread runs its own
-event loop with one dispatcher for all groups (`EngineBatcher.join` as each starts).
+Engines: a batch `Engine` (the transformers engine with its own copy of the weights, `BehaviourWeights`) has its
+calls batched by one `EngineBatcher` for all groups (`join` as each starts); the weights change under a lock held
+around each batched call. A `ConcurrentEngine` (vLLM: `AsyncLLM` in its own engine-core process, or vLLM's server)
+gets each request as it comes; a weight change holds new requests back and waits for those in flight to return (one
+reply, not an episode), then pushes the weights (`sync_weights`). The stream's thread runs its own event loop.
 """
 
 from __future__ import annotations
@@ -40,7 +43,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from vlmrl.rollout.batcher import make_dispatcher
-from vlmrl.rollout.engine import Engine, GenerateRequest, SamplingParams, derive_seed, per_prompt_requests
+from vlmrl.rollout.engine import (
+    ConcurrentEngine,
+    Engine,
+    GenerateRequest,
+    SamplingParams,
+    derive_seed,
+    per_prompt_requests,
+)
 from vlmrl.rollout.episode import EpisodeRunner
 from vlmrl.types import EnginePrompt, Generation, Task, Trajectory
 
@@ -115,6 +125,30 @@ class _Versioned(Engine):
         return out
 
 
+class _VersionedConcurrent(ConcurrentEngine):
+    """A concurrent engine as the stream's dispatcher calls it: a request waits while the weights change
+    (`GroupStream.publish`), is counted in flight until it returns, and is stamped with the version that sampled it."""
+
+    def __init__(self, engine: ConcurrentEngine, stream: "GroupStream"):
+        self.engine, self.stream = engine, stream
+
+    async def agenerate(self, request: GenerateRequest) -> list[Generation]:
+        stream = self.stream
+        while stream._paused is not None:
+            await stream._paused.wait()
+        stream._requests += 1
+        version = stream.version
+        try:
+            out = await self.engine.agenerate(request)
+        finally:
+            stream._requests -= 1
+            if stream._drained is not None and not stream._requests:
+                stream._drained.set()
+        for gen in out:
+            gen.policy_version = version
+        return out
+
+
 class GroupStream:
     """GRPO groups sampled continuously in a background thread (module docstring).
 
@@ -162,6 +196,12 @@ class GroupStream:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
+        # a concurrent engine's requests (on the stream's loop): held while `_paused` is set, `_drained` when none
+        # is in flight during a weight change
+        self._concurrent = isinstance(runner.engine, ConcurrentEngine)
+        self._requests = 0
+        self._paused: asyncio.Event | None = None
+        self._drained: asyncio.Event | None = None
 
     # ------------------------------------------------------------------------------------------------ trainer side
 
@@ -196,13 +236,22 @@ class GroupStream:
         return Taken(out, dropped, now - t0, period)
 
     def publish(self, copy_weights: Callable[[], None], version: int) -> None:
-        """Give the sampler new weights: `copy_weights()` runs between two engine calls (never during one), then the
-        engine drops what it computed with the old ones (`Engine.weights_changed`); the groups in flight continue
-        with them. `version`: the step whose end they are."""
-        with self.weights_lock:
-            copy_weights()
-            self.runner.engine.weights_changed()  # e.g. the transformers engine's vision cache
-            self.version = version
+        """Give the sampler new weights: `copy_weights()` runs between two engine calls (never during one; a
+        concurrent engine's requests in flight return first and new ones wait), then the engine drops what it
+        computed with the old ones (`Engine.weights_changed`); the groups in flight continue with them. `version`:
+        the step whose end they are."""
+        pausing = self._concurrent and self._loop is not None and not self._loop.is_closed()
+        if pausing:
+            asyncio.run_coroutine_threadsafe(self._pause(), self._loop).result()  # type: ignore[arg-type]
+        try:
+            with self.weights_lock:
+                copy_weights()
+                self.runner.engine.weights_changed()  # e.g. the transformers engine's vision cache
+                self.version = version
+        finally:
+            if pausing:
+                with contextlib.suppress(RuntimeError):  # the loop already closed
+                    self._loop.call_soon_threadsafe(self._resume)  # type: ignore[union-attr]
         self._poke()
 
     def state(self) -> dict:
@@ -240,6 +289,17 @@ class GroupStream:
             self._consumed.discard(self._frontier)
             self._frontier += self.world
 
+    async def _pause(self) -> None:
+        """Hold new requests back and wait for those in flight (on the stream's loop)."""
+        self._paused, self._drained = asyncio.Event(), asyncio.Event()
+        if self._requests:
+            await self._drained.wait()
+
+    def _resume(self) -> None:
+        paused, self._paused, self._drained = self._paused, None, None
+        if paused is not None:
+            paused.set()
+
     def _poke(self) -> None:
         """Wake the admission loop (from any thread)."""
         if self._loop is not None and self._wake is not None:
@@ -251,8 +311,11 @@ class GroupStream:
         return self._started - self._dropped < (self.version - self.done + self.k + 1) * self.per_step
 
     def _run(self) -> None:
+        # a batch engine's session holds its weights for the stream's whole life (they change under weights_lock);
+        # a concurrent engine's weights change between requests (`publish`), never inside a session
+        session = contextlib.nullcontext() if self._concurrent else self.runner.engine.session()
         try:
-            with self.runner.engine.session():
+            with session:
                 asyncio.run(self._main())
         except BaseException as err:  # noqa: BLE001 - handed to the trainer's next take()
             with self._cond:
@@ -266,7 +329,11 @@ class GroupStream:
         episodes = (self.k + 1) * self.per_step * self.group_size
         self._loop.set_default_executor(ThreadPoolExecutor(episodes + 4, thread_name_prefix="vlmrl-stream-env"))
         runner = self.runner
-        runner.batcher = make_dispatcher(_Versioned(runner.engine, self), 0, runner.batch_wait_s)
+        engine = runner.engine
+        versioned = (
+            _VersionedConcurrent(engine, self) if isinstance(engine, ConcurrentEngine) else _Versioned(engine, self)
+        )
+        runner.batcher = make_dispatcher(versioned, 0, runner.batch_wait_s)
         server = asyncio.create_task(runner.batcher.serve())
         groups: set[asyncio.Task] = set()
         try:
