@@ -188,8 +188,19 @@ def test_async_train_with_vllm_and_images(tmp_path):
     assert wrong.max_abs_dlogprob > 1e-2
 
 
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(folder, URL) of vLLM's server over a head-32 tiny Qwen2.5-VL (seed 2) and the trainer's processor: one
+    server start (~35 s) for this module's server-mode tests, each of which pushes its own weights first."""
+    directory = tmp_path_factory.mktemp("served_vl")
+    tiny_qwen25_vl_head32(seed=2).save_pretrained(directory)
+    load_processor("qwen2_5_vl", "tiny:qwen2_5_vl").save_pretrained(directory)  # the trainer's (same pixels)
+    with vllm_server(directory, max_model_len=1024) as url:
+        yield directory, url
+
+
 @pytest.mark.slow
-def test_continuous_rollouts_through_vllms_server(tmp_path):
+def test_continuous_rollouts_through_vllms_server(tmp_path, served):
     """`algorithm.max_staleness=1` with vLLM's server (`rollout.vllm.mode=server`, a `ConcurrentEngine`; colocated
     `AsyncLLM` takes the same path): groups are sampled while the trainer updates, the weights are pushed between
     requests (`publish` holds new ones back and waits for those in flight), and each turn records the version that
@@ -197,23 +208,20 @@ def test_continuous_rollouts_through_vllms_server(tmp_path):
     trainer's forward with its own turn's checkpoint to TOL."""
     from vlmrl.checks.run_alignment import verify_run
 
-    directory = tmp_path / "served"
-    tiny_qwen25_vl_head32(seed=2).save_pretrained(directory)  # other weights than the trainer's: pushed at start
-    load_processor("qwen2_5_vl", "tiny:qwen2_5_vl").save_pretrained(directory)
-    with vllm_server(directory, max_model_len=1024) as url:
-        out = train_with_vllm(
-            tmp_path,
-            "trainer.steps=3",
-            "algorithm.max_staleness=1",
-            "trainer.lr=1e-3",
-            "trainer.save_every=1",
-            "trainer.keep_last=0",
-            "env.max_turns=2",
-            "env._target_=stream_envs.HeldEnv",
-            "rollout.vllm.mode=server",
-            f"rollout.vllm.url={url}",
-            f"rollout.vllm.sync_dir={directory / 'sync'}",
-        )
+    _, url = served  # other weights than the trainer's: pushed at start
+    out = train_with_vllm(
+        tmp_path,
+        "trainer.steps=3",
+        "algorithm.max_staleness=1",
+        "trainer.lr=1e-3",
+        "trainer.save_every=1",
+        "trainer.keep_last=0",
+        "env.max_turns=2",
+        "env._target_=stream_envs.HeldEnv",
+        "rollout.vllm.mode=server",
+        f"rollout.vllm.url={url}",
+        f"rollout.vllm.sync_dir={tmp_path / 'sync'}",
+    )
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3] and max(r["off_policy/staleness_max"] for r in rows) <= 1.0
     assert all(r[METRIC] <= TOL for r in rows)  # each push checked against the trainer
@@ -345,32 +353,29 @@ def perturb(model, seed: int) -> None:
             p.add_(torch.randn(p.shape, generator=gen) * 0.02)
 
 
-def test_server_mode_with_images_matches_the_trainer(tmp_path_factory, setup):
+def test_server_mode_with_images_matches_the_trainer(served, setup):
     """Server mode, images included: the same two-turn episodes (two diagrams in the prompt, one in the feedback)
     through vLLM's server; its rollout logprobs vs the trainer's recomputation; then a weight sync (vision tower
     included) and the parity again. The check before the sync must see the old weights on the image sequences."""
-    model = tiny_qwen25_vl_head32(seed=2)
-    directory = tmp_path_factory.mktemp("served_vl")
-    model.save_pretrained(directory)
-    setup.processor.save_pretrained(directory)  # the server's processor: the trainer's (same min/max pixels)
-    with vllm_server(directory, max_model_len=1024) as url:
-        cfg = rollout_cfg(mode="server", url=url, sync_dir=str(directory / "sync"))
-        engine = make_engine(cfg, lambda: contextlib.nullcontext(model), setup.processor, setup.builder)
-        assert engine.served_model == "policy" and engine.last_sync_metrics[METRIC] < TOL
-        s = SimpleNamespace(builder=setup.builder, engine=engine)
-        trajs = run_episodes(s)
-        assert all(len(t.turns) == 2 and len(t.tokens.images) == 3 for t in trajs)
-        before = worst_delta(model, to_samples(trajs, ExportStyle.concat, setup.builder.image_token_id))
-        perturb(model, seed=3)
-        stale = engine.check_weights()  # probes: the last image sequences, scored by the server's old weights
-        metrics = engine.sync_weights()
-        trajs = run_episodes(s)
-        after = worst_delta(model, to_samples(trajs, ExportStyle.concat, setup.builder.image_token_id))
-        print(
-            f"\nserver mode with images: rollout vs trainer max |d| {before:.2e}; stale check {stale:.3g}; "
-            f"after sync {metrics}; parity after sync {after:.2e}"
-        )
-        assert before < TOL and stale > 1e-3 and metrics[METRIC] < TOL and after < TOL
+    model = tiny_qwen25_vl_head32(seed=2)  # the served folder's weights, pushed again at the engine's start
+    directory, url = served
+    cfg = rollout_cfg(mode="server", url=url, sync_dir=str(directory / "sync"))
+    engine = make_engine(cfg, lambda: contextlib.nullcontext(model), setup.processor, setup.builder)
+    assert engine.served_model == "policy" and engine.last_sync_metrics[METRIC] < TOL
+    s = SimpleNamespace(builder=setup.builder, engine=engine)
+    trajs = run_episodes(s)
+    assert all(len(t.turns) == 2 and len(t.tokens.images) == 3 for t in trajs)
+    before = worst_delta(model, to_samples(trajs, ExportStyle.concat, setup.builder.image_token_id))
+    perturb(model, seed=3)
+    stale = engine.check_weights()  # probes: the last image sequences, scored by the server's old weights
+    metrics = engine.sync_weights()
+    trajs = run_episodes(s)
+    after = worst_delta(model, to_samples(trajs, ExportStyle.concat, setup.builder.image_token_id))
+    print(
+        f"\nserver mode with images: rollout vs trainer max |d| {before:.2e}; stale check {stale:.3g}; "
+        f"after sync {metrics}; parity after sync {after:.2e}"
+    )
+    assert before < TOL and stale > 1e-3 and metrics[METRIC] < TOL and after < TOL
 
 
 def nucleus_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float, top_p: float):

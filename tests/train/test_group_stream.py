@@ -177,6 +177,17 @@ def test_settings_that_cannot_run_continuously_are_one_line(overrides, needle, m
         load("geometry3k_tiny", overrides)
 
 
+def test_colocated_vllm_on_a_gpu_is_refused_and_its_server_mode_is_not(monkeypatch):
+    from vlmrl.config import validate
+
+    monkeypatch.setattr(validate, "_cuda", lambda: True)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ConfigError, match="time-shared.*use rollout.vllm.mode=server"):
+        load("geometry3k_tiny", ["algorithm.max_staleness=1", "rollout=vllm"])
+    server = ["rollout.vllm.mode=server", "rollout.vllm.url=http://127.0.0.1:1", "rollout.vllm.sync_dir=/tmp/sync"]
+    assert load("geometry3k_tiny", ["algorithm.max_staleness=1", "rollout=vllm", *server]).algorithm.max_staleness == 1
+
+
 def test_continuous_rollouts_turn_the_rollout_correction_on():
     from vlmrl.run import trainer_algorithm
 

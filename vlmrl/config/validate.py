@@ -251,6 +251,12 @@ def _range_checks(cfg: Config) -> list[tuple[bool, str]]:
 _LOGPROBS_MODES = ("auto", "processed_logprobs", "raw_logprobs")
 
 
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _staleness_checks(cfg: Config, world: int) -> list[tuple[bool, str]]:
     """The checks of `algorithm.max_staleness` (continuous rollouts, `vlmrl.train.group_stream`): what runs them."""
     a, k = cfg.algorithm, cfg.algorithm.max_staleness
@@ -274,6 +280,12 @@ def _staleness_checks(cfg: Config, world: int) -> list[tuple[bool, str]]:
             "algorithm.max_staleness with vLLM needs an engine that serves requests as they come: "
             "rollout.vllm.mode=server, or colocate_engine=async (one rank); not vllm.LLM in the trainer process "
             "(colocate_engine=sync, the default with several ranks)",
+        ),
+        (
+            cfg.rollout.engine != "vllm" or cfg.rollout.vllm.mode == "server" or not _cuda(),
+            "algorithm.max_staleness with vLLM colocated on the trainer's GPU: the engine and the update would take "
+            "turns on it (time-shared, nothing overlaps); use rollout.vllm.mode=server (vLLM on its own GPUs) or "
+            "algorithm.off_policy_steps=1",
         ),
         (
             cfg.trainer.batch_size % world == 0,
