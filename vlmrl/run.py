@@ -122,9 +122,9 @@ def next_batch(job: "Job", step: int) -> SampledBatch:
 
 def stream_batch(job: "Job", step: int) -> SampledBatch:
     """Step `step`'s groups from the continuous stream (algorithm.max_staleness): the next trainer.batch_size
-    finished groups at most max_staleness versions older than the trainer's (this rank's share, batch_size / world:
-    waits for them; on one rank a stop signal meanwhile abandons the step), scored now, numbered as the step's GRPO
-    groups. `job.position` and `job.consumed_beyond` follow the ranks' streams (`merge_states`; collective)."""
+    groups in data order, at most max_staleness versions older than the trainer's (this rank's share, batch_size /
+    world: waits for them; on one rank a stop signal meanwhile abandons the step), scored now, numbered as the step's
+    GRPO groups. `job.position` and `job.consumed_beyond` follow the ranks' streams (`merge_states`; collective)."""
     assert job.stream is not None
     trainer = job.trainer
     with job.stop.abandonable(trainer.world_size == 1):
@@ -161,13 +161,19 @@ def publish_weights(job: "Job", step: int, changed: bool = True) -> dict:
     of step `step` (`checkpoints/step_<step>/hf`), its `sampler_version`."""
     sync = {}
     if changed:
-        if job.behaviour is not None:
-            job.behaviour.publish(job.trainer.policy)
-        sync = job.runner.engine.sync_weights()
+        sync = copy_weights(job)
     else:
         job.runner.engine.wake_up()
     job.sampler_version = step
     return sync
+
+
+def copy_weights(job: "Job") -> dict:
+    """The trainer's weights to the sampler: the transformers engine's behaviour copy, or the engine's
+    `sync_weights` (vLLM), whose metrics are returned."""
+    if job.behaviour is not None:
+        job.behaviour.publish(job.trainer.policy)
+    return job.runner.engine.sync_weights()
 
 
 def publish_to_stream(job: "Job", step: int, changed: bool) -> dict:
@@ -175,15 +181,8 @@ def publish_to_stream(job: "Job", step: int, changed: bool) -> dict:
     (if they `changed`: the behaviour copy of the transformers engine, vLLM's `sync_weights`, whose metrics are
     returned) and the stream's version becomes `step`; the episodes in flight continue with them."""
     assert job.stream is not None
-    behaviour, policy, engine = job.behaviour, job.trainer.policy, job.runner.engine
     sync: dict = {}
-
-    def copy_weights() -> None:
-        if behaviour is not None:
-            behaviour.publish(policy)
-        sync.update(engine.sync_weights())
-
-    job.stream.publish(copy_weights if changed else (lambda: None), step)
+    job.stream.publish((lambda: sync.update(copy_weights(job))) if changed else (lambda: None), step)
     job.sampler_version = step
     return sync
 

@@ -63,19 +63,33 @@ def test_admission_is_areals_bound_on_the_groups_to_be_trained():
     assert not s._admit()
 
 
-def test_take_drops_groups_past_the_bound_and_the_state_resumes_the_data():
+def test_take_trains_groups_in_data_order_and_drops_one_past_the_bound():
+    """Groups finished out of order are taken by data position; the head's wait holds the step while it is in flight;
+    a group over k (here put there by hand: the admission bound keeps the stream from making one) is dropped."""
     s = _stream(per_step=2, k=1)
-    for position, version in [(0, 0), (2, 2), (1, 1), (3, 0), (4, 2)]:
-        s._finished.append(Group(position, s.tasks[position], [], version))
-    taken = s.take(current=2)  # staleness 2, 0, 1: the first is dropped
-    assert [g.position for g in taken.groups] == [2, 1] and taken.dropped == 1
+    for position, version in [(2, 2), (4, 2), (0, 0), (3, 2), (1, 1)]:  # as they finished
+        s._finished[position] = Group(position, s.tasks[position], [], version)
+    taken = s.take(current=2)  # position 0 (staleness 2) dropped, then 1 and 2
+    assert [g.position for g in taken.groups] == [1, 2] and taken.dropped == 1
     assert s.state() == {"prompts_done": 3, "prompts_consumed_beyond": []}
-    s._finished.append(Group(6, s.tasks[6], [], 2))
-    taken = s.take(current=2)  # position 3 (version 0) dropped, 4 and 6 trained; 5 still in flight
-    assert [g.position for g in taken.groups] == [4, 6] and taken.dropped == 1
-    assert s.state() == {"prompts_done": 5, "prompts_consumed_beyond": [6]}
+    s._finished[6] = Group(6, s.tasks[6], [], 2)
+    assert [g.position for g in s.take(current=2).groups] == [3, 4]
+    later: dict[str, Any] = {}
+    waiting = threading.Thread(target=lambda: later.update(taken=s.take(current=2)))
+    waiting.start()
+    waiting.join(0.3)
+    assert waiting.is_alive(), "took a step past position 5, still in flight"
+    with s._cond:
+        s._finished[5] = Group(5, s.tasks[5], [], 2)
+        s._cond.notify_all()
+    waiting.join(5)
+    assert [g.position for g in later["taken"].groups] == [5, 6] and later["taken"].dropped == 0
+    assert s.state() == {"prompts_done": 7, "prompts_consumed_beyond": []}
+
+
+def test_a_resumed_stream_samples_the_positions_in_flight_again_and_none_consumed_twice():
     resumed = _stream(per_step=2, k=1, done=2, start=5, skip=(6,))  # 5 again (it was in flight), never 6
-    assert [resumed._next_position() for _ in range(3)] == [5, 7, 8]
+    assert [resumed._next_position()[0] for _ in range(3)] == [5, 7, 8]
 
 
 def test_ranks_sample_their_own_positions_and_their_states_merge_into_the_runs():
@@ -83,20 +97,21 @@ def test_ranks_sample_their_own_positions_and_their_states_merge_into_the_runs()
     those consumed beyond it; the checkpoint's state is the first position no rank consumed and every consumed one
     after it."""
     r0, r1 = _stream(per_step=1, k=1, rank=0, world=2), _stream(per_step=1, k=1, rank=1, world=2)
-    assert [r0._next_position() for _ in range(3)] == [0, 2, 4]
-    assert [r1._next_position() for _ in range(2)] == [1, 3]
-    for stream, positions in ((r0, (0, 4, 2)), (r1, (3,))):  # rank 0 took 0, 2 and 4; rank 1 only 3 (1 in flight)
+    assert [r0._next_position()[0] for _ in range(3)] == [0, 2, 4]
+    assert [r1._next_position()[0] for _ in range(2)] == [1, 3]
+    for stream, positions in ((r0, (0, 4, 2)), (r1, (1,))):  # rank 0 took 0, 2 and 4; rank 1 only 1 (3 in flight)
         for p in positions:
-            stream._finished.append(Group(p, stream.tasks[p], [], 0))
-        stream.take(current=0) if stream is r1 else [stream.take(current=0) for _ in positions]
+            stream._finished[p] = Group(p, stream.tasks[p], [], 0)
+        for _ in positions:
+            stream.take(current=0)
     assert r0.state() == {"prompts_done": 6, "prompts_consumed_beyond": []}
-    assert r1.state() == {"prompts_done": 1, "prompts_consumed_beyond": [3]}
+    assert r1.state() == {"prompts_done": 3, "prompts_consumed_beyond": []}
     merged = merge_states([r0.state(), r1.state()], world=2)
-    assert merged == {"prompts_done": 1, "prompts_consumed_beyond": [2, 3, 4]}
-    # resumed from it: rank 0 goes on at 6, rank 1 samples 1 again, then 5
+    assert merged == {"prompts_done": 3, "prompts_consumed_beyond": [4]}
+    # resumed from it: rank 0 goes on at 6, rank 1 samples 3 again, then 5
     skip = tuple(merged["prompts_consumed_beyond"])
-    a, b = (_stream(per_step=1, k=1, start=1, skip=skip, rank=r, world=2) for r in (0, 1))
-    assert [a._next_position() for _ in range(2)] == [6, 8] and [b._next_position() for _ in range(2)] == [1, 5]
+    a, b = (_stream(per_step=1, k=1, start=3, skip=skip, rank=r, world=2) for r in (0, 1))
+    assert [a._next_position()[0] for _ in range(2)] == [6, 8] and [b._next_position()[0] for _ in range(2)] == [3, 5]
 
 
 def test_a_concurrent_engines_weights_change_between_its_requests():
@@ -119,12 +134,12 @@ def test_a_concurrent_engines_weights_change_between_its_requests():
 
     stream = _stream(per_step=1, k=1)
     engine = Slow()
-    stream.runner.engine, stream._concurrent = engine, True
+    stream.runner.engine = engine
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     stream._loop = loop
-    versioned = _VersionedConcurrent(engine, stream)
+    versioned = stream._gate = _VersionedConcurrent(engine, stream)
     request = GenerateRequest(EnginePrompt([1, 2], []), 1, SamplingParams())
     try:
         first = asyncio.run_coroutine_threadsafe(versioned.agenerate(request), loop)
@@ -132,7 +147,7 @@ def test_a_concurrent_engines_weights_change_between_its_requests():
         seen = {}
 
         def copy_weights():
-            seen["first done"], seen["in flight"] = first.done(), stream._requests
+            seen["first done"], seen["in flight"] = first.done(), versioned.requests
             seen["held"] = asyncio.run_coroutine_threadsafe(versioned.agenerate(request), loop)
             time.sleep(0.1)
             seen["started meanwhile"] = len(engine.started) - 1

@@ -163,6 +163,22 @@ def test_async_samples_carry_the_weights_that_sampled_them(tmp_path):
     assert wrong.max_abs_dlogprob > 1e-2
 
 
+def test_continuous_rollouts_at_staleness_1_draw_the_one_step_runs_samples(tmp_path):
+    """Request seeds derive from (step, rank, group) in every mode: steps 1 and 2 of a continuous run
+    (max_staleness=1), sampled by the initial weights as the one-step run's are, draw its tokens. (Later steps' weights
+    differ from the one-step run's in the last bits: the two samplers batch differently.)"""
+    runs = {}
+    for name, mode in (("one_step", "algorithm.off_policy_steps=1"), ("stream", "algorithm.max_staleness=1")):
+        proc = _run(tmp_path / name, mode, "trainer.lr=1e-3", "trainer.steps=2")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = [r for r in _lines(tmp_path / name / "trajectories.jsonl") if r["step"] <= 2]
+    stream, one_step = runs["stream"], runs["one_step"]
+    assert len(stream) == len(one_step) == 4 and {r["policy_version"] for r in stream + one_step} == {0}
+    for got, want in zip(stream, one_step):
+        assert (got["step"], got["group"], got["input_ids"]) == (want["step"], want["group"], want["input_ids"])
+        assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4)
+
+
 @pytest.mark.slow
 @pytest.mark.long  # ~23 s: an async `vlmrl train` process killed mid-run, then its resume
 def test_async_run_resumes_after_kill_9_with_each_step_once(tmp_path):

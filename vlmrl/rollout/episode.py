@@ -211,10 +211,14 @@ class EpisodeRunner:
         group_size: int,
         seed: int,
         on_finish: Callable[[Trajectory], None] | None = None,
+        first_group: int = 0,
     ) -> list[Trajectory]:
         """The episodes of `tasks` on the dispatcher already serving (`self.batcher`, whose live count includes
-        them); in task order. Several calls may run at once on one dispatcher (continuous rollouts)."""
-        starts = await asyncio.gather(*(self._start(task, g, group_size, seed) for g, task in enumerate(tasks)))
+        them); in task order, task i as GRPO group `first_group + i` of the seed's step (its requests' seeds
+        derive from it). Several calls may run at once on one dispatcher (continuous rollouts)."""
+        starts = await asyncio.gather(
+            *(self._start(task, first_group + g, group_size, seed) for g, task in enumerate(tasks))
+        )
         episodes = [ep for group in starts for ep in group]
         for g in range(len(tasks)):  # turn 0: one request per group, n = its live episodes
             group = [ep for ep in episodes[g * group_size : (g + 1) * group_size] if ep.state is State.GENERATE]

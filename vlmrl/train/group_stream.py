@@ -1,6 +1,6 @@
 """Continuous rollouts with a staleness bound (`algorithm.max_staleness = k >= 1`): GRPO groups are sampled without
-pause in a background thread while the trainer updates, and each step trains the next `trainer.batch_size` finished
-groups that are at most k policy versions old.
+pause in a background thread while the trainer updates, and each step trains the next `trainer.batch_size` groups in
+data order, each at most k policy versions old.
 
 The rules, after AReaL (Fu et al. 2025, "AReaL: A Large-Scale Asynchronous Reinforcement Learning System for
 Language Reasoning", sections 4-5; its `max_head_offpolicyness` eta):
@@ -16,8 +16,14 @@ Language Reasoning", sections 4-5; its `max_head_offpolicyness` eta):
   proximal policy is the trainer's weights before the update; `algorithm.rollout_correction` TIS/MIS per token).
 - Staleness: a group's version is its oldest turn's; trained in step s (whose update starts from version s - 1), its
   staleness is s - 1 - version. A group over k when the trainer takes it is dropped and counted, never trained.
+- Order: the trainer takes groups in data order (the one at the first position not consumed, waiting while it is in
+  flight), not in the order they finish. Step s then trains the prompts the synchronous loop trains in step s, and
+  with the admission bound no group can be over k (a guard drops one anyway). Finish order would fill a step with
+  the groups that end first (in a multi-turn task, those right at the first try, with the least to learn from) and
+  leave the slow ones to go stale; AReaL takes finish order.
 - Data: group j samples the prompt at data position p (task `tasks[p % len(tasks)]`), positions in order, skipping
-  those a resumed run already consumed; `state()` is what a checkpoint records to resume without training a prompt
+  those a resumed run already consumed, with the request seeds the synchronous loop gives group j % B of the step
+  it is trained in (`derive_seed(seed, step, rank)`, `vlmrl.run.sample_step`); `state()` is what a checkpoint records to resume without training a prompt
   twice or losing one: the first position not consumed (trained or dropped) and the consumed ones beyond it. Groups
   in flight at a crash are sampled again after resuming.
 - Ranks: with `world` ranks each runs its own stream over the positions p with p % world == rank (the synchronous
@@ -37,7 +43,6 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -95,7 +100,7 @@ def partial(traj: Trajectory) -> bool:
 
 @dataclass
 class Taken:
-    """What one `GroupStream.take` returned: the groups to train (finish order), the groups dropped as too stale
+    """What one `GroupStream.take` returned: the groups to train (data order), the groups dropped as too stale
     meanwhile, the seconds the trainer waited, and the seconds since the previous take returned (or since the
     stream started): the period in which these groups were sampled."""
 
@@ -126,27 +131,42 @@ class _Versioned(Engine):
 
 
 class _VersionedConcurrent(ConcurrentEngine):
-    """A concurrent engine as the stream's dispatcher calls it: a request waits while the weights change
-    (`GroupStream.publish`), is counted in flight until it returns, and is stamped with the version that sampled it."""
+    """A concurrent engine as the stream's dispatcher calls it: a request waits while the weights change (`pause`
+    until `resume`; `GroupStream.publish`), is counted in flight until it returns, and is stamped with the version
+    that sampled it. Runs on the stream's event loop."""
 
     def __init__(self, engine: ConcurrentEngine, stream: "GroupStream"):
         self.engine, self.stream = engine, stream
+        self.requests = 0  # in flight
+        self._paused: asyncio.Event | None = None  # set by resume: held requests go on
+        self._drained: asyncio.Event | None = None  # set when the last request in flight returns during a pause
 
     async def agenerate(self, request: GenerateRequest) -> list[Generation]:
-        stream = self.stream
-        while stream._paused is not None:
-            await stream._paused.wait()
-        stream._requests += 1
-        version = stream.version
+        while self._paused is not None:
+            await self._paused.wait()
+        self.requests += 1
+        version = self.stream.version
         try:
             out = await self.engine.agenerate(request)
         finally:
-            stream._requests -= 1
-            if stream._drained is not None and not stream._requests:
-                stream._drained.set()
+            self.requests -= 1
+            if self._drained is not None and not self.requests:
+                self._drained.set()
         for gen in out:
             gen.policy_version = version
         return out
+
+    async def pause(self) -> None:
+        """Hold new requests back and wait for those in flight."""
+        self._paused, self._drained = asyncio.Event(), asyncio.Event()
+        if self.requests:
+            await self._drained.wait()
+
+    def resume(self) -> None:
+        """Let the held requests go on."""
+        paused, self._paused, self._drained = self._paused, None, None
+        if paused is not None:
+            paused.set()
 
 
 class GroupStream:
@@ -185,7 +205,7 @@ class GroupStream:
         self.version = done  # the sampler's weights: those of the end of step `version`
         self.weights_lock = threading.Lock()
         self._cond = threading.Condition()
-        self._finished: deque[Group] = deque()
+        self._finished: dict[int, Group] = {}  # by data position
         self._consumed = {p for p in skip if p % world == rank}
         self._frontier = start  # the first position not consumed
         self._next = start  # the next position to start
@@ -196,12 +216,9 @@ class GroupStream:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
-        # a concurrent engine's requests (on the stream's loop): held while `_paused` is set, `_drained` when none
-        # is in flight during a weight change
-        self._concurrent = isinstance(runner.engine, ConcurrentEngine)
-        self._requests = 0
-        self._paused: asyncio.Event | None = None
-        self._drained: asyncio.Event | None = None
+        self._ready = threading.Event()  # the thread's event loop runs (or the thread ended)
+        # a concurrent engine's requests are held during a weight change (`publish`)
+        self._gate = _VersionedConcurrent(runner.engine, self) if isinstance(runner.engine, ConcurrentEngine) else None
 
     # ------------------------------------------------------------------------------------------------ trainer side
 
@@ -210,20 +227,23 @@ class GroupStream:
         self._last_take = time.perf_counter()
         self._thread = threading.Thread(target=self._run, name="vlmrl-stream", daemon=True)
         self._thread.start()
+        self._ready.wait()
 
     def take(self, current: int) -> Taken:
-        """The next `per_step` finished groups whose staleness `current - version` is <= k, in finish order (waits
-        for them); older ones are dropped (their positions consumed) and counted. `current`: the trainer's version
+        """The next `per_step` groups in data order whose staleness `current - version` is <= k (waits for each to
+        finish); an older one is dropped (its position consumed) and counted. `current`: the trainer's version
         (the step about to train - 1). Re-raises an error of the sampling thread."""
         t0 = time.perf_counter()
         out: list[Group] = []
         dropped = 0
         with self._cond:
             while len(out) < self.per_step:
-                self._cond.wait_for(lambda: bool(self._finished) or self._error is not None)
+                self._cond.wait_for(lambda: self._head() is not None or self._error is not None)
                 if self._error is not None:
                     raise self._error
-                group = self._finished.popleft()
+                group = self._head()
+                assert group is not None
+                del self._finished[group.position]
                 self._consume(group.position)
                 if current - group.version > self.k:
                     dropped += 1
@@ -235,14 +255,19 @@ class GroupStream:
         period, self._last_take = now - self._last_take, now
         return Taken(out, dropped, now - t0, period)
 
+    def _head(self) -> Group | None:
+        """The finished group at the first data position not consumed (None while it is in flight)."""
+        return self._finished.get(self._frontier)
+
     def publish(self, copy_weights: Callable[[], None], version: int) -> None:
         """Give the sampler new weights: `copy_weights()` runs between two engine calls (never during one; a
         concurrent engine's requests in flight return first and new ones wait), then the engine drops what it
         computed with the old ones (`Engine.weights_changed`); the groups in flight continue with them. `version`:
         the step whose end they are."""
-        pausing = self._concurrent and self._loop is not None and not self._loop.is_closed()
+        gate, loop = self._gate, self._loop
+        pausing = gate is not None and loop is not None and not loop.is_closed()
         if pausing:
-            asyncio.run_coroutine_threadsafe(self._pause(), self._loop).result()  # type: ignore[arg-type]
+            asyncio.run_coroutine_threadsafe(gate.pause(), loop).result()  # type: ignore[union-attr,arg-type]
         try:
             with self.weights_lock:
                 copy_weights()
@@ -251,7 +276,7 @@ class GroupStream:
         finally:
             if pausing:
                 with contextlib.suppress(RuntimeError):  # the loop already closed
-                    self._loop.call_soon_threadsafe(self._resume)  # type: ignore[union-attr]
+                    loop.call_soon_threadsafe(gate.resume)  # type: ignore[union-attr]
         self._poke()
 
     def state(self) -> dict:
@@ -289,17 +314,6 @@ class GroupStream:
             self._consumed.discard(self._frontier)
             self._frontier += self.world
 
-    async def _pause(self) -> None:
-        """Hold new requests back and wait for those in flight (on the stream's loop)."""
-        self._paused, self._drained = asyncio.Event(), asyncio.Event()
-        if self._requests:
-            await self._drained.wait()
-
-    def _resume(self) -> None:
-        paused, self._paused, self._drained = self._paused, None, None
-        if paused is not None:
-            paused.set()
-
     def _poke(self) -> None:
         """Wake the admission loop (from any thread)."""
         if self._loop is not None and self._wake is not None:
@@ -313,7 +327,7 @@ class GroupStream:
     def _run(self) -> None:
         # a batch engine's session holds its weights for the stream's whole life (they change under weights_lock);
         # a concurrent engine's weights change between requests (`publish`), never inside a session
-        session = contextlib.nullcontext() if self._concurrent else self.runner.engine.session()
+        session = contextlib.nullcontext() if self._gate is not None else self.runner.engine.session()
         try:
             with session:
                 asyncio.run(self._main())
@@ -321,26 +335,25 @@ class GroupStream:
             with self._cond:
                 self._error = err
                 self._cond.notify_all()
+        finally:
+            self._ready.set()
 
     async def _main(self) -> None:
         self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
+        self._ready.set()
         # a worker thread for every episode that may be in flight: each may be in a blocking env step or tool call
         # (a browser, a judge) at once; asyncio's default pool (cpu_count + 4 threads) would queue the rest
         episodes = (self.k + 1) * self.per_step * self.group_size
         self._loop.set_default_executor(ThreadPoolExecutor(episodes + 4, thread_name_prefix="vlmrl-stream-env"))
         runner = self.runner
-        engine = runner.engine
-        versioned = (
-            _VersionedConcurrent(engine, self) if isinstance(engine, ConcurrentEngine) else _Versioned(engine, self)
-        )
+        versioned = self._gate if self._gate is not None else _Versioned(runner.engine, self)
         runner.batcher = make_dispatcher(versioned, 0, runner.batch_wait_s)
         server = asyncio.create_task(runner.batcher.serve())
         groups: set[asyncio.Task] = set()
         try:
             while not self._closing:
                 if self._admit():
-                    position = self._next_position()
-                    task = asyncio.create_task(self._group(position))
+                    task = asyncio.create_task(self._group(*self._next_position()))
                     groups.add(task)
                     task.add_done_callback(groups.discard)
                     continue
@@ -352,22 +365,29 @@ class GroupStream:
             server.cancel()
             await asyncio.gather(server, *groups, return_exceptions=True)
 
-    def _next_position(self) -> int:
+    def _next_position(self) -> tuple[int, int]:
+        """The next data position to sample and its index among this stream's groups."""
         with self._cond:
             while self._next in self._consumed:
                 self._next += self.world
             position, self._next = self._next, self._next + self.world
+            index = self._started
             self._started += 1
             self._in_flight += 1
-        return position
+        return position, index
 
-    async def _group(self, position: int) -> None:
+    async def _group(self, position: int, index: int) -> None:
+        """Sample the group at `position`, the stream's `index`-th: trained in step done + 1 + index // per_step as
+        its group index % per_step, and seeded as the synchronous loop seeds that group of that step (the same
+        draws whatever max_staleness; vlmrl.run.sample_step)."""
         task = self.tasks[position % len(self.tasks)]
         version = self.version
+        step, g = divmod(index, self.per_step)
         assert self.runner.batcher is not None
         self.runner.batcher.join(self.group_size)
         try:
-            trajs = await self.runner.run_groups([task], self.group_size, derive_seed(self.seed, "stream", position))
+            seed = derive_seed(self.seed, self.done + 1 + step, self.rank)
+            trajs = await self.runner.run_groups([task], self.group_size, seed, first_group=g)
         except Exception as err:  # the engine failed (an environment's failure costs its episode only)
             with self._cond:
                 self._error = self._error or err
@@ -377,5 +397,5 @@ class GroupStream:
             traj.policy_version = min(turn_versions(traj), default=version)
         with self._cond:
             self._in_flight -= 1
-            self._finished.append(Group(position, task, trajs, version))
+            self._finished[position] = Group(position, task, trajs, version)
             self._cond.notify_all()
