@@ -19,8 +19,8 @@ The fastest run that learns through the whole pipeline, so `make test` keeps it 
 `learning`: `make test-learning`). Its counterpart, in `make test-learning`, is the same run with the advantage's sign
 flipped (`registry_plugins:negated_episode`, GRPO's group advantages negated): it must not learn, so the assertions
 above fail on it (docs/results.md, "Spatial learning test", has its curve). `make test-learning` also runs it with
-continuous rollouts (`algorithm.max_staleness` 1 and 4: the same thresholds in the same 40 steps) and, at 4, its
-sign-flipped counterpart.
+continuous rollouts at `algorithm.max_staleness=4` (the same thresholds in the same 40 steps) and its sign-flipped
+counterpart; max_staleness 1 is the colour learning test's (tests/test_learning.py).
 """
 
 from __future__ import annotations
@@ -77,11 +77,11 @@ def test_sides_with_the_advantage_sign_flipped_does_not_learn(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.learning
-@pytest.mark.parametrize("k", [1, 4])
-def test_sides_recipe_learns_with_continuous_rollouts(tmp_path, k):
-    """`algorithm.max_staleness=k` (vlmrl/train/group_stream.py): the same run, thresholds and 40 steps. Here the
-    sampler outruns the update, so from step k + 1 on the steps train samples k versions old (asserted for most of
+def test_sides_recipe_learns_with_continuous_rollouts(tmp_path):
+    """`algorithm.max_staleness=k`, k = 4 (vlmrl/train/group_stream.py): the same run, thresholds and 40 steps. Here
+    the sampler outruns the update, so from step k + 1 on the steps train samples k versions old (asserted for most of
     them): the training accuracy of the last 10 steps is that of policies k versions behind the held-out score's."""
+    k = 4
     held, acc, said, rows = _sides_run(tmp_path, f"algorithm.max_staleness={k}")
     stale = [r["off_policy/staleness_max"] for r in rows]
     assert max(stale) == k and stale.count(k) >= 3 * (STEPS - k) // 4, stale  # the stream ran at its bound
