@@ -23,9 +23,9 @@ Language Reasoning", sections 4-5; its `max_head_offpolicyness` eta):
   leave the slow ones to go stale; AReaL takes finish order.
 - Data: group j samples the prompt at data position p (task `tasks[p % len(tasks)]`), positions in order, skipping
   those a resumed run already consumed, with the request seeds the synchronous loop gives group j % B of the step
-  it is trained in (`derive_seed(seed, step, rank)`, `vlmrl.run.sample_step`); `state()` is what a checkpoint records to resume without training a prompt
-  twice or losing one: the first position not consumed (trained or dropped) and the consumed ones beyond it. Groups
-  in flight at a crash are sampled again after resuming.
+  it is trained in (`derive_seed(seed, step, rank)`, `vlmrl.run.sample_step`); `state()` is what a checkpoint
+  records to resume without training a prompt twice or losing one: the first position not consumed (trained or
+  dropped) and the consumed ones beyond it. Groups in flight at a crash are sampled again after resuming.
 - Ranks: with `world` ranks each runs its own stream over the positions p with p % world == rank (the synchronous
   loop's split of a step's prompts, `vlmrl.run.prompts_at`, when batch_size % world == 0) and trains batch_size /
   world groups a step; `merge_states` joins the ranks' states into the run's.
