@@ -15,6 +15,16 @@ from typing import Iterator
 
 import pytest
 
+# torch.distributed's rendezvous variables: an in-process engine of an earlier test in the suite's process may have
+# set them, and a child that inherits them binds (or joins) that process group's MASTER_PORT
+DIST_VARS = ("MASTER_PORT", "MASTER_ADDR", "RANK", "LOCAL_RANK", "WORLD_SIZE")
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This process's environment without the rendezvous variables, with `extra` added: for a child process that
+    is not one of this process's ranks (a vLLM server, a `vlmrl train`)."""
+    return {**{k: v for k, v in os.environ.items() if k not in DIST_VARS}, **extra}
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -28,7 +38,7 @@ def vllm_server(directory: Path, max_model_len: int, extra: tuple[str, ...] = ()
     (fp32, eager, 256 MiB KV cache, token-in/token-out route on, dev routes on), stopped on exit. Fails the test
     with the server's log tail when it exits or does not answer /health within 300 s."""
     port = _free_port()
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env = child_env(VLLM_SERVER_DEV_MODE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     log_path = Path(directory) / "server.log"
     cmd = [
         sys.executable,

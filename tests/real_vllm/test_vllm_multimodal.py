@@ -42,7 +42,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a function (the encoder count)
 
 from PIL import Image  # after the vllm import: this module only runs in the vLLM venv
-from served import vllm_server  # tests/real_vllm/served.py
+from served import child_env, vllm_server  # tests/real_vllm/served.py
 from tiny_head32 import tiny_qwen25_vl_head32  # tests/real_vllm/tiny_head32.py
 
 from vlmrl.config import ExportStyle, RolloutConfig, VLLMConfig
@@ -140,7 +140,7 @@ def train_with_vllm(tmp_path: Path, *extra: str, recipe: str = "geometry3k_tiny"
         f"logging.output_dir={out}",
         *extra,
     ]
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env = child_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")  # a one-process run, whatever an earlier test set
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
