@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from child_env import child_env
 from cli_inprocess import vlmrl  # tests/ is on sys.path (pytest's rootdir-relative import)
 from conftest import GEOMETRY3K
 
@@ -63,8 +64,7 @@ def _args(out: Path, *extra: str) -> list[str]:
 
 def _start(out: Path, *extra: str) -> subprocess.Popen:
     # a fresh process group: not this process's (in-process trainer tests set MASTER_PORT etc. here)
-    dist_vars = ("MASTER_PORT", "MASTER_ADDR", "RANK", "LOCAL_RANK", "WORLD_SIZE")
-    env = {**{k: v for k, v in os.environ.items() if k not in dist_vars}, "DS_ACCELERATOR": "cpu"}
+    env = child_env(DS_ACCELERATOR="cpu")
     return subprocess.Popen(
         [sys.executable, str(SCRIPT), *_args(out, *extra)],
         cwd=ROOT,
