@@ -206,7 +206,12 @@ def test_colocated_vllm_on_a_gpu_is_refused_and_its_server_mode_is_not(monkeypat
 def test_continuous_rollouts_turn_the_rollout_correction_on():
     from vlmrl.run import trainer_algorithm
 
-    assert trainer_algorithm(load("geometry3k_tiny", ["algorithm.max_staleness=2"])).rollout_correction == "tis"
+    def mode(*overrides: str) -> str:
+        return trainer_algorithm(load("geometry3k_tiny", list(overrides))).rollout_correction
+
+    assert mode("algorithm.max_staleness=1") == "tis"  # = off_policy_steps=1's
+    assert mode("algorithm.max_staleness=2") == mode("algorithm.max_staleness=4") == "decoupled"  # AReaL's, no cap
+    assert mode("algorithm.max_staleness=4", "algorithm.rollout_correction=tis") == "tis"
 
 
 # ------------------------------------------------------------------------------------------ a real run

@@ -68,9 +68,10 @@ def _trainer_lp():
     return torch.tensor([[math.log(r) for r in row] for row in RHO], dtype=torch.float64)
 
 
-def test_tis_and_mis_weights_by_hand():
+def test_tis_mis_and_decoupled_weights_by_hand():
     """Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training" (TIS: token weight
-    min(rho, C)); verl `rollout_is` / slime / AReaL masked IS at sequence level (geometric mean of token ratios)."""
+    min(rho, C)); verl `rollout_is` / slime / AReaL masked IS at sequence level (geometric mean of token ratios);
+    AReaL's decoupled PPO (Fu et al. 2025: token weight rho, no cap by default)."""
     trainer, rollout = _trainer_lp(), torch.zeros(2, 3, dtype=torch.float64)
     c = correction_weights(trainer, rollout, CMASK, "tis+mis", tis_cap=2.0, mis_low=0.5, mis_high=1.9)
     # TIS, C = 2: min(rho, 2) = [[0.5, 1.5, 2], [1, 2, (masked) 0]]; capped: 3.0 and 4.0 -> 2 tokens
@@ -84,6 +85,10 @@ def test_tis_and_mis_weights_by_hand():
     # a wider band keeps row 1: 2 <= 2.0; a lower bound of 1.5 drops row 0 (1.31 < 1.5)
     assert correction_weights(trainer, rollout, CMASK, "mis", mis_low=0.5, mis_high=2.0).keep.tolist() == [1.0, 1.0]
     assert correction_weights(trainer, rollout, CMASK, "mis", mis_low=1.5, mis_high=2.0).keep.tolist() == [0.0, 1.0]
+    # decoupled (AReaL's behaviour weight, no cap): rho itself on the loss tokens, nothing capped
+    dec = correction_weights(trainer, rollout, CMASK, "decoupled", tis_cap=2.0)
+    torch.testing.assert_close(dec.is_weights, torch.tensor([[0.5, 1.5, 3.0], [1.0, 4.0, 0.0]], dtype=torch.float64))
+    assert dec.keep is None and dec.capped == 0
     off = correction_weights(trainer, rollout, CMASK, "off")
     assert off.is_weights is None and off.keep is None and off.capped == 0
 
@@ -157,7 +162,8 @@ def test_one_micro_batch_equals_two_through_the_trainer(qwen25_model, options):
 
 
 def test_run_resolves_auto_correction_and_the_dr_grpo_constant():
-    """`vlmrl.run.trainer_algorithm`: auto -> tis with vLLM, off with transformers; `algorithm=dr_grpo` sets the
+    """`vlmrl.run.trainer_algorithm`: auto -> tis with vLLM, off with transformers (decoupled with off-policy rollouts:
+    tests/train/test_group_stream.py); `algorithm=dr_grpo` sets the
     constant normaliser (0 -> rollout.max_new_tokens 24 * env.max_turns 2 = 48) and no std scaling."""
     from vlmrl.config import ConfigError, load
     from vlmrl.run import trainer_algorithm

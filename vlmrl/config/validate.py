@@ -84,8 +84,8 @@ def validate_config(cfg: Config, training: bool = True) -> None:
         (cfg.tools.isolation in ("auto", "bwrap", "rlimits"), "tools.isolation must be auto, bwrap or rlimits"),
         # algorithm toolbox: rollout correction, loss aggregation, advantage estimator
         (
-            cfg.algorithm.rollout_correction in ("auto", "off", "tis", "mis", "tis+mis"),
-            "algorithm.rollout_correction must be auto, off, tis, mis or tis+mis",
+            cfg.algorithm.rollout_correction in ("auto", "off", "tis", "mis", "tis+mis", "decoupled"),
+            "algorithm.rollout_correction must be auto, off, tis, mis, tis+mis or decoupled",
         ),
         (cfg.algorithm.tis_cap >= 1.0, "algorithm.tis_cap must be >= 1"),
         (

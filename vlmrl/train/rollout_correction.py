@@ -1,4 +1,4 @@
-"""Rollout/trainer mismatch correction: truncated (TIS) and masked (MIS) importance sampling.
+"""Rollout/trainer mismatch correction: truncated (TIS), masked (MIS) and decoupled (AReaL) importance sampling.
 
 The engine samples with its own kernels (vLLM: other matmuls, bf16 KV cache, ...), so its logprobs `rollout` differ
 from the trainer's logprobs `trainer` of the same tokens under the same weights: the update is off-policy even
@@ -11,9 +11,18 @@ weights as PPO's old logprobs, and reweights each token by the trainer/rollout r
     MIS:  g[b] = exp(sum_t m (trainer - rollout) / n_b)   (the GEOMETRIC mean of the sequence's token ratios, so
           the band does not depend on the length); a sequence with g[b] outside [mis_low, mis_high] gets loss
           weight 0 (it stays in the step's normaliser, like a token of weight 0)
+    decoupled: w[b, t] = rho[b, t], uncapped: AReaL's behaviour importance weight pi_prox / pi_behav of its decoupled
+          PPO objective (Fu et al. 2025, "AReaL: A Large-Scale Asynchronous Reinforcement Learning System"; its
+          `behav_imp_weight_cap` defaults to none), the proximal policy being the trainer's pre-update weights
 
-`algorithm.rollout_correction`: auto (tis with the vLLM engine or off-policy rollouts, off otherwise) | off | tis |
-mis | tis+mis.
+`algorithm.rollout_correction`: auto (decoupled with a staleness bound of 2 or more, tis with the vLLM engine or a
+bound of 1, off otherwise) | off | tis | mis | tis+mis | decoupled.
+Why no cap from a bound of 2: samples several updates old carry ratios far from 1, and the tokens whose probability
+the newer policy has raised most are the ones a cap cuts. With the guess recipe at max_staleness 4 a cap of 2 let
+replies that never close `\\boxed{` (negative advantages, raised probability) grow until every reply hit the token
+limit; uncapped (or with a cap of 10) the same runs do not collapse. At a bound of 1 the cap rarely binds and the
+capped runs learned as well or better than the uncapped ones (docs/results.md, "Learning with continuous rollouts:
+the guess recipe").
 The trainer's logprobs under the behaviour weights: a step makes one optimizer update after all its micro-batches, so
 each micro-batch's forward runs with the pre-update weights, and `trainer = logprobs.detach()` of that forward is
 exactly the "old" logprobs of a separate no-grad pass (no dropout in the supported models), at no extra cost.
@@ -35,25 +44,27 @@ class Correction(str, Enum):
     tis = "tis"
     mis = "mis"
     tis_mis = "tis+mis"
+    decoupled = "decoupled"
 
 
 def resolve(mode: Correction | str, engine: str, off_policy: int = 0) -> Correction:
-    """`auto` -> tis for an engine whose logprobs come from another implementation of the policy (the registered
-    engine's `needs_rollout_correction`: vllm) or off-policy rollouts (`off_policy` > 0: `algorithm.off_policy_steps`
-    or `max_staleness`; the behaviour policy is an older version of the weights), off otherwise; other modes
-    unchanged."""
+    """`auto` -> decoupled for a staleness bound `off_policy` >= 2 (`algorithm.max_staleness`: the behaviour policy
+    is up to that many updates old, whatever the engine); tis for a bound of 1 (`off_policy_steps=1` or
+    `max_staleness=1`) or an engine whose logprobs come from another implementation of the policy (the registered
+    engine's `needs_rollout_correction`: vllm); off otherwise. Other modes unchanged."""
     mode = Correction(mode)
-    if mode is Correction.auto:
-        return (
-            Correction.tis if ROLLOUT_ENGINES.get(engine).needs_rollout_correction or off_policy > 0 else Correction.off
-        )
-    return mode
+    if mode is not Correction.auto:
+        return mode
+    if off_policy >= 2:
+        return Correction.decoupled
+    needs = off_policy == 1 or ROLLOUT_ENGINES.get(engine).needs_rollout_correction
+    return Correction.tis if needs else Correction.off
 
 
 @dataclass
 class CorrectionWeights:
-    """is_weights: [B, T] TIS weights of the policy-gradient term (None without TIS); keep: [B] 1/0 MIS sequence
-    weights (None without MIS); capped: tokens whose ratio exceeded the cap; masked: sequences MIS dropped;
+    """is_weights: [B, T] TIS / decoupled weights of the policy-gradient term (None without either); keep: [B] 1/0
+    MIS sequence weights (None without MIS); capped: tokens whose ratio exceeded the cap; masked: sequences MIS dropped;
     mismatch_kl: sum over loss tokens of k3 KL(pi_rollout || pi_trainer) = exp(d) - d - 1, d = trainer - rollout."""
 
     is_weights: torch.Tensor | None
@@ -75,7 +86,7 @@ def correction_weights(
 ) -> CorrectionWeights:
     """The correction's weights for one micro-batch. trainer/rollout: [B, T] logprobs (nats) of the sampled tokens
     under the trainer (behaviour weights) and the engine; loss_mask: [B, T]. Values off the mask are ignored.
-    mode: tis | mis | tis+mis (off/auto: no weights). Source: see the module docstring."""
+    mode: tis | mis | tis+mis | decoupled (off/auto: no weights). Source: see the module docstring."""
     mode = Correction(mode)
     mask = loss_mask.to(trainer.dtype) > 0
     d = torch.where(mask, trainer - rollout.to(trainer.dtype), torch.zeros_like(trainer))
@@ -87,6 +98,8 @@ def correction_weights(
     if mode in (Correction.tis, Correction.tis_mis):
         is_weights = torch.clamp(rho, max=tis_cap) * mask
         capped = float(((rho > tis_cap) & mask).sum())
+    if mode is Correction.decoupled:
+        is_weights = rho * mask
     if mode in (Correction.mis, Correction.tis_mis):
         n = mask.sum(dim=-1)
         geo = torch.exp(d.sum(dim=-1) / n.clamp(min=1))

@@ -19,8 +19,8 @@ class TrainerSettings:
 
     Built from the run's typed config by `from_config`; tests build it directly. Every default that a config field
     also has is that field's default (`vlmrl.config.TrainerConfig` / `AlgorithmConfig`: one place); `betas` and
-    `dtype` are the trainer's own. `rollout_correction` holds a resolved mode ("off" | "tis" | "mis" | "tis+mis"):
-    `vlmrl.run.trainer_algorithm` resolves the config's `auto` from the engine."""
+    `dtype` are the trainer's own. `rollout_correction` holds a resolved mode ("off" | "tis" | "mis" | "tis+mis" |
+    "decoupled"): `vlmrl.run.trainer_algorithm` resolves the config's `auto` from the engine and the staleness bound."""
 
     zero_stage: int = TrainerConfig.zero_stage
     lr: float = TrainerConfig.lr

@@ -10,7 +10,7 @@ Settings (`TrainerSettings`, built from the run's `trainer` and `algorithm` conf
 zero_stage (0|1|2|3, default 2), lr, weight_decay,
 betas, max_grad_norm (0 = no clipping), micro_batch_size (samples per forward), clip_eps_low, clip_eps_high,
 kl_coef (0 = no reference model), temperature (the sampling temperature: logprobs are of logits / temperature),
-seed (torch is seeded with seed + rank), rollout_correction (off|tis|mis|tis+mis; auto = off here: `vlmrl.run`
+seed (torch is seeded with seed + rank), rollout_correction (off|tis|mis|tis+mis|decoupled; auto = off here: `vlmrl.run`
 resolves it from the engine), tis_cap, mis_low, mis_high (`vlmrl.train.rollout_correction`), loss_agg and
 loss_agg_norm (`vlmrl.train.loss_agg`; the Dr. GRPO constant must be > 0 with seq-mean-token-sum-norm), dtype
 ("fp32" | "bf16" | "auto" = bf16 mixed precision with fp32 master weights iff the model's parameters are bf16),
