@@ -276,7 +276,7 @@ class Browser:
         return image.crop(box)
 
     def click(self, x: int, y: int) -> None:
-        """A left click at CSS pixel (x, y) of the viewport."""
+        """A left click at the centre of CSS pixel (x, y) of the viewport."""
         self._pointer(x, y, lambda p: p.click())
 
     def _pointer(self, x: int, y: int, act: Callable[[Any], Any]) -> None:
@@ -284,7 +284,9 @@ class Browser:
 
         def run() -> None:
             chain = ActionChains(self._driver(), duration=0)
-            chain.w3c_actions.pointer_action.move_to_location(int(x), int(y))
+            # the pixel's centre: at a fractional device scale its corner can map back to the pixel before it (at
+            # 1.5, CSS x = 2 is device x = 3, and 3 * (1 / 1.5) in floating point is 1.999...)
+            chain.w3c_actions.pointer_action.move_to_location(int(x) + 0.5, int(y) + 0.5)
             act(chain.w3c_actions.pointer_action)
             chain.w3c_actions.perform()
 
