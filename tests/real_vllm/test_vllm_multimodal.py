@@ -41,8 +41,9 @@ importlib.import_module("vllm")  # make test-vllm's venv: without vllm this fail
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a function (the encoder count)
 
+from child_env import child_env  # tests/child_env.py
 from PIL import Image  # after the vllm import: this module only runs in the vLLM venv
-from served import child_env, vllm_server  # tests/real_vllm/served.py
+from served import vllm_server  # tests/real_vllm/served.py
 from tiny_head32 import tiny_qwen25_vl_head32  # tests/real_vllm/tiny_head32.py
 
 from vlmrl.config import ExportStyle, RolloutConfig, VLLMConfig

@@ -144,9 +144,8 @@ def test_async_samples_carry_the_weights_that_sampled_them(tmp_path):
     # batch 1 is sampled before any update; batch k+1 during update k, by the weights of the end of step k-1
     assert _versions(out) == {1: {0}, 2: {0}, 3: {1}, 4: {2}, 5: {3}, 6: {4}}
     assert [r["off_policy/staleness_max"] for r in rows] == [0.0, 1.0, 1.0, 1.0, 1.0, 1.0]
-    assert (
-        max(r["mismatch_kl"] for r in rows[1:]) > 100 * rows[0]["mismatch_kl"]
-    )  # the correction sees the off-policy gap
+    # the correction sees the off-policy gap
+    assert max(r["mismatch_kl"] for r in rows[1:]) > 100 * rows[0]["mismatch_kl"]
 
     # the trainer's forward with checkpoints/step_<policy_version>/hf reproduces every recorded logprob ...
     report = _verify(out)
