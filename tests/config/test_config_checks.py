@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
         ("model.lora.nope=1", "model.lora.nope: no such key"),
         ("trainer.deepspeed_config=/no/such.json", "trainer.deepspeed_config"),
         ("algorithm.kl_coef=-0.1", "algorithm.kl_coef"),
+        ("algorithm.rollout_correction=tis-mis", "one of auto, off, tis, mis, tis+mis, decoupled"),
         ("data.limit=0", "data.limit"),
         ("data.video.fps=0", "data.video.fps"),
         ("data.video.max_frames=0", "data.video.max_frames"),

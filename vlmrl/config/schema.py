@@ -46,6 +46,18 @@ class OffloadDevice(str, Enum):
     cpu = "cpu"
 
 
+class Correction(str, Enum):
+    """The rollout/trainer mismatch correction (`algorithm.rollout_correction`, a string in the config since
+    `tis+mis` is no Python name; the weights: vlmrl/train/rollout_correction.py)."""
+
+    auto = "auto"
+    off = "off"
+    tis = "tis"
+    mis = "mis"
+    tis_mis = "tis+mis"
+    decoupled = "decoupled"
+
+
 @dataclass
 class LoraSettings:
     """LoRA adapters via peft (`model.lora.r > 0`); the base weights are frozen, the synced/saved weights merged."""

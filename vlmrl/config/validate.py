@@ -1,8 +1,8 @@
 """The checks of a composed config: every range and consistency rule, each failure a `ConfigError` whose one-line
 message names the key (`validate_config`, called by `vlmrl.config.load`; `check_vllm_config` for `rollout.vllm`).
 
-The checks read the dataclasses of `vlmrl.config` and import nothing of vlmrl at run time, so `vlmrl.config` can
-import them (and `ConfigError`) without an import circle.
+The checks read the dataclasses of `vlmrl.config` and import only its schema (for its enums), errors and registry
+at run time, so `vlmrl.config` can import them (and `ConfigError`) without an import circle.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from vlmrl.config.schema import Config, VideoConfig, VLLMConfig
 
 
+from vlmrl.config.schema import Correction
 from vlmrl.errors import ConfigError
 from vlmrl.registry import registry_for
 
@@ -84,8 +85,8 @@ def validate_config(cfg: Config, training: bool = True) -> None:
         (cfg.tools.isolation in ("auto", "bwrap", "rlimits"), "tools.isolation must be auto, bwrap or rlimits"),
         # algorithm toolbox: rollout correction, loss aggregation, advantage estimator
         (
-            cfg.algorithm.rollout_correction in ("auto", "off", "tis", "mis", "tis+mis", "decoupled"),
-            "algorithm.rollout_correction must be auto, off, tis, mis, tis+mis or decoupled",
+            cfg.algorithm.rollout_correction in {c.value for c in Correction},
+            f"algorithm.rollout_correction must be one of {', '.join(c.value for c in Correction)}",
         ),
         (cfg.algorithm.tis_cap >= 1.0, "algorithm.tis_cap must be >= 1"),
         (
@@ -252,6 +253,7 @@ _LOGPROBS_MODES = ("auto", "processed_logprobs", "raw_logprobs")
 
 
 def _cuda() -> bool:
+    """Whether this process sees a CUDA device (torch imported here, not at module load)."""
     import torch
 
     return torch.cuda.is_available()
@@ -405,9 +407,7 @@ def resolve_sleep(v: VLLMConfig, *, cuda: bool, ranks: int, off_policy_steps: in
 def resolve_vllm_config(cfg: Config) -> None:
     """Resolve `rollout.vllm.weight_sync` and `sleep` in place (for `rollout.engine=vllm`), so config.yaml records
     the route a run takes. Ranks: WORLD_SIZE (torchrun); CUDA: `torch.cuda.is_available()`. Raises ConfigError."""
-    import torch
-
-    v, cuda, ranks = cfg.rollout.vllm, torch.cuda.is_available(), int(os.environ.get("WORLD_SIZE", "1"))
+    v, cuda, ranks = cfg.rollout.vllm, _cuda(), int(os.environ.get("WORLD_SIZE", "1"))
     check_vllm_config(v)
     v.weight_sync = resolve_weight_sync(v, cuda=cuda, ranks=ranks)
     off_policy = cfg.algorithm.off_policy_steps or cfg.algorithm.max_staleness  # vLLM samples during the update

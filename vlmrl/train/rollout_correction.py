@@ -31,20 +31,11 @@ exactly the "old" logprobs of a separate no-grad pass (no dropout in the support
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 
 import torch
 
+from vlmrl.config.schema import Correction as Correction  # re-exported: the modes
 from vlmrl.rollout.engines import ROLLOUT_ENGINES
-
-
-class Correction(str, Enum):
-    auto = "auto"
-    off = "off"
-    tis = "tis"
-    mis = "mis"
-    tis_mis = "tis+mis"
-    decoupled = "decoupled"
 
 
 def resolve(mode: Correction | str, engine: str, off_policy: int = 0) -> Correction:
