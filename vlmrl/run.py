@@ -55,9 +55,10 @@ from vlmrl.tokens.base import TokenBuilder
 from vlmrl.train import dist, loss_agg, overlong, rollout_correction
 from vlmrl.train.async_rollout import BehaviourWeights, Prefetcher, staleness, staleness_metrics
 from vlmrl.train.dynamic_sampling import SampledBatch, sample_until_full
-from vlmrl.train.group_stream import GroupStream, merge_states, partial
+from vlmrl.train.group_stream import GroupStream
 from vlmrl.train.memory_config import check_run_memory
 from vlmrl.train.step_batch import check_step, export_style, step_samples
+from vlmrl.train.stream_batch import stream_batch
 from vlmrl.train.trainer import GRPOTrainer, TrainerSettings
 from vlmrl.types import Sample, Task, Trajectory
 
@@ -118,41 +119,6 @@ def next_batch(job: "Job", step: int) -> SampledBatch:
         return job.prefetch.take()
     with job.stop.abandonable(job.trainer.world_size == 1):  # a stop signal here drops the step: nothing changed yet
         return sample_step(job, step, job.position)
-
-
-def stream_batch(job: "Job", step: int) -> SampledBatch:
-    """Step `step`'s groups from the continuous stream (algorithm.max_staleness): the next trainer.batch_size
-    groups in data order, at most max_staleness versions older than the trainer's (this rank's share, batch_size /
-    world: waits for them; on one rank a stop signal meanwhile abandons the step), scored now, numbered as the step's
-    GRPO groups. `job.position` and `job.consumed_beyond` follow the ranks' streams (`merge_states`; collective)."""
-    assert job.stream is not None
-    trainer = job.trainer
-    with job.stop.abandonable(trainer.world_size == 1):
-        taken = job.stream.take(step - 1)
-    trajs: list[Trajectory] = []
-    for g, group in enumerate(taken.groups):
-        for traj in group.trajectories:
-            traj.group = g
-        trajs += group.trajectories
-    tasks = [g.task for g in taken.groups]
-    scored = job.rewards.score(trajs, tasks)
-    state = merge_states(trainer.gather(job.stream.state()), trainer.world_size)
-    job.position, job.consumed_beyond = state["prompts_done"], state["prompts_consumed_beyond"]
-    job.stream_metrics = {
-        "off_policy/dropped_groups": float(taken.dropped),
-        "off_policy/partial_fraction": sum(partial(t) for t in trajs) / max(len(trajs), 1),
-        "off_policy/groups_in_flight": float(job.stream.in_flight),
-        "rollout_wait_s": taken.wait_s,
-    }
-    return SampledBatch(
-        trajs,
-        trajs,
-        tasks,
-        prompts=len(taken.groups) + taken.dropped,
-        policy_version=min((g.version for g in taken.groups), default=step - 1),
-        rollout_s=taken.period_s,
-        reward_metrics=scored.metrics(),
-    )
 
 
 def publish_weights(job: "Job", step: int, changed: bool = True) -> dict:
@@ -306,8 +272,8 @@ def run_step(job: Job, step: int) -> dict:
     t0 = time.perf_counter()
     sampled = next_batch(job, step)
     t_wait = time.perf_counter() - t0
-    stale = (  # StaleSampleError past the bound
-        staleness([t.policy_version for t in sampled.generated], step - 1, cfg.algorithm.max_staleness)
+    stale = (  # of the samples trained on; StaleSampleError past the bound
+        staleness([t.policy_version for t in sampled.kept], step - 1, cfg.algorithm.max_staleness)
         if job.stream is not None
         else staleness([sampled.policy_version], step - 1, cfg.algorithm.off_policy_steps)
     )

@@ -11,6 +11,7 @@ version alone does not.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -56,7 +57,10 @@ def test_admission_is_areals_bound_on_the_groups_to_be_trained():
     assert not s._admit()
     s._dropped = 1  # a dropped group is replaced
     assert s._admit()
-    s._dropped, s.version = 0, 4
+    s._dropped = 0
+    s._discarded = 1  # and so is one that dynamic sampling took beyond the step's 4 and did not train
+    assert s._admit()
+    s._discarded, s.version = 0, 4
     s._started = 15
     assert s._admit()
     s._started = 16
@@ -169,6 +173,48 @@ def test_a_groups_version_is_its_oldest_turns():
     assert Group(0, Task("0", [], ""), [_traj()], started_version=3).version == 3  # no turn sampled
 
 
+def _rewarded(position: int, rewards: list[float], version: int = 0) -> Group:
+    trajs = [Trajectory("t", 0, [], TokenSeq(), [], reward=r, policy_version=version) for r in rewards]
+    return Group(position, Task(f"p{position}", [], ""), trajs, version)
+
+
+def test_dynamic_sampling_takes_rounds_from_the_stream_and_frees_the_groups_it_drops():
+    """DAPO dynamic sampling on the stream, batch_size 2, by hand: round 1 takes positions 0 ([1, 1]: all equal,
+    dropped) and 1 ([0, 1]); round 2 takes 2 ([0, 1]) and 3 ([0.5, 0.5]: dropped) -> 2 kept, stop. 4 prompts consumed,
+    2 groups dropped, and the stream's admission bound frees 4 - 2 places. The next step: [0, 0] and [1, 1] in both of
+    its max_sampling_rounds=2 rounds -> nothing informative: it trains its last round (advantages 0)."""
+    from vlmrl.reward import RewardRound
+    from vlmrl.train.stream_batch import stream_batch
+
+    s = _stream(per_step=2, k=2)
+    rewards = [[1, 1], [0, 1], [0, 1], [0.5, 0.5], [0, 0], [1, 1], [0, 0], [1, 1]]
+    for position, rs in enumerate(rewards):
+        s._finished[position] = _rewarded(position, rs, version=position // 4)
+    scored: list[list[str]] = []
+    job = SimpleNamespace(
+        stream=s,
+        trainer=SimpleNamespace(rank=0, world_size=1, gather=lambda x: [x]),
+        cfg=SimpleNamespace(
+            trainer=SimpleNamespace(batch_size=2),
+            algorithm=SimpleNamespace(dynamic_sampling=True, max_sampling_rounds=2),
+        ),
+        stop=SimpleNamespace(abandonable=lambda allowed: contextlib.nullcontext()),
+        rewards=SimpleNamespace(score=lambda trajs, tasks: scored.append([t.id for t in tasks]) or RewardRound()),
+    )
+    out = stream_batch(cast(Any, job), step=1)
+    assert scored == [["p0", "p1"], ["p2", "p3"]]  # each group scored once, in its round
+    assert [t.id for t in out.tasks] == ["p0", "p1", "p2", "p3"] and len(out.generated) == 8
+    assert [[t.reward for t in out.kept[i : i + 2]] for i in (0, 2)] == [[0, 1], [0, 1]]
+    assert [t.group for t in out.kept] == [1, 1, 2, 2]  # group ids unique over the rounds (round 2: + batch_size)
+    assert (out.rounds, out.groups_kept, out.groups_dropped, out.prompts) == (2, 2, 2, 4)
+    assert s._discarded == 2 and s.state() == {"prompts_done": 4, "prompts_consumed_beyond": []}
+    assert job.position == 4 and job.stream_metrics["off_policy/dropped_groups"] == 0
+    out = stream_batch(cast(Any, job), step=2)
+    assert (out.rounds, out.groups_kept, out.groups_dropped) == (2, 0, 4) and not out.fill_only
+    assert [t.reward for t in out.kept] == [0, 0, 1, 1] and out.policy_version == 1  # the last round, trained as is
+    assert s._discarded == 4 and job.position == 8
+
+
 def test_an_error_of_the_sampler_is_raised_by_take():
     s = _stream(per_step=2, k=1)
     s._error = KeyError("the engine failed")
@@ -181,7 +227,6 @@ def test_an_error_of_the_sampler_is_raised_by_take():
     [
         (["algorithm.max_staleness=-1"], "algorithm.max_staleness=-1 must be an integer >= 0"),
         (["algorithm.max_staleness=1", "algorithm.off_policy_steps=1"], "two off-policy modes"),
-        (["algorithm.max_staleness=2", "algorithm.dynamic_sampling=true"], "dynamic_sampling"),
         (["algorithm.max_staleness=1", "rollout=vllm"], "not vllm.LLM in the trainer process"),  # 2 ranks: sync
         (["algorithm.max_staleness=1", "trainer.batch_size=3"], r"trainer.batch_size \(3\) divisible by .*=2"),
     ],
@@ -375,3 +420,31 @@ def test_two_ranks_each_run_a_stream_and_train_each_prompt_once(tmp_path):
     sys.path.insert(0, str(ROOT / "tests"))  # the run's env._target_ (resume_envs) must import
     report = verify_run(out)
     assert report.ok and report.max_abs_dlogprob <= 1e-4, report.notes
+
+
+@pytest.mark.slow  # ~14 s: a `vlmrl train` process (a hang ends at its timeout instead of holding the suite)
+def test_dynamic_sampling_on_the_stream_replaces_the_groups_it_drops(tmp_path):
+    """`algorithm.max_staleness=1 algorithm.dynamic_sampling=true` with batch_size 1: the random tiny model never
+    earns a Geometry3K reward, so every group is all-equal and each step takes both of its max_sampling_rounds=2
+    groups from the stream. The admission bound counts one group a step, so the sampler must be told of the group each
+    step drops (`GroupStream.discard`): without it step 2 waits forever for a group never started (the run is killed
+    at the timeout and the test fails). Every prompt is taken once: the data state after 3 steps is 6 prompts."""
+    from test_resume import _lines, _start  # tests/runs (pytest's rootdir-relative import)
+
+    out = tmp_path / "run"
+    extra = ("env._target_=vlmrl.envs.geometry3k.Geometry3KEnv", "algorithm.max_staleness=1", "trainer.steps=3")
+    proc = _start(out, *extra, "data.limit=16", "algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=2")
+    try:
+        _, stderr = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"the run hung: metrics rows {len(_lines(out / 'metrics.jsonl'))}")
+    assert proc.returncode == 0, stderr[-3000:]
+    rows = _lines(out / "metrics.jsonl")
+    got = [(r["step"], r["dynamic_rounds"], r["dynamic_groups_dropped"], r["dynamic_groups_kept"]) for r in rows]
+    assert got == [(s, 2.0, 2.0, 0.0) for s in (1, 2, 3)], got
+    assert all(r["accuracy"] == 0.0 and r["off_policy/staleness_max"] <= 1.0 for r in rows)
+    trajs = _lines(out / "trajectories.jsonl")  # every group taken: 2 a step, group_size 2, each prompt once
+    assert len(trajs) == 12 and len({r["task_id"] for r in trajs}) == 6
+    state = json.loads((out / "checkpoints" / "step_3" / "state.json").read_text())["data"]
+    assert state["prompts_done"] == 6 and state["prompts_consumed_beyond"] == [], state

@@ -240,7 +240,7 @@ class AlgorithmConfig:
     dynamic_sampling: bool = knob(
         False,
         "DAPO dynamic sampling (vlmrl/train/dynamic_sampling.py): drop groups whose rewards are all equal and "
-        "sample more prompts.",
+        "sample more prompts (with max_staleness: take the stream's next groups).",
     )
     max_sampling_rounds: int = knob(
         4, "Dynamic sampling: rollout rounds per step at most (each of trainer.batch_size prompts)."

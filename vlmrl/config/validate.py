@@ -271,7 +271,6 @@ def _staleness_checks(cfg: Config, world: int) -> list[tuple[bool, str]]:
             not a.off_policy_steps,
             "algorithm.max_staleness and algorithm.off_policy_steps=1 are two off-policy modes: set one of them",
         ),
-        (not a.dynamic_sampling, "algorithm.max_staleness does not run with algorithm.dynamic_sampling yet"),
         (
             cfg.rollout.engine in ("transformers", "vllm"),
             f"algorithm.max_staleness needs rollout.engine=transformers or vllm (its sampler takes new weights "

@@ -5,9 +5,10 @@ data order, each at most k policy versions old.
 The rules, after AReaL (Fu et al. 2025, "AReaL: A Large-Scale Asynchronous Reinforcement Learning System for
 Language Reasoning", sections 4-5; its `max_head_offpolicyness` eta):
 - Admission: with the sampler's weights at version v (the end of step v; 0: the initial policy) and `done` steps
-  trained when the stream began, a new group starts only while `started - dropped < (v - done + k + 1) * B`
-  (B = groups per step): the groups meant for step s are started by weights at least s - 1 - k. Nothing waits for
-  the slowest episode: a group starts as soon as one ends, within that bound.
+  trained when the stream began, a new group starts only while `started - dropped - discarded < (v - done + k + 1)
+  * B` (B = groups per step; discarded: groups dynamic sampling took beyond B and did not train): the groups meant
+  for step s are started by weights at least s - 1 - k. Nothing waits for the slowest episode: a group starts as
+  soon as one ends, within that bound.
 - Partial rollouts: the trainer's weights go to the sampler after each update without waiting for the episodes in
   flight (`publish`, between two engine calls, never during one). Each engine call stamps the version that sampled
   it on every generation (`Generation.policy_version`): a turn is sampled by one version, an episode in flight
@@ -24,7 +25,8 @@ Language Reasoning", sections 4-5; its `max_head_offpolicyness` eta):
   leave the slow ones to go stale; AReaL takes finish order.
 - Data: group j samples the prompt at data position p (task `tasks[p % len(tasks)]`), positions in order, skipping
   those a resumed run already consumed, with the request seeds the synchronous loop gives group j % B of the step
-  it is trained in (`derive_seed(seed, step, rank)`, `vlmrl.run.sample_step`); `state()` is what a checkpoint
+  it is trained in (`derive_seed(seed, step, rank)`, `vlmrl.run.sample_step`; with dynamic sampling a step takes
+  more than B groups, and group j keeps the seeds of step done + 1 + j // B); `state()` is what a checkpoint
   records to resume without training a prompt twice or losing one: the first position not consumed (trained or
   dropped) and the consumed ones beyond it. Groups in flight at a crash are sampled again after resuming.
 - Ranks: with `world` ranks each runs its own stream over the positions p with p % world == rank (the synchronous
@@ -210,7 +212,7 @@ class GroupStream:
         self._consumed = {p for p in skip if p % world == rank}
         self._frontier = start  # the first position not consumed
         self._next = start  # the next position to start
-        self._started = self._dropped = self._in_flight = 0
+        self._started = self._dropped = self._discarded = self._in_flight = 0
         self._error: BaseException | None = None
         self._closing = False
         self._last_take = 0.0
@@ -280,6 +282,14 @@ class GroupStream:
                     loop.call_soon_threadsafe(gate.resume)  # type: ignore[union-attr]
         self._poke()
 
+    def discard(self, n: int) -> None:
+        """`n` groups taken beyond the step's `per_step` and not trained (dynamic sampling's all-equal or cut
+        groups, `vlmrl.train.stream_batch`): the admission bound counts per_step groups a step, so their places go
+        to new groups."""
+        with self._cond:
+            self._discarded += n
+        self._poke()
+
     def state(self) -> dict:
         """What a checkpoint records to resume this rank's data without repeating or losing a prompt: `prompts_done`
         (its first position not consumed) and `prompts_consumed_beyond` (its consumed positions after it); several
@@ -322,8 +332,10 @@ class GroupStream:
                 self._loop.call_soon_threadsafe(self._wake.set)
 
     def _admit(self) -> bool:
-        """AReaL's bound: groups to be trained (started - dropped) < (version - done + k + 1) * per_step."""
-        return self._started - self._dropped < (self.version - self.done + self.k + 1) * self.per_step
+        """AReaL's bound: groups to be trained (started - dropped - discarded) < (version - done + k + 1) *
+        per_step."""
+        to_train = self._started - self._dropped - self._discarded
+        return to_train < (self.version - self.done + self.k + 1) * self.per_step
 
     def _run(self) -> None:
         # a batch engine's session holds its weights for the stream's whole life (they change under weights_lock);
