@@ -425,15 +425,16 @@ def test_two_ranks_each_run_a_stream_and_train_each_prompt_once(tmp_path):
 @pytest.mark.slow  # ~14 s: a `vlmrl train` process (a hang ends at its timeout instead of holding the suite)
 def test_dynamic_sampling_on_the_stream_replaces_the_groups_it_drops(tmp_path):
     """`algorithm.max_staleness=1 algorithm.dynamic_sampling=true` with batch_size 1: the random tiny model never
-    earns a Geometry3K reward, so every group is all-equal and each step takes both of its max_sampling_rounds=2
-    groups from the stream. The admission bound counts one group a step, so the sampler must be told of the group each
-    step drops (`GroupStream.discard`): without it step 2 waits forever for a group never started (the run is killed
-    at the timeout and the test fails). Every prompt is taken once: the data state after 3 steps is 6 prompts."""
+    earns a Geometry3K reward, so every group is all-equal and each step takes all of its max_sampling_rounds=3
+    groups from the stream. The admission bound lets (k + 1) * batch_size = 2 groups start before the first update
+    and counts one a step, so each round after the first must free a place (`GroupStream.discard`) before it takes
+    its group: freed after the rounds, step 1 waits forever for its third group (the run is killed at the timeout
+    and the test fails). Every prompt is taken once: the data state after 3 steps is 9 prompts."""
     from test_resume import _lines, _start  # tests/runs (pytest's rootdir-relative import)
 
     out = tmp_path / "run"
     extra = ("env._target_=vlmrl.envs.geometry3k.Geometry3KEnv", "algorithm.max_staleness=1", "trainer.steps=3")
-    proc = _start(out, *extra, "data.limit=16", "algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=2")
+    proc = _start(out, *extra, "data.limit=16", "algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=3")
     try:
         _, stderr = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:
@@ -442,9 +443,9 @@ def test_dynamic_sampling_on_the_stream_replaces_the_groups_it_drops(tmp_path):
     assert proc.returncode == 0, stderr[-3000:]
     rows = _lines(out / "metrics.jsonl")
     got = [(r["step"], r["dynamic_rounds"], r["dynamic_groups_dropped"], r["dynamic_groups_kept"]) for r in rows]
-    assert got == [(s, 2.0, 2.0, 0.0) for s in (1, 2, 3)], got
+    assert got == [(s, 3.0, 3.0, 0.0) for s in (1, 2, 3)], got
     assert all(r["accuracy"] == 0.0 and r["off_policy/staleness_max"] <= 1.0 for r in rows)
-    trajs = _lines(out / "trajectories.jsonl")  # every group taken: 2 a step, group_size 2, each prompt once
-    assert len(trajs) == 12 and len({r["task_id"] for r in trajs}) == 6
+    trajs = _lines(out / "trajectories.jsonl")  # every group taken: 3 a step, group_size 2, each prompt once
+    assert len(trajs) == 18 and len({r["task_id"] for r in trajs}) == 9
     state = json.loads((out / "checkpoints" / "step_3" / "state.json").read_text())["data"]
-    assert state["prompts_done"] == 6 and state["prompts_consumed_beyond"] == [], state
+    assert state["prompts_done"] == 9 and state["prompts_consumed_beyond"] == [], state

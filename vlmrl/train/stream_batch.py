@@ -7,8 +7,10 @@ and trains them. With `algorithm.dynamic_sampling=true` a step runs rounds as th
 next `batch_size` groups instead of sampling new prompts, drops those whose rewards are all equal, and the rounds stop
 once `batch_size` groups are kept over all ranks or after `algorithm.max_sampling_rounds`. The rounds run in the
 trainer's thread, so their counts are gathered from every rank as in the synchronous loop. Every group taken and not
-trained (all-equal rewards, or cut beyond batch_size) frees its place in the stream's admission bound
-(`GroupStream.discard`), so the sampler replaces it; its prompt is consumed, as the synchronous loop's are.
+trained frees its place in the stream's admission bound, which counts `batch_size` groups a step: each round after
+the first frees as many places before it takes its groups (`GroupStream.discard`), so the sampler starts them (without
+it a step of more than max_staleness + 1 rounds would wait for groups the bound never lets start). Every group taken
+has its prompt consumed, as in the synchronous loop.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ def stream_batch(job: "Job", step: int) -> SampledBatch:
 
     def one_round(_start: int) -> tuple[list[Task], list[Trajectory]]:
         nonlocal scored
+        if takes:  # a round beyond the first: the bound counts per_step groups a step, so free as many places first
+            stream.discard(stream.per_step)
         with job.stop.abandonable(trainer.world_size == 1):
             taken = stream.take(step - 1)
         takes.append(taken)
@@ -55,7 +59,6 @@ def stream_batch(job: "Job", step: int) -> SampledBatch:
     if alg.dynamic_sampling:
         gather = lambda n: [int(x) for x in trainer.gather(n)]
         sampled = sample_until_full(one_round, 0, size, alg.max_sampling_rounds, gather, trainer.rank)
-        stream.discard(sum(len(t.groups) for t in takes) - stream.per_step)  # the bound counts per_step groups a step
     else:
         tasks, trajs = one_round(0)
         sampled = SampledBatch(trajs, trajs, tasks, prompts=size)
