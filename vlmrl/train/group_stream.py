@@ -283,9 +283,8 @@ class GroupStream:
         self._poke()
 
     def discard(self, n: int) -> None:
-        """`n` groups taken beyond the step's `per_step` and not trained (dynamic sampling's all-equal or cut
-        groups, `vlmrl.train.stream_batch`): the admission bound counts per_step groups a step, so their places go
-        to new groups."""
+        """Free `n` places in the admission bound, which counts per_step groups a step: a step that takes more
+        (each dynamic sampling round after the first, `vlmrl.train.stream_batch`) gives them to new groups."""
         with self._cond:
             self._discarded += n
         self._poke()
