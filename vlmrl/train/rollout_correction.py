@@ -20,9 +20,10 @@ bound of 1, off otherwise) | off | tis | mis | tis+mis | decoupled.
 Why no cap from a bound of 2: samples several updates old carry ratios far from 1, and the tokens whose probability
 the newer policy has raised most are the ones a cap cuts. With the guess recipe at max_staleness 4 a cap of 2 let
 replies that never close `\\boxed{` (negative advantages, raised probability) grow until every reply hit the token
-limit; uncapped (or with a cap of 10) the same runs do not collapse. At a bound of 1 the cap rarely binds and the
-capped runs learned as well or better than the uncapped ones (docs/results.md, "Learning with continuous rollouts:
-the guess recipe").
+limit; uncapped (or with a cap of 10) the same runs (seed 0) did not collapse, and with seed 1 the uncapped run
+collapsed later than the capped one. At a bound of 1 the cap rarely binds and the capped runs learned as well or
+better than the uncapped ones. Single seeds, which spread widely at a bound of 4 (docs/results.md, "Learning with
+continuous rollouts: the guess recipe").
 The trainer's logprobs under the behaviour weights: a step makes one optimizer update after all its micro-batches, so
 each micro-batch's forward runs with the pre-update weights, and `trainer = logprobs.detach()` of that forward is
 exactly the "old" logprobs of a separate no-grad pass (no dropout in the supported models), at no extra cost.
