@@ -101,8 +101,7 @@ def sample_step(job: "Job", step: int, position: int) -> SampledBatch:
         batch, trajs = one_round(position)
         sampled = SampledBatch(trajs, trajs, batch, prompts=size)
     else:
-        gather = lambda n: [int(x) for x in trainer.gather(n)]
-        sampled = sample_until_full(one_round, position, size, alg.max_sampling_rounds, gather, trainer.rank)
+        sampled = sample_until_full(one_round, position, size, alg.max_sampling_rounds, trainer.gather, trainer.rank)
     for traj in sampled.generated:
         traj.policy_version = version
     return dataclasses.replace(

@@ -86,12 +86,13 @@ def sample_until_full(
     start: int,
     batch_size: int,
     max_rounds: int,
-    gather: Callable[[int], list[int]],
+    gather: Callable[[int], list],
     rank: int = 0,
 ) -> SampledBatch:
     """Run rounds `run_round(position) -> (this rank's tasks, trajectories)` of `batch_size` prompts from `start`
     until `batch_size` groups with unequal rewards are kept over all ranks, or `max_rounds` rounds. `gather(n)`
-    returns [n of rank 0, n of rank 1, ...] (collective). Group ids are renumbered to be unique over rounds."""
+    returns [n of rank 0, n of rank 1, ...] (collective: the trainer's `gather`; read as ints). Group ids are
+    renumbered to be unique over rounds."""
     kept_by_round: list[list[list[Trajectory]]] = []
     counts: list[list[int]] = []
     generated, tasks, dropped_equal = [], [], 0
@@ -105,8 +106,8 @@ def sample_until_full(
         last = trajs
         round_kept, round_dropped = split_groups(trajs)
         kept_by_round.append(round_kept)
-        counts.append(gather(len(round_kept)))
-        dropped_equal += sum(gather(len(round_dropped)))
+        counts.append([int(n) for n in gather(len(round_kept))])
+        dropped_equal += sum(int(n) for n in gather(len(round_dropped)))
         if sum(map(sum, counts)) >= batch_size:
             break
     rounds = len(counts)

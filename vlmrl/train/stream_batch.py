@@ -57,8 +57,7 @@ def stream_batch(job: "Job", step: int) -> SampledBatch:
         return tasks, trajs
 
     if alg.dynamic_sampling:
-        gather = lambda n: [int(x) for x in trainer.gather(n)]
-        sampled = sample_until_full(one_round, 0, size, alg.max_sampling_rounds, gather, trainer.rank)
+        sampled = sample_until_full(one_round, 0, size, alg.max_sampling_rounds, trainer.gather, trainer.rank)
     else:
         tasks, trajs = one_round(0)
         sampled = SampledBatch(trajs, trajs, tasks, prompts=size)
