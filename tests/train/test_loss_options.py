@@ -116,8 +116,10 @@ def test_tis_weights_scale_the_policy_gradient_not_the_kl():
     assert tis.item() == pytest.approx(plain.item()) and plain.item() > 0
 
 
-def test_auto_is_tis_with_vllm_only():
+def test_auto_is_tis_with_vllm_in_the_synchronous_loop_only():
     assert resolve("auto", "vllm") is Correction.tis and resolve("auto", "transformers") is Correction.off
+    assert resolve("auto", "vllm", 1) is resolve("auto", "transformers", 1) is Correction.off  # a staleness bound
+    assert resolve("auto", "vllm", 2) is resolve("auto", "transformers", 4) is Correction.decoupled
     assert resolve("tis+mis", "transformers") is Correction.tis_mis
 
 
@@ -162,9 +164,9 @@ def test_one_micro_batch_equals_two_through_the_trainer(qwen25_model, options):
 
 
 def test_run_resolves_auto_correction_and_the_dr_grpo_constant():
-    """`vlmrl.run.trainer_algorithm`: auto -> tis with vLLM, off with transformers (decoupled with off-policy rollouts:
-    tests/train/test_group_stream.py); `algorithm=dr_grpo` sets the
-    constant normaliser (0 -> rollout.max_new_tokens 24 * env.max_turns 2 = 48) and no std scaling."""
+    """`vlmrl.run.trainer_algorithm`: auto -> tis with vLLM, off with transformers (with a staleness bound:
+    tests/train/test_group_stream.py); `algorithm=dr_grpo` sets the constant normaliser (0 -> rollout.max_new_tokens
+    24 * env.max_turns 2 = 48) and no std scaling."""
     from vlmrl.config import ConfigError, load
     from vlmrl.run import trainer_algorithm
 

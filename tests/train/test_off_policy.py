@@ -63,15 +63,15 @@ def test_off_policy_steps_outside_0_1_is_a_config_error(override, needle):
         load("geometry3k_tiny", [override])
 
 
-def test_async_turns_the_rollout_correction_on_by_default():
+def test_async_clips_against_the_behaviour_logprobs_by_default():
     from vlmrl.run import trainer_algorithm
 
     def mode(*overrides: str) -> str:
         return trainer_algorithm(load("geometry3k_tiny", list(overrides))).rollout_correction
 
     assert mode() == "off"
-    assert mode("algorithm.off_policy_steps=1") == "tis"
-    assert mode("algorithm.off_policy_steps=1", "algorithm.rollout_correction=off") == "off"
+    assert mode("algorithm.off_policy_steps=1") == mode("algorithm.off_policy_steps=1", "rollout=vllm") == "off"
+    assert mode("algorithm.off_policy_steps=1", "algorithm.rollout_correction=tis") == "tis"
 
 
 def test_behaviour_weights_change_only_when_published():

@@ -12,9 +12,9 @@ off-policy recipe). The timeline of a run, with version v = the weights at the e
 Each trajectory records `policy_version`, the version of the weights that sampled it; trained in step k, whose
 update starts from version `current` = k - 1, its staleness `current - policy_version` (steps) is 1 from step 2 on
 and never above the bound: a larger one raises `StaleSampleError` (a sampler bug, never skipped silently). The loss
-sees the behaviour logprobs the engine returned with each sample, through the rollout correction
-(`rollout_correction=auto` -> TIS): the trainer's own logprobs under the current weights are PPO's old logprobs and
-min(exp(trainer - behaviour), C) reweights each token (Yao et al. 2025).
+sees the behaviour logprobs the engine returned with each sample as PPO's old logprobs (`rollout_correction=auto` ->
+off: the ratio pi_theta / pi_behaviour is what PPO clips; vlmrl/train/rollout_correction.py says why, and `tis` makes
+the trainer's own logprobs the old ones and reweights each token by min(exp(trainer - behaviour), C) instead).
 
 The transformers engine samples in this process: with async rollouts it gets its own copy of the weights
 (`BehaviourWeights`, one more copy of the model in memory) so the update can change the trainer's weights while the

@@ -13,9 +13,9 @@ Language Reasoning", sections 4-5; its `max_head_offpolicyness` eta):
   flight (`publish`, between two engine calls, never during one). Each engine call stamps the version that sampled
   it on every generation (`Generation.policy_version`): a turn is sampled by one version, an episode in flight
   across an update has turns of two or more (a partial rollout). The engine's behaviour logprobs are kept per token,
-  so the loss's importance ratio is against the weights that sampled each token (decoupled PPO, AReaL's eq. 5: the
-  proximal policy is the trainer's weights before the update; `algorithm.rollout_correction`: auto = TIS at k = 1,
-  decoupled from 2).
+  so the loss's importance ratio is against the weights that sampled each token (`algorithm.rollout_correction=auto`:
+  at k = 1 off, PPO's ratio and clip against those logprobs; from k = 2 decoupled, AReaL's eq. 5, the proximal
+  policy being the trainer's weights before the update; vlmrl/train/rollout_correction.py says why).
 - Staleness: a group's version is its oldest turn's; trained in step s (whose update starts from version s - 1), its
   staleness is s - 1 - version. A group over k when the trainer takes it is dropped and counted, never trained.
 - Order: the trainer takes groups in data order (the one at the first position not consumed, waiting while it is in

@@ -15,15 +15,20 @@ weights as PPO's old logprobs, and reweights each token by the trainer/rollout r
           PPO objective (Fu et al. 2025, "AReaL: A Large-Scale Asynchronous Reinforcement Learning System"; its
           `behav_imp_weight_cap` defaults to none), the proximal policy being the trainer's pre-update weights
 
-`algorithm.rollout_correction`: auto (decoupled with a staleness bound of 2 or more, tis with the vLLM engine or a
-bound of 1, off otherwise) | off | tis | mis | tis+mis | decoupled.
-Why no cap from a bound of 2: samples several updates old carry ratios far from 1, and the tokens whose probability
-the newer policy has raised most are the ones a cap cuts. With the guess recipe at max_staleness 4 a cap of 2 let
-replies that never close `\\boxed{` (negative advantages, raised probability) grow until every reply hit the token
-limit; uncapped (or with a cap of 10) the same runs (seed 0) did not collapse, and with seed 1 the uncapped run
-collapsed later than the capped one. At a bound of 1 the cap rarely binds and the capped runs learned as well or
-better than the uncapped ones. Single seeds, which spread widely at a bound of 4 (docs/results.md, "Learning with
-continuous rollouts: the guess recipe").
+`algorithm.rollout_correction`: auto (decoupled with a staleness bound of 2 or more; off with a bound of 1; tis with
+the vLLM engine in the synchronous loop; off otherwise) | off | tis | mis | tis+mis | decoupled.
+tis, mis and decoupled make PPO's old logprobs the trainer's own under the pre-update weights; a step makes one
+optimizer update, so that ratio is 1 at every token and the clip never acts. With off the old logprobs are the
+behaviour logprobs the engine recorded: the ratio is pi_theta / pi_behaviour and PPO clips it (the coupled objective
+of AReaL's paper; with vLLM it also carries the engine/trainer mismatch). On the CPU learning runs
+(docs/results.md, "Choosing the correction for continuous rollouts"):
+- a bound of 1 (`off_policy_steps=1`, `max_staleness=1`): off passed the guess recipe's bar in the test's 120 steps
+  with seeds 0 and 1, where tis and decoupled did not (the retries rose less), and the colour test's;
+- a bound of 2 or more: samples several updates old carry ratios far from 1. The clip then zeroes the gradient of
+  many tokens (up to 15 % a step at k = 4 on the sides recipe, which fell short of its bar with off and passes
+  uncapped), and a cap cuts the push-down on the tokens the newer policy raised most (the guess recipe at k = 4 with
+  cap 2 collapsed to replies that never close `\\boxed{`). Hence AReaL's uncapped behaviour weight, which can collapse
+  too (guess, seed 1, k = 4); off passed there, not with seed 0. Single seeds, which spread widely at k = 4.
 The trainer's logprobs under the behaviour weights: a step makes one optimizer update after all its micro-batches, so
 each micro-batch's forward runs with the pre-update weights, and `trainer = logprobs.detach()` of that forward is
 exactly the "old" logprobs of a separate no-grad pass (no dropout in the supported models), at no extra cost.
@@ -40,16 +45,17 @@ from vlmrl.rollout.engines import ROLLOUT_ENGINES
 
 
 def resolve(mode: Correction | str, engine: str, off_policy: int = 0) -> Correction:
-    """`auto` -> decoupled for a staleness bound `off_policy` >= 2 (`algorithm.max_staleness`: the behaviour policy
-    is up to that many updates old, whatever the engine); tis for a bound of 1 (`off_policy_steps=1` or
-    `max_staleness=1`) or an engine whose logprobs come from another implementation of the policy (the registered
-    engine's `needs_rollout_correction`: vllm); off otherwise. Other modes unchanged."""
+    """`auto` -> decoupled for a staleness bound `off_policy` >= 2 (`algorithm.max_staleness`); off for a bound of 1
+    (`off_policy_steps=1` or `max_staleness=1`: PPO clips the ratio against the behaviour logprobs), whatever the
+    engine; in the synchronous loop tis with an engine whose logprobs come from another implementation of the policy
+    (the registered engine's `needs_rollout_correction`: vllm), off otherwise. The module docstring says why. Other
+    modes unchanged."""
     mode = Correction(mode)
     if mode is not Correction.auto:
         return mode
     if off_policy >= 2:
         return Correction.decoupled
-    needs = off_policy == 1 or ROLLOUT_ENGINES.get(engine).needs_rollout_correction
+    needs = off_policy == 0 and ROLLOUT_ENGINES.get(engine).needs_rollout_correction
     return Correction.tis if needs else Correction.off
 
 
