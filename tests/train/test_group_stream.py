@@ -397,32 +397,52 @@ def test_a_continuous_run_killed_with_9_resumes_with_each_prompt_trained_once(tm
 
 
 @pytest.mark.slow
-@pytest.mark.long  # ~40 s: torchrun launches two ranks, each with its own imports, DeepSpeed engine and stream
-def test_two_ranks_each_run_a_stream_and_train_each_prompt_once(tmp_path):
-    """`torchrun --nproc_per_node 2` with algorithm.max_staleness=1: each rank samples its own positions (p % 2 ==
-    rank) and trains one group a step; every prompt is trained once, the checkpoint's data state counts every
-    position consumed, and each turn's behaviour logprobs are those of its own version's weights."""
-    from test_resume import _args, _lines  # tests/runs (pytest's rootdir-relative import)
+@pytest.mark.long  # ~65 s: torchrun launches two ranks twice (killed, then resumed), each with its own DeepSpeed engine
+def test_two_ranks_under_zero3_killed_with_9_resume_with_each_prompt_trained_once(tmp_path):
+    """`torchrun --nproc_per_node 2`, ZeRO-3 (each publish gathers the partitioned weights: a collective) and
+    algorithm.max_staleness=2: each rank samples its own positions (p % 2 == rank) and trains one group a step. The
+    launcher and both ranks are killed with SIGKILL once step 3 is saved, with groups in flight; the same command
+    resumes. Every step is logged once, every prompt trained once, the checkpoint's data state counts every position
+    consumed, and each turn's behaviour logprobs are those of its own version's weights (the resumed run's first
+    samples: the checkpoint's)."""
+    import psutil  # DeepSpeed's dependency
+    from test_resume import _args, _lines, _rows  # tests/runs (pytest's rootdir-relative import)
 
     from vlmrl.checks.run_alignment import verify_run
 
-    out = tmp_path / "run"
-    extra = ("algorithm.max_staleness=1", "trainer.batch_size=2", "trainer.steps=4", "trainer.lr=1e-3")
-    args = _args(out, "data.limit=16", "trainer.keep_last=20", *extra)
+    out, root = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    extra = ("algorithm.max_staleness=2", "trainer.batch_size=2", "trainer.zero_stage=3", "trainer.lr=1e-3")
+    args = _args(out, "data.limit=32", "trainer.keep_last=20", *extra)  # 6 steps
     dist_vars = ("MASTER_PORT", "MASTER_ADDR", "RANK", "LOCAL_RANK", "WORLD_SIZE")
     env = {**{k: v for k, v in os.environ.items() if k not in dist_vars}, "DS_ACCELERATOR": "cpu"}
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    script = ROOT / "tests" / "scripts" / "train_test_env.py"
-    proc = subprocess.run([*launcher, str(script), *args], cwd=ROOT, env=env, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    cmd = [*launcher, str(ROOT / "tests" / "scripts" / "train_test_env.py"), *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not ((root / "latest").is_file() and (root / "latest").read_text().strip() == "step_3"):
+        assert proc.poll() is None and time.time() < deadline, f"rc {proc.returncode}: {proc.stderr.read()[-3000:]}"
+        time.sleep(0.05)
+    procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]  # the ranks too
+    for p in procs:
+        p.kill()
+    proc.communicate()
+    psutil.wait_procs(procs, timeout=30)
+    killed, latest = _rows(out), (root / "latest").read_text().strip()
+    state = json.loads((root / latest / "state.json").read_text())["data"]
+    print(f"kill -9 of {len(procs)} processes: metrics rows {killed}, latest={latest}, data state {state}")
+    assert 3 <= len(killed) < 6 and state["groups_pending"] >= 1  # groups were in flight: sampled again
+
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "sampled again" in res.stdout + res.stderr
     rows, trajs = _lines(out / "metrics.jsonl"), _lines(out / "trajectories.jsonl")
-    assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(r["episodes"] == 4 for r in rows)
-    assert max(r["off_policy/staleness_max"] for r in rows) <= 1.0
+    assert [r["step"] for r in rows] == list(range(1, 7)) and all(r["episodes"] == 4 for r in rows)
+    assert max(r["off_policy/staleness_max"] for r in rows) <= 2.0
     groups = {(r["step"], r["task_id"]) for r in trajs}  # a step's group per rank: 2 episodes of one prompt
-    assert len(trajs) == 16 and len(groups) == 8 and len({t for _, t in groups}) == 8, sorted(groups)
-    state = json.loads((out / "checkpoints" / "step_4" / "state.json").read_text())["data"]
+    assert len(trajs) == 24 and len(groups) == 12 and len({t for _, t in groups}) == 12, sorted(groups)
+    state = json.loads((root / "step_6" / "state.json").read_text())["data"]
     dropped = sum(r["off_policy/dropped_groups"] for r in rows)
-    assert state["prompts_done"] + len(state["prompts_consumed_beyond"]) == 8 + dropped, state
+    assert state["prompts_done"] + len(state["prompts_consumed_beyond"]) == 12 + dropped, state
     sys.path.insert(0, str(ROOT / "tests"))  # the run's env._target_ (resume_envs) must import
     report = verify_run(out)
     assert report.ok and report.max_abs_dlogprob <= 1e-4, report.notes
