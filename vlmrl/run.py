@@ -25,17 +25,16 @@ from vlmrl.envs import check_plugins, load_env_tasks
 from vlmrl.evaluation.during_training import EvalSetup, eval_during_training
 from vlmrl.modeling.adapters import prepare_policy
 from vlmrl.modeling.loading import load_policy
-from vlmrl.reward import RewardRound, RewardStage, usable_episode
+from vlmrl.reward import RewardRound, RewardStage
 from vlmrl.rollout import engine_video_refusal
 from vlmrl.rollout.engine import derive_seed
 from vlmrl.rollout.engines import ROLLOUT_ENGINES
 from vlmrl.rollout.episode import EpisodeRunner
 from vlmrl.rollout.runner import build_runner
-from vlmrl.rollout.skipped_rows import prompt_too_long, skipped_rows
+from vlmrl.rollout.skipped_rows import skipped_rows
 from vlmrl.runs import checkpoint
 from vlmrl.runs import lock as runlock
-from vlmrl.runs.episode_metrics import episode_metrics
-from vlmrl.runs.files import ImageStore, RunFiles, RunFolderError
+from vlmrl.runs.files import RunFiles, RunFolderError
 from vlmrl.runs.progress import StepProgress, train_line
 from vlmrl.runs.record import TrajectoryRecord
 from vlmrl.runs.resume import (
@@ -52,15 +51,16 @@ from vlmrl.runs.resume import (
 from vlmrl.runs.trackers import make_loggers
 from vlmrl.seeding import set_seed
 from vlmrl.tokens.base import TokenBuilder
-from vlmrl.train import dist, loss_agg, overlong, rollout_correction
+from vlmrl.train import dist, loss_agg, rollout_correction
 from vlmrl.train.async_rollout import BehaviourWeights, Prefetcher, staleness, staleness_metrics
 from vlmrl.train.dynamic_sampling import SampledBatch, sample_until_full
 from vlmrl.train.group_stream import GroupStream
 from vlmrl.train.memory_config import check_run_memory
+from vlmrl.train.rollout_metrics import merge_rollout_rows, rollout_metrics
 from vlmrl.train.step_batch import check_step, export_style, step_samples
 from vlmrl.train.stream_batch import stream_batch
 from vlmrl.train.trainer import GRPOTrainer, TrainerSettings
-from vlmrl.types import Sample, Task, Trajectory
+from vlmrl.types import Task, Trajectory
 
 log = logging.getLogger("vlmrl.run")
 
@@ -150,12 +150,6 @@ def publish_to_stream(job: "Job", step: int, changed: bool) -> dict:
     job.stream.publish((lambda: sync.update(copy_weights(job))) if changed else (lambda: None), step)
     job.sampler_version = step
     return sync
-
-
-def option_metrics(cfg: Config, sampled: SampledBatch) -> dict[str, float]:
-    """Per-rank metrics of the algorithm options on the step's rollouts (overlong penalty / filtering)."""
-    alg = cfg.algorithm
-    return overlong.overlong_metrics(sampled.generated, bool(alg.overlong_buffer), alg.overlong_filter)
 
 
 def trainer_algorithm(cfg: Config) -> AlgorithmConfig:
@@ -304,7 +298,7 @@ def run_step(job: Job, step: int) -> dict:
     skipped = job.guard.check(
         step, check.bad, stats, [t.id for t in sampled.tasks], check.empty_ranks, trainer.world_size
     )
-    mine, rollout = rollout_metrics(job, step, sampled, samples)
+    mine, rollout = rollout_metrics(job.cfg, job.builder.vision_token_ids, step, sampled, samples)
     if job.prefetch is not None:
         rollout.update(rollout_wait_s=t_wait, **staleness_metrics(stale))
     if job.stream is not None:
@@ -338,63 +332,6 @@ def run_step(job: Job, step: int) -> dict:
         job.files.append(job.files.metrics, [row])
     job.records = records
     return row
-
-
-def rollout_metrics(
-    job: Job, step: int, sampled: SampledBatch, samples: list[Sample]
-) -> tuple[list[TrajectoryRecord], dict[str, float]]:
-    """(this rank's records of step `step`, its rollout metrics): the episodes of skipped rows (no turn sampled) are
-    neither recorded nor averaged (the step's `skipped_rows` counts their rows); the episode metrics average the
-    episodes that can train: one whose reward left its group (NaN, inf, beyond REWARD_BOUND) is counted in
-    `excluded_episodes` and written to trajectories.jsonl, not averaged. Images of tools and environments without a
-    file are saved under <run>/images/."""
-    store = ImageStore(job.cfg.logging.output_dir)
-    played = [t for t in sampled.generated if not prompt_too_long(t)]
-    mine = [TrajectoryRecord.from_trajectory(t, step, store) for t in played]
-    gen_tokens = sum(r.generated_tokens for r in mine)
-    usable = [r for r, t in zip(mine, played) if usable_episode(t)]
-    return mine, {
-        **episode_metrics(usable),
-        **option_metrics(job.cfg, sampled),
-        **sampled.reward_metrics,
-        "samples": float(len(samples)),
-        "sampled_vision_tokens": sampled_vision_tokens(played, job.builder.vision_token_ids),
-        "rollout_tokens_per_s": gen_tokens / max(sampled.rollout_s, 1e-9),
-        "rollout_s": sampled.rollout_s,
-    }
-
-
-def sampled_vision_tokens(trajs: list[Trajectory], vision_ids: tuple[int, ...]) -> float:
-    """Image/video placeholder and vision-marker ids (`TokenBuilder.vision_token_ids`) the policy sampled, per
-    episode (0.0 for none). Each is kept verbatim and trained as text (`vlmrl.modeling.placeholders`)."""
-    ids = set(vision_ids)
-    count = sum(tok in ids for t in trajs for turn in t.turns for tok in turn.generation.token_ids)
-    return count / len(trajs) if trajs else 0.0
-
-
-def merge_rollout_rows(rows: list[dict]) -> dict:
-    """Merge per-rank rollout metrics: counts are summed, rates and means weighted by episodes."""
-    if len(rows) == 1:
-        return rows[0]
-    total = sum(r.get("episodes", 0.0) for r in rows) or 1.0
-    keys = sorted({k for r in rows for k in r})
-    out = {}
-    for key in keys:
-        if key in (
-            "episodes",
-            "samples",
-            "rollout_tokens_per_s",
-            "judge_calls",
-            "judge_retries",
-            "judge_failures",
-            "reward_func_failures",
-        ):
-            out[key] = sum(r.get(key, 0.0) for r in rows)
-        elif key in ("rollout_s", "judge_s") or key.endswith("_max_s"):
-            out[key] = max(r.get(key, 0.0) for r in rows)
-        else:
-            out[key] = sum(r.get(key, 0.0) * r.get("episodes", 0.0) for r in rows) / total
-    return out
 
 
 def save(job: Job, step: int) -> Path:

@@ -22,10 +22,10 @@ from vlmrl.export import to_samples
 from vlmrl.modeling.loading import tiny_model
 from vlmrl.rollout.engine import Engine, SamplingParams
 from vlmrl.rollout.episode import EpisodeLimits, EpisodeRunner
-from vlmrl.run import sampled_vision_tokens
 from vlmrl.tokens import get_builder
 from vlmrl.train.logprobs import IMAGE_POSITIONS, batch_logprobs, collate, pack, sequence_logprobs
 from vlmrl.train.packing import can_pack
+from vlmrl.train.rollout_metrics import sampled_vision_tokens
 from vlmrl.types import Generation, ImagePart, Message, Role, Sample, StopReason, TextPart, Trajectory, Turn
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is deprecated.*:FutureWarning")
