@@ -248,21 +248,20 @@ def test_colocated_vllm_on_a_gpu_is_refused_and_its_server_mode_is_not(monkeypat
     assert load("geometry3k_tiny", ["algorithm.max_staleness=1", "rollout=vllm", *server]).algorithm.max_staleness == 1
 
 
-def test_continuous_rollouts_choose_the_correction_by_their_bound():
-    """auto at a bound of 1 -> off, whatever the engine: PPO's ratio against the logprobs that sampled each token;
-    from 2 -> AReaL's uncapped weight (vlmrl/train/rollout_correction.py says why); tis stays vLLM's in the
-    synchronous loop."""
+def test_continuous_rollouts_clip_against_the_behaviour_logprobs():
+    """auto with a staleness bound -> off, whatever the engine: PPO's ratio against the logprobs that sampled each
+    token (vlmrl/train/rollout_correction.py says why); tis stays vLLM's in the synchronous loop."""
     from vlmrl.run import trainer_algorithm
 
     def mode(*overrides: str) -> str:
         return trainer_algorithm(load("geometry3k_tiny", list(overrides))).rollout_correction
 
     assert mode("algorithm.max_staleness=1") == "off"  # = off_policy_steps=1's
-    assert mode("algorithm.max_staleness=2") == mode("algorithm.max_staleness=4") == "decoupled"
+    assert mode("algorithm.max_staleness=2") == mode("algorithm.max_staleness=4") == "off"
     assert mode("rollout=vllm") == "tis"
     served = ("rollout=vllm", "rollout.vllm.mode=server", "rollout.vllm.url=http://127.0.0.1:8000")
     assert mode(*served, "algorithm.max_staleness=1") == "off"
-    assert mode("algorithm.max_staleness=4", "algorithm.rollout_correction=off") == "off"
+    assert mode("algorithm.max_staleness=4", "algorithm.rollout_correction=decoupled") == "decoupled"
 
 
 # ------------------------------------------------------------------------------------------ a real run

@@ -118,8 +118,7 @@ def test_tis_weights_scale_the_policy_gradient_not_the_kl():
 
 def test_auto_is_tis_with_vllm_in_the_synchronous_loop_only():
     assert resolve("auto", "vllm") is Correction.tis and resolve("auto", "transformers") is Correction.off
-    assert resolve("auto", "vllm", 1) is resolve("auto", "transformers", 1) is Correction.off  # a staleness bound
-    assert resolve("auto", "vllm", 2) is resolve("auto", "transformers", 4) is Correction.decoupled
+    assert resolve("auto", "vllm", 1) is resolve("auto", "transformers", 4) is Correction.off  # a staleness bound
     assert resolve("tis+mis", "transformers") is Correction.tis_mis
 
 

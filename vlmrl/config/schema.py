@@ -213,10 +213,9 @@ class AlgorithmConfig:
     scale_by_std: bool = knob(True, "Divide the group-centred rewards by the group's std; false: r - mean (Dr. GRPO).")
     rollout_correction: str = knob(
         "auto",
-        "Rollout/trainer mismatch correction (vlmrl/train/rollout_correction.py): auto (decoupled with "
-        "max_staleness >= 2; off with off_policy_steps=1 or max_staleness=1, PPO clipping the ratio against the "
-        "behaviour logprobs; tis with rollout.engine=vllm in the synchronous loop; else off), off, tis, mis, tis+mis "
-        "or decoupled (AReaL's uncapped behaviour weight).",
+        "Rollout/trainer mismatch correction (vlmrl/train/rollout_correction.py): auto (off with off_policy_steps=1 "
+        "or max_staleness >= 1, PPO clipping the ratio against the behaviour logprobs; tis with rollout.engine=vllm "
+        "in the synchronous loop; else off), off, tis, mis, tis+mis or decoupled (AReaL's uncapped behaviour weight).",
     )
     tis_cap: float = knob(2.0, "TIS: the truncation cap C of the token importance ratio (>= 1).")
     mis_low: float = knob(0.5, "MIS: sequences whose geometric-mean ratio is below this are masked out.")

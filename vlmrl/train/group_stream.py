@@ -14,8 +14,8 @@ Language Reasoning", sections 4-5; its `max_head_offpolicyness` eta):
   it on every generation (`Generation.policy_version`): a turn is sampled by one version, an episode in flight
   across an update has turns of two or more (a partial rollout). The engine's behaviour logprobs are kept per token,
   so the loss's importance ratio is against the weights that sampled each token (`algorithm.rollout_correction=auto`:
-  at k = 1 off, PPO's ratio and clip against those logprobs; from k = 2 decoupled, AReaL's eq. 5, the proximal
-  policy being the trainer's weights before the update; vlmrl/train/rollout_correction.py says why).
+  off, PPO's ratio and clip against those logprobs; `decoupled`: AReaL's eq. 5, the proximal policy being the
+  trainer's weights before the update; vlmrl/train/rollout_correction.py says why auto is off).
 - Staleness: a group's version is its oldest turn's; trained in step s (whose update starts from version s - 1), its
   staleness is s - 1 - version. A group over k when the trainer takes it is dropped and counted, never trained.
 - Order: the trainer takes groups in data order (the one at the first position not consumed, waiting while it is in

@@ -15,20 +15,23 @@ weights as PPO's old logprobs, and reweights each token by the trainer/rollout r
           PPO objective (Fu et al. 2025, "AReaL: A Large-Scale Asynchronous Reinforcement Learning System"; its
           `behav_imp_weight_cap` defaults to none), the proximal policy being the trainer's pre-update weights
 
-`algorithm.rollout_correction`: auto (decoupled with a staleness bound of 2 or more; off with a bound of 1; tis with
-the vLLM engine in the synchronous loop; off otherwise) | off | tis | mis | tis+mis | decoupled.
+`algorithm.rollout_correction`: auto (off with a staleness bound; tis with the vLLM engine in the synchronous loop;
+off otherwise) | off | tis | mis | tis+mis | decoupled.
 tis, mis and decoupled make PPO's old logprobs the trainer's own under the pre-update weights; a step makes one
 optimizer update, so that ratio is 1 at every token and the clip never acts. With off the old logprobs are the
 behaviour logprobs the engine recorded: the ratio is pi_theta / pi_behaviour and PPO clips it (the coupled objective
-of AReaL's paper; with vLLM it also carries the engine/trainer mismatch). On the CPU learning runs
-(docs/results.md, "Choosing the correction for continuous rollouts"):
-- a bound of 1 (`off_policy_steps=1`, `max_staleness=1`): off passed the guess recipe's bar in the test's 120 steps
-  with seeds 0 and 1, where tis and decoupled did not (the retries rose less), and the colour test's;
-- a bound of 2 or more: samples several updates old carry ratios far from 1. The clip then zeroes the gradient of
-  many tokens (up to 15 % a step at k = 4 on the sides recipe, which fell short of its bar with off and passes
-  uncapped), and a cap cuts the push-down on the tokens the newer policy raised most (the guess recipe at k = 4 with
-  cap 2 collapsed to replies that never close `\\boxed{`). Hence AReaL's uncapped behaviour weight, which can collapse
-  too (guess, seed 1, k = 4); off passed there, not with seed 0. Single seeds, which spread widely at k = 4.
+of AReaL's paper; with vLLM it also carries the engine/trainer mismatch). Why off with a staleness bound
+(`off_policy_steps=1` or `max_staleness=k`), from the CPU learning runs (docs/results.md, "Choosing the correction
+for continuous rollouts"; 2-3 seeds a cell):
+- at a bound of 1 off passed the guess test's 120 steps with seeds 0 and 1, tis and decoupled with neither (the
+  retries rose less); the colour and sides runs pass with it;
+- at a bound of 4 the decoupled weight (AReaL's, uncapped) collapsed the guess recipe with seeds 1 and 2 (replies
+  that stop ending, then never close `\\boxed{`; a cap of 2 collapsed seed 0), off collapsed none (it passed seed
+  1); the colour run passes in 60 steps with off for seeds 0-2 (decoupled: 1 and 2). The sides run learns more slowly
+  with off at 4 (2-15 % of its tokens clipped a step; short of its 40-step bar with seeds 0 and 1, which decoupled
+  meets; 50 steps pass with off): a slower rise, where the decoupled weight's collapses do not recover.
+AReaL's decoupled objective clips around the proximal policy, which binds from a step's second optimizer update;
+with one update a step its weight is unbounded (`decoupled` stays available).
 The trainer's logprobs under the behaviour weights: a step makes one optimizer update after all its micro-batches, so
 each micro-batch's forward runs with the pre-update weights, and `trainer = logprobs.detach()` of that forward is
 exactly the "old" logprobs of a separate no-grad pass (no dropout in the supported models), at no extra cost.
@@ -45,16 +48,13 @@ from vlmrl.rollout.engines import ROLLOUT_ENGINES
 
 
 def resolve(mode: Correction | str, engine: str, off_policy: int = 0) -> Correction:
-    """`auto` -> decoupled for a staleness bound `off_policy` >= 2 (`algorithm.max_staleness`); off for a bound of 1
-    (`off_policy_steps=1` or `max_staleness=1`: PPO clips the ratio against the behaviour logprobs), whatever the
-    engine; in the synchronous loop tis with an engine whose logprobs come from another implementation of the policy
-    (the registered engine's `needs_rollout_correction`: vllm), off otherwise. The module docstring says why. Other
-    modes unchanged."""
+    """`auto` -> off with a staleness bound `off_policy` >= 1 (`algorithm.off_policy_steps=1` or `max_staleness=k`:
+    PPO clips the ratio against the behaviour logprobs), whatever the engine; in the synchronous loop tis with an
+    engine whose logprobs come from another implementation of the policy (the registered engine's
+    `needs_rollout_correction`: vllm), off otherwise. The module docstring says why. Other modes unchanged."""
     mode = Correction(mode)
     if mode is not Correction.auto:
         return mode
-    if off_policy >= 2:
-        return Correction.decoupled
     needs = off_policy == 0 and ROLLOUT_ENGINES.get(engine).needs_rollout_correction
     return Correction.tis if needs else Correction.off
 
