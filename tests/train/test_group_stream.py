@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -405,22 +404,19 @@ def test_two_ranks_under_zero3_killed_with_9_resume_with_each_prompt_trained_onc
     consumed, and each turn's behaviour logprobs are those of its own version's weights (the resumed run's first
     samples: the checkpoint's)."""
     import psutil  # DeepSpeed's dependency
-    from test_resume import _args, _lines, _rows  # tests/runs (pytest's rootdir-relative import)
+    from child_env import child_env  # tests/child_env.py
+    from test_resume import _args, _lines, _rows, _wait_for  # tests/runs (pytest's rootdir-relative import)
 
     from vlmrl.checks.run_alignment import verify_run
 
     out, root = tmp_path / "run", tmp_path / "run" / "checkpoints"
     extra = ("algorithm.max_staleness=2", "trainer.batch_size=2", "trainer.zero_stage=3", "trainer.lr=1e-3")
     args = _args(out, "data.limit=32", "trainer.keep_last=20", *extra)  # 6 steps
-    dist_vars = ("MASTER_PORT", "MASTER_ADDR", "RANK", "LOCAL_RANK", "WORLD_SIZE")
-    env = {**{k: v for k, v in os.environ.items() if k not in dist_vars}, "DS_ACCELERATOR": "cpu"}
+    env = child_env(DS_ACCELERATOR="cpu")
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     cmd = [*launcher, str(ROOT / "tests" / "scripts" / "train_test_env.py"), *args]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 300
-    while not ((root / "latest").is_file() and (root / "latest").read_text().strip() == "step_3"):
-        assert proc.poll() is None and time.time() < deadline, f"rc {proc.returncode}: {proc.stderr.read()[-3000:]}"
-        time.sleep(0.05)
+    _wait_for(proc, lambda: (root / "latest").is_file() and (root / "latest").read_text().strip() == "step_3")
     procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]  # the ranks too
     for p in procs:
         p.kill()
