@@ -276,19 +276,22 @@ class Browser:
         return image.crop(box)
 
     def click(self, x: int, y: int) -> None:
-        """A left click at the centre of CSS pixel (x, y) of the viewport."""
-        self._pointer(x, y, lambda p: p.click())
-
-    def _pointer(self, x: int, y: int, act: Callable[[Any], Any]) -> None:
-        from selenium.webdriver.common.action_chains import ActionChains
+        """A left click at the centre of CSS pixel (x, y) of the viewport, dispatched through the DevTools protocol
+        (`Input.dispatchMouseEvent`, whose coordinates are fractional CSS pixels): at a fractional device scale a
+        pixel's corner can map back to the pixel before it (at 1.5, CSS x = 2 is device x = 3, and 3 * (1 / 1.5) in
+        floating point is 1.999...). WebDriver's pointer actions (chromedriver's own input state between the move
+        and the press) once landed a click on the pixel before at scale 1.5 on a loaded machine; each of the
+        protocol's events carries its own point."""
+        point = {"x": int(x) + 0.5, "y": int(y) + 0.5}
+        events = [
+            {"type": "mouseMoved", **point, "button": "none"},
+            {"type": "mousePressed", **point, "button": "left", "buttons": 1, "clickCount": 1},
+            {"type": "mouseReleased", **point, "button": "left", "buttons": 0, "clickCount": 1},
+        ]
 
         def run() -> None:
-            chain = ActionChains(self._driver(), duration=0)
-            # the pixel's centre: at a fractional device scale its corner can map back to the pixel before it (at
-            # 1.5, CSS x = 2 is device x = 3, and 3 * (1 / 1.5) in floating point is 1.999...)
-            chain.w3c_actions.pointer_action.move_to_location(int(x) + 0.5, int(y) + 0.5)
-            act(chain.w3c_actions.pointer_action)
-            chain.w3c_actions.perform()
+            for event in events:
+                self._driver().execute_cdp_cmd("Input.dispatchMouseEvent", event)
 
         self._run(run)
 
