@@ -81,10 +81,14 @@ def _run(out: Path, *extra: str) -> subprocess.CompletedProcess:
     return vlmrl(*_args(out, *extra))
 
 
-def _wait_for(proc: subprocess.Popen, ready, timeout: float = 300.0) -> None:
+def _wait_for(proc: subprocess.Popen, ready, timeout: float = 300.0, log: Path | None = None) -> None:
+    """Until `ready()`; fails when `proc` ends first (with its stderr: the pipe's, or the file `log`) or at the
+    timeout."""
     end = time.time() + timeout
     while not ready():
-        assert proc.poll() is None, f"training ended early (rc {proc.returncode}): {proc.stderr.read()[-3000:]}"
+        if proc.poll() is not None:
+            err = log.read_text() if log is not None else proc.stderr.read()
+            pytest.fail(f"training ended early (rc {proc.returncode}): {err[-3000:]}")
         assert time.time() < end, "timed out"
         time.sleep(0.05)
 

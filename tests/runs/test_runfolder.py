@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from child_env import child_env  # tests/ is on sys.path (pytest's rootdir-relative import)
 from cli_inprocess import vlmrl  # tests/ is on sys.path (pytest's rootdir-relative import)
 from conftest import GEOMETRY3K
 from test_generate import LetterEngine as LetterAnswers
@@ -37,12 +38,7 @@ SPEED = {"rollout_s", "tokens_per_s", "step_s", "rollout_tokens_per_s", "trainer
 
 
 def _env() -> dict:
-    dist_vars = ("MASTER_PORT", "MASTER_ADDR", "RANK", "LOCAL_RANK", "WORLD_SIZE")
-    return {
-        **{k: v for k, v in os.environ.items() if k not in dist_vars},
-        "DS_ACCELERATOR": "cpu",
-        "PYTHONPATH": str(ROOT),
-    }
+    return child_env(DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT))
 
 
 def _steps(path: Path) -> list[int]:

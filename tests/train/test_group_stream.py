@@ -415,8 +415,10 @@ def test_two_ranks_under_zero3_killed_with_9_resume_with_each_prompt_trained_onc
     env = child_env(DS_ACCELERATOR="cpu")
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     cmd = [*launcher, str(ROOT / "tests" / "scripts" / "train_test_env.py"), *args]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    _wait_for(proc, lambda: (root / "latest").is_file() and (root / "latest").read_text().strip() == "step_3")
+    log = tmp_path / "killed.log"  # two ranks' logs until step 3 could fill a pipe nobody reads, and block them
+    with log.open("w") as sink:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=sink, text=True)
+    _wait_for(proc, lambda: (root / "latest").is_file() and (root / "latest").read_text().strip() == "step_3", log=log)
     procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]  # the ranks too
     for p in procs:
         p.kill()
