@@ -27,9 +27,10 @@ for continuous rollouts"; 2-3 seeds a cell):
   retries rose less); the colour and sides runs pass with it;
 - at a bound of 4 the decoupled weight (AReaL's, uncapped) collapsed the guess recipe with seeds 1 and 2 (replies
   that stop ending, then never close `\\boxed{`; a cap of 2 collapsed seed 0), off collapsed none (it passed seed
-  1); the colour run passes in 60 steps with off for seeds 0-2 (decoupled: 1 and 2). The sides run learns more slowly
-  with off at 4 (2-15 % of its tokens clipped a step; short of its 40-step bar with seeds 0 and 1, which decoupled
-  meets; 50 steps pass with off): a slower rise, where the decoupled weight's collapses do not recover.
+  1 in the test's 120 steps, seeds 0-2 in 160); the colour run passes in 60 steps with off for seeds 0-2
+  (decoupled: 1 and 2). The sides run learns more slowly with off at 4 (2-15 % of its tokens clipped a step; short
+  of its 40-step bar with seeds 0 and 1, which decoupled meets; 50 steps pass with off): a slower rise, where the
+  decoupled weight's collapses do not recover.
 AReaL's decoupled objective clips around the proximal policy, which binds from a step's second optimizer update;
 with one update a step its weight is unbounded (`decoupled` stays available).
 The trainer's logprobs under the behaviour weights: a step makes one optimizer update after all its micro-batches, so
