@@ -5,7 +5,10 @@ Rows, each the median of `--repeats` timings (ms): starting a browser (driver, C
 the task's page; a seeded reset (`MiniWobEnv.reset`: the episode started, its instruction read, the screenshot taken;
 the page already open, as for every episode after a browser's first); a screenshot of the task area at scale 1 and 2;
 a click through `MiniWobEnv.act` (the action, the task's done signal read) on a page that goes on (a blank spot of
-click-color, then the new screenshot) and on one that ends. Then the memory (PSS, `Browser.memory_mb`) of each of
+click-color, then the new screenshot) and on one that ends; a screenshot of a still page in a 240x96 viewport
+`--idle-s` seconds after it last changed (with a viewport at most about 120 CSS pixels high, headless Chromium 156
+stops producing frames a few seconds after the page last changed, and `Browser.screenshot` wakes it; MiniWoB's
+160x210 task area is not affected). Then the memory (PSS, `Browser.memory_mb`) of each of
 `--browsers` browsers open at once, each with a task page.
 
     .venv/bin/python bench/browser.py                 # click-color, 7 repeats, 4 browsers
@@ -14,6 +17,7 @@ click-color, then the new screenshot) and on one that ends. Then the memory (PSS
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import time
@@ -49,11 +53,19 @@ def right_box(env: MiniWobEnv) -> ToolCall:
     return ToolCall("click", {"x": x, "y": y})
 
 
-def main(task: str = "click-color", repeats: int = 7, browsers: int = 4, as_json: bool = typer.Option(False, "--json")):
+def main(
+    task: str = "click-color",
+    repeats: int = 7,
+    browsers: int = 4,
+    idle_s: float = 4.0,
+    as_json: bool = typer.Option(False, "--json"),
+):
     cfg = MiniWobConfig(task=task, scale=1.0, coordinates="pixels")
     tasks = make_tasks(cfg, DataConfig(limit=repeats, split="train"))
     page = (html_dir() / f"{task}.html").as_uri()
-    rows: dict[str, list[float]] = {k: [] for k in ("start", "open", "reset", "shot1", "shot2", "act_on", "act_end")}
+    rows: dict[str, list[float]] = {
+        k: [] for k in ("start", "open", "reset", "shot1", "shot2", "act_on", "act_end", "shot_idle")
+    }
     for i in range(repeats):
         browser = Browser(cfg.spec())
         rows["start"].append(ms(browser.start))
@@ -77,6 +89,12 @@ def main(task: str = "click-color", repeats: int = 7, browsers: int = 4, as_json
         rows["act_end"].append(ms(lambda: env.act([call], "", 1, False)))
         env.close()
     close_all()
+    browser = Browser(dataclasses.replace(cfg.spec(), width=240, height=96)).start()
+    browser.open("data:text/html,<body style='background:teal'>still</body>")
+    for _ in range(repeats):
+        time.sleep(idle_s)
+        rows["shot_idle"].append(ms(lambda: browser.screenshot(240, 96)))
+    browser.close()
     opened = [Browser(cfg.spec()).start() for _ in range(browsers)]
     for b in opened:
         b.open(page)
@@ -91,6 +109,7 @@ def main(task: str = "click-color", repeats: int = 7, browsers: int = 4, as_json
         "shot2": "screenshot 320x420, scale 2",
         "act_on": "act: click, page goes on, new screenshot",
         "act_end": "act: click that ends the task",
+        "shot_idle": f"screenshot 240x96 of a still page, {idle_s:g} s after it changed",
     }
     result = {k: round(statistics.median(v), 1) for k, v in rows.items()}
     if as_json:

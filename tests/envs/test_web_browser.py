@@ -96,6 +96,31 @@ def test_clicks_land_where_the_model_pointed(grid_page, qwen_processors, family,
     assert browser.pids() == []
 
 
+def test_a_screenshot_after_the_page_idled_is_fresh_and_keeps_clicks_in_place(grid_page):
+    """In a viewport under about 120 CSS pixels high, headless Chromium stops producing frames a few seconds after a
+    page last changed: the screenshot taken after that shows the page as it is now (a cell painted just before), and
+    clicks after it still land on the CSS pixel asked for at a fractional device scale (ChromeDriver's own screenshot
+    took 10 s there, showed the page before the change, and left every later click at the point divided by the
+    scale)."""
+    browser = Browser(spec(240, 96, 1.5)).start()
+    try:
+        browser.open(grid_page)
+        browser.screenshot(240, 96)
+        time.sleep(4)  # past the compositor's idle time
+        browser.js(
+            "const g = document.getElementById('c').getContext('2d'); g.fillStyle = 'rgb(255,0,0)';"
+            f"g.fillRect({CELL}, 0, {CELL}, {CELL});"
+        )
+        shot = browser.screenshot(240, 96)
+        assert shot.getpixel((round(1.5 * CELL * 1.5), round(1.5 * CELL / 2))) == (255, 0, 0)
+        assert shot.getpixel((round(2.5 * CELL * 1.5), round(1.5 * CELL / 2))) == cell_colour(2, 0)
+        for x, y in [(2, 1), (31, 17), (200, 90)]:
+            browser.click(x, y)
+            assert browser.js("return window.clicks[window.clicks.length - 1];") == [x, y]
+    finally:
+        browser.close()
+
+
 class _Counter(http.server.BaseHTTPRequestHandler):
     hits = 0
 

@@ -18,6 +18,7 @@ browser's process group and raises `BrowserFailure`.
 
 from __future__ import annotations
 
+import base64
 import io
 import logging
 import os
@@ -267,8 +268,29 @@ class Browser:
 
     def screenshot(self, css_width: int, css_height: int) -> Image.Image:
         """The viewport's top-left `css_width` x `css_height` CSS pixels as an RGB image of
-        `round(css_width * scale)` x `round(css_height * scale)` device pixels."""
-        png = self._run(lambda: self._driver().get_screenshot_as_png())
+        `round(css_width * scale)` x `round(css_height * scale)` device pixels.
+
+        Taken with the DevTools protocol's `Page.captureScreenshot` while a screencast keeps the compositor producing
+        frames. In a viewport at most about 120 CSS pixels high, headless Chromium (156) stops producing frames a few
+        seconds after the page last changed, and a capture then waits for a frame that does not come: ChromeDriver's
+        own screenshot returned after 10 s with the page as it was before the change, and from then on clicks landed
+        at the point divided by the device scale. The wake by a screencast is the one browser-use's browser-harness
+        uses; it adds up to about 15 ms (docs/results.md, "GUI agents in a real browser")."""
+
+        def run() -> bytes:
+            driver = self._driver()
+            driver.execute_cdp_cmd(
+                "Page.startScreencast", {"format": "jpeg", "quality": 1, "maxWidth": 8, "maxHeight": 8}
+            )
+            try:
+                shot = driver.execute_cdp_cmd(
+                    "Page.captureScreenshot", {"format": "png", "captureBeyondViewport": False}
+                )
+            finally:
+                driver.execute_cdp_cmd("Page.stopScreencast", {})
+            return base64.b64decode(shot["data"])
+
+        png = self._run(run)
         image = Image.open(io.BytesIO(png)).convert("RGB")
         box = (0, 0, round(css_width * self.spec.scale), round(css_height * self.spec.scale))
         if box[2] > image.width or box[3] > image.height:
@@ -279,10 +301,7 @@ class Browser:
         """A left click at the centre of CSS pixel (x, y) of the viewport, dispatched through the DevTools protocol
         (`Input.dispatchMouseEvent`, fractional CSS pixels). The pixel's centre: at a fractional device scale its
         corner can map back to the pixel before it (CSS x = 2 is device x = 3 at 1.5, and 3 * (1 / 1.5) is 1.999...
-        in floating point). Known fault at a device scale other than 1: after chromedriver's second screenshot (or
-        its first on a loaded machine) clicks land at the point divided by the scale, through WebDriver's pointer
-        actions and this protocol alike, while `devicePixelRatio` still reads the scale; setting the device metrics
-        again after each screenshot puts the clicks back but made later screenshots take 20-100 s."""
+        in floating point)."""
         point = {"x": int(x) + 0.5, "y": int(y) + 0.5}
         events = [
             {"type": "mouseMoved", **point, "button": "none"},
