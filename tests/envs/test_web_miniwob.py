@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import random
 import re
 import time
 
@@ -289,6 +290,34 @@ def test_format_demonstrations_are_the_rollout_prompt_and_a_random_click(builder
         assert left <= col < left + width and top <= row < top + height  # on the button
         points.add((col, row))
     assert len(points) == 3  # a button of its own per seed
+
+
+def test_a_demonstration_clicks_by_number_where_only_click_element_is_offered(builder):
+    """With `env.actions=click_element` the format demonstration is a click_element call on a number listed in the
+    prompt, which the environment performs (a valid action); seeds draw different elements. Without any click action
+    there is no demonstration."""
+    cfg = MiniWobConfig(task="click-test-2", actions="click_element", max_turns=1)
+    rng, lines = random.Random(0), set()
+    for task in make_tasks(cfg, DataConfig(limit=4)):
+        env = MiniWobEnv(cfg)
+        env.bind_view("qwen2_5_vl", builder.presented_size)
+        try:
+            (message,) = env.reset(task)
+            listing = message.content[-1].text
+            call = env.demo_action(rng)
+            assert call is not None and call.name == "click_element" and set(call.arguments) == {"ref"}
+            (line,) = [ln for ln in listing.splitlines() if ln.startswith(f"[{call.arguments['ref']}] ")]
+            lines.add(line.split(" ", 1)[1])
+            result = env.act([call], "", 0, True)
+            assert (result.metrics["invalid_actions"], result.metrics["actions"]) == (0, 1)
+        finally:
+            env.close()
+    assert len(lines) >= 2
+    env = episode(builder, MiniWobConfig(task="click-test-2", actions="type,press"))
+    try:
+        assert env.demo_action(rng) is None
+    finally:
+        env.close()
 
 
 def test_the_actions_offered_can_be_narrowed(builder):

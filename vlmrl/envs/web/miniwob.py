@@ -286,15 +286,21 @@ class MiniWobEnv(ActionEnvironment[MiniWobConfig]):
             self.browser = None
 
     def demo_action(self, rng: random.Random) -> ToolCall | None:
-        """A click, in the model's frame, at the centre of one of the page's elements (MiniWoB's own list,
-        `vlmrl.envs.web.elements`) drawn at random, or at a random point where none lies in the task area: a format
-        demonstration that clicks something on the page, never chosen by the task's answer."""
+        """A click on one of the page's elements inside the task area (MiniWoB's own list,
+        `vlmrl.envs.web.elements`) drawn at random: `click` at its centre in the model's frame (at a random point
+        where none lies in the task area), or, where `click` is not offered and `click_element` is, `click_element`
+        with its listed number. A format demonstration that clicks something on the page, never chosen by the task's
+        answer; None when neither action is offered."""
         if self.frame is None or self.browser is None:
             return None
-        inside = [
-            e.centre for e in page_elements(self.browser) if e.centre[0] < TASK_WIDTH and e.centre[1] < TASK_HEIGHT
-        ]
-        col, row = rng.choice(inside) if inside else (rng.randrange(TASK_WIDTH), rng.randrange(TASK_HEIGHT))
+        names = self.cfg.action_names()
+        inside = [e for e in page_elements(self.browser) if e.centre[0] < TASK_WIDTH and e.centre[1] < TASK_HEIGHT]
+        if "click" not in names:
+            listed = [e.ref for e in inside if e.ref in self.elements]
+            return (
+                ToolCall("click_element", {"ref": rng.choice(listed)}) if "click_element" in names and listed else None
+            )
+        col, row = rng.choice(inside).centre if inside else (rng.randrange(TASK_WIDTH), rng.randrange(TASK_HEIGHT))
         x, y = self.frame.from_css(int(col), int(row))
         return ToolCall("click", {"x": x, "y": y})
 
