@@ -8,6 +8,9 @@ the target is, batch 16, AdamW. Nothing of GRPO is involved: this measures what 
     --task click-test  --label x         is the button's centre in the right half? (chance 1/2)
     --task click-test  --label quadrant  which quadrant of the task area holds the button's centre? (chance 1/4)
     --task click-color --label box       which of the four boxes (2x2, fixed places) has the named colour? (chance 1/4)
+    --task click-tab   --label tab       which tab does the instruction name (three, in fixed places)? (chance 1/3)
+    --task click-link  --label ref       the number of the named link in the prompt's element list (`click_element`;
+                                         chance 1 / the number of links, 3-6)
 
 `--config '{"text_config": {"hidden_size": 128}}'` changes the model's config (merged into the learner's,
 `tiny:qwen2_5_vl/learner`). The sides task's probe is `bench/spatial_probe.py`.
@@ -20,12 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import time
 
 import torch
 
 from vlmrl.config import DataConfig
-from vlmrl.envs.web.miniwob import MiniWobConfig, MiniWobEnv, click_color_boxes, make_tasks
+from vlmrl.envs.web.miniwob import UTTERANCE, MiniWobConfig, MiniWobEnv, click_color_boxes, make_tasks
 from vlmrl.envs.web.pool import close_all
 from vlmrl.modeling.inputs import model_inputs
 from vlmrl.modeling.loading import load_processor, tiny_config
@@ -36,12 +40,17 @@ BUTTON = (
     "var b = document.getElementById('subbtn').getBoundingClientRect();"
     " return [b.left + b.width / 2, b.top + b.height / 2];"
 )
-CLASSES = {"x": 2, "quadrant": 4, "box": 4}
+CLASSES = {"x": 2, "quadrant": 4, "box": 4, "ref": 10, "tab": 3}
 FAMILY = "qwen2_5_vl"
 
 
 def label_of(env: MiniWobEnv, task: str, label: str) -> int:
     """Where the target is, as a class index."""
+    if label == "tab":  # the tab the instruction names: Tab #1-#3, in fixed places
+        return int(re.search(r"Tab #(\d)", str(env.browser.js(UTTERANCE))).group(1)) - 1
+    if label == "ref":  # the link whose text is the quoted word, exactly
+        word = re.search(r'"(.*)"', str(env.browser.js(UTTERANCE))).group(1)
+        return next(ref for ref, e in env.elements.items() if e.line.endswith(f'"{word}"'))
     if task == "click-color":
         target, others = click_color_boxes(env.browser)
         return sorted([target, *others], key=lambda p: (round(p[1]), round(p[0]))).index(target)
@@ -51,14 +60,16 @@ def label_of(env: MiniWobEnv, task: str, label: str) -> int:
 
 def examples(builder, args, split: str, count: int) -> list:
     """(ids [T] ending in `\\boxed{`, vision, class) of `count` episodes' first prompts."""
-    cfg = MiniWobConfig(task=args.task, scale=args.scale)
+    cfg = MiniWobConfig(task=args.task, scale=args.scale, actions="click_element" if args.label == "ref" else "click")
     box = builder.tokenizer.encode("\\boxed{", add_special_tokens=False)
     out = []
     for task in make_tasks(cfg, DataConfig(limit=count, split=split)):
         env = MiniWobEnv(cfg)
         env.bind_view(FAMILY, builder.presented_size)
         seq = builder.start(env.reset(task))
-        out.append((seq.ids + box, seq.vision, label_of(env, args.task, args.label)))
+        label = label_of(env, args.task, args.label)
+        if label < CLASSES[args.label]:
+            out.append((seq.ids + box, seq.vision, label))
         env.close()
     return out
 
@@ -84,7 +95,7 @@ def merge(into: dict, change: dict) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--task", default="click-test", choices=("click-test", "click-color"))
+    ap.add_argument("--task", default="click-test", choices=("click-test", "click-color", "click-link", "click-tab"))
     ap.add_argument("--label", default="x", choices=tuple(CLASSES))
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--lr", type=float, default=1e-3)
