@@ -213,9 +213,9 @@ def test_browser_bench_small(capsys):
     import json
 
     bench = _load("browser")
-    bench.main(repeats=1, browsers=1, as_json=True)
+    bench.main(repeats=1, browsers=1, idle_s=0.5, as_json=True)
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert set(out["ms"]) == {"start", "open", "reset", "shot1", "shot2", "act_on", "act_end"}
+    assert set(out["ms"]) == {"start", "open", "reset", "shot1", "shot2", "act_on", "act_end", "shot_idle"}
     assert all(v > 0 for v in out["ms"].values()) and out["ms"]["start"] > out["ms"]["act_end"]
     assert len(out["memory_mb"]) == 1 and 30 < out["memory_mb"][0] < 1024
 
