@@ -10,7 +10,8 @@ the target is, batch 16, AdamW. Nothing of GRPO is involved: this measures what 
     --task click-color --label box       which of the four boxes (2x2, fixed places) has the named colour? (chance 1/4)
     --task click-tab   --label tab       which tab does the instruction name (three, in fixed places)? (chance 1/3)
     --task click-link  --label ref       the number of the named link in the prompt's element list (`click_element`;
-                                         chance 1 / the number of links, 3-6)
+                                         chance 1 / the number of links, 2-5; pages whose number is 10 or more,
+                                         past the ten digit classes, are left out)
 
 `--config '{"text_config": {"hidden_size": 128}}'` changes the model's config (merged into the learner's,
 `tiny:qwen2_5_vl/learner`). The sides task's probe is `bench/spatial_probe.py`.

@@ -294,12 +294,10 @@ class MiniWobEnv(ActionEnvironment[MiniWobConfig]):
         if self.frame is None or self.browser is None:
             return None
         names = self.cfg.action_names()
-        inside = [e for e in page_elements(self.browser) if e.centre[0] < TASK_WIDTH and e.centre[1] < TASK_HEIGHT]
-        if "click" not in names:
-            listed = [e.ref for e in inside if e.ref in self.elements]
-            return (
-                ToolCall("click_element", {"ref": rng.choice(listed)}) if "click_element" in names and listed else None
-            )
+        elements = page_elements(self.browser) if "click" in names else self.elements.values()  # as listed
+        inside = [e for e in elements if e.centre[0] < TASK_WIDTH and e.centre[1] < TASK_HEIGHT]
+        if "click" not in names:  # self.elements is empty unless click_element is offered
+            return ToolCall("click_element", {"ref": rng.choice(inside).ref}) if inside else None
         col, row = rng.choice(inside).centre if inside else (rng.randrange(TASK_WIDTH), rng.randrange(TASK_HEIGHT))
         x, y = self.frame.from_css(int(col), int(row))
         return ToolCall("click", {"x": x, "y": y})
