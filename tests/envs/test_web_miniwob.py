@@ -320,6 +320,31 @@ def test_a_demonstration_clicks_by_number_where_only_click_element_is_offered(bu
         env.close()
 
 
+def test_demonstrations_click_leaf_elements_never_the_containers_around_them(builder):
+    """click-tab's page nests each tab's link in an item of a list: a demonstration draws among the leaves (the three
+    links and the panel's paragraph, read from the page's DOM here), so the list's own centre is never clicked and
+    each tab is drawn about as often as the paragraph."""
+    cfg = MiniWobConfig(task="click-tab", actions="click", max_turns=1)
+    rng, env, hits = random.Random(0), MiniWobEnv(cfg), []
+    env.bind_view("qwen2_5_vl", builder.presented_size)
+    leaves = "return Array.from(document.querySelectorAll('#area a, #area p')).map(function (e) {"
+    leaves += (
+        " var b = e.getBoundingClientRect(); return [e.textContent, b.left + b.width / 2, b.top + b.height / 2]; });"
+    )
+    try:
+        for task in make_tasks(cfg, DataConfig(limit=40)):
+            env.reset(task)
+            call = env.demo_action(rng)
+            col, row = env.frame.to_css(call.arguments["x"], call.arguments["y"])
+            near = [t for t, x, y in env.browser.js(leaves) if abs(x - col) <= 1 and abs(y - row) <= 1]
+            assert len(near) == 1, f"{task.id}: the demonstration clicked ({col}, {row}), the centre of no leaf"
+            hits.append(near[0] if near[0].startswith("Tab #") else "paragraph")
+    finally:
+        env.close()
+    counts = {name: hits.count(name) for name in ("Tab #1", "Tab #2", "Tab #3", "paragraph")}
+    assert min(counts.values()) >= 5, counts  # 10 of 40 each in expectation
+
+
 def test_the_actions_offered_can_be_narrowed(builder):
     with pytest.raises(ValueError, match="actions='click,tap': name one or more of click, type, press, scroll"):
         MiniWobConfig(actions="click,tap")

@@ -23,11 +23,13 @@ MAX_TEXT = 40  # characters of an element's text or value
 
 @dataclass(frozen=True)
 class Element:
-    """One listed element: `ref` (MiniWoB's number), `line` (as shown), `centre` (CSS pixel of its box's centre)."""
+    """One listed element: `ref` (MiniWoB's number), `line` (as shown), `centre` (CSS pixel of its box's centre),
+    `leaf` (no listed element inside it: a link, a button, a paragraph, not the list or panel around them)."""
 
     ref: int
     line: str
     centre: tuple[float, float]
+    leaf: bool
 
 
 def page_elements(browser: Browser) -> list[Element]:
@@ -41,7 +43,9 @@ def page_elements(browser: Browser) -> list[Element]:
         ref = node.get("ref")
         if not isinstance(ref, int) or ref < 0 or node.get("id") in FRAME_IDS:  # text runs have negative refs
             continue
-        out.append(Element(ref, describe(node), (node["left"] + node["width"] / 2, node["top"] + node["height"] / 2)))
+        centre = (node["left"] + node["width"] / 2, node["top"] + node["height"] / 2)
+        leaf = not any(isinstance(c.get("ref"), int) and c["ref"] >= 0 for c in node.get("children", []))
+        out.append(Element(ref, describe(node), centre, leaf))
     return out
 
 

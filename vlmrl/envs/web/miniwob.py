@@ -286,16 +286,18 @@ class MiniWobEnv(ActionEnvironment[MiniWobConfig]):
             self.browser = None
 
     def demo_action(self, rng: random.Random) -> ToolCall | None:
-        """A click on one of the page's elements inside the task area (MiniWoB's own list,
-        `vlmrl.envs.web.elements`) drawn at random: `click` at its centre in the model's frame (at a random point
-        where none lies in the task area), or, where `click` is not offered and `click_element` is, `click_element`
-        with its listed number. A format demonstration that clicks something on the page, never chosen by the task's
-        answer; None when neither action is offered."""
+        """A click on one of the page's leaf elements inside the task area (MiniWoB's own list,
+        `vlmrl.envs.web.elements`: a tab, a button, a box, a paragraph; never the list or panel around them, so a
+        target inside three containers is not drawn four times as often as one inside none) drawn at random: `click`
+        at its centre in the model's frame (at a random point where none lies in the task area), or, where `click`
+        is not offered and `click_element` is, `click_element` with its listed number. A format demonstration that
+        clicks something on the page, never chosen by the task's answer; None when neither action is offered."""
         if self.frame is None or self.browser is None:
             return None
         names = self.cfg.action_names()
         elements = page_elements(self.browser) if "click" in names else self.elements.values()  # as listed
         inside = [e for e in elements if e.centre[0] < TASK_WIDTH and e.centre[1] < TASK_HEIGHT]
+        inside = [e for e in inside if e.leaf] or inside
         if "click" not in names:  # self.elements is empty unless click_element is offered
             return ToolCall("click_element", {"ref": rng.choice(inside).ref}) if inside else None
         col, row = rng.choice(inside).centre if inside else (rng.randrange(TASK_WIDTH), rng.randrange(TASK_HEIGHT))
