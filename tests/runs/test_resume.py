@@ -63,16 +63,26 @@ def _args(out: Path, *extra: str) -> list[str]:
 
 
 def _start(out: Path, *extra: str) -> subprocess.Popen:
+    """A training process of its own, its stdout and stderr appended to `<out>.log` (`_log`): a pipe nobody reads
+    until the end would stall a process that writes more than the pipe holds."""
     # a fresh process group: not this process's (in-process trainer tests set MASTER_PORT etc. here)
     env = child_env(DS_ACCELERATOR="cpu")
-    return subprocess.Popen(
-        [sys.executable, str(SCRIPT), *_args(out, *extra)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    with _log_path(out).open("a") as log:  # the child keeps its own descriptor
+        proc = subprocess.Popen(
+            [sys.executable, str(SCRIPT), *_args(out, *extra)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+    proc.log_path = _log_path(out)  # for _wait_for
+    return proc
+
+
+def _log_path(out: Path) -> Path:
+    return out.parent / f"{out.name}.log"
+
+
+def _log(out: Path) -> str:
+    """What the processes `_start` started for `out` wrote, so far."""
+    path = _log_path(out)
+    return path.read_text() if path.is_file() else ""
 
 
 def _run(out: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -82,12 +92,12 @@ def _run(out: Path, *extra: str) -> subprocess.CompletedProcess:
 
 
 def _wait_for(proc: subprocess.Popen, ready, timeout: float = 300.0, log: Path | None = None) -> None:
-    """Until `ready()`; fails when `proc` ends first (with its stderr: the pipe's, or the file `log`) or at the
-    timeout."""
+    """Until `ready()`; fails when `proc` ends first (with the end of its output: the file `log`, or `_start`'s)
+    or at the timeout."""
     end = time.time() + timeout
     while not ready():
         if proc.poll() is not None:
-            err = log.read_text() if log is not None else proc.stderr.read()
+            err = (log or proc.log_path).read_text()
             pytest.fail(f"training ended early (rc {proc.returncode}): {err[-3000:]}")
         assert time.time() < end, "timed out"
         time.sleep(0.05)
@@ -367,7 +377,8 @@ def test_sigterm_then_kill_9_mid_step_resume_matches_an_uninterrupted_run(tmp_pa
     _wait_for(proc, lambda: len(_rows(out)) >= 1)
     time.sleep(0.3)
     proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=300)
+    proc.wait(timeout=300)
+    stderr = _log(out)
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
     done = _rows(out)
     print(f"SIGTERM: exit {proc.returncode}, metrics rows {done}, latest={(root / 'latest').read_text().strip()}")

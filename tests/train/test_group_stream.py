@@ -453,17 +453,17 @@ def test_dynamic_sampling_on_the_stream_replaces_the_groups_it_drops(tmp_path):
     and counts one a step, so each round after the first must free a place (`GroupStream.discard`) before it takes
     its group: freed after the rounds, step 1 waits forever for its third group (the run is killed at the timeout
     and the test fails). Every prompt is taken once: the data state after 3 steps is 9 prompts."""
-    from test_resume import _lines, _start  # tests/runs (pytest's rootdir-relative import)
+    from test_resume import _lines, _log, _start  # tests/runs (pytest's rootdir-relative import)
 
     out = tmp_path / "run"
     extra = ("env._target_=vlmrl.envs.geometry3k.Geometry3KEnv", "algorithm.max_staleness=1", "trainer.steps=3")
     proc = _start(out, *extra, "data.limit=16", "algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=3")
     try:
-        _, stderr = proc.communicate(timeout=120)
+        proc.wait(timeout=120)
     except subprocess.TimeoutExpired:
         proc.kill()
         pytest.fail(f"the run hung: metrics rows {len(_lines(out / 'metrics.jsonl'))}")
-    assert proc.returncode == 0, stderr[-3000:]
+    assert proc.returncode == 0, _log(out)[-3000:]
     rows = _lines(out / "metrics.jsonl")
     got = [(r["step"], r["dynamic_rounds"], r["dynamic_groups_dropped"], r["dynamic_groups_kept"]) for r in rows]
     assert got == [(s, 3.0, 3.0, 0.0) for s in (1, 2, 3)], got
