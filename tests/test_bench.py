@@ -247,3 +247,33 @@ def test_click_probe_bench_small(capsys):
     assert lines[0].startswith("4 + 4 screenshots") and lines[1].split() == ["step", "loss", "held-out", "s/step"]
     rows = [[float(v) for v in line.split()] for line in lines[2:]]
     assert [r[0] for r in rows] == [1, 2] and all(r[1] > 0 and 0 <= r[2] <= 1 and r[3] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("task, label", [("click-tab", "tab"), ("click-link", "ref")])
+def test_click_probe_labels_name_the_target_that_wins_the_task(task, label):
+    """bench/click_probe.py's click-tab label (the named tab's index) and click-link label (the named link's number in
+    the element list) each point at the element whose click the task rewards: acting on it ends the episode with
+    success, on four seeds."""
+    from vlmrl.config import DataConfig
+    from vlmrl.envs.web.miniwob import MiniWobConfig, MiniWobEnv, make_tasks
+    from vlmrl.types import ToolCall
+
+    bench = _load("click_probe")
+    cfg = MiniWobConfig(task=task, actions="click_element" if label == "ref" else "click", max_turns=1)
+    centre = "var b = document.querySelectorAll('#area a')[arguments[0]].getBoundingClientRect();"
+    centre += " return [b.left + b.width / 2, b.top + b.height / 2];"
+    env = MiniWobEnv(cfg)
+    env.bind_view("qwen2_5_vl")
+    try:
+        for item in make_tasks(cfg, DataConfig(limit=4)):
+            env.reset(item)
+            target = bench.label_of(env, task, label)
+            if label == "ref":
+                call = ToolCall("click_element", {"ref": target})
+            else:
+                x, y = env.frame.from_css(*(int(v) for v in env.browser.js(centre, target)))
+                call = ToolCall("click", {"x": x, "y": y})
+            result = env.act([call], "", 0, True)
+            assert result.done and result.metrics["correct"] == 1.0, (item.id, target, result.metrics)
+    finally:
+        env.close()
