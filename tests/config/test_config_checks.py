@@ -239,6 +239,20 @@ def test_recipes_resolve_only_inside_recipes(tmp_path):
         load(str(tmp_path / "missing.yaml"))
 
 
+def test_every_shipped_recipe_composes_and_each_warm_start_feeds_its_training_recipe():
+    """Each recipes/*.yaml composes into a checked Config (a renamed knob or group fails here, not at a user's first
+    run), and each `<name>_sft_tiny` recipe writes the checkpoint (`<output_dir>/hf`) that `<name>_tiny` starts
+    from, so the two documented commands run one after the other as they are."""
+    names = sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml"))
+    configs = {name: load(name) for name in names}
+    pairs = [(n, n.replace("_sft_tiny", "_tiny")) for n in names if n.endswith("_sft_tiny")]
+    assert len(pairs) >= 5 and all(train in configs for _, train in pairs), pairs
+    for sft, train in pairs:
+        written = str(Path(configs[sft].logging.output_dir) / "hf")
+        assert configs[train].model.name_or_path == written, (sft, train)
+        assert configs[train].env._target_ == configs[sft].env._target_, (sft, train)
+
+
 def _cli(*args: str, env: dict | None = None, timeout: float = 300) -> tuple[subprocess.CompletedProcess, float]:
     t0 = time.perf_counter()
     proc = subprocess.run(
