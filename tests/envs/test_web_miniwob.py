@@ -320,6 +320,36 @@ def test_a_demonstration_clicks_by_number_where_only_click_element_is_offered(bu
         env.close()
 
 
+def test_an_episode_does_not_see_where_the_last_one_in_its_browser_clicked(builder):
+    """A browser is reused across episodes: the next episode's first screenshot must not show the hover the last
+    one's click left (click-tab's tabs darken under the pointer), else a problem's image depends on which browser it
+    got (two runs with one seed part ways) and shows where an earlier episode clicked. The same problem's first
+    screenshot after a click on each tab (their centres read from the page's DOM), against the one in a browser that
+    has not clicked since its reset."""
+    cfg = MiniWobConfig(task="click-tab", actions="click", max_turns=1)
+    first, then = make_tasks(cfg, DataConfig(limit=2))
+    tabs = "return Array.from(document.querySelectorAll('#area a')).map(function (e) {"
+    tabs += " var b = e.getBoundingClientRect(); return [b.left + b.width / 2, b.top + b.height / 2]; });"
+    used, fresh = MiniWobEnv(cfg), MiniWobEnv(cfg)  # two episodes at once: two browsers
+    shots = []
+    try:
+        for env in (used, fresh):
+            env.bind_view("qwen2_5_vl", builder.presented_size)
+        used.reset(first)
+        centres = used.browser.js(tabs)
+        assert len(centres) == 3, centres
+        reference = fresh.reset(then)[-1].content[0].image
+        for centre in centres:
+            used.reset(first)
+            assert used.act([click_at(used, tuple(centre))], "", 0, True).done
+            shots.append(used.reset(then)[-1].content[0].image)
+    finally:
+        used.close()
+        fresh.close()
+    differing = [i + 1 for i, shot in enumerate(shots) if shot.tobytes() != reference.tobytes()]
+    assert not differing, f"the first screenshot shows the hover of the last click on tab(s) {differing}"
+
+
 def test_demonstrations_click_leaf_elements_never_the_containers_around_them(builder):
     """click-tab's page nests each tab's link in an item of a list: a demonstration draws among the leaves (the three
     links and the panel's paragraph, read from the page's DOM here), so the list's own centre is never clicked and

@@ -315,6 +315,13 @@ class Browser:
 
         self._run(run)
 
+    def pointer_off_page(self) -> None:
+        """Move the mouse pointer off the viewport (to CSS (-1, -1)), so that no element stays hovered: a reused
+        browser's pointer rests where the last episode clicked, and the next page's element under it is drawn in its
+        hover style (a darker tab on click-tab)."""
+        event = {"type": "mouseMoved", "x": -1, "y": -1, "button": "none"}
+        self._run(lambda: self._driver().execute_cdp_cmd("Input.dispatchMouseEvent", event))
+
     def type_text(self, text: str) -> None:
         """Type `text` into the focused element, one key press per character."""
         from selenium.webdriver.common.action_chains import ActionChains

@@ -249,12 +249,15 @@ class MiniWobEnv(ActionEnvironment[MiniWobConfig]):
         return [*system, Message(Role.USER, [ImagePart(image, f"{task.id}#0"), TextPart(text)])]
 
     def _begin(self, task: Task) -> str:
-        """Acquire a browser, open the task's page (unless it is open), start a seeded episode; its instruction."""
+        """Acquire a browser, open the task's page (unless it is open), move the pointer off it (a reused browser's
+        rests where the last episode clicked, hovering what the new page draws there), start a seeded episode; its
+        instruction."""
         if self.browser is None:
             self.browser = self.pool.acquire()
         url = (html_dir() / f"{task.meta['task']}.html").as_uri()
         if self.browser.url != url:
             self.browser.open(url)
+        self.browser.pointer_off_page()
         ready = self.browser.js(START, int(task.meta["seed"]), "train", int(self.cfg.time_limit_s * 1000))
         deadline = time.monotonic() + 2.0
         while not ready and time.monotonic() < deadline:
