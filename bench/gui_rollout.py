@@ -85,6 +85,9 @@ class StillBrowser:
     def open(self, url: str) -> None:
         self.url = url
 
+    def pointer_off_page(self) -> None:
+        """Nothing to move: the recorded page has no pointer."""
+
     def screenshot(self, css_width: int, css_height: int):
         return self.shot
 
