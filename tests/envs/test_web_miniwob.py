@@ -18,6 +18,7 @@ from vlmrl.config import DataConfig, ToolsConfig, load
 from vlmrl.envs import load_env_tasks, make_env_factory
 from vlmrl.envs.web.actions import action_tools
 from vlmrl.envs.web.browser import BrowserMissing
+from vlmrl.envs.web.elements import page_elements
 from vlmrl.envs.web.frame import Coordinates, Frame
 from vlmrl.envs.web.miniwob import EnvironmentFailure, MiniWobConfig, MiniWobEnv, click_color_boxes, make_tasks
 from vlmrl.envs.web.pool import close_all
@@ -324,24 +325,22 @@ def test_an_episode_does_not_see_where_the_last_one_in_its_browser_clicked(build
     """A browser is reused across episodes: the next episode's first screenshot must not show the hover the last
     one's click left (click-tab's tabs darken under the pointer), else a problem's image depends on which browser it
     got (two runs with one seed part ways) and shows where an earlier episode clicked. The same problem's first
-    screenshot after a click on each tab (their centres read from the page's DOM), against the one in a browser that
+    screenshot after a click on each tab (their centres from MiniWoB's element list), against the one in a browser that
     has not clicked since its reset."""
     cfg = MiniWobConfig(task="click-tab", actions="click", max_turns=1)
     first, then = make_tasks(cfg, DataConfig(limit=2))
-    tabs = "return Array.from(document.querySelectorAll('#area a')).map(function (e) {"
-    tabs += " var b = e.getBoundingClientRect(); return [b.left + b.width / 2, b.top + b.height / 2]; });"
     used, fresh = MiniWobEnv(cfg), MiniWobEnv(cfg)  # two episodes at once: two browsers
     shots = []
     try:
         for env in (used, fresh):
             env.bind_view("qwen2_5_vl", builder.presented_size)
         used.reset(first)
-        centres = used.browser.js(tabs)
+        centres = [e.centre for e in page_elements(used.browser) if e.leaf and '"Tab #' in e.line]
         assert len(centres) == 3, centres
         reference = fresh.reset(then)[-1].content[0].image
         for centre in centres:
             used.reset(first)
-            assert used.act([click_at(used, tuple(centre))], "", 0, True).done
+            assert used.act([click_at(used, centre)], "", 0, True).done
             shots.append(used.reset(then)[-1].content[0].image)
     finally:
         used.close()

@@ -309,18 +309,22 @@ class Browser:
             {"type": "mouseReleased", **point, "button": "left", "buttons": 0, "clickCount": 1},
         ]
 
-        def run() -> None:
-            for event in events:
-                self._driver().execute_cdp_cmd("Input.dispatchMouseEvent", event)
-
-        self._run(run)
+        self._mouse(events)
 
     def pointer_off_page(self) -> None:
         """Move the mouse pointer off the viewport (to CSS (-1, -1)), so that no element stays hovered: a reused
         browser's pointer rests where the last episode clicked, and the next page's element under it is drawn in its
         hover style (a darker tab on click-tab)."""
-        event = {"type": "mouseMoved", "x": -1, "y": -1, "button": "none"}
-        self._run(lambda: self._driver().execute_cdp_cmd("Input.dispatchMouseEvent", event))
+        self._mouse([{"type": "mouseMoved", "x": -1, "y": -1, "button": "none"}])
+
+    def _mouse(self, events: list[dict[str, Any]]) -> None:
+        """Dispatch these mouse events in order (DevTools protocol `Input.dispatchMouseEvent`)."""
+
+        def run() -> None:
+            for event in events:
+                self._driver().execute_cdp_cmd("Input.dispatchMouseEvent", event)
+
+        self._run(run)
 
     def type_text(self, text: str) -> None:
         """Type `text` into the focused element, one key press per character."""
