@@ -26,9 +26,10 @@ import tarfile
 import urllib.request
 from pathlib import Path
 
+from vllm_requirements import HELD  # tests/real_vllm (this script's folder): the CPU build's own pins
+
 SHA256 = {"0.33.0": "f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112"}
 INDEX = "https://pypi.org/simple/vllm/"
-HELD = {"torch", "torchvision", "torchaudio", "torchcodec"}  # the CPU build's own pins (vllm_requirements.py)
 
 
 def sdist_url(version: str) -> str:
@@ -64,9 +65,9 @@ def fetch(version: str, dest: Path) -> None:
     tmp.rename(dest)
 
 
-def link_kernels(dest: Path) -> list[str]:
+def link_kernels(dest: Path) -> None:
     """Links DEST/vllm/NAME.so to each compiled extension module of the installed CPU build (found without DEST on
-    the path: this script runs in the CPU build's venv). Returns their names; raises SystemExit when there are none."""
+    the path: this script runs in the CPU build's venv). Raises SystemExit when there are none."""
     spec = importlib.util.find_spec("vllm")
     if spec is None or spec.origin is None:
         raise SystemExit("no installed vllm to take the compiled kernels from (run this with the vLLM venv's python)")
@@ -77,7 +78,6 @@ def link_kernels(dest: Path) -> list[str]:
         link = dest / "vllm" / so.name
         link.unlink(missing_ok=True)
         link.symlink_to(so)
-    return [so.name for so in built]
 
 
 def unmet_requirements(dest: Path) -> list[str]:
